@@ -1,0 +1,3 @@
+from keras_gpufix.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""What every keras_gpufix callback shares: it never breaks `fit`.
+
+- `guarded` wraps a hook so an internal error becomes one `GpufixWarning`
+  (per hook and error type) and training goes on. Keras lets an exception
+  raised in a callback propagate out of `fit`, which skips `on_train_end` of
+  every callback (a profiler another callback started is then left running).
+- `GuardedCallback.siblings(cls)` finds our other callbacks in the running
+  `fit` (Keras gives a callback its model, never the list it is in).
+- `ScalarWriter` buffers TensorBoard scalars in memory and writes them at
+  epoch end, so logging costs nothing on the step path.
+"""
+
+import functools
+import os
+import warnings
+import weakref
+
+import keras
+
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
+
+_ACTIVE = weakref.WeakSet()
+
+
+def guarded(hook):
+    """Decorates a callback hook: errors become one warning, never a crash."""
+
+    @functools.wraps(hook)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as exc:  # a monitor must never stop training
+            self._report_failure(hook.__name__, exc)
+            return None
+
+    return wrapper
+
+
+class GuardedCallback(keras.callbacks.Callback):
+    """Base class: failure-safe hooks and sibling lookup."""
+
+    def __init__(self):
+        super().__init__()
+        self._failures = set()
+        self.errors = []
+
+    def _report_failure(self, where, exc):
+        self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        key = (where, type(exc))
+        if key in self._failures:
+            return
+        self._failures.add(key)
+        warnings.warn(
+            f"{type(self).__name__}.{where} failed and was skipped "
+            f"({type(exc).__name__}: {exc}); training continues.",
+            GpufixWarning,
+            stacklevel=2,
+        )
+
+    def _activate(self):
+        _ACTIVE.add(self)
+
+    def _deactivate(self):
+        _ACTIVE.discard(self)
+
+    def siblings(self, cls):
+        """Our callbacks of type `cls` in the same running `fit`."""
+        model = getattr(self, "_model", None)
+        return [
+            cb for cb in list(_ACTIVE)
+            if isinstance(cb, cls) and cb is not self
+            and getattr(cb, "_model", None) is model
+        ]
+
+
+class ScalarWriter:
+    """Buffered TensorBoard scalars under `log_dir/<run>`.
+
+    Uses `tf.summary` (imported on first flush). Where TensorFlow is not
+    installed (another Keras backend) it warns once and drops the scalars.
+    """
+
+    def __init__(self, log_dir, run="keras_gpufix"):
+        self.path = os.path.join(os.fspath(log_dir), run)
+        self._pending = []
+        self._writer = None
+        self._disabled = False
+
+    def add(self, tag, value, step):
+        if not self._disabled and value is not None:
+            self._pending.append((tag, float(value), int(step)))
+
+    def flush(self):
+        if self._disabled or not self._pending:
+            self._pending = []
+            return
+        try:
+            import tensorflow as tf
+        except ImportError:
+            self._disabled = True
+            self._pending = []
+            warnings.warn(
+                "TensorBoard scalars need TensorFlow (`pip install tensorflow`); "
+                f"nothing is written to {self.path}.",
+                GpufixWarning,
+                stacklevel=2,
+            )
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.path)
+        pending, self._pending = self._pending, []
+        with self._writer.as_default():
+            for tag, value, step in pending:
+                tf.summary.scalar(tag, value, step=step)
+        self._writer.flush()
+
+    def close(self):
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -249,6 +249,8 @@ class OscillationDetector:
         self._streak = (None, 0)
         self._current = None
         self.events = []
+        self.judgements = 0
+        self.last_judgement = None
 
     def update(self, step_time, **signals):
         """Adds one step; returns a new event (dict) or None.
@@ -281,7 +283,9 @@ class OscillationDetector:
         if len(self._times) < self.window or self._since_judgement < self.hop:
             return None
         self._since_judgement = 0
-        return self._consider(self.judge())
+        self.judgements += 1
+        self.last_judgement = self.judge()
+        return self._consider(self.last_judgement)
 
     def judge(self):
         """Judges the current window; returns (verdict, evidence, period)."""

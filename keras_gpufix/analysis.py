@@ -23,7 +23,7 @@ Verdicts, in the order they are tried on each window:
 | `input_bound`     | measured input wait, or low GPU utilisation on long steps |
 | `dispatch_bound`  | low GPU utilisation on short steps, input ready           |
 | `irregular_stall` | slow steps without a period cost a large share of time    |
-| `degrading`       | step time grows steadily across the window                |
+| `degrading`       | median step time grew well above the first window's       |
 | `healthy`         | none of the above                                         |
 """
 
@@ -178,8 +178,8 @@ class OscillationDetector:
             are dispatch-bound, longer ones input-bound. Defaults to 10.
         acf_threshold: autocorrelation needed to call a period. Defaults
             to 0.5.
-        growth_threshold: relative growth of step time across a window
-            (fitted line) that counts as degrading. Defaults to 0.5.
+        growth_threshold: growth of the median step time over the first
+            judged window's median that counts as degrading. Defaults to 0.5.
 
     Example:
 
@@ -251,6 +251,7 @@ class OscillationDetector:
         self.events = []
         self.judgements = 0
         self.last_judgement = None
+        self._baseline_ms = None
 
     def update(self, step_time, **signals):
         """Adds one step; returns a new event (dict) or None.
@@ -291,6 +292,8 @@ class OscillationDetector:
         """Judges the current window; returns (verdict, evidence, period)."""
         t = np.asarray(self._times)
         med = float(np.median(t))
+        if self._baseline_ms is None:
+            self._baseline_ms = med * 1e3
         slow = (t > self.spike_factor * med) & ((t - med) * 1e3 > self.min_spike_ms)
         lost_share = float(np.sum(t[slow] - med) / t.sum()) if t.sum() > 0 else 0.0
         cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
@@ -344,9 +347,7 @@ class OscillationDetector:
                 return "dispatch_bound", evidence, None
         if lost_share >= self.irregular_share:
             return "irregular_stall", evidence, None
-        x = np.arange(t.size, dtype=np.float64)
-        slope = float(np.polyfit(x, t, 1)[0])
-        growth = slope * t.size / med if med > 0 else 0.0
+        growth = med * 1e3 / self._baseline_ms - 1.0 if self._baseline_ms > 0 else 0.0
         evidence["growth"] = growth
         if growth >= self.growth_threshold and not slow.any():
             return "degrading", evidence, None
@@ -374,7 +375,7 @@ class OscillationDetector:
             "period": period,
             "evidence": evidence,
             "fix": FIXES[verdict].format(period=period),
-            "message": _message(verdict, start, end, evidence, period),
+            "message": _message(verdict, start, evidence, period),
         }
         self._current = event
         self.events.append(event)
@@ -389,8 +390,8 @@ class OscillationDetector:
         return steps.most_common(1)[0][0] if steps else "healthy"
 
 
-def _message(verdict, start, end, ev, period):
-    parts = [f"steps {start}-{end}: {verdict}", f"median {ev['median_ms']:.1f} ms",
+def _message(verdict, start, ev, period):
+    parts = [f"from step {start}: {verdict}", f"median {ev['median_ms']:.1f} ms",
              f"cv {ev['cv']:.2f}"]
     if period:
         parts.append(f"slow step every {period} steps "

@@ -1,0 +1,359 @@
+"""ProfilerTrigger: profiler traces of `model.fit` when something is wrong.
+
+A trace is armed by a trigger and starts at the next step:
+
+| trigger          | fires when                                                  |
+|------------------|-------------------------------------------------------------|
+| `"oscillation"`  | `GPUOscillationMonitor` reports a verdict other than        |
+|                  | `healthy` (wired by `on_detect=`, or found in the same list)|
+| `"slow_step"`    | a step takes more than `slow_factor` x the running median   |
+| `int` / `[int]`  | the training reaches that global step (0-based, across      |
+|                  | epochs)                                                     |
+
+Every traced step is wrapped in a step marker (`keras_gpufix.profiling
+.step_marker`), so XProf measures step times (stock `profile_batch` traces
+show "No step marker observed"). After each trace, with `analyze=True`,
+XProf's `input_pipeline_analyzer` runs headless in a background thread (it
+releases the GIL, so steps go on) and one line is printed: step time,
+input %, classification and XProf's conclusion, plus the TensorBoard
+command. Traces land in `log_dir/plugins/profile/<run>/`.
+
+Nothing is written to the Keras `logs` dict or to TensorBoard scalars; the
+results are in `traces` and `report()`.
+"""
+
+import threading
+import time
+import types
+import warnings
+import weakref
+from collections import deque
+
+import numpy as np
+
+from keras_gpufix import profiling
+from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = ["ProfilerTrigger"]
+
+_TRIGGERS = ("oscillation", "slow_step")
+
+
+def _parse_trigger(trigger):
+    items = [trigger] if isinstance(trigger, (str, int)) else list(trigger or [])
+    kinds, steps = set(), set()
+    for item in items:
+        if isinstance(item, str) and item in _TRIGGERS:
+            kinds.add(item)
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) and item >= 0:
+            steps.add(int(item))
+        else:
+            items = None
+            break
+    if not items:
+        raise ValueError(
+            "`trigger` must be 'oscillation', 'slow_step', a step number >= 0, or a "
+            f"list of these. Received: trigger={trigger!r}"
+        )
+    return kinds, sorted(steps)
+
+
+class ProfilerTrigger(GuardedCallback):
+    """Captures TensorBoard profiler traces of `model.fit` when useful.
+
+    Bounded: at most `max_traces` traces per `fit`, `cooldown` steps between
+    them, never two profilers at once (if `keras.callbacks.TensorBoard(
+    profile_batch=...)` or anything else is profiling, the trace waits and
+    one warning says so). It stops only the trace it started, also after a
+    `fit` that ended by an exception: the next `on_train_begin` of a
+    `ProfilerTrigger` on the same model, or this object's deletion, stops
+    and saves it. Profiler errors are never fatal.
+
+    Args:
+        log_dir: TensorBoard log directory; traces go to
+            `log_dir/plugins/profile/<run>/`.
+        trigger: `"oscillation"`, `"slow_step"`, a global step number, or a
+            list of these. Defaults to `"oscillation"`.
+        steps: steps per trace. Defaults to 10.
+        max_traces: traces per `fit`. Defaults to 3.
+        analyze: analyse each trace with XProf and print its conclusion.
+            Defaults to True.
+        cooldown: steps after a trace before the next may start. Defaults
+            to 100.
+        slow_factor: a step slower than this x the running median of the
+            last 64 steps fires `"slow_step"`. Defaults to 3.0.
+        warmup: steps at the start of each `fit` that never fire
+            `"slow_step"` (compilation). Defaults to 10.
+        verbose: 0 silent, 1 prints one line per trace. Defaults to 1.
+
+    Attributes:
+        traces: one dict per trace this object took (across fits): `path`
+            (run folder), `start_step`, `end_step`, `reason`, `analysis`
+            (`step_time_ms`, `input_percent`, `classification`,
+            `conclusion`, ... from `profiling.analyze_trace`; None while
+            running or with `analyze=False`; `{"error": ...}` on failure).
+
+    Example:
+
+    >>> trigger = kg.ProfilerTrigger("logs", trigger="slow_step")
+    >>> model.fit(ds, callbacks=[kg.GPUOscillationMonitor(on_detect=trigger), trigger])
+    >>> trigger.traces[0]["analysis"]["classification"]
+    'highly_input_bound'
+    """
+
+    MEDIAN_WINDOW = 64
+
+    def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
+                 cooldown=100, slow_factor=3.0, warmup=10, verbose=1):
+        super().__init__()
+        if not log_dir:
+            raise ValueError(f"`log_dir` must be a directory path. Received: log_dir={log_dir!r}")
+        self._kinds, self._at_steps = _parse_trigger(trigger)
+        for name, value, low in (("steps", steps, 1), ("max_traces", max_traces, 1),
+                                 ("cooldown", cooldown, 0), ("warmup", warmup, 0)):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+        if not slow_factor > 1.0:
+            raise ValueError(f"`slow_factor` must be > 1. Received: slow_factor={slow_factor}")
+        self.log_dir = log_dir
+        self.trigger = trigger
+        self.steps = int(steps)
+        self.max_traces = int(max_traces)
+        self.analyze = analyze
+        self.cooldown = int(cooldown)
+        self.slow_factor = float(slow_factor)
+        self.warmup = int(warmup)
+        self.verbose = verbose
+        self.traces = []
+        self.skipped = []
+        self._owner = None
+        self._current = None
+        self._pending = []
+        self._warned = set()
+        self._reset()
+
+    def _reset(self):
+        self._global = 0
+        self._first = None
+        self._t0 = None
+        self._armed = None
+        self._retry_at = 0
+        self._taken = 0
+        self._last_end = None
+        self._marker = None
+        self._times = deque(maxlen=self.MEDIAN_WINDOW)
+        self._threshold = None
+        self._new_epoch = True
+        self._next_at = list(self._at_steps)
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, GpufixWarning, stacklevel=3)
+
+    # -- triggers --------------------------------------------------------
+
+    @guarded
+    def on_oscillation(self, event):
+        """Arms a trace for a `GPUOscillationMonitor` event (not `healthy`)."""
+        if "oscillation" in self._kinds and event.get("verdict") != "healthy":
+            self._arm(f"oscillation: {event.get('verdict')} at steps "
+                      f"{event.get('start_step')}-{event.get('end_step')}")
+
+    def _arm(self, reason):
+        if self._armed is None and self._taken < self.max_traces:
+            self._armed = reason
+
+    # -- Keras hooks -----------------------------------------------------
+
+    @guarded
+    def on_train_begin(self, logs=None):
+        self._stop_stale()
+        self._reset()
+        self._warned.discard("busy")
+        self._activate()
+
+    @guarded
+    def on_epoch_begin(self, epoch, logs=None):
+        self._new_epoch = True
+
+    @guarded
+    def on_train_batch_begin(self, batch, logs=None):
+        self._first = batch
+        step = self._global
+        while self._next_at and self._next_at[0] <= step:
+            self._arm(f"step {self._next_at.pop(0)}")
+        if self._current is None and self._armed is not None:
+            self._maybe_start(step)
+        if self._current is not None:
+            self._marker = profiling.step_marker(step)
+            self._marker.__enter__()
+        self._t0 = time.perf_counter()
+
+    @guarded
+    def on_train_batch_end(self, batch, logs=None):
+        if self._t0 is None:
+            return
+        elapsed = time.perf_counter() - self._t0
+        self._t0 = None
+        count = max(1, batch - self._first + 1)
+        self._global += count
+        if self._marker is not None:
+            marker, self._marker = self._marker, None
+            marker.__exit__(None, None, None)
+        if self._current is not None:
+            if self._global - self._current["start_step"] >= self.steps:
+                self._stop(self._global - 1)
+        elif "slow_step" in self._kinds:
+            self._watch(elapsed / count)
+        self._new_epoch = False
+        if self._pending:
+            self._collect(wait=False)
+
+    @guarded
+    def on_epoch_end(self, epoch, logs=None):
+        self._collect(wait=False)
+
+    @guarded
+    def on_train_end(self, logs=None):
+        if self._current is not None:
+            self._stop(self._global - 1)
+        self._collect(wait=True)
+        self._deactivate()
+
+    def __del__(self):
+        try:
+            trace = profiling.active_trace()
+            if trace is not None and self._owner is not None and trace["owner"] is self._owner:
+                profiling.stop_trace()
+        except Exception:  # never raise from a finaliser
+            pass
+
+    # -- internals -------------------------------------------------------
+
+    def _watch(self, step_time):
+        """Slow-step trigger: compares the step with the running median."""
+        if self._global > self.warmup and not self._new_epoch:
+            if self._threshold is not None and step_time > self._threshold:
+                self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms > "
+                          f"{self.slow_factor:g} x median {self._threshold / self.slow_factor * 1e3:.1f} ms")
+                return
+            self._times.append(step_time)
+            if len(self._times) >= 8 and (self._threshold is None or len(self._times) % 16 == 0):
+                self._threshold = self.slow_factor * float(np.median(self._times))
+
+    def _maybe_start(self, step):
+        if self._taken >= self.max_traces:
+            self._armed = None
+            return
+        if self._last_end is not None and step <= self._last_end + self.cooldown:
+            return
+        if step < self._retry_at:
+            return
+        if profiling.profiler_running() and profiling.active_trace() is None:
+            self._busy(step, "another profiler is running")
+            return
+        self._owner = types.SimpleNamespace(callback=weakref.ref(self),
+                                            model=weakref.ref(self.model))
+        try:
+            profiling.start_trace(self.log_dir, owner=self._owner, tag=f"steps_{step}")
+        except profiling.ProfilerBusyError as exc:
+            self._busy(step, str(exc))
+            return
+        except Exception as exc:  # profiler errors are never fatal
+            self._armed = None
+            self.skipped.append(f"step {step}: profiler failed to start ({exc})")
+            self._warn_once("start", f"ProfilerTrigger: the profiler failed to start "
+                                     f"({type(exc).__name__}: {exc}); no trace taken.")
+            return
+        self._current = {"path": None, "start_step": step, "end_step": None,
+                         "reason": self._armed, "analysis": None}
+        self._armed = None
+        self._taken += 1
+
+    def _busy(self, step, why):
+        self._retry_at = step + self.steps
+        self.skipped.append(f"step {step}: {why}")
+        self._warn_once("busy", f"ProfilerTrigger: {why} (keras.callbacks.TensorBoard "
+                                "profile_batch?); not starting a second one. The trace "
+                                f"armed for '{self._armed}' waits until it stops.")
+
+    def _stop(self, end_step, note=""):
+        trace, self._current = self._current, None
+        if self._marker is not None:  # a step cut short by an exception
+            marker, self._marker = self._marker, None
+            marker.__exit__(None, None, None)
+        trace["end_step"] = end_step
+        trace["reason"] += note
+        self._last_end = end_step
+        try:
+            trace["path"] = profiling.stop_trace()
+        except Exception as exc:  # profiler errors are never fatal
+            trace["analysis"] = {"error": f"{type(exc).__name__}: {exc}"}
+            self._warn_once("stop", f"ProfilerTrigger: the profiler failed to stop or "
+                                    f"save ({type(exc).__name__}: {exc}).")
+        self.traces.append(trace)
+        if trace["path"] is None:
+            return
+        if self.analyze:
+            thread = threading.Thread(target=self._analyze, args=(trace,), daemon=True,
+                                      name="kg-xprof-analysis")
+            thread.start()
+            self._pending.append((trace, thread))
+        elif self.verbose:
+            print(f"\nProfilerTrigger: steps {trace['start_step']}-{end_step} "
+                  f"({trace['reason']}) traced to {trace['path']}. Open: "
+                  f"{profiling.tensorboard_command(self.log_dir)} (Profile tab)")
+
+    @staticmethod
+    def _analyze(trace):
+        try:
+            trace["analysis"] = profiling.analyze_trace(trace["path"])
+        except Exception as exc:
+            trace["analysis"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _collect(self, wait):
+        still = []
+        for trace, thread in self._pending:
+            if wait:
+                thread.join(timeout=300)
+            if thread.is_alive():
+                still.append((trace, thread))
+                continue
+            analysis = trace["analysis"] or {}
+            if "error" in analysis:
+                self._warn_once("analysis", f"ProfilerTrigger: XProf could not analyse "
+                                            f"{trace['path']} ({analysis['error']}).")
+            elif self.verbose:
+                print(f"\nProfilerTrigger: steps {trace['start_step']}-{trace['end_step']} "
+                      f"({trace['reason']}): "
+                      f"{profiling.format_analysis(analysis, self.log_dir)}")
+        self._pending = still
+
+    def _stop_stale(self):
+        """Stops a trace of ours left running by a `fit` that raised."""
+        trace = profiling.active_trace()
+        owner = trace and trace["owner"]
+        if not isinstance(owner, types.SimpleNamespace):
+            return
+        callback, model = owner.callback(), owner.model()
+        if callback is not None and callback is not self and model is not self.model:
+            return  # a fit of another model is running: its trace
+        if callback is not None and callback._current is not None:
+            callback._stop(callback._global - 1, note=" (fit ended by an exception)")
+            path = callback.traces[-1]["path"]
+            callback._collect(wait=True)
+        else:
+            path = profiling.stop_trace()
+        self._warn_once("stale", "ProfilerTrigger: a trace left running by a fit that "
+                                 f"ended by an exception was stopped and saved to {path}.")
+
+    def report(self):
+        """The traces of this object and the triggers it skipped."""
+        return {
+            "traces": [dict(t) for t in self.traces],
+            "skipped": list(self.skipped),
+            "log_dir": str(self.log_dir),
+            "tensorboard": profiling.tensorboard_command(self.log_dir),
+        }

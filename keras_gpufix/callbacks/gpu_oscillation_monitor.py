@@ -116,6 +116,7 @@ class GPUOscillationMonitor(GuardedCallback):
         self._start_sampler()
 
     def _start_sampler(self):
+        self._sampler = None  # a stopped sampler keeps its samples for report()
         reason = "disabled (nvml=False)"
         if self.nvml:
             sampler = NvmlSampler()
@@ -165,7 +166,6 @@ class GPUOscillationMonitor(GuardedCallback):
             if self._sampler.error is not None:
                 warnings.warn(f"NVML sampling stopped: {self._sampler.error}",
                               GpufixWarning, stacklevel=2)
-            self._sampler = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

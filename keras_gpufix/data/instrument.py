@@ -145,7 +145,7 @@ def instrument(dataset, capacity=4096):
         element = args[0] if len(args) == 1 else args
         return probe.stamp(element)
 
-    out = dataset.map(_stamp, num_parallel_calls=None, deterministic=True)
+    out = dataset.map(_stamp)  # sequential: recorded order = consumption order
     out.input_probe = probe
     return out
 

@@ -1,0 +1,141 @@
+import sys
+import types
+
+import pytest
+
+import keras_gpufix as kg
+from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.exceptions import GpufixWarning
+from planted import planted_dataset, tiny_model
+
+REPORT_KEYS = {"verdict", "fix", "events", "step_time", "input_wait", "gpu_util",
+               "epoch_start_ms", "new_shapes", "errors"}
+EVENT_KEYS = {"verdict", "start_step", "end_step", "cv", "period", "evidence", "fix"}
+
+
+def fit(kind, monitor, epochs=1, **kwargs):
+    tiny_model().fit(planted_dataset(kind, **kwargs), epochs=epochs, verbose=0,
+                     callbacks=[monitor])
+    return monitor.report()
+
+
+def test_healthy_run_raises_no_alarm(capsys):
+    monitor = kg.GPUOscillationMonitor()
+    report = fit("healthy", monitor)
+    assert set(report) >= REPORT_KEYS
+    assert report["verdict"] == "healthy" and report["events"] == []
+    assert report["input_wait"] is not None and report["input_wait"] < 0.2
+    assert report["step_time"]["count"] == 240 - 5  # warmup left out
+    out = capsys.readouterr().out
+    assert out.count("GPU utilisation not sampled") == 1
+    assert "verdict healthy" in out
+
+
+def test_slow_input_is_input_bound_with_measured_wait():
+    report = fit("slow", kg.GPUOscillationMonitor(verbose=0), batches=160, sleep=0.01)
+    assert report["verdict"] == "input_bound"
+    event = report["events"][0]
+    assert set(event) >= EVENT_KEYS
+    assert "input_wait" in event["evidence"]["signals"]
+    assert event["evidence"]["input_wait"] > 0.5
+    assert report["input_wait"] > 0.5
+    assert "AUTOTUNE" in event["fix"]
+
+
+def test_periodic_stall_named_with_its_period():
+    report = fit("periodic", kg.GPUOscillationMonitor(verbose=0), k=7)
+    assert report["verdict"] == "periodic_stall"
+    assert report["events"][0]["period"] == 7
+
+
+def test_events_reach_on_detect_and_siblings():
+    got, sibling_got = [], []
+
+    class Listener(GuardedCallback):
+        @guarded
+        def on_train_begin(self, logs=None):
+            self._activate()
+
+        @guarded
+        def on_train_end(self, logs=None):
+            self._deactivate()
+
+        def on_oscillation(self, event):
+            sibling_got.append(event["verdict"])
+
+    monitor = kg.GPUOscillationMonitor(verbose=0, on_detect=got.append)
+    tiny_model().fit(planted_dataset("periodic"), epochs=1, verbose=0,
+                     callbacks=[monitor, Listener()])
+    assert [e["verdict"] for e in got] == ["periodic_stall"]
+    assert sibling_got == ["periodic_stall"]
+
+
+def test_failing_on_detect_warns_once_and_training_finishes():
+    calls = []
+
+    def broken(event):
+        calls.append(event)
+        raise RuntimeError("boom")
+
+    monitor = kg.GPUOscillationMonitor(verbose=0, on_detect=broken)
+    model = tiny_model()
+    with pytest.warns(GpufixWarning, match="boom") as record:
+        history = model.fit(planted_dataset("periodic", batches=400), epochs=2, verbose=0,
+                            callbacks=[monitor])
+    assert len(history.history["loss"]) == 2
+    assert len(calls) >= 1
+    assert len([w for w in record if issubclass(w.category, GpufixWarning)]) == 1
+    assert monitor.report()["errors"]
+
+
+def test_internal_error_never_stops_fit(monkeypatch):
+    monitor = kg.GPUOscillationMonitor(verbose=0)
+
+    def broken_update(*args, **kwargs):
+        raise ZeroDivisionError("detector bug")
+
+    monkeypatch.setattr(monitor.detector, "update", broken_update)
+    with pytest.warns(GpufixWarning, match="detector bug"):
+        history = tiny_model().fit(planted_dataset("healthy", batches=40), epochs=2,
+                                   verbose=0, callbacks=[monitor])
+    assert len(history.history["loss"]) == 2
+
+
+def fake_pynvml(util=30, fail_after=None):
+    state = {"calls": 0}
+
+    def rates(handle):
+        state["calls"] += 1
+        if fail_after is not None and state["calls"] > fail_after:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return types.SimpleNamespace(gpu=util)
+
+    return types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: "Fake GPU", nvmlDeviceGetUtilizationRates=rates,
+    )
+
+
+def test_nvml_samples_become_evidence(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(util=30))
+    monitor = kg.GPUOscillationMonitor(verbose=0)
+    report = fit("slow", monitor, batches=160, sleep=0.01)
+    assert report["gpu_util"] == pytest.approx(0.30)
+    assert "gpu_util" in report["events"][0]["evidence"]["signals"]
+    assert report["verdict"] == "input_bound"
+
+
+def test_nvml_failure_mid_run_warns_once_and_training_finishes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(fail_after=3))
+    monitor = kg.GPUOscillationMonitor(verbose=0)
+    with pytest.warns(GpufixWarning, match="GPU_IS_LOST") as record:
+        history = tiny_model().fit(planted_dataset("healthy", batches=60), epochs=2,
+                                   verbose=0, callbacks=[monitor])
+    assert len(history.history["loss"]) == 2
+    assert len([w for w in record if issubclass(w.category, GpufixWarning)]) == 1
+
+
+def test_bad_on_detect_is_rejected():
+    with pytest.raises(ValueError, match="`on_detect`"):
+        kg.GPUOscillationMonitor(on_detect=42)

@@ -1,0 +1,344 @@
+"""TF-native WAV decoding, resampling and librosa-compatible log-mel features.
+
+`log_mel(waveform, config)` returns `ln(max(mel, log_floor))` laid out
+`(frames, n_mels)`, where `mel` is what
+`librosa.feature.melspectrogram(y, sr=sample_rate, n_fft=n_fft,
+hop_length=hop_length, win_length=win_length, center=center, power=power,
+n_mels=n_mels, fmin=fmin, fmax=fmax, htk=(mel_scale == "htk"),
+norm="slaney")` computes: a periodic Hann window of `win_length` centred in
+`n_fft`, zero padding of `n_fft // 2` on both sides when `center`, the
+magnitude raised to `power`, and a Slaney-normalised triangular filterbank
+on the Slaney (default, what HiFi-GAN/XTTS vocoders expect) or HTK mel scale.
+
+`decode_wav(contents, info...)` reads the audio data chunk that
+`corpus.read_wav_header` located with `tf.io.decode_raw`, so 8/16/24/32-bit
+PCM, 32/64-bit float, mu-law, A-law and WAVE_FORMAT_EXTENSIBLE files all
+decode in the graph (`tf.audio.decode_wav` reads only 16-bit PCM), and mixes
+channels down to mono. `resample` converts a clip whose rate differs from
+`AudioConfig.sample_rate` by band-limited FFT resampling; the builder calls
+it where features are computed (at cache time when there is a cache).
+
+`LogMelSpectrogram` is a Keras layer with the same maths, so features can
+also be computed on the GPU inside the model.
+"""
+
+import dataclasses
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "AudioConfig",
+    "log_mel",
+    "mel_filterbank",
+    "decode_wav",
+    "resample",
+    "resampled_length",
+    "LogMelSpectrogram",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioConfig:
+    """How waveforms become log-mel features.
+
+    Args:
+        sample_rate: rate of the features; other files are resampled.
+            Defaults to 22050.
+        n_fft: FFT size. Defaults to 1024.
+        hop_length: samples between frames. Defaults to 256.
+        win_length: Hann window length (<= `n_fft`, centred in it); None
+            means `n_fft`. Defaults to 1024.
+        n_mels: mel bands. Defaults to 80.
+        fmin: lowest filter edge in Hz. Defaults to 0.0.
+        fmax: highest filter edge in Hz (<= `sample_rate / 2`); None means
+            `sample_rate / 2`. Defaults to 8000.0.
+        power: exponent of the magnitude (1.0 magnitude, 2.0 power).
+            Defaults to 1.0.
+        mel_scale: `"slaney"` (librosa's default) or `"htk"`. Defaults to
+            `"slaney"`.
+        center: pad `n_fft // 2` zeros on both sides so frame `t` is centred
+            on sample `t * hop_length`. Defaults to True.
+        log_floor: features are `ln(max(mel, log_floor))`; padding frames
+            hold `ln(log_floor)`. Defaults to 1e-5.
+        max_seconds: longer clips are bad input (skipped or raised).
+            Defaults to None (no limit).
+    """
+
+    sample_rate: int = 22050
+    n_fft: int = 1024
+    hop_length: int = 256
+    win_length: int = 1024
+    n_mels: int = 80
+    fmin: float = 0.0
+    fmax: float = 8000.0
+    power: float = 1.0
+    mel_scale: str = "slaney"
+    center: bool = True
+    log_floor: float = 1e-5
+    max_seconds: float = None
+
+    def __post_init__(self):
+        for name in ("sample_rate", "n_fft", "hop_length", "n_mels"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if self.win_length is not None and not 1 <= self.win_length <= self.n_fft:
+            raise ValueError(
+                "`win_length` must be between 1 and `n_fft`. "
+                f"Received: win_length={self.win_length}, n_fft={self.n_fft}"
+            )
+        nyquist = self.sample_rate / 2
+        fmax = nyquist if self.fmax is None else self.fmax
+        if not 0 <= self.fmin < fmax <= nyquist:
+            raise ValueError(
+                "`fmin` and `fmax` must satisfy 0 <= fmin < fmax <= sample_rate / 2. "
+                f"Received: fmin={self.fmin}, fmax={self.fmax}, sample_rate={self.sample_rate}"
+            )
+        if self.mel_scale not in ("slaney", "htk"):
+            raise ValueError(
+                f'`mel_scale` must be "slaney" or "htk". Received: mel_scale={self.mel_scale!r}'
+            )
+        if self.power <= 0:
+            raise ValueError(f"`power` must be > 0. Received: power={self.power}")
+        if self.log_floor <= 0:
+            raise ValueError(f"`log_floor` must be > 0. Received: log_floor={self.log_floor}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"`max_seconds` must be > 0. Received: max_seconds={self.max_seconds}")
+
+    def num_frames(self, num_samples: int) -> int:
+        """Frames that `log_mel` returns for a clip of `num_samples`."""
+        if self.center:
+            num_samples += 2 * (self.n_fft // 2)
+        if num_samples < self.n_fft:
+            return 0
+        return 1 + (num_samples - self.n_fft) // self.hop_length
+
+
+def _hz_to_mel(hz, htk):
+    hz = np.asarray(hz, np.float64)
+    if htk:
+        return 2595.0 * np.log10(1.0 + hz / 700.0)
+    linear = hz / (200.0 / 3)
+    log_part = 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / (np.log(6.4) / 27.0)
+    return np.where(hz >= 1000.0, log_part, linear)
+
+
+def _mel_to_hz(mel, htk):
+    mel = np.asarray(mel, np.float64)
+    if htk:
+        return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
+    linear = mel * (200.0 / 3)
+    log_part = 1000.0 * np.exp((np.log(6.4) / 27.0) * (mel - 15.0))
+    return np.where(mel >= 15.0, log_part, linear)
+
+
+def mel_filterbank(config: AudioConfig) -> np.ndarray:
+    """The Slaney-normalised mel filterbank, `(n_fft // 2 + 1, n_mels)` float32.
+
+    Same weights as `librosa.filters.mel(sr=sample_rate, n_fft=n_fft,
+    n_mels=n_mels, fmin=fmin, fmax=fmax, htk=(mel_scale == "htk"),
+    norm="slaney")`, transposed.
+    """
+    htk = config.mel_scale == "htk"
+    fmax = config.sample_rate / 2 if config.fmax is None else config.fmax
+    fft_freqs = np.fft.rfftfreq(config.n_fft, 1.0 / config.sample_rate)
+    mels = np.linspace(_hz_to_mel(config.fmin, htk), _hz_to_mel(fmax, htk), config.n_mels + 2)
+    edges = _mel_to_hz(mels, htk)
+    widths = np.diff(edges)
+    ramps = edges[:, None] - fft_freqs[None, :]
+    lower = -ramps[:-2] / widths[:-1, None]
+    upper = ramps[2:] / widths[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (edges[2:] - edges[:-2]))[:, None]
+    return weights.T.astype(np.float32)
+
+
+def _window(config):
+    win_length = config.win_length or config.n_fft
+    window = tf.signal.hann_window(win_length, periodic=True, dtype=tf.float32)
+    left = (config.n_fft - win_length) // 2
+    return tf.pad(window, [[left, config.n_fft - win_length - left]])
+
+
+def log_mel(waveform, config: AudioConfig, filterbank=None) -> tf.Tensor:
+    """Log-mel features of a waveform, librosa-compatible.
+
+    Args:
+        waveform: float tensor `(..., samples)` at `config.sample_rate`.
+        config: an `AudioConfig`.
+        filterbank: a precomputed `mel_filterbank(config)` (a constant is
+            built otherwise).
+
+    Returns:
+        float32 tensor `(..., frames, n_mels)` with
+        `frames == config.num_frames(samples)`.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    if filterbank is None:
+        filterbank = mel_filterbank(config)
+    if config.center:
+        pad = config.n_fft // 2
+        rank = len(waveform.shape)
+        waveform = tf.pad(waveform, [[0, 0]] * (rank - 1) + [[pad, pad]])
+    frames = tf.signal.frame(waveform, config.n_fft, config.hop_length)
+    spectrum = tf.signal.rfft(frames * _window(config), fft_length=[config.n_fft])
+    if config.power == 2.0:
+        magnitude = tf.math.square(tf.math.real(spectrum)) + tf.math.square(tf.math.imag(spectrum))
+    else:
+        magnitude = tf.math.abs(spectrum)
+        if config.power != 1.0:
+            magnitude = tf.math.pow(magnitude, config.power)
+    mel = tf.tensordot(magnitude, tf.constant(filterbank), axes=1)
+    return tf.math.log(tf.math.maximum(mel, config.log_floor))
+
+
+def _g711_tables():
+    codes = np.arange(256)
+    inverted = ~codes & 0xFF
+    exponent = (inverted >> 4) & 7
+    magnitude = ((((inverted & 0x0F) << 3) + 0x84) << exponent) - 0x84
+    mu_law = np.where(inverted & 0x80, -magnitude, magnitude) / 32768.0
+    toggled = codes ^ 0x55
+    exponent = (toggled >> 4) & 7
+    mantissa = (toggled & 0x0F) << 4
+    magnitude = np.where(exponent == 0, mantissa + 8, (mantissa + 0x108) << np.maximum(exponent - 1, 0))
+    a_law = np.where(toggled & 0x80, magnitude, -magnitude) / 32768.0
+    return mu_law.astype(np.float32), a_law.astype(np.float32)
+
+
+_MU_LAW, _A_LAW = _g711_tables()
+
+
+def _int24(data):
+    bytes3 = tf.reshape(tf.cast(tf.io.decode_raw(data, tf.uint8), tf.int32), [-1, 3])
+    value = bytes3[:, 0] + bytes3[:, 1] * 256 + bytes3[:, 2] * 65536
+    value = tf.where(value >= 2**23, value - 2**24, value)
+    return tf.cast(value, tf.float32) / 2.0**23
+
+
+def decode_wav(contents, data_offset, data_bytes, format_code, channels) -> tf.Tensor:
+    """Decodes the audio data chunk of WAV bytes to mono float32 in [-1, 1].
+
+    Args:
+        contents: scalar string tensor, the whole file.
+        data_offset, data_bytes: where the data chunk is (from
+            `corpus.read_wav_header`; `data_bytes` a multiple of the frame
+            size).
+        format_code: `WavInfo.format_code` (encoding and bit depth).
+        channels: channels in the file; they are averaged.
+
+    Returns:
+        float32 tensor `(frames,)`.
+    """
+    data = tf.strings.substr(contents, tf.cast(data_offset, tf.int32), tf.cast(data_bytes, tf.int32))
+
+    def raw(dtype, scale):
+        return lambda: tf.cast(tf.io.decode_raw(data, dtype, little_endian=True), tf.float32) / scale
+
+    def table(values):
+        return lambda: tf.gather(tf.constant(values), tf.cast(tf.io.decode_raw(data, tf.uint8), tf.int32))
+
+    branches = [
+        lambda: (tf.cast(tf.io.decode_raw(data, tf.uint8), tf.float32) - 128.0) / 128.0,
+        raw(tf.int16, 32768.0),
+        lambda: _int24(data),
+        raw(tf.int32, 2.0**31),
+        raw(tf.float32, 1.0),
+        raw(tf.float64, 1.0),
+        table(_MU_LAW),
+        table(_A_LAW),
+    ]
+    samples = tf.switch_case(tf.cast(format_code, tf.int32), branches)
+    samples = tf.reshape(samples, [-1, tf.cast(channels, tf.int32)])
+    return tf.reduce_mean(samples, axis=1)
+
+
+def resampled_length(num_samples, rate_in, rate_out):
+    """Samples after `resample`: `round(num_samples * rate_out / rate_in)`."""
+    return (num_samples * rate_out + rate_in // 2) // rate_in
+
+
+def resample(waveform, rate_in, rate_out) -> tf.Tensor:
+    """Band-limited FFT resampling of a mono clip (`scipy.signal.resample`).
+
+    Args:
+        waveform: float32 `(samples,)`.
+        rate_in, rate_out: integer sample rates (tensors or ints).
+
+    Returns:
+        float32 `(resampled_length(samples, rate_in, rate_out),)`; the input
+        itself when the rates are equal.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    rate_in = tf.cast(rate_in, tf.int64)
+    rate_out = tf.cast(rate_out, tf.int64)
+
+    def convert():
+        n = tf.shape(waveform, out_type=tf.int64)[0]
+        n_out = resampled_length(n, rate_in, rate_out)
+        spectrum = tf.signal.rfft(waveform)
+        bins = n_out // 2 + 1
+        spectrum = spectrum[: tf.minimum(bins, n // 2 + 1)]
+        spectrum = tf.pad(spectrum, [[0, bins - tf.shape(spectrum, out_type=tf.int64)[0]]])
+        out = tf.signal.irfft(spectrum, fft_length=tf.cast(n_out, tf.int32)[None])
+        return out * tf.cast(n_out, tf.float32) / tf.cast(n, tf.float32)
+
+    return tf.cond(tf.equal(rate_in, rate_out), lambda: waveform, convert)
+
+
+_LAYER_FIELDS = tuple(
+    field.name for field in dataclasses.fields(AudioConfig) if field.name != "max_seconds"
+)
+
+
+@keras.saving.register_keras_serializable(package="keras_gpufix")
+class LogMelSpectrogram(keras.layers.Layer):
+    """Keras layer: waveforms `(batch, samples)` -> log-mel `(batch, frames, n_mels)`.
+
+    The same maths as `kg.data.log_mel`, so features can be computed on the
+    accelerator inside the model instead of in the input pipeline. Computes
+    in float32 whatever the global dtype policy (half precision STFTs lose
+    the low-energy bands); cast the output if the model runs in float16.
+
+    Args:
+        sample_rate, n_fft, hop_length, win_length, n_mels, fmin, fmax,
+        power, mel_scale, center, log_floor: as in `AudioConfig`, with the
+            same defaults.
+        **kwargs: standard layer arguments.
+
+    Example:
+
+    >>> layer = kg.data.LogMelSpectrogram(n_mels=80)
+    >>> layer(tf.zeros([2, 22050])).shape
+    TensorShape([2, 87, 80])
+    """
+
+    def __init__(self, **kwargs):
+        fields = {name: kwargs.pop(name) for name in _LAYER_FIELDS if name in kwargs}
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(**kwargs)
+        self.config = AudioConfig(**fields)
+        for name in _LAYER_FIELDS:
+            setattr(self, name, getattr(self.config, name))
+        self._filterbank = mel_filterbank(self.config)
+
+    @classmethod
+    def from_audio_config(cls, config: AudioConfig, **kwargs) -> "LogMelSpectrogram":
+        """The layer for an `AudioConfig` (its `max_seconds` is ignored)."""
+        return cls(**{name: getattr(config, name) for name in _LAYER_FIELDS}, **kwargs)
+
+    def call(self, inputs):
+        return log_mel(tf.cast(inputs, tf.float32), self.config, self._filterbank)
+
+    def compute_output_shape(self, input_shape):
+        samples = input_shape[-1]
+        frames = None if samples is None else self.config.num_frames(samples)
+        return tuple(input_shape[:-1]) + (frames, self.n_mels)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({name: getattr(self, name) for name in _LAYER_FIELDS})
+        return config

@@ -1,0 +1,196 @@
+"""Length bucketing with a bounded number of batch shapes.
+
+Under XLA every new input shape is a compile (seconds on CPU, more on GPU),
+so a loader that pads each batch to its longest clip, or leaves the text
+length free, recompiles on almost every step. `BucketPlan` fixes the shapes
+before the first epoch, from the lengths the corpus scan measured:
+
+- frame boundaries are quantiles of the frame counts (`num_buckets` equal
+  shares of the utterances; bucket `b` holds clips with
+  `boundaries[b-1] < frames <= boundaries[b]`), and every batch is padded to
+  its bucket's boundary (`pad_to_bucket_boundary`);
+- the text dimension is padded per bucket too, to the longest transcript of
+  that bucket or any shorter one (so it never grows across buckets);
+- each bucket's batch size is `batch_size`, or with a `frame_budget`
+  `min(batch_size, frame_budget // boundary)` (a fixed number of padded
+  frames per batch, so memory per step is flat);
+- the leftovers of every bucket (fewer than a batch) are regrouped from the
+  longest down into full batches of the bucket shape of their longest
+  member, so only the very last group can be a partial batch.
+
+So one epoch has at most `num_buckets` distinct `(batch, text, frames)`
+shapes, plus one for the partial batch unless `drop_remainder`. The layout
+is fixed by the lengths; each epoch draws which utterances of a bucket go
+together and the order of the batches.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["BucketPlan", "quantile_boundaries"]
+
+
+def _argsort(values):
+    return tf.cast(tf.argsort(values, stable=True), tf.int64)
+
+
+def quantile_boundaries(lengths, num_buckets: int) -> np.ndarray:
+    """Upper bounds of `num_buckets` equal-count buckets (fewer when lengths repeat)."""
+    lengths = np.asarray(lengths)
+    if num_buckets < 1:
+        raise ValueError(f"`num_buckets` must be >= 1. Received: num_buckets={num_buckets}")
+    if lengths.size == 0:
+        raise ValueError("`lengths` must not be empty: there is no utterance to bucket.")
+    quantiles = np.arange(1, num_buckets + 1) / num_buckets
+    return np.unique(np.quantile(lengths, quantiles, method="higher")).astype(np.int64)
+
+
+class BucketPlan:
+    """Which utterances are batched together, and to which padded shape.
+
+    Args:
+        frames: frames of each utterance's features.
+        text_lengths: ids in each utterance's transcript.
+        batch_size: utterances per batch (the cap with `frame_budget`).
+        num_buckets: number of length buckets. Defaults to 8.
+        frame_budget: padded frames per batch; each bucket's batch size is
+            `min(batch_size, frame_budget // boundary)`, at least 1.
+            Defaults to None (every bucket uses `batch_size`).
+        drop_remainder: leave out the one partial batch. Defaults to False.
+
+    Attributes:
+        boundaries: padded frames of each bucket (ascending).
+        text_boundaries: padded text length of each bucket.
+        bucket_sizes: batch size of each bucket.
+        bucket_of: bucket of each utterance.
+        num_batches: batches per epoch.
+        padding_efficiency: real / padded frames over an epoch.
+        text_padding_efficiency: real / padded text ids over an epoch.
+        shapes: the set of `(batch, text, frames)` shapes of an epoch.
+    """
+
+    def __init__(self, frames, text_lengths, batch_size, num_buckets=8,
+                 frame_budget=None, drop_remainder=False):
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1. Received: batch_size={batch_size}")
+        if frame_budget is not None and frame_budget < 1:
+            raise ValueError(f"`frame_budget` must be >= 1. Received: frame_budget={frame_budget}")
+        self.frames = np.asarray(frames, np.int64)
+        self.text_lengths = np.asarray(text_lengths, np.int64)
+        self.boundaries = quantile_boundaries(self.frames, num_buckets)
+        self.bucket_of = np.searchsorted(self.boundaries, self.frames).astype(np.int64)
+        text_max = np.zeros(len(self.boundaries), np.int64)
+        np.maximum.at(text_max, self.bucket_of, self.text_lengths)
+        self.text_boundaries = np.maximum(np.maximum.accumulate(text_max), 1)
+        if frame_budget is None:
+            sizes = np.full(len(self.boundaries), batch_size)
+        else:
+            sizes = np.clip(frame_budget // self.boundaries, 1, batch_size)
+        self.bucket_sizes = sizes.astype(np.int64)
+        self._layout(drop_remainder)
+
+    def _layout(self, drop_remainder):
+        """Batches as slot lists; slot `s` is the s-th utterance in bucket order."""
+        counts = np.bincount(self.bucket_of, minlength=len(self.boundaries))
+        slot_bucket = np.repeat(np.arange(len(counts)), counts)
+        batches, leftovers, start = [], [], 0
+        for bucket, count in enumerate(counts):
+            size = self.bucket_sizes[bucket]
+            full = count // size
+            for j in range(full):
+                batches.append((np.arange(start + j * size, start + (j + 1) * size), bucket))
+            leftovers.extend(range(start + full * size, start + count))
+            start += count
+        while leftovers:
+            bucket = slot_bucket[leftovers[-1]]
+            size = self.bucket_sizes[bucket]
+            if len(leftovers) < size and drop_remainder:
+                break
+            batches.append((np.array(leftovers[-size:]), bucket))
+            leftovers = leftovers[:-size]
+        self.batch_slots = [slots for slots, _ in batches]
+        self.batch_buckets = np.array([bucket for _, bucket in batches], np.int64)
+        self.num_batches = len(batches)
+        sizes = np.array([len(slots) for slots in self.batch_slots], np.int64)
+        self.max_batch = int(sizes.max()) if len(sizes) else 0
+        self.shapes = {
+            (int(n), int(self.text_boundaries[b]), int(self.boundaries[b]))
+            for n, b in zip(sizes, self.batch_buckets)
+        }
+        used = np.concatenate(self.batch_slots) if batches else np.zeros(0, np.int64)
+        order = np.argsort(self.bucket_of, kind="stable")
+        real = self.frames[order][used].sum()
+        padded = (sizes * self.boundaries[self.batch_buckets]).sum()
+        self.padding_efficiency = float(real / padded) if padded else 0.0
+        real_text = self.text_lengths[order][used].sum()
+        padded_text = (sizes * self.text_boundaries[self.batch_buckets]).sum()
+        self.text_padding_efficiency = float(real_text / padded_text) if padded_text else 0.0
+
+    def _element_vectors(self, slot_to_utt, batch_order):
+        """Per-element `(utterance, key, pad_frames, pad_text)` in batch order.
+
+        `key` identifies the batch within the epoch and carries its size:
+        `ordinal * (max_batch + 1) + size`.
+        """
+        slots = tf.RaggedTensor.from_row_lengths(
+            np.concatenate(self.batch_slots), [len(s) for s in self.batch_slots]
+        )
+        slots = tf.gather(slots, batch_order)
+        sizes = slots.row_lengths()
+        utterances = tf.gather(slot_to_utt, slots.flat_values)
+        ordinal = tf.range(tf.size(sizes, out_type=tf.int64), dtype=tf.int64)
+        keys = tf.repeat(ordinal * (self.max_batch + 1) + sizes, sizes)
+        buckets = tf.repeat(tf.gather(self.batch_buckets, batch_order), sizes)
+        return (
+            utterances,
+            keys,
+            tf.gather(self.boundaries, buckets),
+            tf.gather(self.text_boundaries, buckets),
+        )
+
+    def _slot_to_utt(self, seed):
+        utterances = tf.range(len(self.frames), dtype=tf.int64)
+        if seed is not None:
+            noise = tf.random.stateless_uniform([len(self.frames)], seed)
+            utterances = _argsort(noise)
+        buckets = tf.gather(self.bucket_of, utterances)
+        return tf.gather(utterances, _argsort(buckets))
+
+    def epoch_dataset(self, shuffle=True, seed=None) -> tf.data.Dataset:
+        """One epoch of `(utterance, key, pad_frames, pad_text)` elements.
+
+        With `shuffle`, each iteration draws new bucket members and a new
+        batch order (deterministic per iteration when `seed` is set).
+        """
+        if not shuffle:
+            order = tf.range(self.num_batches, dtype=tf.int64)
+            return tf.data.Dataset.from_tensor_slices(self._element_vectors(self._slot_to_utt(None), order))
+
+        def draw(value):
+            members = self._slot_to_utt(tf.stack([value, tf.constant(0, tf.int64)]))
+            noise = tf.random.stateless_uniform([self.num_batches], tf.stack([value, tf.constant(1, tf.int64)]))
+            order = _argsort(noise)
+            return self._element_vectors(members, order)
+
+        epoch = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).take(1)
+        return epoch.map(draw).unbatch()
+
+    def static_dataset(self, shuffle=True, seed=None) -> tf.data.Dataset:
+        """Like `epoch_dataset`, but with a splittable source (for tf.data service
+        `distributed_epoch`): the bucket members are drawn once from `seed`;
+        each iteration shuffles only the batch order."""
+        members = self._slot_to_utt(
+            None if not shuffle else tf.constant([0 if seed is None else seed, 0], tf.int64)
+        )
+        utterances, keys, pad_frames, pad_text = self._element_vectors(
+            members, tf.range(self.num_batches, dtype=tf.int64)
+        )
+        sizes = [len(s) for s in self.batch_slots]
+        per_batch = tuple(
+            tf.RaggedTensor.from_row_lengths(vector, sizes)
+            for vector in (utterances, keys, pad_frames, pad_text)
+        )
+        batches = tf.data.Dataset.range(self.num_batches)
+        if shuffle:
+            batches = batches.shuffle(max(self.num_batches, 1), seed=seed, reshuffle_each_iteration=True)
+        return batches.map(lambda k: tuple(tf.gather(v, k) for v in per_batch)).unbatch()

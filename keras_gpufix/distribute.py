@@ -1,0 +1,225 @@
+"""`setup_strategy`: one call that picks the `tf.distribute` strategy.
+
+| found                                  | "auto" gives                          |
+|----------------------------------------|---------------------------------------|
+| `TF_CONFIG` naming a cluster           | `MultiWorkerMirroredStrategy`         |
+| >= 2 GPUs (or `devices` lists >= 2)    | `MirroredStrategy` (NCCL all-reduce   |
+|                                        | where available, else hierarchical    |
+|                                        | copy)                                 |
+| 1 GPU (or `devices` lists 1)           | `OneDeviceStrategy`                   |
+| no GPU                                 | the default strategy                  |
+
+Memory growth is set on every GPU before TensorFlow initialises them (an
+error says so when it is too late). The choice and its reason are logged on
+the `keras_gpufix.distribute` logger.
+
+Both GPUs train under `MirroredStrategy`; the input pipeline (`tf.data`,
+`kg.data`) runs on the CPU for all replicas. There is no "data GPU feeding a
+model GPU" mode in `tf.distribute` (see `docs/distributed.md`).
+"""
+
+import json
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+__all__ = ["setup_strategy", "global_batch_size"]
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+
+
+def setup_strategy(
+    mode: str = "auto",
+    devices: Optional[Sequence[str]] = None,
+    memory_growth: bool = True,
+) -> tf.distribute.Strategy:
+    """Creates the distribution strategy for this machine (or cluster).
+
+    Call it first, before any model, tensor or dataset is created: memory
+    growth and logical devices can only be configured before TensorFlow
+    initialises its devices. Build and compile the model under
+    `strategy.scope()`.
+
+    Args:
+        mode: `"auto"`, `"default"`, `"one_device"`, `"mirrored"` or
+            `"multi_worker"`. `"auto"`: `MultiWorkerMirroredStrategy` when
+            `TF_CONFIG` names a cluster, else by device count (`devices` if
+            given, else the GPUs): >= 2 `MirroredStrategy`, 1
+            `OneDeviceStrategy`, none the default strategy. Defaults to
+            `"auto"`.
+        devices: device names such as `["/gpu:0", "/gpu:1"]` or, with
+            logical CPU devices, `["/cpu:0", "/cpu:1"]`. Defaults to None
+            (every GPU).
+        memory_growth: set `tf.config.experimental.set_memory_growth` on every
+            GPU so TensorFlow does not reserve all GPU memory up front.
+            Defaults to True.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ValueError: for an unknown `mode`, an empty `devices`, or an invalid
+            `TF_CONFIG`.
+        RuntimeError: when `memory_growth=True` comes after TensorFlow
+            initialised the GPUs.
+
+    Example:
+    ```python
+    strategy = kg.setup_strategy()
+    with strategy.scope():
+        model = build_model()
+        kg.compile_model(model, "adam", "mse")
+    train = builder.build(batch_size=kg.global_batch_size(32, strategy))
+    ```
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            f"`mode` must be one of {', '.join(repr(m) for m in _MODES)}. "
+            f"Received: mode={mode!r}"
+        )
+    if devices is not None:
+        if isinstance(devices, str) or not devices:
+            raise ValueError(
+                "`devices` must be a non-empty list of device names such as "
+                f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}"
+            )
+        devices = list(devices)
+    gpus = tf.config.list_physical_devices("GPU")
+    if memory_growth:
+        _set_memory_growth(gpus)
+
+    cluster = _tf_config_cluster()
+    if mode == "auto":
+        if cluster:
+            mode, why = "multi_worker", f"TF_CONFIG names a cluster {cluster}"
+        else:
+            count = len(devices) if devices is not None else len(gpus)
+            what = "devices given" if devices is not None else "GPUs"
+            if count >= 2:
+                mode, why = "mirrored", f"{count} {what}"
+            elif count == 1:
+                mode, why = "one_device", f"1 {what}"
+            else:
+                mode, why = "default", "no GPU"
+    else:
+        why = "requested"
+
+    if mode == "default":
+        strategy = tf.distribute.get_strategy()
+        detail = "one device, no replication"
+    elif mode == "one_device":
+        device = devices[0] if devices else ("/gpu:0" if gpus else "/cpu:0")
+        strategy = tf.distribute.OneDeviceStrategy(device)
+        detail = device
+    elif mode == "mirrored":
+        strategy, detail = _mirrored(devices, gpus)
+    else:
+        strategy, detail = _multi_worker(gpus)
+    logger.info(
+        "setup_strategy: %s with %d replica(s): %s (%s)",
+        type(strategy).__name__, strategy.num_replicas_in_sync, detail, why,
+    )
+    return strategy
+
+
+def global_batch_size(per_replica: int, strategy: Optional[tf.distribute.Strategy] = None) -> int:
+    """The batch size to give the dataset: `per_replica` times the replicas.
+
+    Keras splits each global batch across the replicas of the strategy, so a
+    dataset built with this batch size gives every replica `per_replica`
+    examples per step.
+
+    Args:
+        per_replica: examples per replica and step, an int >= 1.
+        strategy: the strategy. Defaults to None (the current strategy).
+
+    Returns:
+        `per_replica * strategy.num_replicas_in_sync`.
+
+    Raises:
+        ValueError: for `per_replica` < 1 or not an int.
+    """
+    if isinstance(per_replica, bool) or not isinstance(per_replica, int) or per_replica < 1:
+        raise ValueError(
+            f"`per_replica` must be an int >= 1. Received: per_replica={per_replica!r}"
+        )
+    strategy = strategy or tf.distribute.get_strategy()
+    return per_replica * int(strategy.num_replicas_in_sync)
+
+
+def _set_memory_growth(gpus):
+    for gpu in gpus:
+        if tf.config.get_logical_device_configuration(gpu):
+            logger.info("setup_strategy: %s has logical devices; memory growth left as is", gpu.name)
+            continue
+        if tf.config.experimental.get_memory_growth(gpu):
+            continue
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                "setup_strategy(memory_growth=True) came after TensorFlow "
+                "initialised the GPUs (something already created a tensor, "
+                "model, dataset or listed logical devices). Call "
+                "kg.setup_strategy() first in the script, or pass "
+                f"memory_growth=False. TensorFlow said: {exc}"
+            ) from exc
+
+
+def _tf_config_cluster():
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"`TF_CONFIG` is not valid JSON ({exc}). Received: TF_CONFIG={raw!r}") from exc
+    cluster = config.get("cluster") if isinstance(config, dict) else None
+    if not cluster:
+        return None
+    return {job: len(tasks) for job, tasks in cluster.items()}
+
+
+def _nccl_available():
+    if sys.platform != "linux":
+        return False
+    try:
+        from tensorflow.python.framework import kernels
+
+        return bool(kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:  # the registry is private; be conservative
+        return False
+
+
+def _mirrored(devices, gpus):
+    if devices is None:
+        devices = [f"/gpu:{i}" for i in range(len(gpus))] or ["/cpu:0"]
+    on_gpus = all("gpu" in d.lower() for d in devices)
+    if on_gpus and len(devices) >= 2:
+        if _nccl_available():
+            ops, name = tf.distribute.NcclAllReduce(), "NCCL all-reduce"
+        else:
+            ops, name = tf.distribute.HierarchicalCopyAllReduce(), "hierarchical copy (no NCCL)"
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    else:
+        strategy = tf.distribute.MirroredStrategy(devices)
+        name = type(strategy.extended._cross_device_ops).__name__
+    return strategy, f"{devices}, {name}"
+
+
+def _multi_worker(gpus):
+    impl = tf.distribute.experimental.CommunicationImplementation
+    if gpus and _nccl_available():
+        chosen = impl.NCCL
+    else:
+        chosen = impl.RING
+    options = tf.distribute.experimental.CommunicationOptions(implementation=chosen)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    resolver = strategy.cluster_resolver
+    where = f"task {resolver.task_type}:{resolver.task_id}" if resolver else "local"
+    return strategy, f"{where}, {chosen.name} collectives"

@@ -42,7 +42,7 @@ def quantile_boundaries(lengths, num_buckets: int) -> np.ndarray:
     if lengths.size == 0:
         raise ValueError("`lengths` must not be empty: there is no utterance to bucket.")
     quantiles = np.arange(1, num_buckets + 1) / num_buckets
-    return np.unique(np.quantile(lengths, quantiles, method="higher")).astype(np.int64)
+    return np.unique(np.quantile(lengths, quantiles, method="inverted_cdf")).astype(np.int64)
 
 
 class BucketPlan:
@@ -176,21 +176,24 @@ class BucketPlan:
         return epoch.map(draw).unbatch()
 
     def static_dataset(self, shuffle=True, seed=None) -> tf.data.Dataset:
-        """Like `epoch_dataset`, but with a splittable source (for tf.data service
-        `distributed_epoch`): the bucket members are drawn once from `seed`;
-        each iteration shuffles only the batch order."""
-        members = self._slot_to_utt(
-            None if not shuffle else tf.constant([0 if seed is None else seed, 0], tf.int64)
-        )
-        utterances, keys, pad_frames, pad_text = self._element_vectors(
-            members, tf.range(self.num_batches, dtype=tf.int64)
-        )
-        sizes = [len(s) for s in self.batch_slots]
-        per_batch = tuple(
-            tf.RaggedTensor.from_row_lengths(vector, sizes)
-            for vector in (utterances, keys, pad_frames, pad_text)
-        )
-        batches = tf.data.Dataset.range(self.num_batches)
+        """Like `epoch_dataset`, but with a splittable source and a fixed layout.
+
+        For tf.data service `distributed_epoch`: the source is
+        `Dataset.range(num_batches)` (each batch goes whole to one worker)
+        and there is no `shuffle` in the pipeline (TF 2.21 then silently
+        stops splitting: every worker produces the whole epoch). With
+        `shuffle`, bucket members and batch order are drawn once from `seed`.
+        """
         if shuffle:
-            batches = batches.shuffle(max(self.num_batches, 1), seed=seed, reshuffle_each_iteration=True)
+            value = tf.constant([0 if seed is None else seed, 0], tf.int64)
+            members = self._slot_to_utt(value)
+            noise = tf.random.stateless_uniform([self.num_batches], value + [0, 1])
+            order = _argsort(noise)
+        else:
+            members = self._slot_to_utt(None)
+            order = tf.range(self.num_batches, dtype=tf.int64)
+        vectors = self._element_vectors(members, order)
+        sizes = tf.gather([len(s) for s in self.batch_slots], order)
+        per_batch = tuple(tf.RaggedTensor.from_row_lengths(v, sizes) for v in vectors)
+        batches = tf.data.Dataset.range(self.num_batches)
         return batches.map(lambda k: tuple(tf.gather(v, k) for v in per_batch)).unbatch()

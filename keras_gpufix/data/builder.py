@@ -286,8 +286,9 @@ class SpeechDatasetBuilder:
             service: `"grpc://host:port"` of a tf.data service dispatcher:
                 loading and batching run on its workers
                 (`distributed_epoch`, each batch produced once per epoch);
-                bucket members are then drawn once from `seed` and each epoch
-                shuffles the batch order. Workers must see the corpus (or
+                bucket members and batch order are then drawn once from
+                `seed` (a `shuffle` in the pipeline would make every worker
+                produce the whole epoch). Workers must see the corpus (or
                 cache) paths. Defaults to None.
             deterministic: passed to the parallel `map`; None keeps
                 `tf.data.Options.deterministic`. Defaults to None.
@@ -338,6 +339,7 @@ class SpeechDatasetBuilder:
             dataset = dataset.apply(tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch", service=service))
         dataset = instrument(dataset)
+        probe = dataset.input_probe
         if prefetch_to_device is not None and tf.distribute.has_strategy():
             warnings.warn(
                 f"`prefetch_to_device={prefetch_to_device!r}` is ignored inside a "
@@ -347,8 +349,11 @@ class SpeechDatasetBuilder:
             )
             prefetch_to_device = None
         if prefetch_to_device is not None:
-            return dataset.apply(tf.data.experimental.prefetch_to_device(prefetch_to_device))
-        return dataset.prefetch(AUTOTUNE)
+            dataset = dataset.apply(tf.data.experimental.prefetch_to_device(prefetch_to_device))
+        else:
+            dataset = dataset.prefetch(AUTOTUNE)
+        dataset.input_probe = probe
+        return dataset
 
     def _loader(self, features):
         """Loads one utterance and pads it to its batch's shape."""

@@ -84,16 +84,15 @@ def write_wav(path, samples, sample_rate, sample_format="pcm16"):
     if samples.ndim == 1:
         samples = samples[:, None]
     channels = samples.shape[1]
-    if sample_format == "pcm8":
-        data, tag, bits = np.round(samples * 127 + 128).astype(np.uint8).tobytes(), 1, 8
-    elif sample_format == "pcm16":
-        data, tag, bits = np.round(samples * 32767).astype("<i2").tobytes(), 1, 16
-    elif sample_format == "pcm24":
-        ints = np.round(samples * (2**23 - 1)).astype("<i4")
-        data = ints.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
-        tag, bits = 1, 24
-    elif sample_format == "pcm32":
-        data, tag, bits = np.round(samples * (2**31 - 1)).astype("<i4").tobytes(), 1, 32
+    ints = {"pcm8": 8, "pcm16": 16, "pcm24": 24, "pcm32": 32}
+    if sample_format in ints:
+        tag, bits = 1, ints[sample_format]
+        scale = 2.0 ** (bits - 1)
+        values = np.clip(np.round(samples * scale), -scale, scale - 1).astype(np.int64)
+        if bits == 8:
+            data = (values + 128).astype(np.uint8).tobytes()
+        else:
+            data = values.astype("<i4").view(np.uint8).reshape(-1, 4)[:, : bits // 8].tobytes()
     elif sample_format == "float32":
         data, tag, bits = samples.astype("<f4").tobytes(), 3, 32
     else:

@@ -352,7 +352,8 @@ def analyze_trace(path):
                 if len(cells) == 2:
                     diagnostics.append(f"{cells[0]}: {cells[1]}")
     conclusion = props.get("input_conclusion") or ""
-    stated = re.search(r"([0-9.]+)% of the total step time", conclusion)
+    stated = re.search(r"([0-9.]+)% of the total step time sampled is waiting for input",
+                       conclusion)
     if stated and input_percent is not None:
         input_percent = float(stated.group(1))  # XProf's own figure, as worded
     if not step_ms and diagnostics:

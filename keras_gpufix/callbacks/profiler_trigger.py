@@ -83,6 +83,9 @@ class ProfilerTrigger(GuardedCallback):
             to 100.
         slow_factor: a step slower than this x the running median of the
             last 64 steps fires `"slow_step"`. Defaults to 3.0.
+        min_slow_ms: ... if it is also slower than the median by this many
+            ms (scheduler jitter on short steps is not worth a trace).
+            Defaults to 5.0.
         warmup: steps at the start of each `fit` that never fire
             `"slow_step"` (compilation). Defaults to 10.
         verbose: 0 silent, 1 prints one line per trace. Defaults to 1.
@@ -105,7 +108,7 @@ class ProfilerTrigger(GuardedCallback):
     MEDIAN_WINDOW = 64
 
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
-                 cooldown=100, slow_factor=3.0, warmup=10, verbose=1):
+                 cooldown=100, slow_factor=3.0, min_slow_ms=5.0, warmup=10, verbose=1):
         super().__init__()
         if not log_dir:
             raise ValueError(f"`log_dir` must be a directory path. Received: log_dir={log_dir!r}")
@@ -123,6 +126,7 @@ class ProfilerTrigger(GuardedCallback):
         self.analyze = analyze
         self.cooldown = int(cooldown)
         self.slow_factor = float(slow_factor)
+        self.min_slow_ms = float(min_slow_ms)
         self.warmup = int(warmup)
         self.verbose = verbose
         self.traces = []
@@ -144,6 +148,7 @@ class ProfilerTrigger(GuardedCallback):
         self._marker = None
         self._times = deque(maxlen=self.MEDIAN_WINDOW)
         self._threshold = None
+        self._median = None
         self._new_epoch = True
         self._next_at = list(self._at_steps)
 
@@ -236,12 +241,14 @@ class ProfilerTrigger(GuardedCallback):
         """Slow-step trigger: compares the step with the running median."""
         if self._global > self.warmup and not self._new_epoch:
             if self._threshold is not None and step_time > self._threshold:
-                self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms > "
-                          f"{self.slow_factor:g} x median {self._threshold / self.slow_factor * 1e3:.1f} ms")
+                self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
+                          f"a median of {self._median * 1e3:.1f} ms")
                 return
             self._times.append(step_time)
             if len(self._times) >= 8 and (self._threshold is None or len(self._times) % 16 == 0):
-                self._threshold = self.slow_factor * float(np.median(self._times))
+                median = float(np.median(self._times))
+                self._median = median
+                self._threshold = max(self.slow_factor * median, median + self.min_slow_ms / 1e3)
 
     def _maybe_start(self, step):
         if self._taken >= self.max_traces:

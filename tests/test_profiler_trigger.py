@@ -1,0 +1,237 @@
+"""ProfilerTrigger with real `fit` on CPU: when it traces, and what it leaves running."""
+
+import gc
+import glob
+import os
+import re
+
+import keras
+import pytest
+import tensorflow as tf
+
+import keras_gpufix as kg
+from keras_gpufix import profiling
+from keras_gpufix.exceptions import GpufixWarning
+from planted import FEATURES, planted_dataset, tiny_model
+
+
+def xplanes(log_dir):
+    return glob.glob(os.path.join(str(log_dir), "**", "*.xplane.pb"), recursive=True)
+
+
+class Boom(keras.callbacks.Callback):
+    """Another user callback that raises mid-fit."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise RuntimeError("boom")
+
+
+class Emit(keras.callbacks.Callback):
+    """Plays the monitor: calls `on_oscillation` at given batches."""
+
+    def __init__(self, target, events):
+        super().__init__()
+        self.target, self.events = target, events
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch in self.events:
+            self.target.on_oscillation(self.events[batch])
+
+
+@pytest.fixture(autouse=True)
+def no_trace_left():
+    yield
+    left = profiling.active_trace()
+    if left is not None:
+        profiling.stop_trace(save=False)
+    assert left is None, "a test left a keras_gpufix trace running"
+
+
+@pytest.fixture(scope="module")
+def input_bound_run(tmp_path_factory):
+    """The planted input-bound pipeline; the monitor is found as a sibling."""
+    log_dir = tmp_path_factory.mktemp("input_bound")
+    monitor = kg.GPUOscillationMonitor(window=32, nvml=False, verbose=0)
+    trigger = kg.ProfilerTrigger(str(log_dir), steps=8, verbose=0)
+    tiny_model().fit(planted_dataset("slow", batches=120), epochs=1, verbose=0,
+                     callbacks=[trigger, monitor])
+    return log_dir, monitor, trigger
+
+
+def test_input_bound_run_is_traced_and_classified(input_bound_run):
+    log_dir, monitor, trigger = input_bound_run
+    assert [e["verdict"] for e in monitor.events][:1] == ["input_bound"]
+    assert len(trigger.traces) == 1
+    trace = trigger.traces[0]
+    assert trace["reason"].startswith("oscillation: input_bound")
+    assert trace["end_step"] - trace["start_step"] + 1 == 8
+    assert trace["start_step"] >= monitor.events[0]["start_step"] + monitor.window
+    assert os.path.dirname(trace["path"]) == os.path.join(str(log_dir), "plugins", "profile")
+    assert glob.glob(os.path.join(trace["path"], "*.xplane.pb"))
+    analysis = trace["analysis"]
+    assert analysis["steps"] >= 4  # XProf may drop a partial first or last step
+    assert analysis["step_time_ms"] > 0
+    assert analysis["classification"] in ("highly_input_bound", "moderately_input_bound")
+    assert analysis["input_percent"] >= profiling.MODERATELY_INPUT_BOUND_PERCENT
+    assert "input-bound" in analysis["conclusion"]
+    assert trigger.report()["traces"][0]["path"] == trace["path"]
+
+
+def compute_bound_model():
+    """Steps of ~10 ms of matmuls: scheduler jitter is small beside them."""
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1024),
+                              keras.layers.Dense(1024), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    return model
+
+
+def test_healthy_run_with_oscillation_trigger_captures_nothing(tmp_path):
+    monitor = kg.GPUOscillationMonitor(window=32, nvml=False, verbose=0)
+    trigger = kg.ProfilerTrigger(str(tmp_path), verbose=0)
+    compute_bound_model().fit(planted_dataset("healthy", batches=90, batch_size=64),
+                              epochs=1, verbose=0, callbacks=[monitor, trigger])
+    problems = {e["verdict"] for e in monitor.events if e["verdict"] != "healthy"}
+    if not problems:  # the planted pipeline is healthy: the expected case
+        assert trigger.traces == []
+        assert xplanes(tmp_path) == []
+    else:  # an oversubscribed CPU makes steps irregular: a trace is then due
+        assert {t["reason"].split()[1] for t in trigger.traces} <= problems
+
+
+def test_on_oscillation_arms_a_trace_and_ignores_recoveries(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path), steps=3, analyze=False, verbose=0)
+    event = {"verdict": "periodic_stall", "start_step": 1, "end_step": 9}
+    emit = Emit(trigger, {2: {"verdict": "healthy", "start_step": 0, "end_step": 2},
+                          9: event})
+    tiny_model().fit(planted_dataset("healthy", batches=20), epochs=1, verbose=0,
+                     callbacks=[trigger, emit])
+    assert [(t["start_step"], t["end_step"]) for t in trigger.traces] == [(10, 12)]
+    assert trigger.traces[0]["reason"] == "oscillation: periodic_stall at steps 1-9"
+    assert trigger.traces[0]["analysis"] is None  # analyze=False
+    assert len(xplanes(tmp_path)) == 1
+
+
+def test_on_detect_wiring_and_a_trigger_without_oscillation(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger="slow_step", verbose=0)
+    trigger.on_oscillation({"verdict": "input_bound", "start_step": 0, "end_step": 5})
+    tiny_model().fit(planted_dataset("healthy", batches=12), epochs=1, verbose=0,
+                     callbacks=[trigger])
+    assert trigger.traces == []
+
+
+def test_step_triggers_respect_max_traces_and_cooldown_over_two_fits(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger=[2, 4, 6, 8, 30], steps=3,
+                                 max_traces=2, cooldown=5, analyze=False, verbose=0)
+    model = tiny_model()
+    for fit in range(2):
+        model.fit(planted_dataset("healthy", batches=40), epochs=1, verbose=0,
+                  callbacks=[trigger])
+        spans = [(t["start_step"], t["end_step"]) for t in trigger.traces[2 * fit:]]
+        # 2-4 traced; "step 4" armed meanwhile waits out the cool-down (> 4 + 5).
+        assert spans == [(2, 4), (10, 12)]
+        assert [t["reason"] for t in trigger.traces[2 * fit:]] == ["step 2", "step 4"]
+    assert len({t["path"] for t in trigger.traces}) == 4
+    assert len(xplanes(tmp_path)) == 4
+
+
+def test_slow_step_trigger_traces_the_next_steps(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger="slow_step", steps=4, warmup=5,
+                                 min_slow_ms=100, analyze=False, verbose=0)
+    stall = planted_dataset("periodic", batches=60, k=40, sleep=0.3)  # batch 40 stalls
+    tiny_model().fit(stall, epochs=1, verbose=0, callbacks=[trigger])
+    assert len(trigger.traces) == 1
+    trace = trigger.traces[0]
+    slow = int(re.match(r"slow step (\d+):", trace["reason"]).group(1))
+    assert 38 <= slow <= 41  # prefetch(2) may move the wait by a step or two
+    assert trace["start_step"] == slow + 1
+    assert trace["end_step"] == slow + 4
+
+
+def test_tensorboard_profile_batch_in_the_same_list(tmp_path, monkeypatch):
+    active, seen = [], {"max": 0, "starts": []}
+    start, stop = tf.profiler.experimental.start, tf.profiler.experimental.stop
+
+    def counting_start(logdir, options=None):
+        start(logdir, options=options)
+        active.append(logdir)
+        seen["starts"].append(str(logdir))
+        seen["max"] = max(seen["max"], len(active))
+
+    def counting_stop(save=True):
+        stop(save=save)
+        active.pop()
+
+    tensorboard = keras.callbacks.TensorBoard(str(tmp_path / "tb"), profile_batch=(2, 4))
+    monkeypatch.setattr(tf.profiler.experimental, "start", counting_start)
+    monkeypatch.setattr(tf.profiler.experimental, "stop", counting_stop)
+    trigger = kg.ProfilerTrigger(str(tmp_path / "kg"), trigger=2, steps=3, analyze=False,
+                                 verbose=0)
+    with pytest.warns(GpufixWarning, match="another profiler is running"):
+        history = tiny_model().fit(planted_dataset("healthy", batches=20), epochs=1,
+                                   verbose=0, callbacks=[tensorboard, trigger])
+    assert len(history.history["loss"]) == 1
+    assert seen["max"] == 1 and active == []
+    # TensorBoard traced its batches 2-4 (steps 1-3); ours waited `steps` steps.
+    assert seen["starts"] == [str(tmp_path / "tb" / "train"), str(tmp_path / "kg")]
+    assert [(t["start_step"], t["end_step"]) for t in trigger.traces] == [(5, 7)]
+    assert len(xplanes(tmp_path / "tb")) == 1 and len(xplanes(tmp_path / "kg")) == 1
+    assert trigger.report()["skipped"][0].startswith("step 2:")
+
+
+def test_exception_in_another_callback_does_not_leave_the_profiler_running(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger=2, steps=50, analyze=False,
+                                 verbose=0)
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(planted_dataset("healthy", batches=20), epochs=1, verbose=0,
+                  callbacks=[trigger, Boom(at=5)])
+    assert profiling.active_trace() is not None  # on_train_end never ran
+    with pytest.warns(GpufixWarning, match="ended by an exception"):
+        model.fit(planted_dataset("healthy", batches=20), epochs=1, verbose=0,
+                  callbacks=[trigger])
+    interrupted, fresh = trigger.traces
+    assert interrupted["reason"] == "step 2 (fit ended by an exception)"
+    assert (interrupted["start_step"], interrupted["end_step"]) == (2, 5)
+    assert glob.glob(os.path.join(interrupted["path"], "*.xplane.pb"))
+    assert (fresh["start_step"], fresh["end_step"]) == (2, 19)  # fit ended first
+    assert not profiling.profiler_running()
+
+
+def test_a_dropped_trigger_stops_its_trace_for_the_next_profiler(tmp_path):
+    trigger = kg.ProfilerTrigger(str(tmp_path / "kg"), trigger=1, steps=50, analyze=False,
+                                 verbose=0)
+    model = tiny_model()
+    try:
+        model.fit(planted_dataset("healthy", batches=20), epochs=1, verbose=0,
+                  callbacks=[trigger, Boom(at=3)])
+    except RuntimeError:
+        pass
+    assert profiling.active_trace() is not None
+    del trigger
+    gc.collect()
+    assert not profiling.profiler_running()
+    tensorboard = keras.callbacks.TensorBoard(str(tmp_path / "tb"), profile_batch=2)
+    model.fit(planted_dataset("healthy", batches=6), epochs=1, verbose=0,
+              callbacks=[tensorboard])
+    assert len(xplanes(tmp_path / "tb")) == 1  # TensorBoard could profile
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"log_dir": ""}, "log_dir"),
+    ({"trigger": "sometimes"}, "trigger"),
+    ({"trigger": [3, -1]}, "trigger"),
+    ({"trigger": True}, "trigger"),
+    ({"steps": 0}, "steps"),
+    ({"max_traces": 0}, "max_traces"),
+    ({"cooldown": -1}, "cooldown"),
+    ({"slow_factor": 1.0}, "slow_factor"),
+])
+def test_arguments_are_checked(kwargs, match):
+    kwargs = {"log_dir": "logs", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        kg.ProfilerTrigger(**kwargs)

@@ -1,0 +1,125 @@
+"""RetracingMonitor with real `fit`: XLA recompiles for new shapes, and their fix."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_gpufix as kg
+from keras_gpufix.callbacks.retracing_monitor import find_traced_functions
+from keras_gpufix.data import instrument
+from keras_gpufix.exceptions import GpufixWarning
+
+LENGTHS = (5, 9, 13, 17, 21, 25, 30)  # 7 distinct sequence lengths
+BATCH = 4
+
+
+def sequences():
+    """4 sequences of each length, in an order that mixes the lengths."""
+    rng = np.random.default_rng(0)
+    order = [LENGTHS[i % 7] for i in range(7 * BATCH * 2)]
+    x = [rng.random((n, 4), dtype=np.float32) for n in order]
+    return tf.data.Dataset.from_generator(
+        lambda: ((s, np.float32(s.mean())) for s in x),
+        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([], tf.float32)),
+    )
+
+
+def batched(boundaries, pad_to_bucket_boundary):
+    """Batches of one length bucket each (padded to the longest, or the boundary)."""
+    return sequences().bucket_by_sequence_length(
+        lambda x, y: tf.shape(x)[0], boundaries, [BATCH] * (len(boundaries) + 1),
+        pad_to_bucket_boundary=pad_to_bucket_boundary, drop_remainder=True,
+    ).map(lambda x, y: (x, y[:, None]))
+
+
+def seq_model(jit_compile):
+    model = keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(16),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=jit_compile)
+    return model
+
+
+def test_seven_lengths_under_jit_cost_seven_compiles():
+    # One bucket per length, padded to the longest in the batch: 7 shapes.
+    ds = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False))
+    monitor = kg.RetracingMonitor(max_new_shapes=4, verbose=0)
+    with pytest.warns(GpufixWarning, match=r"steps at new input shapes were slow") as caught:
+        seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["new_shapes"] >= 7
+    assert sorted(s[0][1] for s in report["shapes"]) == list(LENGTHS)
+    assert report["verdict"] == "recompiling"
+    assert report["recompile_ms"] > 0 and 0 < report["recompile_share"] <= 1
+    slow = [e for e in report["shape_events"] if e["slow"]]
+    assert len(slow) >= 5 and all(e["cost_ms"] > 0 for e in slow)
+    # Keras traces with reduce_retracing=True: XLA recompiles without retracing.
+    assert report["trace_count"] <= 3 < report["new_shapes"]
+    assert set(report["trace_counts"]) == {"multi_step_on_iterator", "one_step_on_data"}
+    assert "pad_to_bucket_boundary" in report["fix"]
+    ours = [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)]
+    assert len(ours) == 1  # once per cause
+    assert "(4, 30, 4)" in ours[0] and "pad_to_bucket_boundary" in ours[0]
+
+
+def test_the_same_data_in_three_buckets_stays_quiet():
+    ds = instrument(batched([12, 22, 31], pad_to_bucket_boundary=True))
+    monitor = kg.RetracingMonitor(max_new_shapes=4, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+    assert [w for w in caught if issubclass(w.category, GpufixWarning)] == []
+    report = monitor.report()
+    assert report["new_shapes"] <= 3
+    assert sorted(s[0][1] for s in report["shapes"]) == [11, 21, 30]
+    assert report["verdict"] == "healthy" and report["fix"] == "nothing to fix"
+
+
+def test_without_instrumentation_traces_are_counted_and_the_gap_is_said_once(capsys):
+    ds = batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False)
+    monitor = kg.RetracingMonitor(max_new_shapes=2)
+    model = seq_model(jit_compile=False)
+    with pytest.warns(GpufixWarning, match=r"train step was traced 3 times"):
+        model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["shapes"] == [] and report["new_shapes"] == 0
+    assert report["trace_count"] == 3  # multi_step 1 + one_step 2 (shape relaxed)
+    assert report["verdict"] == "recompiling"
+    assert any("kg.data.instrument" in n for n in report["notes"])
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])  # already traced: quiet
+    assert monitor.report()["trace_count"] == 0
+    assert monitor.report()["verdict"] == "healthy"
+    out = capsys.readouterr().out
+    assert out.count("input shapes are not visible") == 1
+    assert "-> recompiling" in out and "-> healthy" in out
+
+
+def test_an_eager_model_says_it_cannot_count():
+    model = seq_model(jit_compile=False)
+    model.compile("adam", "mse", run_eagerly=True)
+    monitor = kg.RetracingMonitor(verbose=0)
+    model.fit(instrument(batched([10, 20], False)), epochs=1, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["trace_count"] is None
+    assert any(n.startswith("cannot count traces: the model runs eagerly") for n in report["notes"])
+    assert report["new_shapes"] >= 2  # shapes are still read
+
+
+def test_find_traced_functions_covers_old_and_odd_train_functions():
+    fn = tf.function(lambda x: x + 1)
+    fn(tf.constant(1.0))
+    assert list(find_traced_functions(fn).values()) == [fn]  # tf.keras style
+    assert find_traced_functions(lambda it: None) == {}
+    assert find_traced_functions(None) == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_shapes": 0}, "max_new_shapes"),
+    ({"max_new_shapes": 2.5}, "max_new_shapes"),
+    ({"spike_factor": 1}, "spike_factor"),
+])
+def test_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kg.RetracingMonitor(**kwargs)

@@ -1,8 +1,8 @@
 """Runs in a subprocess of tests/test_distribute.py: the CPU split into two
 logical devices, which must happen before TensorFlow initialises them.
 
-Prints one JSON line with what the parent test asserts on.
-Usage: python tests/_two_device_worker.py {equivalence|xla_layers|builder}
+Prints one line "RESULT <scenario> <json>" per scenario for the parent test.
+Usage: python tests/_two_device_worker.py equivalence xla_layers builder
 """
 
 import json
@@ -28,6 +28,15 @@ from keras_gpufix.exceptions import GpufixWarning  # noqa: E402
 warnings.simplefilter("error", GpufixWarning)
 DEVICES = ["/cpu:0", "/cpu:1"]
 B = 8
+_STRATEGY = []
+
+
+def strategy_for_process():
+    """One strategy per process: two MirroredStrategy objects over the same
+    devices would share collective instance keys."""
+    if not _STRATEGY:
+        _STRATEGY.append(kg.setup_strategy(devices=DEVICES))
+    return _STRATEGY[0]
 
 
 def dense_model(seed=0):
@@ -52,7 +61,7 @@ def report_dict(report):
 
 def equivalence():
     """One step with global batch B on 2 replicas vs one device, batch B."""
-    strategy = kg.setup_strategy(devices=DEVICES)
+    strategy = strategy_for_process()
     rng = np.random.default_rng(1)
     x = rng.normal(size=(B, 6)).astype("float32")
     y = rng.normal(size=(B, 3)).astype("float32")
@@ -90,7 +99,7 @@ def equivalence():
 
 def xla_layers():
     """Dropout and BatchNormalization (variable updates inside XLA) per replica."""
-    strategy = kg.setup_strategy(devices=DEVICES)
+    strategy = strategy_for_process()
     rng = np.random.default_rng(2)
     x = rng.normal(size=(64, 10, 4)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")
@@ -115,7 +124,7 @@ def xla_layers():
 
 def builder():
     """A padded, length-bucketed dataset of global batches, as kg.data builds."""
-    strategy = kg.setup_strategy(devices=DEVICES)
+    strategy = strategy_for_process()
     lengths = [12, 12, 12, 12, 20, 20, 20, 20] * 2
 
     def gen():
@@ -152,7 +161,6 @@ def builder():
 
 
 if __name__ == "__main__":
-    result = {"equivalence": equivalence, "xla_layers": xla_layers, "builder": builder}[
-        sys.argv[1]
-    ]()
-    print("RESULT " + json.dumps(result))
+    scenarios = {"equivalence": equivalence, "xla_layers": xla_layers, "builder": builder}
+    for name in sys.argv[1:]:
+        print(f"RESULT {name} " + json.dumps(scenarios[name]()), flush=True)

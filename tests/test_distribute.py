@@ -1,0 +1,265 @@
+"""setup_strategy / global_batch_size, and training under real strategies.
+
+Two logical CPU devices must be configured before TensorFlow initialises its
+devices, and pytest runs every test in one process, so the 2-replica and the
+multi-worker runs happen in subprocesses (tests/_two_device_worker.py,
+tests/_multiworker_worker.py), bounded by timeouts and always cleaned up.
+"""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_gpufix as kg
+from keras_gpufix import distribute
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _env(**extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    return env
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_devices():
+    """Results of the scenarios in one subprocess with CPU:0 and CPU:1."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "_two_device_worker.py"),
+         "equivalence", "xla_layers", "builder"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, name, payload = line.split(" ", 2)
+            results[name] = json.loads(payload)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+# -- 2 replicas on 2 logical CPU devices --------------------------------------
+
+
+def test_devices_give_two_replica_mirrored_strategy(two_devices):
+    result = two_devices["equivalence"]
+    assert result["strategy"] == "MirroredStrategy"
+    assert result["replicas"] == 2
+
+
+def test_compile_model_under_mirrored_really_compiles_each_replica(two_devices):
+    result = two_devices["equivalence"]
+    # Read from the traced train function: one XLA call per replica device.
+    assert result["jit_compile"] is True
+    assert result["xla_scope"] == "per_replica"
+    assert result["xla_devices"] == ["CPU:0", "CPU:1"]
+    assert result["fallback_reason"] is None
+
+
+def test_one_step_on_two_replicas_equals_one_device(two_devices):
+    result = two_devices["equivalence"]
+    assert result["restored_after_sample_step"]
+    assert result["moved"] > 1e-3  # the step changed the weights
+    assert result["max_abs_diff"] < 1e-5
+
+
+def test_batchnorm_and_dropout_train_per_replica_xla(two_devices):
+    result = two_devices["xla_layers"]
+    assert result["jit_compile"] is True
+    assert result["xla_devices"] == ["CPU:0", "CPU:1"]
+    assert result["finite"] and len(result["loss"]) == 2
+
+
+def test_padded_bucketed_global_batches_train_under_mirrored(two_devices):
+    result = two_devices["builder"]
+    assert result["global_batch"] == 4
+    assert result["jit_compile"] is True
+    assert all(np.isfinite(result["loss"]))
+    if result["steps_per_execution"] == 1:
+        # Keras 3.15 cannot run its multi-step loop under MirroredStrategy;
+        # compile_model saw it on the sample batch and said so.
+        assert any("steps_per_execution=1" in w for w in result["warnings"])
+    else:
+        assert result["steps_per_execution"] == 2 and not result["warnings"]
+
+
+# -- two worker processes ---------------------------------------------------------
+
+
+def test_multi_worker_two_processes_end_with_identical_weights(tmp_path):
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+    procs = []
+    try:
+        for index in range(2):
+            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(TESTS / "_multiworker_worker.py"),
+                 str(tmp_path / f"worker{index}")],
+                env=_env(TF_CONFIG=json.dumps(tf_config)),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
+    weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    for report in reports:
+        assert report["strategy"] in ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")
+        assert report["replicas"] == 2 and report["global_batch"] == 8
+        assert report["jit_compile"] is True
+        assert report["moved"] > 1e-3
+    assert reports[0]["xla_devices"] == ["worker:0/CPU:0"]
+    assert reports[1]["xla_devices"] == ["worker:1/CPU:0"]
+    assert sorted(weights[0]) == sorted(weights[1])
+    for key in weights[0]:
+        np.testing.assert_array_equal(weights[0][key], weights[1][key])
+
+
+# -- in process: choices and errors -------------------------------------------------
+
+
+def test_global_batch_size():
+    assert kg.global_batch_size(32, tf.distribute.get_strategy()) == 32
+    assert kg.global_batch_size(16) == 16
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_global_batch_size_rejects(bad):
+    with pytest.raises(ValueError, match="per_replica"):
+        kg.global_batch_size(bad, tf.distribute.get_strategy())
+
+
+def test_setup_strategy_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="mode='pipeline'"):
+        kg.setup_strategy(mode="pipeline")
+    with pytest.raises(ValueError, match="devices"):
+        kg.setup_strategy(devices=[])
+    with pytest.raises(ValueError, match="devices"):
+        kg.setup_strategy(devices="/gpu:0")
+
+
+def test_auto_on_cpu_is_default_strategy_and_logs(caplog, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with caplog.at_level(logging.INFO, logger="keras_gpufix"):
+        strategy = kg.setup_strategy()
+    assert strategy is tf.distribute.get_strategy()
+    assert strategy.num_replicas_in_sync == 1
+    assert "no GPU" in caplog.text
+
+
+def test_one_device_mode(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = kg.setup_strategy(mode="one_device")
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert "CPU:0" in strategy.extended.worker_devices[0]
+
+
+def test_tf_config_cluster_selects_multi_worker(monkeypatch):
+    created = {}
+
+    def fake(communication_options=None):
+        created["options"] = communication_options
+        return tf.distribute.get_strategy()
+
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy", fake)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": "worker", "index": 0},
+    }))
+    kg.setup_strategy()
+    impl = tf.distribute.experimental.CommunicationImplementation
+    assert created["options"].implementation == impl.RING  # no GPU here
+
+
+def test_invalid_tf_config_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        kg.setup_strategy()
+
+
+class _FakeGPU:
+    def __init__(self, index):
+        self.name = f"/physical_device:GPU:{index}"
+        self.device_type = "GPU"
+
+
+def _fake_gpus(monkeypatch, count):
+    real = tf.config.list_physical_devices
+
+    def listing(device_type=None):
+        if device_type == "GPU":
+            return [_FakeGPU(i) for i in range(count)]
+        return real(device_type)
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", listing)
+
+
+@pytest.mark.parametrize("nccl, expected", [
+    (True, "NcclAllReduce"), (False, "HierarchicalCopyAllReduce"),
+])
+def test_two_gpus_mirrored_with_nccl_or_hierarchical_copy(monkeypatch, nccl, expected):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    _fake_gpus(monkeypatch, 2)
+    monkeypatch.setattr(distribute, "_nccl_available", lambda: nccl)
+    created = {}
+
+    def fake(devices=None, cross_device_ops=None):
+        created.update(devices=devices, ops=cross_device_ops)
+        return tf.distribute.get_strategy()
+
+    monkeypatch.setattr(tf.distribute, "MirroredStrategy", fake)
+    kg.setup_strategy(memory_growth=False)
+    assert created["devices"] == ["/gpu:0", "/gpu:1"]
+    assert type(created["ops"]).__name__ == expected
+
+
+def test_memory_growth_too_late_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda d: None)
+    monkeypatch.setattr(tf.config.experimental, "get_memory_growth", lambda d: False)
+
+    def too_late(device, enable):
+        raise RuntimeError("Physical devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(tf.config.experimental, "set_memory_growth", too_late)
+    with pytest.raises(RuntimeError, match="before|first") as info:
+        kg.setup_strategy()
+    assert "memory_growth=False" in str(info.value)
+
+
+def test_memory_growth_is_set_on_every_gpu(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    _fake_gpus(monkeypatch, 2)
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda d: None)
+    monkeypatch.setattr(tf.config.experimental, "get_memory_growth", lambda d: False)
+    grown = []
+    monkeypatch.setattr(tf.config.experimental, "set_memory_growth",
+                        lambda d, enable: grown.append((d.name, enable)))
+    monkeypatch.setattr(tf.distribute, "MirroredStrategy",
+                        lambda devices=None, cross_device_ops=None: tf.distribute.get_strategy())
+    kg.setup_strategy()
+    assert grown == [("/physical_device:GPU:0", True), ("/physical_device:GPU:1", True)]

@@ -123,9 +123,13 @@ def summarize_step_times(times, batch_sizes=None):
 
 
 def _period(spikes, min_spikes, threshold):
-    """Period (in steps) of a 0/1 spike series by autocorrelation, or None."""
+    """Period (in steps) of a spike series by autocorrelation, or None.
+
+    `spikes` holds each slow step's excess time (0 elsewhere), so large
+    stalls weigh more than small slow steps.
+    """
     n = spikes.size
-    if spikes.sum() < min_spikes:
+    if np.count_nonzero(spikes) < min_spikes:
         return None, 0.0
     x = spikes - spikes.mean()
     denom = float(np.dot(x, x))
@@ -163,8 +167,10 @@ class OscillationDetector:
             reported. Defaults to 2.
         spike_factor: a step slower than `spike_factor` x the window median
             is a slow step. Defaults to 2.0.
-        min_spike_ms: ... and slower than the median by at least this much.
-            Defaults to 2.0 (OS jitter on short steps is not a stall).
+        min_spike_ms: ... and slower than the median by at least this much
+            and by 4 robust standard deviations (1.4826 x median absolute
+            deviation). Defaults to 2.0 (OS jitter on short steps is not a
+            stall).
         min_stall_share: share of the window's time lost to slow steps
             before a stall is reported. Defaults to 0.05.
         irregular_share: the same for stalls without a period. Defaults
@@ -294,7 +300,11 @@ class OscillationDetector:
         med = float(np.median(t))
         if self._baseline_ms is None:
             self._baseline_ms = med * 1e3
-        slow = (t > self.spike_factor * med) & ((t - med) * 1e3 > self.min_spike_ms)
+        # A slow step stands out from the window's own spread (median absolute
+        # deviation), so a noisy neighbour on the host is not a stall.
+        spread = 1.4826 * float(np.median(np.abs(t - med)))
+        limit = max(self.spike_factor * med, med + self.min_spike_ms / 1e3, med + 4 * spread)
+        slow = t > limit
         lost_share = float(np.sum(t[slow] - med) / t.sum()) if t.sum() > 0 else 0.0
         cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
         evidence = {
@@ -327,7 +337,8 @@ class OscillationDetector:
 
         period = None
         if lost_share >= self.min_stall_share:
-            period, acf = _period(slow.astype(np.float64), 3, self.acf_threshold)
+            excess = np.where(slow, t - med, 0.0)
+            period, acf = _period(excess, 3, self.acf_threshold)
             if period is not None:
                 evidence["period"] = period
                 evidence["autocorrelation"] = acf

@@ -1,0 +1,289 @@
+"""compile_model / enable_mixed_precision / CompileReport on one CPU device.
+
+Multi-replica behaviour is in tests/test_distribute.py (subprocesses).
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_gpufix as kg
+from keras_gpufix import compile as kg_compile
+from keras_gpufix.exceptions import GpufixWarning
+
+
+@pytest.fixture(autouse=True)
+def float32_policy():
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def small_model(extra=()):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((8,)), *extra, keras.layers.Dense(16, activation="relu"),
+         keras.layers.Dense(1)]
+    )
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+class NumpyLayer(keras.layers.Layer):
+    """Runs NumPy through tf.numpy_function: an op XLA cannot compile."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: (a * 2.0).astype("float32"), [x], tf.float32)
+        return tf.ensure_shape(y, x.shape)
+
+
+class CountBatchEnds(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.calls = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls += 1
+
+
+# -- XLA ------------------------------------------------------------------------
+
+
+def test_xla_is_read_from_the_traced_train_function():
+    x, y = data()
+    model = small_model()
+    report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                              steps_per_execution=1, sample_batch=(x[:16], y[:16]))
+    assert report.jit_compile is True and report.verified
+    assert report.xla_scope == "step"
+    assert report.xla_devices == ("default",)  # one _XlaMustCompile call
+    assert report.fallback_reason is None
+    assert model.jit_compile is True  # Keras's "auto" would say False on CPU
+    assert "XLA calls" in report.reason
+
+
+def test_jit_compile_false_has_no_xla_call():
+    x, y = data()
+    report = kg.compile_model(small_model(), "adam", "mse", jit_compile=False,
+                              mixed_precision=None, steps_per_execution=1,
+                              sample_batch=(x[:16], y[:16]))
+    assert report.jit_compile is False and report.xla_devices == ()
+    assert report.fallback_reason is None
+
+
+def test_op_xla_cannot_compile_falls_back_to_graph_and_names_it():
+    x, y = data()
+    model = small_model([NumpyLayer(name="numpy_features")])
+    with pytest.warns(GpufixWarning, match="PyFunc") as caught:
+        report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                                  steps_per_execution=1, sample_batch=(x[:16], y[:16]))
+    assert "numpy_features" in str(caught[0].message)
+    assert report.jit_compile is False and report.verified
+    assert "PyFunc" in report.fallback_reason
+    assert report.xla_devices == ()
+    assert model.jit_compile is False
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_run_eagerly_cannot_use_xla_and_says_so():
+    with pytest.warns(GpufixWarning, match="run_eagerly"):
+        report = kg.compile_model(small_model(), "adam", "mse", mixed_precision=None,
+                                  steps_per_execution=1, run_eagerly=True)
+    assert report.jit_compile is False and "run_eagerly" in report.fallback_reason
+
+
+def test_a_failing_batch_is_the_users_error_not_an_xla_fallback():
+    x, y = data()
+    with pytest.raises(Exception):
+        kg.compile_model(small_model(), "adam", "mse", mixed_precision=None,
+                         steps_per_execution=1,
+                         sample_batch=(x[:16, :5], y[:16]))  # wrong feature size
+
+
+# -- sample steps and steps_per_execution -----------------------------------------
+
+
+def test_sample_steps_leave_weights_optimizer_and_metrics_untouched():
+    x, y = data()
+    model = small_model()
+    before = model.get_weights()
+    kg.compile_model(model, "adam", "mse", metrics=["mae"], mixed_precision=None,
+                     steps_per_execution=1, sample_batch=(x[:16], y[:16]))
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(float(np.max(np.abs(v.numpy()))) == 0 for v in model.metrics_variables)
+
+
+def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution():
+    x, y = data(96)
+    model = small_model()
+    report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                              sample_batch=tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    cal = report.calibration
+    assert {"t_1", "t_k", "k", "overhead_s", "step_s", "chosen"} <= set(cal)
+    assert cal["t_k"] > 0 and cal["t_1"] > 0
+    k = report.steps_per_execution
+    assert k == cal["chosen"] == model.steps_per_execution
+    assert k == kg_compile._choose_steps(cal, tf.distribute.get_strategy())
+    assert 1 <= k <= 64 and k & (k - 1) == 0  # a power of two
+    counter = CountBatchEnds()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
+    assert counter.calls == math.ceil(12 / k)  # 12 steps, one hook per execution
+
+
+@pytest.mark.parametrize("overhead, step, expected", [
+    (0.002, 0.0001, 64),  # dispatch-bound: needs 380 steps, capped at 64
+    (0.0001, 0.001, 2),   # needs 1.9 steps -> 2
+    (0.0, 0.001, 1),      # no overhead
+    (0.05, 0.4, 2),       # long steps: at most ~1 s per execution
+])
+def test_choose_steps_rule(overhead, step, expected):
+    calibration = {"overhead_s": overhead, "step_s": step}
+    assert kg_compile._choose_steps(calibration, tf.distribute.get_strategy()) == expected
+
+
+def test_steps_per_execution_auto_without_sample_batch_warns():
+    model = small_model()
+    with pytest.warns(GpufixWarning, match="sample_batch"):
+        report = kg.compile_model(model, "adam", "mse", mixed_precision=None)
+    assert report.steps_per_execution == 1 == model.steps_per_execution
+    assert report.calibration is None and not report.verified
+
+
+def test_explicit_steps_per_execution_is_kept():
+    x, y = data()
+    model = small_model()
+    report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                              steps_per_execution=4, sample_batch=(x[:8], y[:8]))
+    assert report.steps_per_execution == 4 == model.steps_per_execution
+    assert report.calibration is None
+
+
+# -- mixed precision ---------------------------------------------------------------
+
+
+def test_bfloat16_policy_takes_effect_and_trains_on_cpu():
+    assert kg.enable_mixed_precision("mixed_bfloat16") == "mixed_bfloat16"
+    x, y = data()
+    model = small_model()
+    assert all(layer.compute_dtype == "bfloat16" for layer in model.layers)
+    assert all(w.dtype == "float32" for w in model.weights)
+    report = kg.compile_model(model, "adam", "mse", steps_per_execution=1,
+                              sample_batch=(x[:16], y[:16]))
+    assert report.policy == "mixed_bfloat16"
+    assert report.loss_scaling is False
+    assert report.jit_compile is True
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_policy_set_after_building_warns_with_the_fix():
+    model = small_model()  # built in float32
+    kg.enable_mixed_precision("mixed_bfloat16")
+    with pytest.warns(GpufixWarning, match=r"enable_mixed_precision\('mixed_bfloat16'\)"):
+        report = kg.compile_model(model, "adam", "mse", steps_per_execution=1)
+    assert report.policy == "float32"  # what really computes
+
+
+def test_explicit_mismatch_warns():
+    with pytest.warns(GpufixWarning, match="built after"):
+        kg.compile_model(small_model(), "adam", "mse", mixed_precision="mixed_float16",
+                         steps_per_execution=1)
+
+
+def test_float16_gets_loss_scaling_exactly_once():
+    kg.enable_mixed_precision("mixed_float16")
+    model = small_model()
+    report = kg.compile_model(model, keras.optimizers.SGD(0.01), "mse", steps_per_execution=1)
+    assert report.loss_scaling is True and report.policy == "mixed_float16"
+    lso = keras.optimizers.LossScaleOptimizer
+    assert isinstance(model.optimizer, lso)
+    assert not isinstance(model.optimizer.inner_optimizer, lso)
+    scale = float(model.optimizer.initial_scale)
+    assert float(model.optimizer.scale_loss(tf.constant(1.0))) == scale  # not scale**2
+    x, y = data()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_float16_with_a_loss_scale_optimizer_passed_in_is_not_wrapped_again():
+    kg.enable_mixed_precision("mixed_float16")
+    model = small_model()
+    passed = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    report = kg.compile_model(model, passed, "mse", steps_per_execution=1)
+    assert model.optimizer is passed and report.loss_scaling is True
+
+
+def test_float32_gets_no_loss_scaling():
+    report = kg.compile_model(small_model(), "sgd", "mse", mixed_precision="float32",
+                              steps_per_execution=1)
+    assert report.loss_scaling is False
+    assert report.policy == "float32"
+
+
+def _fake_gpu(monkeypatch, capability):
+    gpu = type("PhysicalDevice", (), {"name": "/physical_device:GPU:0"})()
+    real = tf.config.list_physical_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: [gpu] if kind == "GPU" else real(kind))
+    monkeypatch.setattr(tf.config.experimental, "get_device_details",
+                        lambda device: {"compute_capability": capability,
+                                        "device_name": "Fake GPU"})
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((9, 0), "mixed_bfloat16"), ((8, 0), "mixed_bfloat16"),
+    ((7, 5), "mixed_float16"), ((7, 0), "mixed_float16"), ((6, 1), "float32"),
+])
+def test_auto_policy_by_gpu_generation(monkeypatch, capability, expected):
+    _fake_gpu(monkeypatch, capability)
+    assert kg.enable_mixed_precision() == expected
+    assert keras.mixed_precision.global_policy().name == expected
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"avx2"}, "float32"), ({"avx512f", "avx512_bf16"}, "mixed_bfloat16"),
+    ({"amx_bf16"}, "mixed_bfloat16"), (set(), "float32"),
+])
+def test_auto_policy_on_cpu_by_bfloat16_support(monkeypatch, flags, expected):
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: [] if kind == "GPU" else ["cpu"])
+    monkeypatch.setattr(kg_compile, "_cpu_flags", lambda: flags)
+    policy, why = kg_compile._choose_policy()
+    assert policy == expected and why
+
+
+# -- arguments and report -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"jit_compile": "auto"}, "jit_compile"),
+    ({"mixed_precision": "fp16"}, "mixed_precision"),
+    ({"steps_per_execution": 0}, "steps_per_execution"),
+    ({"steps_per_execution": "fast"}, "steps_per_execution"),
+    ({"sample_batch": np.zeros((4, 8))}, "sample_batch"),
+])
+def test_invalid_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        kg.compile_model(small_model(), "adam", "mse", **kwargs)
+
+
+def test_enable_mixed_precision_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="policy='fp8'"):
+        kg.enable_mixed_precision("fp8")
+
+
+def test_report_prints_every_choice():
+    report = kg.compile_model(small_model(), "adam", "mse", mixed_precision="float32",
+                              steps_per_execution=2)
+    text = str(report)
+    assert "jit_compile=True" in text and "not verified" in text
+    assert "policy=float32" in text and "steps_per_execution=2" in text
+    assert isinstance(report, kg.CompileReport)

@@ -338,8 +338,9 @@ class SpeechDatasetBuilder:
         if service:
             dataset = dataset.apply(tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch", service=service))
-        dataset = instrument(dataset)
-        probe = dataset.input_probe
+        # Known cardinality: Keras shows progress and does not warn that the
+        # input "ran out of data" at the end of the first epoch.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))
         if prefetch_to_device is not None and tf.distribute.has_strategy():
             warnings.warn(
                 f"`prefetch_to_device={prefetch_to_device!r}` is ignored inside a "
@@ -348,6 +349,8 @@ class SpeechDatasetBuilder:
                 GpufixWarning, stacklevel=2,
             )
             prefetch_to_device = None
+        dataset = instrument(dataset)
+        probe = dataset.input_probe
         if prefetch_to_device is not None:
             dataset = dataset.apply(tf.data.experimental.prefetch_to_device(prefetch_to_device))
         else:

@@ -1,0 +1,286 @@
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_gpufix.data import audio as audio_lib
+from keras_gpufix.data.builder import SpeechDatasetBuilder
+from keras_gpufix.data.corpus import Corpus, read_wav_header
+from keras_gpufix.data.synthetic import BAD_KINDS, make_corpus, write_wav
+from keras_gpufix.data.text import TextConfig, encode_text
+from keras_gpufix.exceptions import GpufixWarning
+
+AUDIO = audio_lib.AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400,
+                              n_mels=40, max_seconds=2.0)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANDLED = ("stereo", "pcm8", "pcm24", "pcm32", "float32", "other_rate")
+SKIPPED = sorted(set(BAD_KINDS) - set(HANDLED))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"), 30, sample_rate=16000,
+                       min_seconds=0.3, max_seconds=1.5, bad_files=BAD_KINDS)
+
+
+@pytest.fixture(scope="module")
+def cached(corpus, tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("cache")
+    return SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0)
+
+
+def _epoch(dataset):
+    return [tuple(t.numpy() for t in tf.nest.flatten(batch)) for batch in dataset]
+
+
+def _by_utterance(batches):
+    """(text ids, mel) of every utterance of an epoch, keyed by its text ids."""
+    out = {}
+    for ids, text_len, mel, mel_len in batches:
+        for i in range(len(text_len)):
+            key = tuple(ids[i, : text_len[i]])
+            assert key not in out
+            out[key] = mel[i, : mel_len[i]]
+    return out
+
+
+def test_elements_report_and_bounded_shapes(cached):
+    dataset = cached.build(batch_size=4, num_buckets=3, seed=0)
+    spec = dataset.element_spec
+    assert spec[0][0].dtype == tf.int32 and spec[0][0].shape.as_list() == [None, None]
+    assert spec[0][1].dtype == tf.int32 and spec[0][1].shape.as_list() == [None]
+    assert spec[1][0].dtype == tf.float32 and spec[1][0].shape.as_list() == [None, None, 40]
+    assert spec[1][1].dtype == tf.int32 and spec[1][1].shape.as_list() == [None]
+    report = cached.report
+    assert set(report) >= {"utterances", "skipped", "bucket_boundaries", "padding_efficiency",
+                           "distinct_shapes", "cache"}
+    assert report["utterances"] == 30 + len(HANDLED)
+    assert report["converted"] == {"mixed_down": 1, "resampled": 1, "re_encoded": 4}
+    assert report["cache"] in ("hit", "miss")
+    batches = _epoch(dataset)
+    shapes = {(ids.shape, mel.shape) for ids, _, mel, _ in batches}
+    assert len(shapes) == report["distinct_shapes"] <= 3 + 1
+    assert len(batches) == report["batches_per_epoch"] == dataset.cardinality().numpy()
+    assert sorted(np.concatenate([b[3] for b in batches])) == sorted(cached._frames)
+    real = sum(b[3].sum() for b in batches)
+    padded = sum(b[2].shape[0] * b[2].shape[1] for b in batches)
+    assert report["padding_efficiency"] == pytest.approx(real / padded, abs=1e-4)
+    for ids, text_len, mel, mel_len in batches:
+        assert mel.shape[1] in report["bucket_boundaries"]
+        assert np.all(ids[np.arange(ids.shape[1]) >= text_len[:, None]] == 0)
+        padding = np.arange(mel.shape[1])[None, :] >= mel_len[:, None]
+        assert np.allclose(mel[padding], np.log(AUDIO.log_floor))
+    assert dataset.input_probe.produced() == len(batches)  # went through kg.data.instrument
+
+
+def test_cached_and_uncached_features_and_ids_agree(cached, corpus):
+    with_cache = _by_utterance(_epoch(cached.build(4, 3, shuffle=False)))
+    uncached = SpeechDatasetBuilder(corpus, audio=AUDIO, verbose=0)
+    without = _by_utterance(_epoch(uncached.build(4, 3, shuffle=False)))
+    assert with_cache.keys() == without.keys()
+    for key, mel in with_cache.items():
+        np.testing.assert_allclose(mel, without[key], atol=1e-5)
+    first = cached.utterances[0]
+    ids = tuple(encode_text([first.text], TextConfig()).to_list()[0])
+    signal = audio_lib.decode_wav(tf.io.read_file(first.path), first.info.data_offset,
+                                  first.info.data_bytes, first.info.format_code, first.info.channels)
+    np.testing.assert_allclose(with_cache[ids], audio_lib.log_mel(signal, AUDIO).numpy(), atol=1e-5)
+
+
+def test_handled_kinds_are_converted(cached):
+    by_id = {u.id: i for i, u in enumerate(cached.utterances)}
+    other = cached.utterances[by_id["bad_other_rate"]]
+    assert other.info.sample_rate == 8000
+    samples = audio_lib.resampled_length(other.info.frames, 8000, 16000)
+    assert cached._frames[by_id["bad_other_rate"]] == AUDIO.num_frames(samples)
+    features = cached.prepare()._read_features()
+    for kind in HANDLED:
+        mel = features(by_id[f"bad_{kind}"]).numpy()
+        assert mel.shape == (cached._frames[by_id[f"bad_{kind}"]], 40)
+        assert np.isfinite(mel).all() and mel.max() > np.log(AUDIO.log_floor) + 5
+
+
+def test_skip_mode_reports_every_bad_kind(cached):
+    skipped = {s["id"]: s for s in cached.report["skipped"]}
+    for kind in SKIPPED:
+        uid = "LJ000-0000" if kind == "duplicate_id" else f"bad_{kind}"
+        assert uid in skipped, kind
+        assert set(skipped[uid]) == {"id", "path", "line", "reason"} and skipped[uid]["reason"]
+
+
+@pytest.mark.parametrize("kind", SKIPPED)
+def test_raise_mode_names_file_line_and_reason(tmp_path, kind):
+    path = make_corpus(tmp_path, 2, sample_rate=16000, min_seconds=0.3, max_seconds=1.5,
+                       bad_files=[kind])
+    with pytest.raises(ValueError, match=r"metadata.csv, line 3 \(id '.*', file .*\.wav\): "):
+        SpeechDatasetBuilder(path, audio=AUDIO, on_bad_input="raise", verbose=0)
+
+
+@pytest.mark.parametrize("kind", HANDLED)
+def test_raise_mode_converts_handled_kinds(tmp_path, kind):
+    path = make_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.5,
+                       bad_files=[kind])
+    builder = SpeechDatasetBuilder(path, audio=AUDIO, on_bad_input="raise", verbose=0)
+    assert builder.report["utterances"] == 2 and builder.report["skipped"] == []
+
+
+def test_transcript_without_vocabulary_characters(tmp_path):
+    pairs = []
+    for name, text in (("a", "日本語"), ("b", "fine")):
+        wav = str(tmp_path / f"{name}.wav")
+        write_wav(wav, np.random.default_rng(0).uniform(-0.3, 0.3, 8000), 16000)
+        pairs.append((wav, text))
+    builder = SpeechDatasetBuilder(pairs, audio=AUDIO, verbose=0)
+    assert builder.report["utterances"] == 1
+    assert "no character of the vocabulary" in builder.report["skipped"][0]["reason"]
+    with pytest.raises(ValueError, match=r"the list of \(wav_path, text\) pairs, line 1"):
+        SpeechDatasetBuilder(pairs, audio=AUDIO, on_bad_input="raise", verbose=0)
+
+
+def test_frame_budget_drop_remainder_and_nondeterministic(cached):
+    dataset = cached.build(batch_size=16, num_buckets=4, frame_budget=600,
+                           drop_remainder=True, deterministic=False, seed=1)
+    batches = _epoch(dataset)
+    assert len({(b[0].shape, b[2].shape) for b in batches}) <= 4
+    for ids, text_len, mel, mel_len in batches:
+        assert mel.shape[0] * mel.shape[1] <= max(600, mel.shape[1])
+    assert cached.report["batch_sizes"][0] > cached.report["batch_sizes"][-1]
+
+
+def test_service_with_dispatcher_and_two_workers(cached):
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+    address = dispatcher.target.split("://")[1]
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0))
+               for _ in range(2)]
+    local = _by_utterance(_epoch(cached.build(4, 3, shuffle=False)))
+    dataset = cached.build(4, 3, seed=2, service=dispatcher.target)
+    for _ in range(2):  # each epoch: every utterance exactly once
+        remote = _by_utterance(_epoch(dataset))
+        assert remote.keys() == local.keys()
+        for key, mel in remote.items():
+            np.testing.assert_array_equal(mel, local[key])
+    assert len(workers) == 2
+
+
+def _fit_model(num_ids, n_mels):
+    ids = keras.Input((None,), dtype="int32")
+    text_len = keras.Input((), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(num_ids, 8, mask_zero=True)(ids))
+    scale = keras.ops.expand_dims(keras.ops.cast(text_len, "float32"), -1) / 100.0
+    hidden = keras.layers.Concatenate()([pooled, scale])
+    model = keras.Model((ids, text_len), (keras.layers.Dense(n_mels)(hidden), keras.layers.Dense(1)(hidden)))
+
+    def mel_loss(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(keras.ops.mean(y_true, axis=1) - y_pred))
+
+    model.compile("adam", loss=(mel_loss, "mse"), jit_compile=False)
+    return model
+
+
+def test_fit_under_the_default_strategy(cached):
+    dataset = cached.build(batch_size=8, num_buckets=2, seed=0)
+    model = _fit_model(TextConfig().num_ids, 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(dataset, epochs=2, verbose=0)
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert len(history.history["loss"]) == 2
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_prefetch_to_device_is_last_and_ignored_under_a_strategy(cached, monkeypatch):
+    dataset = cached.build(4, 2, prefetch_to_device="/cpu:0")
+    assert type(dataset._input_dataset).__name__ == "_CopyToDeviceDataset"
+    assert len(_epoch(dataset)) == cached.report["batches_per_epoch"]
+
+    def passthrough(ds):  # isolates this check from instrument()'s own variables
+        ds.input_probe = None
+        return ds
+
+    monkeypatch.setattr("keras_gpufix.data.builder.instrument", passthrough)
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        with pytest.warns(GpufixWarning, match="prefetch_to_device"):
+            plain = cached.build(4, 2, prefetch_to_device="/cpu:0")
+    assert type(plain._input_dataset).__name__ != "_CopyToDeviceDataset"
+
+
+MIRRORED = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    sys.path.insert(0, sys.argv[3])
+    from test_data_builder import AUDIO, _fit_model
+    from keras_gpufix.data.builder import SpeechDatasetBuilder
+    from keras_gpufix.data.text import TextConfig
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    builder = SpeechDatasetBuilder(sys.argv[1], audio=AUDIO, cache_dir=sys.argv[2], verbose=0)
+    dataset = builder.build(batch_size=8, num_buckets=2, seed=0)
+    with strategy.scope():
+        model = _fit_model(TextConfig().num_ids, 40)
+    history = model.fit(dataset, epochs=2, verbose=0)
+    assert strategy.num_replicas_in_sync == 2
+    assert np.isfinite(history.history["loss"]).all(), history.history
+    print("FIT_OK", builder.report["cache"], builder.report["batches_per_epoch"])
+    """
+)
+
+
+def test_fit_under_mirrored_strategy_with_two_replicas(cached, corpus):
+    cached.prepare()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", MIRRORED, corpus, cached.cache_dir, os.path.join(REPO, "tests")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FIT_OK hit" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "`batch_size` must be an integer >= 1. Received: batch_size=0"),
+        ({"batch_size": 4, "num_buckets": 0}, "`num_buckets` must be an integer >= 1"),
+        ({"batch_size": 4, "service": "localhost:5000"}, '`service` must be "grpc://host:port"'),
+        ({"batch_size": 1000, "drop_remainder": True}, "No batch to build"),
+    ],
+)
+def test_build_argument_errors(cached, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cached.build(**kwargs)
+
+
+def test_constructor_argument_errors(corpus, tmp_path):
+    with pytest.raises(ValueError, match='`on_bad_input` must be "skip" or "raise"'):
+        SpeechDatasetBuilder(corpus, on_bad_input="ignore")
+    with pytest.raises(ValueError, match="`audio` must be a kg.data.AudioConfig"):
+        SpeechDatasetBuilder(corpus, audio={"n_mels": 80})
+    with pytest.raises(ValueError, match="`corpus` must be a folder with metadata.csv"):
+        SpeechDatasetBuilder(42)
+    empty = make_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.4)
+    os.remove(os.path.join(empty, "wavs", "LJ000-0000.wav"))
+    with pytest.raises(ValueError, match="No usable utterance .* LJ000-0000: missing file"):
+        SpeechDatasetBuilder(empty, verbose=0)
+
+
+def test_public_names_load_lazily():
+    import keras_gpufix as kg
+
+    for name in ("SpeechDatasetBuilder", "AudioConfig", "TextConfig", "log_mel",
+                 "LogMelSpectrogram", "make_corpus", "make_synthetic_corpus", "Corpus",
+                 "instrument", "InputProbe"):
+        assert getattr(kg.data, name) is not None
+    assert kg.data.make_synthetic_corpus is kg.data.make_corpus
+    assert isinstance(Corpus.from_pairs([]), kg.data.Corpus)
+    assert read_wav_header is kg.data.read_wav_header

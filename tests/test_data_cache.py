@@ -1,0 +1,195 @@
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from keras_gpufix.data.audio import AudioConfig
+from keras_gpufix.data.builder import SpeechDatasetBuilder
+from keras_gpufix.data.cache import FeatureCache
+from keras_gpufix.data.synthetic import make_corpus
+from keras_gpufix.exceptions import GpufixWarning
+
+AUDIO = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Builds the cache of argv[1] into argv[2], slowed to `argv[3]` s per
+# utterance so that a test can kill it halfway; prints the cache status.
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from keras_gpufix.data.audio import AudioConfig
+    from keras_gpufix.data.builder import SpeechDatasetBuilder
+
+    write = SpeechDatasetBuilder._write_features
+
+    def slow(self):
+        for item in write(self):
+            time.sleep(float(sys.argv[3]))
+            yield item
+
+    SpeechDatasetBuilder._write_features = slow
+    audio = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
+    builder = SpeechDatasetBuilder(sys.argv[1], audio=audio, cache_dir=sys.argv[2], verbose=0)
+    builder.prepare()
+    print("STATUS", builder.report["cache"], flush=True)
+    """
+)
+
+
+def _spawn(corpus, cache_dir, delay):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, corpus, cache_dir, str(delay)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def _features(builder):
+    """Every cached feature of a prepared builder, in utterance order."""
+    manifest = builder._manifest
+    return [np.fromfile(builder._cache.feature_path(i), "<f4").reshape(-1, AUDIO.n_mels)
+            for i in range(len(manifest["frames"]))]
+
+
+def _entries(cache_dir):
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(cache_dir, "features-*"))
+                  if not p.endswith(".lock"))
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    return make_corpus(tmp_path / "corpus", 12, sample_rate=16000, min_seconds=0.3, max_seconds=1.0)
+
+
+def test_miss_then_hit_with_identical_features(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    first = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    second = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert (first.report["cache"], second.report["cache"]) == ("miss", "hit")
+    assert first.report["cache_path"] == second.report["cache_path"]
+    assert first._cache.verify(full=True)
+    for a, b in zip(_features(first), _features(second)):
+        np.testing.assert_array_equal(a, b)
+    assert [len(f) for f in _features(first)] == first._frames.tolist()
+    off = SpeechDatasetBuilder(corpus, audio=AUDIO, verbose=0).prepare()
+    assert off.report["cache"] == "off"
+
+
+def test_transcript_edit_config_change_and_audio_edit_invalidate(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    base = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    metadata = os.path.join(corpus, "metadata.csv")
+    lines = open(metadata, encoding="utf-8").read().splitlines()
+    uid, text, _ = lines[0].split("|")
+    lines[0] = f"{uid}|{text} again|{text} again"
+    open(metadata, "w", encoding="utf-8").write("\n".join(lines) + "\n")
+    edited = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert edited.report["cache"] == "miss"
+    assert edited.report["cache_path"] != base.report["cache_path"]
+
+    other = AudioConfig(**{**AUDIO.__dict__, "n_mels": 32})
+    config = SpeechDatasetBuilder(corpus, audio=other, cache_dir=cache_dir, verbose=0).prepare()
+    assert config.report["cache"] == "miss"
+
+    wav = os.path.join(corpus, "wavs", uid + ".wav")
+    data = bytearray(open(wav, "rb").read())
+    data[-200:] = bytes(200)  # same size, new content, new mtime
+    time.sleep(0.01)
+    open(wav, "wb").write(bytes(data))
+    audio_edit = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert audio_edit.report["cache"] == "miss"
+    assert not np.array_equal(_features(audio_edit)[0], _features(edited)[0])
+    assert len(_entries(cache_dir)) == 4
+
+
+def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    expected = _features(clean)
+    path = clean._cache.feature_path(3)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4)
+    with pytest.warns(GpufixWarning, match="feature file 3 has"):
+        again = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert again.report["cache"] == "miss"
+    for a, b in zip(expected, _features(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_full_verify_catches_flipped_bytes(corpus, tmp_path):
+    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "c"), verbose=0)
+    cache = builder.prepare()._cache
+    with open(cache.feature_path(0), "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00\x00\x80\x7f")
+    assert cache.verify(full=False)
+    assert not cache.verify(full=True)
+
+
+def test_incomplete_entry_without_marker_is_never_used(tmp_path):
+    cache = FeatureCache(str(tmp_path), "0" * 64, verbose=0)
+    os.makedirs(os.path.join(cache.path, "features"))
+    json.dump({"frames": []}, open(os.path.join(cache.path, "manifest.json"), "w"))
+    with pytest.warns(GpufixWarning, match="no completion marker"):
+        assert cache.open() is None
+    with pytest.warns(GpufixWarning, match="no completion marker"):
+        manifest, status = cache.open_or_build(lambda: iter([(0, np.ones((2, 3), np.float32))]))
+    assert status == "miss" and manifest["frames"] == [2]
+    assert cache.open()["frames"] == [2]
+
+
+def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    process = _spawn(corpus, cache_dir, delay=0.5)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32"))
+            if len(written) >= 4 or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()
+        assert 4 <= len(written) < 12
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert _entries(cache_dir) == []  # nothing published
+    assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*"))  # only the aside copy
+
+    rerun = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert rerun.report["cache"] == "miss"
+    assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
+    clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "clean"),
+                                 verbose=0).prepare()
+    assert rerun._manifest["sha256"] == clean._manifest["sha256"]
+    for a, b in zip(_features(rerun), _features(clean)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_two_concurrent_builders_build_once(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    processes = [_spawn(corpus, cache_dir, delay=0.1) for _ in range(2)]
+    try:
+        outputs = [p.communicate(timeout=180) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    statuses = []
+    for (stdout, stderr), p in zip(outputs, processes):
+        assert p.returncode == 0, stderr[-2000:]
+        statuses += [line.split()[1] for line in stdout.splitlines() if line.startswith("STATUS")]
+    assert sorted(statuses) == ["hit", "miss"]
+    assert len(_entries(cache_dir)) == 1
+    assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
+    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    assert builder.report["cache"] == "hit" and builder._cache.verify(full=True)

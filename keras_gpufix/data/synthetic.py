@@ -2,9 +2,9 @@
 
 `make_corpus(path, n_utterances)` writes `path/metadata.csv`
 (`id|text|normalized_text`, one line per utterance) and `path/wavs/<id>.wav`
-(16-bit PCM mono). The audio is a sequence of syllables: a voiced harmonic
-tone with a gliding pitch and formant-like spectral envelope, an optional
-noise burst (a fricative), and pauses between words. Each clip's duration
+(16-bit PCM mono). The audio is a sequence of syllables: a glottal
+pulse train with a gliding pitch through three formant resonances, an
+optional noise burst (a fricative), and pauses between words. Each clip's duration
 follows its transcript's length (about 14 characters per second, with
 jitter), clipped to `[min_seconds, max_seconds]`, as in read speech.
 
@@ -118,40 +118,40 @@ def _sentence(rng, n_chars):
     return text[0].upper() + text[1:] + "."
 
 
+def _convolve(signal, response):
+    size = len(signal) + len(response) - 1
+    fft_size = 1 << (size - 1).bit_length()
+    spectrum = np.fft.rfft(signal, fft_size) * np.fft.rfft(response, fft_size)
+    return np.fft.irfft(spectrum, fft_size)[: len(signal)]
+
+
 def _speech(rng, seconds, sample_rate):
-    """Syllables of harmonic tones with formant envelopes, noise and pauses."""
+    """Syllables: a glottal pulse train through formant resonances, noise, pauses."""
     n = max(1, int(round(seconds * sample_rate)))
     out = np.zeros(n, np.float64)
     pos = int(0.05 * sample_rate)
     f0_base = rng.uniform(95.0, 210.0)
-    nyquist = sample_rate / 2.0
+    response_t = np.arange(int(0.025 * sample_rate)) / sample_rate
     while pos < n - int(0.05 * sample_rate):
-        length = int(rng.uniform(0.12, 0.3) * sample_rate)
-        length = min(length, n - pos)
+        length = min(int(rng.uniform(0.12, 0.3) * sample_rate), n - pos)
         t = np.arange(length) / sample_rate
         f0 = f0_base * (1.0 + 0.08 * rng.standard_normal()) * (1.0 + 0.15 * t)
-        formants = (rng.uniform(300, 900), rng.uniform(900, 2300), rng.uniform(2300, 3200))
-        voiced = np.zeros(length)
-        for k in range(1, 40):
-            freq = k * f0
-            if freq[-1] >= nyquist * 0.95:
-                break
-            gain = sum(np.exp(-0.5 * ((freq - f) / 120.0) ** 2) for f in formants) + 0.02
-            phase = 2 * np.pi * np.cumsum(freq) / sample_rate
-            voiced += gain / k**0.5 * np.sin(phase + rng.uniform(0, 2 * np.pi))
-        envelope = np.sin(np.pi * np.arange(length) / length) ** 0.7
-        syllable = voiced * envelope
+        pulses = np.diff(np.floor(np.cumsum(f0) / sample_rate), prepend=0.0)
+        response = np.zeros_like(response_t)
+        for low, high, bandwidth in ((300, 900, 80), (900, 2300, 120), (2300, 3200, 180)):
+            freq = min(rng.uniform(low, high), 0.45 * sample_rate)
+            response += np.exp(-np.pi * bandwidth * response_t) * np.sin(2 * np.pi * freq * response_t)
+        syllable = _convolve(pulses, response) * np.sin(np.pi * np.arange(length) / length) ** 0.7
         if rng.random() < 0.35:
             burst = min(length, int(0.06 * sample_rate))
-            noise = np.diff(rng.standard_normal(burst + 1)) * 0.3
+            noise = np.diff(rng.standard_normal(burst + 1)) * 0.3 * np.abs(syllable).max()
             syllable[:burst] += noise * np.hanning(burst)
         out[pos : pos + length] += syllable
         pos += length
         if rng.random() < 0.3:
             pos += int(rng.uniform(0.05, 0.25) * sample_rate)
     out /= max(np.max(np.abs(out)), 1e-9)
-    out = 0.5 * out + 3e-4 * rng.standard_normal(n)
-    return out
+    return 0.5 * out + 3e-4 * rng.standard_normal(n)
 
 
 def make_corpus(

@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import keras
 import numpy as np

@@ -5,7 +5,7 @@ TensorFlow nor Keras; the callbacks that only need Keras's callback API
 (`StepTimer`, `GPUOscillationMonitor`) then work on every Keras 3 backend.
 """
 
-import importlib
+from keras_gpufix._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -28,15 +28,7 @@ _SUBMODULES = ("analysis", "callbacks", "data", "cli", "config", "profiling")
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"keras_gpufix.{name}")
-    else:
-        raise AttributeError(f"module 'keras_gpufix' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, _SUBMODULES)
 
 
 def __dir__():

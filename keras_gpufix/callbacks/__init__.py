@@ -1,6 +1,6 @@
 """Keras callbacks: thin adapters over `keras_gpufix.analysis`."""
 
-import importlib
+from keras_gpufix._lazy import lazy_getattr
 
 _EXPORTS = {
     "StepTimer": "keras_gpufix.callbacks.step_timer",
@@ -12,9 +12,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -60,7 +60,7 @@ __all__ = [
 HIGHLY_INPUT_BOUND_PERCENT = 20.0
 MODERATELY_INPUT_BOUND_PERCENT = 5.0
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a finaliser may stop a trace mid-call
 _ACTIVE = None  # the trace this module started and has not stopped
 
 

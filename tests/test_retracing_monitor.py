@@ -96,6 +96,16 @@ def test_without_instrumentation_traces_are_counted_and_the_gap_is_said_once(cap
     assert "-> recompiling" in out and "-> healthy" in out
 
 
+def test_validation_batches_are_not_mistaken_for_training_shapes():
+    train = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False))
+    x = np.zeros((30 * BATCH, 40, 4), np.float32)  # more batches than training, length 40
+    val = instrument(tf.data.Dataset.from_tensor_slices((x, x[:, 0, :1])).batch(BATCH))
+    monitor = kg.RetracingMonitor(verbose=0)
+    seq_model(jit_compile=False).fit(train, validation_data=val, epochs=1, verbose=0,
+                                     callbacks=[monitor])
+    assert sorted(s[0][1] for s in monitor.report()["shapes"]) == list(LENGTHS)
+
+
 def test_an_eager_model_says_it_cannot_count():
     model = seq_model(jit_compile=False)
     model.compile("adam", "mse", run_eagerly=True)

@@ -96,6 +96,8 @@ class ProfilerTrigger(GuardedCallback):
             (`step_time_ms`, `input_percent`, `classification`,
             `conclusion`, ... from `profiling.analyze_trace`; None while
             running or with `analyze=False`; `{"error": ...}` on failure).
+        skipped: why armed traces did not start when due (another profiler
+            running, profiler errors), at most 100 entries.
 
     Example:
 
@@ -106,6 +108,7 @@ class ProfilerTrigger(GuardedCallback):
     """
 
     MEDIAN_WINDOW = 64
+    MAX_SKIPPED = 100
 
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
                  cooldown=100, slow_factor=3.0, min_slow_ms=5.0, warmup=10, verbose=1):
@@ -270,7 +273,8 @@ class ProfilerTrigger(GuardedCallback):
             return
         except Exception as exc:  # profiler errors are never fatal
             self._armed = None
-            self.skipped.append(f"step {step}: profiler failed to start ({exc})")
+            if len(self.skipped) < self.MAX_SKIPPED:
+                self.skipped.append(f"step {step}: profiler failed to start ({exc})")
             self._warn_once("start", f"ProfilerTrigger: the profiler failed to start "
                                      f"({type(exc).__name__}: {exc}); no trace taken.")
             return
@@ -281,10 +285,11 @@ class ProfilerTrigger(GuardedCallback):
 
     def _busy(self, step, why):
         self._retry_at = step + self.steps
-        self.skipped.append(f"step {step}: {why}")
-        self._warn_once("busy", f"ProfilerTrigger: {why} (keras.callbacks.TensorBoard "
-                                "profile_batch?); not starting a second one. The trace "
-                                f"armed for '{self._armed}' waits until it stops.")
+        if len(self.skipped) < self.MAX_SKIPPED:
+            self.skipped.append(f"step {step}: {why}")
+        hint = "" if "keras_gpufix" in why else " (keras.callbacks.TensorBoard profile_batch?)"
+        self._warn_once("busy", f"ProfilerTrigger: {why}{hint}; not starting a second one. "
+                                f"The trace armed for '{self._armed}' waits until it stops.")
 
     def _stop(self, end_step, note=""):
         trace, self._current = self._current, None

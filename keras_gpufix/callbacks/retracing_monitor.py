@@ -208,6 +208,12 @@ class RetracingMonitor(GuardedCallback):
             self._sync()
 
     @guarded
+    def on_test_begin(self, logs=None):
+        # Validation runs before on_epoch_end: read the training batches'
+        # shapes before an instrumented validation set advances its probe.
+        self._sync()
+
+    @guarded
     def on_epoch_end(self, epoch, logs=None):
         self._sync()
 

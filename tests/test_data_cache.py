@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_gpufix.data.audio import AudioConfig
 from keras_gpufix.data.builder import SpeechDatasetBuilder
@@ -24,17 +25,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent(
     """
     import sys, time
+    import numpy as np
+    import tensorflow as tf
     from keras_gpufix.data.audio import AudioConfig
     from keras_gpufix.data.builder import SpeechDatasetBuilder
 
-    write = SpeechDatasetBuilder._write_features
+    compute_features = SpeechDatasetBuilder._compute_features
 
     def slow(self):
-        for item in write(self):
-            time.sleep(float(sys.argv[3]))
-            yield item
+        compute = compute_features(self)
 
-    SpeechDatasetBuilder._write_features = slow
+        def delayed(index):
+            pause = tf.numpy_function(
+                lambda: np.int64(time.sleep(float(sys.argv[3])) or 0), [], tf.int64)
+            with tf.control_dependencies([pause]):
+                return compute(index)
+
+        return delayed
+
+    SpeechDatasetBuilder._compute_features = slow
     audio = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
     builder = SpeechDatasetBuilder(sys.argv[1], audio=audio, cache_dir=sys.argv[2], verbose=0)
     builder.prepare()
@@ -51,9 +60,7 @@ def _spawn(corpus, cache_dir, delay):
 
 def _features(builder):
     """Every cached feature of a prepared builder, in utterance order."""
-    manifest = builder._manifest
-    return [np.fromfile(builder._cache.feature_path(i), "<f4").reshape(-1, AUDIO.n_mels)
-            for i in range(len(manifest["frames"]))]
+    return [builder._cache.read(i) for i in range(len(builder._manifest["frames"]))]
 
 
 def _entries(cache_dir):
@@ -132,15 +139,23 @@ def test_full_verify_catches_flipped_bytes(corpus, tmp_path):
 
 
 def test_incomplete_entry_without_marker_is_never_used(tmp_path):
-    cache = FeatureCache(str(tmp_path), "0" * 64, verbose=0)
+    cache = FeatureCache(str(tmp_path), "0" * 64, count=1, verbose=0)
     os.makedirs(os.path.join(cache.path, "features"))
     json.dump({"frames": []}, open(os.path.join(cache.path, "manifest.json"), "w"))
     with pytest.warns(GpufixWarning, match="no completion marker"):
         assert cache.open() is None
     with pytest.warns(GpufixWarning, match="no completion marker"):
-        manifest, status = cache.open_or_build(lambda: iter([(0, np.ones((2, 3), np.float32))]))
+        manifest, status = cache.open_or_build(lambda paths: iter([_write(paths[0], np.ones((2, 3)))]))
     assert status == "miss" and manifest["frames"] == [2]
     assert cache.open()["frames"] == [2]
+    np.testing.assert_array_equal(cache.read(0), np.ones((2, 3)))
+    assert cache.verify(full=True)
+
+
+def _write(path, array):
+    data = tf.io.serialize_tensor(tf.constant(array, tf.float32))
+    tf.io.write_file(path, data)
+    return 0, len(array), len(data.numpy()), FeatureCache.digest(data).numpy()
 
 
 def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus, tmp_path):
@@ -149,12 +164,12 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32"))
-            if len(written) >= 4 or process.poll() is not None:
+            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.tensor"))
+            if len(written) >= 2 or process.poll() is not None:
                 break
             time.sleep(0.05)
         assert process.poll() is None, process.communicate()
-        assert 4 <= len(written) < 12
+        assert 2 <= len(written) < 12
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
@@ -169,7 +184,7 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
     clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "clean"),
                                  verbose=0).prepare()
-    assert rerun._manifest["sha256"] == clean._manifest["sha256"]
+    assert rerun._manifest["fingerprints"] == clean._manifest["fingerprints"]
     for a, b in zip(_features(rerun), _features(clean)):
         np.testing.assert_array_equal(a, b)
 

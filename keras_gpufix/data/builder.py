@@ -225,8 +225,8 @@ class SpeechDatasetBuilder:
         n_mels = self.audio.n_mels
 
         def read(index):
-            data = tf.io.decode_raw(tf.io.read_file(paths[index]), tf.float32, little_endian=True)
-            return tf.reshape(data, [-1, n_mels])
+            mel = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
+            return tf.ensure_shape(mel, [None, n_mels])
 
         return read
 
@@ -241,7 +241,8 @@ class SpeechDatasetBuilder:
             return self
         if self._manifest is not None:
             return self
-        self._cache = FeatureCache(self.cache_dir, self.fingerprint(), verbose=self.verbose)
+        self._cache = FeatureCache(self.cache_dir, self.fingerprint(), len(self.utterances),
+                                   verbose=self.verbose)
         self._manifest, status = self._cache.open_or_build(self._write_features)
         if list(self._manifest["frames"]) != self._frames.tolist():
             raise RuntimeError(f"The feature cache at {self._cache.path} does not match the corpus scan.")
@@ -249,15 +250,25 @@ class SpeechDatasetBuilder:
         self.report["cache_path"] = self._cache.path
         return self
 
-    def _write_features(self):
+    def _write_features(self, paths):
+        """Computes, serialises, writes and fingerprints features in parallel."""
         compute = self._compute_features()
+        paths = tf.constant(paths)
+
+        def write(index):
+            mel = compute(index)
+            data = tf.io.serialize_tensor(mel)
+            with tf.control_dependencies([tf.io.write_file(paths[index], data)]):
+                return (index, tf.shape(mel)[0], tf.strings.length(data),
+                        FeatureCache.digest(data))
+
         count = len(self.utterances)
-        features = tf.data.Dataset.range(count).map(
-            lambda i: (i, compute(i)), num_parallel_calls=AUTOTUNE, deterministic=False
+        written = tf.data.Dataset.range(count).map(
+            write, num_parallel_calls=AUTOTUNE, deterministic=False
         ).prefetch(AUTOTUNE)
         progbar = keras.utils.Progbar(count, unit_name="utterance") if self.verbose else None
-        for done, (index, mel) in enumerate(features.as_numpy_iterator(), start=1):
-            yield int(index), mel
+        for done, record in enumerate(written.as_numpy_iterator(), start=1):
+            yield record
             if progbar is not None:
                 progbar.update(done)
 

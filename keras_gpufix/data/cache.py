@@ -26,8 +26,9 @@ the graph, so an audio file edited in place gives stale features.
   with a warning); `verify(full=True)` also re-hashes the contents.
 
 Layout: `cache_dir/features-<fingerprint>/{manifest.json, COMPLETE,
-features/<index>.f32}`; a feature file is the raw little-endian float32
-`(frames, n_mels)` array.
+features/<index>.tensor}`; a feature file is a `tf.io.serialize_tensor` of
+the float32 `(frames, n_mels)` array. Files are serialised, written and
+fingerprinted inside the `tf.data` pipeline that computes them, in parallel.
 """
 
 import hashlib
@@ -37,6 +38,8 @@ import shutil
 import tempfile
 import time
 import warnings
+
+import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -87,24 +90,35 @@ class FeatureCache:
     Args:
         cache_dir: the folder that holds entries (created if needed).
         key: the entry's fingerprint (from `fingerprint(...)`).
+        count: number of utterances (feature files).
         verbose: print a line when waiting for another builder. Defaults
             to 1.
 
     Example:
 
-    >>> cache = FeatureCache("cache/", fingerprint({"files": [...]}))
+    >>> cache = FeatureCache("cache/", fingerprint({"files": [...]}), count=100)
     >>> manifest, status = cache.open_or_build(write_features)
     """
 
-    def __init__(self, cache_dir, key, verbose=1):
+    def __init__(self, cache_dir, key, count, verbose=1):
         self.cache_dir = str(cache_dir)
         self.key = key
+        self.count = count
         self.verbose = verbose
         self.name = f"features-{key[:24]}"
         self.path = os.path.join(self.cache_dir, self.name)
 
     def feature_path(self, index, root=None) -> str:
-        return os.path.join(root or self.path, "features", f"{index:07d}.f32")
+        return os.path.join(root or self.path, "features", f"{index:07d}.tensor")
+
+    @staticmethod
+    def digest(data) -> tf.Tensor:
+        """64-bit FarmHash fingerprint (uint8 `(8,)`) of a scalar string tensor."""
+        return tf.fingerprint(tf.reshape(data, [1]))[0]
+
+    def read(self, index):
+        """The cached float32 `(frames, n_mels)` features of one utterance."""
+        return tf.io.parse_tensor(tf.io.read_file(self.feature_path(index)), tf.float32).numpy()
 
     def open(self):
         """The manifest of a complete, intact entry, or None."""
@@ -132,6 +146,8 @@ class FeatureCache:
         if hashlib.sha256(payload).hexdigest() != marker.get("manifest_sha256"):
             return None, "manifest.json does not match its fingerprint"
         manifest = json.loads(payload)
+        if len(manifest["sizes"]) != self.count:
+            return None, f"{len(manifest['sizes'])} feature files, expected {self.count}"
         for index, size in enumerate(manifest["sizes"]):
             try:
                 actual = os.path.getsize(self.feature_path(index))
@@ -147,20 +163,21 @@ class FeatureCache:
         if problem is not None:
             return False
         if full:
-            for index, digest in enumerate(manifest["sha256"]):
-                with open(self.feature_path(index), "rb") as f:
-                    if hashlib.sha256(f.read()).hexdigest() != digest:
-                        return False
+            for index, expected in enumerate(manifest["fingerprints"]):
+                data = tf.io.read_file(self.feature_path(index))
+                if bytes(self.digest(data).numpy()).hex() != expected:
+                    return False
         return True
 
     def open_or_build(self, write_features):
         """Opens the entry, building it first if needed (under the lock).
 
         Args:
-            write_features: `write_features() -> iterable of (index, array)`,
-                called once, only on a miss: it yields each utterance's
-                float32 `(frames, n_mels)` array, in any order; the cache
-                writes and hashes the files.
+            write_features: `write_features(paths) -> iterable of (index,
+                frames, size, digest)`, called once, only on a miss: it
+                writes each utterance's serialised features to
+                `paths[index]` (in a temporary folder) and yields, in any
+                order, the frames, the file size and `digest(data)`.
 
         Returns:
             `(manifest, status)`: the manifest dict (`frames` per index) and
@@ -191,20 +208,19 @@ class FeatureCache:
     def _build(self, write_features):
         tmp = tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=self.cache_dir)
         os.makedirs(os.path.join(tmp, "features"))
+        count = self.count
         records = {}
-        for index, array in write_features():
-            data = array.astype("<f4", copy=False).tobytes()
-            with open(self.feature_path(index, tmp), "wb") as f:
-                f.write(data)
-            records[int(index)] = (int(array.shape[0]), len(data), hashlib.sha256(data).hexdigest())
-        count = len(records)
+        for index, frames, size, digest in write_features(
+            [self.feature_path(i, tmp) for i in range(count)]
+        ):
+            records[int(index)] = (int(frames), int(size), bytes(digest).hex())
         if sorted(records) != list(range(count)):
             raise RuntimeError("the feature writer must yield each index 0..n-1 exactly once")
         manifest = {
             "key": self.key,
             "frames": [records[i][0] for i in range(count)],
             "sizes": [records[i][1] for i in range(count)],
-            "sha256": [records[i][2] for i in range(count)],
+            "fingerprints": [records[i][2] for i in range(count)],
             "created": time.time(),
         }
         payload = json.dumps(manifest).encode()

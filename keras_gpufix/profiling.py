@@ -38,6 +38,7 @@ import re
 import shlex
 import threading
 import time
+from typing import Any, Iterator
 
 __all__ = [
     "ProfilerBusyError",
@@ -80,7 +81,7 @@ def _runs(log_dir):
         return set()
 
 
-def profiler_running():
+def profiler_running() -> bool:
     """Whether a `tf.profiler` session (ours or anyone's) runs in this process.
 
     Reads TensorFlow's own record of the session started through
@@ -97,13 +98,14 @@ def profiler_running():
     return getattr(profiler_v2, "_profiler", None) is not None
 
 
-def active_trace():
+def active_trace() -> "dict | None":
     """Our running trace: a dict (`log_dir`, `owner`, `started`, `tag`) or None."""
     return None if _ACTIVE is None else dict(_ACTIVE)
 
 
-def start_trace(log_dir, owner=None, tag=None, host_tracer_level=2,
-                python_tracer_level=0, device_tracer_level=1):
+def start_trace(log_dir: "str | os.PathLike", owner: Any = None, tag: "str | None" = None,
+                host_tracer_level: int = 2, python_tracer_level: int = 0,
+                device_tracer_level: int = 1) -> None:
     """Starts a `tf.profiler` trace that `stop_trace` will save under `log_dir`.
 
     Args:
@@ -144,7 +146,7 @@ def start_trace(log_dir, owner=None, tag=None, host_tracer_level=2,
                    "started": time.time(), "tag": tag}
 
 
-def stop_trace(save=True):
+def stop_trace(save: bool = True) -> "str | None":
     """Stops the trace `start_trace` started; never another profiler.
 
     Args:
@@ -202,7 +204,7 @@ def _claim_run(log_dir, before, tag):
 
 
 @contextlib.contextmanager
-def step_marker(step, name="train"):
+def step_marker(step: int, name: str = "train") -> Iterator[None]:
     """Marks one training step for XProf (`Trace(name, step_num=step, _r=1)`).
 
     Costs nothing measurable when no profiler runs.
@@ -213,7 +215,7 @@ def step_marker(step, name="train"):
         yield
 
 
-def xplane_files(path):
+def xplane_files(path: "str | os.PathLike") -> "list[str]":
     """The `.xplane.pb` files of one trace.
 
     Args:
@@ -238,7 +240,7 @@ def xplane_files(path):
     return sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(latest)), "*.xplane.pb")))
 
 
-def classify_input_percent(percent):
+def classify_input_percent(percent: "float | None") -> "str | None":
     """XProf's classification of a run by the share of step time spent on input.
 
     Returns:
@@ -280,7 +282,7 @@ def _input_pipeline_json(files):
     return json.loads(data)
 
 
-def analyze_trace(path):
+def analyze_trace(path: "str | os.PathLike") -> "dict[str, Any]":
     """Runs XProf's `input_pipeline_analyzer` headless on one trace.
 
     Args:
@@ -374,12 +376,13 @@ def analyze_trace(path):
     }
 
 
-def tensorboard_command(log_dir):
+def tensorboard_command(log_dir: "str | os.PathLike") -> str:
     """The shell command that opens `log_dir`'s traces in TensorBoard."""
     return f"tensorboard --logdir {shlex.quote(os.fspath(log_dir))}"
 
 
-def format_analysis(analysis, log_dir=None):
+def format_analysis(analysis: "dict[str, Any]",
+                    log_dir: "str | os.PathLike | None" = None) -> str:
     """One line for people: step time, input %, classification, conclusion."""
     if analysis.get("step_time_ms") is None:
         line = f"no step time measured; {analysis.get('conclusion', '')}".strip()

@@ -101,8 +101,8 @@ class ProfilerTrigger(GuardedCallback):
 
     Example:
 
-    >>> trigger = kg.ProfilerTrigger("logs", trigger="slow_step")
-    >>> model.fit(ds, callbacks=[kg.GPUOscillationMonitor(on_detect=trigger), trigger])
+    >>> trigger = kg.ProfilerTrigger("logs")
+    >>> model.fit(ds, callbacks=[kg.GPUOscillationMonitor(), trigger])
     >>> trigger.traces[0]["analysis"]["classification"]
     'highly_input_bound'
     """
@@ -119,7 +119,8 @@ class ProfilerTrigger(GuardedCallback):
         for name, value, low in (("steps", steps, 1), ("max_traces", max_traces, 1),
                                  ("cooldown", cooldown, 0), ("warmup", warmup, 0)):
             if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+                raise ValueError(
+                    f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
         if not slow_factor > 1.0:
             raise ValueError(f"`slow_factor` must be > 1. Received: slow_factor={slow_factor}")
         self.log_dir = log_dir

@@ -42,7 +42,7 @@ _NO_PROBE = ("RetracingMonitor: input shapes are not visible (the dataset did no
              "do) to see which new shapes cost an XLA recompile.")
 
 
-def find_traced_functions(train_function, depth=4):
+def find_traced_functions(train_function, depth: int = 4) -> dict:
     """The `tf.function`s a Keras train function calls, by name.
 
     Keras 3 builds `model.train_function` as a Python closure around

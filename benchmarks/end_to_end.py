@@ -1,0 +1,321 @@
+"""End to end: the same TTS model trained the naive way and the keras_gpufix way.
+
+    python benchmarks/end_to_end.py [--utterances 256] [--rounds 3] [--json]
+
+Both ways train `examples/train_tts.py`'s model (a light configuration, as
+on a GPU where the input path decides) on the same generated LJSpeech-style
+corpus, interleaved in one process: after a first epoch each, the ways
+alternate blocks of `--block-epochs` epochs for `--rounds` rounds, so both
+see the same machine load.
+
+| way          | input                                         | compile                  |
+|--------------|-----------------------------------------------|--------------------------|
+| naive        | `tf.numpy_function` calling `librosa.load` +  | `model.compile` defaults |
+|              | `librosa.feature.melspectrogram` per clip,    | (on CPU: no XLA,         |
+|              | every epoch (map with AUTOTUNE parallelism),  | steps_per_execution=1)   |
+|              | `padded_batch` (each batch padded to its      |                          |
+|              | longest clip, no bucketing), prefetch         |                          |
+| keras_gpufix | `kg.data.SpeechDatasetBuilder` with the       | `kg.compile_model` (XLA, |
+|              | feature cache, `num_buckets` length buckets   | measured                 |
+|              |                                               | steps_per_execution)     |
+
+Reported: steady-state samples/s per way (every epoch after each way's
+first), their ratio, each way's first epoch (the feature cache build and
+the XLA compiles for keras_gpufix) separately, and the verdicts of the
+monitors (`GPUOscillationMonitor`, `RetracingMonitor`, `ProfilerTrigger`'s
+XProf analysis) attached to both ways. The naive dataset goes through
+`kg.data.instrument`, as `keras-gpufix diagnose` does, so the monitor
+measures its input wait; the builder's dataset is instrumented already.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_gpufix as kg
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_example():
+    path = os.path.join(_HERE, "..", "examples", "train_tts.py")
+    spec = importlib.util.spec_from_file_location("train_tts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tts = _load_example()
+
+
+def naive_dataset(corpus, batch_size, audio, text_config, seed):
+    """The loader most TTS repositories start from."""
+    import librosa
+
+    with open(os.path.join(corpus, "metadata.csv"), encoding="utf-8") as f:
+        rows = [line.rstrip("\n").split("|") for line in f if line.strip()]
+    paths = [os.path.join(corpus, "wavs", r[0] + ".wav") for r in rows]
+    texts = [r[2] for r in rows]
+    table = {c: i + 1 for i, c in enumerate(text_config.vocabulary)}
+
+    def load(path, text):
+        y, sr = librosa.load(path.decode(), sr=audio.sample_rate)
+        mel = librosa.feature.melspectrogram(
+            y=y, sr=sr, n_fft=audio.n_fft, hop_length=audio.hop_length,
+            win_length=audio.win_length, n_mels=audio.n_mels, fmin=audio.fmin,
+            fmax=audio.fmax, power=audio.power)
+        mel = np.log(np.maximum(mel, audio.log_floor)).T.astype(np.float32)
+        ids = np.array([table[c] for c in text.decode().lower() if c in table], np.int32)
+        return ids, np.int32(len(ids)), mel, np.int32(len(mel))
+
+    def tf_load(path, text):
+        ids, text_len, mel, mel_len = tf.numpy_function(
+            load, [path, text], [tf.int32, tf.int32, tf.float32, tf.int32])
+        ids.set_shape([None])
+        text_len.set_shape([])
+        mel.set_shape([None, audio.n_mels])
+        mel_len.set_shape([])
+        return (ids, text_len), (mel, mel_len)
+
+    ds = tf.data.Dataset.from_tensor_slices((paths, texts))
+    ds = ds.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.map(tf_load, num_parallel_calls=tf.data.AUTOTUNE)
+    pad = float(np.log(audio.log_floor))
+    ds = ds.padded_batch(batch_size, drop_remainder=True,
+                         padding_values=((0, 0), (pad, 0)))
+    return kg.data.instrument(ds), len(paths) // batch_size
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Wall time of every epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+class Way:
+    """One way of training: a model, its dataset and its monitors' findings."""
+
+    def __init__(self, name, model, dataset, steps, batch_size, log_dir, compile_info):
+        self.name, self.model, self.dataset = name, model, dataset
+        self.steps, self.batch_size, self.log_dir = steps, batch_size, log_dir
+        self.compile_info = compile_info
+        self.first_epoch_s = None
+        self.epoch_s = []
+        self.losses = []
+        self.reports = []
+        self.epoch = 0
+
+    def run(self, epochs, monitor_window):
+        clock = EpochClock()
+        monitor = kg.GPUOscillationMonitor(window=monitor_window, warmup=3, verbose=0)
+        retracing = kg.RetracingMonitor(warn=False, verbose=0)
+        profiler = kg.ProfilerTrigger(self.log_dir, trigger="oscillation", steps=5,
+                                      max_traces=1, cooldown=10, verbose=0)
+        history = self.model.fit(self.dataset, initial_epoch=self.epoch,
+                                 epochs=self.epoch + epochs, steps_per_epoch=self.steps,
+                                 verbose=0, callbacks=[clock, monitor, retracing, profiler])
+        self.epoch += epochs
+        self.losses += history.history["loss"]
+        if self.first_epoch_s is None:
+            self.first_epoch_s = clock.seconds.pop(0)
+        self.epoch_s += clock.seconds
+        self.reports.append({"monitor": monitor.report(), "retracing": retracing.report(),
+                             "traces": profiler.report().get("traces", [])})
+
+    def summary(self):
+        samples = self.steps * self.batch_size
+        rates = [samples / s for s in self.epoch_s]
+        last = self.reports[-1]
+        mon, ret = last["monitor"], last["retracing"]
+        traces = [t for r in self.reports for t in r["traces"]]
+        analysis = traces[0].get("analysis") if traces else None
+        return {
+            "first_epoch_s": round(self.first_epoch_s, 2),
+            "steady_epochs": len(self.epoch_s),
+            "steady_epoch_s_median": round(statistics.median(self.epoch_s), 3),
+            "steady_samples_per_s": round(samples * len(self.epoch_s) / sum(self.epoch_s), 1),
+            "steady_samples_per_s_per_epoch": [round(r, 1) for r in rates],
+            "loss_first_last": [round(self.losses[0], 4), round(self.losses[-1], 4)],
+            "verdicts": [r["monitor"]["verdict"] for r in self.reports],
+            "verdict": mon["verdict"],
+            "input_wait": None if mon["input_wait"] is None else round(mon["input_wait"], 3),
+            "step_ms_p50": round(mon["step_time"].get("p50_ms") or 0, 2),
+            "step_cv": round(mon["step_time"].get("cv") or 0, 3),
+            "fix": mon["fix"] if mon["verdict"] != "healthy" else None,
+            "retracing": {k: ret.get(k) for k in ("verdict", "trace_count", "recompile_ms")},
+            "new_shapes": len(ret.get("shapes") or []),
+            "xprof": None if not analysis else {
+                k: analysis.get(k) for k in ("step_time_ms", "input_percent", "classification")},
+            "compile": self.compile_info,
+        }
+
+
+def build_model(vocab_size, args):
+    return tts.build_model(vocab_size, n_mels=80, d_model=args.d_model, heads=2,
+                           encoder_layers=1, decoder_layers=1, ff=2 * args.d_model,
+                           reduction=args.reduction, dropout=0.0, postnet_channels=0)
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = tf.config.list_physical_devices("GPU")
+    return (f"{os.cpu_count()}-core {platform.machine()} ({cpu}), "
+            f"{len(gpus)} GPU, TF {tf.__version__}, Keras {keras.__version__}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--utterances", type=int, default=256)
+    parser.add_argument("--min-seconds", type=float, default=1.0)
+    parser.add_argument("--max-seconds", type=float, default=5.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-buckets", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per way")
+    parser.add_argument("--block-epochs", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--reduction", type=int, default=8)
+    parser.add_argument("--mixed-precision", default="float32",
+                        help='policy for the keras_gpufix way: "float32" (default: '
+                             'on the 2-core test VM bfloat16 under XLA was slower), "auto", ...')
+    parser.add_argument("--dir", help="work folder (default: a new temp folder)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+
+    work = args.dir or tempfile.mkdtemp(prefix="kg_e2e_")
+    corpus = os.path.join(work, "corpus")
+    if not os.path.exists(os.path.join(corpus, "metadata.csv")):
+        print(f"Generating {args.utterances} utterances ({args.min_seconds}-"
+              f"{args.max_seconds} s) into {corpus} ...", flush=True)
+        kg.data.make_corpus(corpus, args.utterances, seed=0, min_seconds=args.min_seconds,
+                            max_seconds=args.max_seconds)
+    audio, text = kg.data.AudioConfig(), kg.data.TextConfig()
+    vocab = len(text.vocabulary) + 2
+    keras.utils.set_random_seed(0)
+
+    # naive: model.compile defaults, float32
+    keras.mixed_precision.set_global_policy("float32")
+    naive_ds, naive_steps = naive_dataset(corpus, args.batch_size, audio, text, seed=0)
+    naive_model = build_model(vocab, args)
+    naive_model.compile(keras.optimizers.Adam(1e-3), "mae")
+    naive = Way("naive", naive_model,
+                tts.to_training_batches(naive_ds).repeat(), naive_steps, args.batch_size,
+                os.path.join(work, "logs_naive"),
+                {"jit_compile": naive_model.jit_compile, "policy": "float32",
+                 "steps_per_execution": 1})
+
+    # keras_gpufix: builder + cache + bucketing + compile_model
+    start = time.perf_counter()
+    strategy = kg.setup_strategy()
+    policy = kg.enable_mixed_precision(args.mixed_precision)
+    builder = kg.data.SpeechDatasetBuilder(corpus, audio=audio, text=text,
+                                           cache_dir=os.path.join(work, "cache"), verbose=0)
+    kg_ds = builder.build(batch_size=kg.global_batch_size(args.batch_size, strategy),
+                          num_buckets=args.num_buckets, drop_remainder=True, seed=0)
+    kg_steps = builder.report["batches_per_epoch"]
+    kg_train = tts.to_training_batches(kg_ds).repeat()
+    with strategy.scope():
+        kg_model = build_model(vocab, args)
+        report = kg.compile_model(kg_model, keras.optimizers.Adam(1e-3), "mae",
+                                  mixed_precision=policy, sample_batch=kg_train)
+    cap = max(1, kg_steps // 8)  # callbacks fire once per execution: >= 8 per epoch
+    calibrated = kg_model.steps_per_execution
+    kg_model.steps_per_execution = min(calibrated, cap)
+    setup_s = time.perf_counter() - start
+    keras.mixed_precision.set_global_policy("float32")
+    fast = Way("keras_gpufix", kg_model, kg_train, kg_steps, args.batch_size,
+               os.path.join(work, "logs_kg"),
+               {"jit_compile": report.jit_compile, "policy": report.policy,
+                "steps_per_execution": kg_model.steps_per_execution,
+                "steps_per_execution_calibrated": calibrated,
+                "setup_s": round(setup_s, 2), "cache": builder.report["cache"],
+                "distinct_shapes": builder.report["distinct_shapes"],
+                "padding_efficiency": builder.report["padding_efficiency"]})
+
+    window = max(8, min(naive_steps, kg_steps) // 2)
+    for way in (naive, fast):
+        print(f"{way.name}: first epoch ...", flush=True)
+        way.run(1, window)
+    for r in range(args.rounds):
+        for way in (naive, fast) if r % 2 == 0 else (fast, naive):
+            print(f"round {r + 1}/{args.rounds}: {way.name}, {args.block_epochs} epochs ...",
+                  flush=True)
+            way.run(args.block_epochs, window)
+
+    result = {
+        "machine": machine(),
+        "command": "python benchmarks/end_to_end.py " + " ".join(argv or sys.argv[1:]),
+        "corpus": {"utterances": args.utterances, "seconds": round(builder.report["seconds"], 1),
+                   "range_s": [args.min_seconds, args.max_seconds]},
+        "batch_size": args.batch_size,
+        "naive": naive.summary(),
+        "keras_gpufix": fast.summary(),
+    }
+    result["ratio_steady_samples_per_s"] = round(
+        result["keras_gpufix"]["steady_samples_per_s"] / result["naive"]["steady_samples_per_s"], 2)
+    result["ratio_first_epoch_s"] = round(
+        (result["keras_gpufix"]["first_epoch_s"] + setup_s) / result["naive"]["first_epoch_s"], 2)
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(format_result(result))
+    return 0
+
+
+def format_result(r):
+    n, k = r["naive"], r["keras_gpufix"]
+    lines = [
+        f"machine: {r['machine']}",
+        f"corpus: {r['corpus']['utterances']} generated utterances, "
+        f"{r['corpus']['seconds']} s of audio ({r['corpus']['range_s'][0]}-"
+        f"{r['corpus']['range_s'][1]} s clips); batch {r['batch_size']}",
+        "",
+        f"{'':28}{'naive':>16}{'keras_gpufix':>16}",
+        f"{'steady samples/s':28}{n['steady_samples_per_s']:>16}{k['steady_samples_per_s']:>16}",
+        f"{'steady epochs measured':28}{n['steady_epochs']:>16}{k['steady_epochs']:>16}",
+        f"{'median step (ms)':28}{n['step_ms_p50']:>16}{k['step_ms_p50']:>16}",
+        f"{'first epoch (s)':28}{n['first_epoch_s']:>16}{k['first_epoch_s']:>16}",
+        f"{'  + setup before fit (s)':28}{'-':>16}{k['compile']['setup_s']:>16}",
+        f"{'monitor verdict':28}{n['verdict']:>16}{k['verdict']:>16}",
+        f"{'input wait':28}{str(n['input_wait']):>16}{str(k['input_wait']):>16}",
+        f"{'retracing verdict':28}{str(n['retracing']['verdict']):>16}"
+        f"{str(k['retracing']['verdict']):>16}",
+        f"{'XProf classification':28}"
+        f"{(n['xprof'] or {}).get('classification', '-'):>16}"
+        f"{(k['xprof'] or {}).get('classification', '-'):>16}",
+        f"{'loss first -> last':28}{str(n['loss_first_last']):>16}"
+        f"{str(k['loss_first_last']):>16}",
+        "",
+        f"steady-state ratio (keras_gpufix / naive samples/s): {r['ratio_steady_samples_per_s']}x",
+        f"first epoch ratio (keras_gpufix incl. setup / naive): {r['ratio_first_epoch_s']}x",
+        f"keras_gpufix compile: {k['compile']}",
+    ]
+    if n["fix"]:
+        lines.append(f"naive fix suggested by the monitor: {n['fix']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -269,6 +269,8 @@ def parse_args(argv=None):
     parser.add_argument("--postnet-channels", type=int, default=0,
                         help="convolutional post-net width (0: none; see the module docstring)")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--mixed-precision", default="auto",
+                        help='dtype policy for kg.enable_mixed_precision ("auto", "float32", ...)')
     parser.add_argument("--steps-per-execution", default="auto",
                         help='"auto" (measured by kg.compile_model) or an integer')
     parser.add_argument("--profile-step", type=int, default=None,
@@ -287,7 +289,7 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
 
     strategy = kg.setup_strategy()
-    policy = kg.enable_mixed_precision()  # before the model is built
+    policy = kg.enable_mixed_precision(args.mixed_precision)  # before the model is built
     builder = make_builder(args)
     batch_size = kg.global_batch_size(args.batch_size, strategy)
     train = builder.build(batch_size=batch_size, num_buckets=args.num_buckets,

@@ -175,6 +175,10 @@ class OscillationDetector:
             before a stall is reported. Defaults to 0.05.
         irregular_share: the same for stalls without a period. Defaults
             to 0.15.
+        min_stall_ms: time a window must lose to slow steps before a
+            periodic stall is reported; five times as much for an irregular
+            one. Defaults to 40 (a hiccup of the host in a window of
+            one-millisecond steps is not worth a verdict).
         input_wait_threshold: share of step time spent waiting for input
             that makes a run input-bound. Defaults to 0.2 (XProf's
             "highly input-bound" threshold).
@@ -205,6 +209,7 @@ class OscillationDetector:
         min_spike_ms=2.0,
         min_stall_share=0.05,
         irregular_share=0.15,
+        min_stall_ms=40.0,
         input_wait_threshold=0.2,
         low_gpu_util=0.5,
         short_step_ms=10.0,
@@ -236,6 +241,7 @@ class OscillationDetector:
         self.min_spike_ms = min_spike_ms
         self.min_stall_share = min_stall_share
         self.irregular_share = irregular_share
+        self.min_stall_ms = min_stall_ms
         self.input_wait_threshold = input_wait_threshold
         self.low_gpu_util = low_gpu_util
         self.short_step_ms = short_step_ms
@@ -305,7 +311,8 @@ class OscillationDetector:
         spread = 1.4826 * float(np.median(np.abs(t - med)))
         limit = max(self.spike_factor * med, med + self.min_spike_ms / 1e3, med + 4 * spread)
         slow = t > limit
-        lost_share = float(np.sum(t[slow] - med) / t.sum()) if t.sum() > 0 else 0.0
+        lost_ms = float(np.sum(t[slow] - med)) * 1e3
+        lost_share = lost_ms / 1e3 / float(t.sum()) if t.sum() > 0 else 0.0
         cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
         evidence = {
             "signals": ["step_time"],
@@ -336,7 +343,7 @@ class OscillationDetector:
             evidence["gpu_util"] = util
 
         period = None
-        if lost_share >= self.min_stall_share:
+        if lost_share >= self.min_stall_share and lost_ms >= self.min_stall_ms:
             excess = np.where(slow, t - med, 0.0)
             period, acf = _period(excess, 3, self.acf_threshold)
             if period is not None:
@@ -356,7 +363,7 @@ class OscillationDetector:
                 return "input_bound", evidence, None
             if wait_share is None or wait_share < self.input_wait_threshold:
                 return "dispatch_bound", evidence, None
-        if lost_share >= self.irregular_share:
+        if lost_share >= self.irregular_share and lost_ms >= 5 * self.min_stall_ms:
             return "irregular_stall", evidence, None
         growth = med * 1e3 / self._baseline_ms - 1.0 if self._baseline_ms > 0 else 0.0
         evidence["growth"] = growth

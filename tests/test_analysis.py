@@ -82,6 +82,13 @@ def test_rare_small_spikes_are_healthy():
     assert run(OscillationDetector(), times) == []
 
 
+def test_host_hiccups_on_millisecond_steps_are_not_stalls():
+    rng = np.random.default_rng(3)
+    times = noisy(800, base=0.001)
+    times[rng.random(800) < 0.05] = 0.015  # a busy neighbour takes the core
+    assert run(OscillationDetector(), times) == []
+
+
 def test_ramp_is_degrading():
     times = np.linspace(0.010, 0.040, 600)
     events = run(OscillationDetector(), times)

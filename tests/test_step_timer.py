@@ -87,3 +87,14 @@ def test_tensorboard_scalars_written(tmp_path):
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         kg.StepTimer(**kwargs)
+
+
+def test_instrumented_validation_set_is_not_taken_for_training():
+    x = np.random.rand(40, FEATURES).astype("float32")
+    train = instrument(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8))
+    val_x = np.random.rand(200, FEATURES).astype("float32")
+    val = instrument(tf.data.Dataset.from_tensor_slices((val_x, val_x[:, :1])).batch(5))
+    timer = kg.StepTimer()
+    tiny_model().fit(train, validation_data=val, epochs=2, verbose=0, callbacks=[timer])
+    assert timer.batch_sizes == [8] * 10
+    assert {s[0] for s in timer.shapes} == {(8, FEATURES)}

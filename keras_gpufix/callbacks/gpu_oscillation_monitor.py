@@ -150,6 +150,11 @@ class GPUOscillationMonitor(GuardedCallback):
             self._feed()
 
     @guarded
+    def on_test_begin(self, logs=None):
+        self.timer.on_test_begin(logs)
+        self._feed()
+
+    @guarded
     def on_epoch_end(self, epoch, logs=None):
         self.timer.on_epoch_end(epoch, logs)
         self._feed()

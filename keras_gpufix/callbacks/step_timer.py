@@ -155,6 +155,12 @@ class StepTimer(GuardedCallback):
                 self.batch_sizes[i] = probe.batch_size(row)
 
     @guarded
+    def on_test_begin(self, logs=None):
+        # Validation runs before on_epoch_end: read training's input first,
+        # so an instrumented validation set is never taken for it.
+        self.sync()
+
+    @guarded
     def on_epoch_end(self, epoch, logs=None):
         self.sync()
         if self._writer is None:

@@ -17,8 +17,8 @@ new shapes were slow, or the step was traced more than `max_new_shapes`
 times, the verdict is `recompiling` and one warning per cause names the
 shapes and the fix.
 
-Per hook the monitor reads two clocks and one trace counter; shapes are
-read every 16 steps and at epoch end. Nothing is written to the Keras
+Steps are timed, and shapes read every 16 steps and at epoch end, by an
+inner `StepTimer`; per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
 `logs` dict; results are in `report()`.
 """
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from keras_gpufix.analysis import FIXES
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.callbacks.step_timer import StepTimer
 from keras_gpufix.exceptions import GpufixWarning
 
 __all__ = ["RetracingMonitor", "find_traced_functions"]
@@ -109,7 +110,6 @@ class RetracingMonitor(GuardedCallback):
     >>> monitor.report()["recompile_ms"]
     """
 
-    SYNC_EVERY = 16
     MEDIAN_WINDOW = 256
 
     def __init__(self, max_new_shapes=8, warn=True, spike_factor=3.0, min_spike_ms=2.0,
@@ -125,23 +125,27 @@ class RetracingMonitor(GuardedCallback):
         self.spike_factor = float(spike_factor)
         self.min_spike_ms = float(min_spike_ms)
         self.verbose = verbose
+        self.timer = StepTimer()
         self._told_no_probe = False
         self._reset()
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.timer.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.timer.set_params(params)
 
     def _reset(self):
         self._functions = {}
         self._baseline = 0
         self._traces = 0
-        self._cursor = None
         self._fit_t0 = time.time()
         self._fit_t1 = None
-        self._begin = None
-        self._first = None
-        self._new_epoch = True
-        self._epoch = -1
         self._global = 0
-        # per hook, until synced
-        self._hooks = []
+        self._trace_deltas = []  # new traces per hook
+        self._done = 0  # hooks of the timer already judged
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
@@ -169,56 +173,43 @@ class RetracingMonitor(GuardedCallback):
                 f"({type(getattr(self.model, 'train_function', None)).__name__}) holds no "
                 "tf.function this Keras version exposes; shapes are still checked")
         self._traces = self._baseline
-        try:
-            from keras_gpufix.data.instrument import InputCursor
-        except ImportError:
-            self._cursor = None
-        else:
-            self._cursor = InputCursor()
-            self._cursor.start()
+        self.timer.on_train_begin(logs)
 
     def _trace_total(self):
         return sum(int(f.experimental_get_tracing_count()) for f in self._functions.values())
 
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
-        self._new_epoch = True
-        self._epoch = epoch
-        if self._cursor is not None:
-            self._cursor.epoch_begin()
+        self.timer.on_epoch_begin(epoch, logs)
 
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
-        self._first = batch
-        self._begin = (time.time(), time.perf_counter())
+        self.timer.on_train_batch_begin(batch, logs)
 
     @guarded
     def on_train_batch_end(self, batch, logs=None):
-        if self._begin is None:
+        hooks = len(self.timer.durations)
+        self.timer.on_train_batch_end(batch, logs)
+        if len(self.timer.durations) == hooks:
             return
-        end = time.perf_counter()
-        wall, t0 = self._begin
-        self._begin = None
         traces = self._trace_total() if self._functions else self._traces
-        self._hooks.append((wall, wall + end - t0, end - t0, max(1, batch - self._first + 1),
-                            traces - self._traces, self._new_epoch and self._epoch > 0))
+        self._trace_deltas.append(traces - self._traces)
         self._traces = traces
-        self._new_epoch = False
-        if len(self._hooks) >= self.SYNC_EVERY:
-            self._sync()
+        self._sync()
 
     @guarded
     def on_test_begin(self, logs=None):
-        # Validation runs before on_epoch_end: read the training batches'
-        # shapes before an instrumented validation set advances its probe.
+        self.timer.on_test_begin(logs)
         self._sync()
 
     @guarded
     def on_epoch_end(self, epoch, logs=None):
+        self.timer.on_epoch_end(epoch, logs)
         self._sync()
 
     @guarded
     def on_train_end(self, logs=None):
+        self.timer.on_train_end(logs)
         self._sync()
         self._fit_t1 = time.time()
         self._deactivate()
@@ -232,26 +223,24 @@ class RetracingMonitor(GuardedCallback):
     # -- internals -------------------------------------------------------
 
     def _sync(self):
-        hooks, self._hooks = self._hooks, []
+        """Judges the hooks the timer has read since the last call."""
+        timer = self.timer
+        hooks = range(self._done, timer.synced)
+        self._done = timer.synced
         if not hooks:
             return
-        rows = [None] * len(hooks)
-        probe = None
-        if self._cursor is not None:
-            _, rows = self._cursor.take([h[0] for h in hooks], [h[1] for h in hooks],
-                                        [h[3] for h in hooks])
-            probe = self._cursor.probe
-        if probe is None and _NO_PROBE not in self.notes:
+        if timer.input_probe is None and _NO_PROBE not in self.notes:
             self.notes.append(_NO_PROBE)
             if self.verbose and not self._told_no_probe:
                 print(_NO_PROBE)
             self._told_no_probe = True
         batch_normal = []
-        for (wall, _, seconds, count, new_traces, epoch_start), row in zip(hooks, rows):
+        for i in hooks:
+            seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
+            new_traces = self._trace_deltas[i]
             self._global += count
             self._steps += count
             self._step_s += seconds
-            key = probe.shape_key(row) if probe is not None and row is not None else None
             new_shape = key is not None and key not in self._seen
             if new_shape:
                 self._seen[key] = self._global - count
@@ -259,7 +248,7 @@ class RetracingMonitor(GuardedCallback):
                 self._events.append({"step": self._global - count, "steps": count,
                                      "shape": key, "traces": new_traces,
                                      "step_ms": seconds * 1e3})
-            elif not epoch_start:
+            elif not timer.epoch_first[i]:
                 batch_normal.append(seconds / count)
         if batch_normal:
             self._normal.extend(batch_normal)

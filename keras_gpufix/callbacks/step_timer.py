@@ -130,6 +130,11 @@ class StepTimer(GuardedCallback):
 
     SYNC_EVERY = 16
 
+    @property
+    def input_probe(self):
+        """The `InputProbe` of the instrumented dataset being read, or None."""
+        return None if self._cursor is None else self._cursor.probe
+
     def sync(self):
         """Reads input wait and shapes of the hooks not read yet.
 

@@ -1,8 +1,10 @@
 """Live input readiness: make a dataset's production observable.
 
 `instrument(dataset)` appends one sequential `map` that, for every element,
-bumps a counter and records in ring buffers (TensorFlow variables) when the
-element became ready and the shape of each of its tensors. It adds no
+bumps a counter and records in ring buffers when the element became ready
+and the shape of each of its tensors. The rings are `tf.lookup` tables, not
+variables, so a dataset instrumented inside a `tf.distribute` strategy scope
+does not get mirrored variables (which cannot be scatter-updated). It adds no
 Python to the pipeline and leaves the elements unchanged.
 
 The monitors read the rings every few steps (never per step) through an
@@ -53,12 +55,11 @@ class InputProbe:
             for s in specs
         ]
         width = max(1, sum(r for r in self.ranks if r))
+        table = tf.lookup.experimental.MutableHashTable
         with tf.init_scope():
-            self._count = tf.Variable(0, dtype=tf.int64, trainable=False, name="kg_produced")
-            self._ready = tf.Variable(tf.zeros([capacity], tf.float64), trainable=False,
-                                      name="kg_ready_time")
-            self._shapes = tf.Variable(tf.zeros([capacity, width], tf.int32),
-                                       trainable=False, name="kg_shapes")
+            self._count = table(tf.int64, tf.int64, default_value=0)
+            self._ready = table(tf.int64, tf.float64, default_value=np.nan)
+            self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
         self.created = time.time()
         with _LOCK:
             _PROBES.add(self)
@@ -70,18 +71,20 @@ class InputProbe:
             for t, r in zip(tf.nest.flatten(element), self.ranks) if r
         ]
         shape = tf.concat(dims, 0) if dims else tf.zeros([1], tf.int32)
-        index = self._count.assign_add(1) - 1
-        slot = tf.reshape(index % self.capacity, [1, 1])
-        with tf.control_dependencies([index]):
+        zero = tf.constant([0], tf.int64)
+        index = self._count.lookup(zero)  # the map is sequential: no race
+        counted = self._count.insert(zero, index + 1)
+        with tf.control_dependencies([counted]):
             now = tf.timestamp()
-        ready = self._ready.scatter_nd_update(slot, tf.reshape(now, [1]))
-        shapes = self._shapes.scatter_nd_update(slot, tf.reshape(shape, [1, -1]))
+        slot = index % self.capacity
+        ready = self._ready.insert(slot, tf.reshape(now, [1]))
+        shapes = self._shapes.insert(slot, tf.reshape(shape, [1, -1]))
         with tf.control_dependencies([ready, shapes]):
             return tf.nest.map_structure(tf.identity, element)
 
     def produced(self):
         """Number of elements produced so far."""
-        return int(self._count.numpy())
+        return int(self._count.lookup(tf.constant([0], tf.int64)).numpy()[0])
 
     def read(self, start, stop):
         """Ready times (s, epoch) and shape rows of elements [start, stop).
@@ -92,8 +95,9 @@ class InputProbe:
         produced = self.produced()
         idx = np.arange(start, stop)
         valid = (idx >= max(0, produced - self.capacity)) & (idx < produced)
-        ready = self._ready.numpy()[idx % self.capacity]
-        shapes = self._shapes.numpy()[idx % self.capacity]
+        slots = tf.constant(idx % self.capacity, tf.int64)
+        ready = self._ready.lookup(slots).numpy()
+        shapes = self._shapes.lookup(slots).numpy().reshape(len(idx), -1)
         ready = np.where(valid, ready, np.nan)
         shapes = np.where(valid[:, None], shapes, -1)
         return ready, shapes

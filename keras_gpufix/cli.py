@@ -1,10 +1,60 @@
-"""`keras-gpufix` command line: a thin shell over library functions."""
+"""`keras-gpufix` command line: a thin shell over library functions.
+
+| command                                   | library function                      |
+|-------------------------------------------|---------------------------------------|
+| `validate CONFIG [--fix]`                 | `config.validate_config`              |
+| `diagnose [--json] [--steps N] -- CMD`    | `diagnose.run_diagnosis`              |
+| `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
+| `cache build|info|clear CORPUS`           | `benchdata.cache_build/info/clear`    |
+| `demo`                                    | `demo.run_demo`                       |
+
+Each function returns a dict; `--json` prints it as one line (the last line
+of stdout), otherwise it is printed for people. Exit codes: 0 success,
+1 problems found (validate), 2 bad arguments or unusable input; diagnose
+exits with the script's own exit code.
+"""
 
 import argparse
+import json
+import sys
 
 from keras_gpufix import __version__
 
 __all__ = ["main", "build_parser"]
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def _int_list(text):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of integers >= 1")
+    return [_positive_int(t) for t in items]
+
+
+def _parallel_list(text):
+    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list: auto or integers >= 1")
+    return [t if t == "auto" else _positive_int(t) for t in items]
 
 
 def build_parser():
@@ -13,15 +63,164 @@ def build_parser():
         description="Find why the GPU idles while model.fit trains, and fix it.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a YAML config for performance traps",
+                       description="Exit 0 valid, 1 problems found, 2 unusable input.")
+    p.add_argument("config", metavar="CONFIG", help="YAML config file")
+    p.add_argument("--fix", action="store_true",
+                   help="rewrite the file with the fixes (backup kept beside it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "diagnose", help="run a training script with the monitors and name the cause",
+        description="Runs the script unchanged (like python -m cProfile); every model.fit "
+                    "gets the monitors. Exits with the script's exit code.",
+        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] -- python train.py ARGS")
+    p.add_argument("--json", action="store_true",
+                   help="print the diagnosis as one JSON line, the last line of stdout")
+    p.add_argument("--steps", type=_positive_int, metavar="N",
+                   help="stop every fit after N steps")
+    p.add_argument("--log-dir", metavar="DIR", help="where profiler traces go "
+                   "(default: a new temp folder)")
+    p.add_argument("--no-trace", action="store_true", help="take no XProf trace")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS")
+
+    p = sub.add_parser("bench-data", help="input-pipeline throughput alone, over a grid")
+    p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
+    p.add_argument("--batch-sizes", type=_int_list, default=[16, 32, 64], metavar="16,32,64")
+    p.add_argument("--parallel", type=_parallel_list, default=["auto"], metavar="auto,1,2",
+                   help="tf.data thread-pool sizes to try (auto: TensorFlow's default)")
+    p.add_argument("--seconds", type=_positive_float, default=3.0, metavar="S",
+                   help="measuring time per setting (default 3)")
+    p.add_argument("--num-buckets", type=_positive_int, default=8)
+    p.add_argument("--cache-dir", metavar="DIR", help="feature cache (built first if needed)")
+    p.add_argument("--config", metavar="CONFIG", help="take audio/text/cache_dir from a config")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("cache", help="build, inspect or clear the feature cache")
+    p.add_argument("action", choices=("build", "info", "clear"))
+    p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
+    p.add_argument("--cache-dir", metavar="DIR", help="cache folder (or data.cache_dir of --config)")
+    p.add_argument("--config", metavar="CONFIG", help="take audio/text/cache_dir from a config")
+    p.add_argument("--all", action="store_true", help="clear: every entry in the cache folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("demo", help="generate a small corpus, train briefly, show the diagnosis")
+    p.add_argument("--dir", metavar="DIR", help="work folder (default: a new temp folder)")
+    p.add_argument("--utterances", type=_positive_int, default=96)
+    p.add_argument("--epochs", type=_positive_int, default=3)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _print_json(result):
+    print(json.dumps(result, separators=(",", ":"), default=str), flush=True)
+
+
+def _validate(args, parser):
+    from keras_gpufix.config import validate_config
+
+    result = validate_config(args.config, fix=args.fix)
+    if args.json:
+        _print_json(result)
+        return result["exit_code"]
+    if result["exit_code"] == 2:
+        print(f"keras-gpufix validate: {result['error']}", file=sys.stderr)
+        return 2
+    for change in result["changes"]:
+        print(f"fixed {args.config}:{change['line']}: {change['key']}: "
+              f"{change['before']} -> {change['after']} ({change['reason']})")
+    if result["backup"]:
+        print(f"wrote {args.config} (original kept as {result['backup']})")
+    for problem in result["problems"]:
+        print(f"problem [{problem['kind']}] {problem['message']}")
+    print(f"{args.config}: " + ("valid" if not result["problems"] else
+                                f"{len(result['problems'])} problem(s)"
+                                + (" left that --fix cannot fix" if args.fix else "")))
+    return result["exit_code"]
+
+
+def _diagnose(args, parser, sub):
+    from keras_gpufix.diagnose import format_report, run_diagnosis
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        sub.error("the script to run is required: keras-gpufix diagnose -- python train.py ARGS")
+    try:
+        result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
+                               trace=not args.no_trace, verbose=0 if args.json else 1)
+    except ValueError as exc:
+        sub.error(str(exc))
+    if args.json:
+        _print_json(result)
+    else:
+        print("\n" + format_report(result), flush=True)
+    return result["exit_code"]
+
+
+def _bench(args, parser, sub):
+    from keras_gpufix.benchdata import bench_data, format_bench
+
+    try:
+        result = bench_data(args.corpus, batch_sizes=args.batch_sizes, parallel=args.parallel,
+                            seconds=args.seconds, num_buckets=args.num_buckets,
+                            cache_dir=args.cache_dir, config=args.config,
+                            verbose=0 if args.json else 1)
+    except (ValueError, FileNotFoundError) as exc:
+        sub.error(str(exc))
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_bench(result))
+    return 0
+
+
+def _cache(args, parser, sub):
+    from keras_gpufix import benchdata
+
+    function = {"build": benchdata.cache_build, "info": benchdata.cache_info,
+                "clear": benchdata.cache_clear}[args.action]
+    kwargs = {"all_entries": args.all} if args.action == "clear" else {}
+    try:
+        result = function(args.corpus, cache_dir=args.cache_dir, config=args.config,
+                          verbose=0 if args.json else 1, **kwargs)
+    except (ValueError, FileNotFoundError) as exc:
+        sub.error(str(exc))
+    if args.json:
+        _print_json(result)
+    else:
+        print(benchdata.format_cache(result))
+    return 0
+
+
+def _demo(args, parser, sub):
+    from keras_gpufix.demo import format_demo, run_demo
+
+    result = run_demo(workdir=args.dir, utterances=args.utterances, epochs=args.epochs,
+                      verbose=0 if args.json else 1)
+    if args.json:
+        _print_json(result)
+    else:
+        print("\n" + format_demo(result))
+    return 0
 
 
 def main(argv=None) -> int:
     """Runs the CLI; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad argument (2)
+        return exc.code if isinstance(exc.code, int) else 0
     if args.command is None:
         parser.print_help()
         return 2
-    return 2
+    sub = parser._subparsers._group_actions[0].choices[args.command]
+    handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
+               "cache": _cache, "demo": _demo}[args.command]
+    try:
+        return handler(args, parser, sub)
+    except SystemExit as exc:  # argparse errors (exit 2) from inside a handler
+        return exc.code if isinstance(exc.code, int) else 2

@@ -152,9 +152,10 @@ class ProfilingConfig:
     """`monitor.profiling`: arguments of `kg.ProfilerTrigger` (`false` disables it)."""
 
     trigger: Any = _spec("oscillation",
-                         '"oscillation", "slow_step", a step number or a list of steps',
+                         '"oscillation", "slow_step", a step number or a list of these',
                          lambda v: isinstance(v, str) or _is_int(v)
-                         or (isinstance(v, list) and all(_is_int(s) for s in v)))
+                         or (isinstance(v, list) and v
+                             and all(_is_int(s) or isinstance(s, str) for s in v)))
     steps: int = _spec(10, "an integer >= 1", lambda v: _is_int(v) and v >= 1, _int_from_str)
     max_traces: int = _spec(3, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
                             _int_from_str)

@@ -118,7 +118,7 @@ def _print_json(result):
     print(json.dumps(result, separators=(",", ":"), default=str), flush=True)
 
 
-def _validate(args, parser):
+def _validate(args, sub):
     from keras_gpufix.config import validate_config
 
     result = validate_config(args.config, fix=args.fix)
@@ -141,7 +141,7 @@ def _validate(args, parser):
     return result["exit_code"]
 
 
-def _diagnose(args, parser, sub):
+def _diagnose(args, sub):
     from keras_gpufix.diagnose import format_report, run_diagnosis
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -159,7 +159,7 @@ def _diagnose(args, parser, sub):
     return result["exit_code"]
 
 
-def _bench(args, parser, sub):
+def _bench(args, sub):
     from keras_gpufix.benchdata import bench_data, format_bench
 
     try:
@@ -176,7 +176,7 @@ def _bench(args, parser, sub):
     return 0
 
 
-def _cache(args, parser, sub):
+def _cache(args, sub):
     from keras_gpufix import benchdata
 
     function = {"build": benchdata.cache_build, "info": benchdata.cache_info,
@@ -194,7 +194,7 @@ def _cache(args, parser, sub):
     return 0
 
 
-def _demo(args, parser, sub):
+def _demo(args, sub):
     from keras_gpufix.demo import format_demo, run_demo
 
     result = run_demo(workdir=args.dir, utterances=args.utterances, epochs=args.epochs,
@@ -221,6 +221,6 @@ def main(argv=None) -> int:
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo}[args.command]
     try:
-        return handler(args, parser, sub)
+        return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler
         return exc.code if isinstance(exc.code, int) else 2

@@ -1,0 +1,105 @@
+import json
+
+import keras
+import pytest
+
+from keras_gpufix.cli import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from keras_gpufix.data.synthetic import make_corpus
+
+    return make_corpus(str(tmp_path_factory.mktemp("cli") / "corpus"), 24, max_seconds=2.0,
+                       bad_files=("empty_file",))
+
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_help_and_version(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert "keras-gpufix" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["bench-data", "c", "--batch-sizes", "8,x"], "--batch-sizes"),
+    (["bench-data", "c", "--seconds", "0"], "--seconds"),
+    (["bench-data", "c", "--parallel", "auto,-1"], "--parallel"),
+    (["diagnose", "--steps", "0", "--", "python", "t.py"], "--steps"),
+    (["cache", "explode", "c"], "action"),
+    (["demo", "--utterances", "zero"], "--utterances"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, name):
+    assert main(argv) == 2
+    assert name in capsys.readouterr().err
+
+
+def test_cache_build_info_clear(corpus, tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
+    info = last_json(capsys.readouterr().out)
+    assert info["status"] == "missing" and info["utterances"] == 24 and info["skipped"] == 1
+
+    assert main(["cache", "build", corpus, "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "cache miss" in out and "status:       fresh" in out
+
+    assert main(["cache", "build", corpus, "--cache-dir", cache, "--json"]) == 0
+    built = last_json(capsys.readouterr().out)
+    assert built["build"] == "hit" and built["size_bytes"] > 0
+    assert built["fingerprint"] == info["fingerprint"]
+
+    assert main(["cache", "clear", corpus, "--cache-dir", cache]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
+    assert last_json(capsys.readouterr().out)["status"] == "missing"
+
+
+def test_cache_needs_a_folder(corpus, capsys):
+    assert main(["cache", "info", corpus]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
+    assert main(["cache", "info", "/no/such/corpus", "--cache-dir", "/tmp"]) == 2
+    assert "CORPUS" in capsys.readouterr().err
+
+
+def test_cache_takes_settings_from_a_config(corpus, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  audio: {{n_mels: 40}}\n  cache_dir: {tmp_path / 'cc'}\n")
+    assert main(["cache", "info", corpus, "--cache-dir", str(tmp_path / "cc"), "--json"]) == 0
+    default = last_json(capsys.readouterr().out)
+    assert main(["cache", "info", corpus, "--config", str(cfg), "--json"]) == 0
+    from_config = last_json(capsys.readouterr().out)
+    assert from_config["cache_dir"] == str(tmp_path / "cc")
+    assert from_config["fingerprint"] != default["fingerprint"]  # n_mels is part of it
+
+
+def test_bench_data_grid_and_recommendation(corpus, tmp_path, capsys):
+    argv = ["bench-data", corpus, "--batch-sizes", "4,8", "--parallel", "auto,1",
+            "--seconds", "0.3", "--num-buckets", "2", "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[4/4]" in out and "recommended: batch_size=" in out and "steps/s" in out
+    assert main(argv + ["--json"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["cache"] == "hit"
+    assert [(r["batch_size"], r["parallel"]) for r in result["runs"]] == [
+        (4, "auto"), (4, 1), (8, "auto"), (8, 1)]
+    assert all(r["batches"] > 0 and r["utterances_per_s"] > 0 for r in result["runs"])
+    best = max(result["runs"], key=lambda r: r["utterances_per_s"])
+    assert result["best"] == best
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    try:
+        assert main(["demo", "--dir", str(tmp_path), "--utterances", "24", "--epochs", "2"]) == 0
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    out = capsys.readouterr().out
+    assert "24 utterances kept, 1 skipped" in out
+    assert "bad_truncated" in out
+    assert "verdict:" in out and "retracing:" in out
+    assert main(["validate", str(tmp_path / "demo.yaml")]) == 0

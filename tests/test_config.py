@@ -1,0 +1,203 @@
+import os
+import shutil
+
+import pytest
+
+from keras_gpufix.cli import main
+from keras_gpufix.config import (ConfigError, Config, check_config, load_config,
+                                 validate_config)
+
+CPU = {"gpus": [], "cpu_bf16": False}
+GOOD = """\
+# a good config
+data:
+  batch_size: 32
+  num_buckets: 8
+  prefetch: auto
+training:
+  jit_compile: true
+  mixed_precision: auto
+  epochs: 2
+distribute:
+  mode: default
+monitor:
+  window: 32
+  thresholds: {spike_factor: 3.0}
+  profiling: {trigger: [oscillation, 20], steps: 5}
+"""
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_good_config(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    assert cfg.data.batch_size == 32
+    assert cfg.training.epochs == 2
+    assert cfg.monitor.thresholds == {"spike_factor": 3.0}
+    assert cfg.monitor.profiling.trigger == ["oscillation", 20]
+    assert cfg.lines["data.batch_size"] == 3
+    assert check_config(cfg, CPU) == []
+
+
+def test_unknown_key_names_line_and_closest_key(tmp_path):
+    path = write(tmp_path, "data:\n  batch_size: 8\n  num_bucket: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert problem["kind"] == "unknown_key"
+    assert problem["line"] == 3
+    assert problem["suggestion"] == "num_buckets"
+    assert "line 3" in str(info.value) and "did you mean `num_buckets`?" in str(info.value)
+
+
+def test_wrong_type_names_expected_type(tmp_path):
+    path = write(tmp_path, "training:\n  jit_compile: yes please\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert "line 2" in msg and "`training.jit_compile` must be true or false" in msg
+    assert "'yes please' (a string)" in msg
+
+
+def test_nested_unknown_keys(tmp_path):
+    path = write(tmp_path, "monitor:\n  thresholds: {spike_factr: 3}\n"
+                           "  profiling: {stepz: 3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    keys = {p["key"]: p["suggestion"] for p in info.value.problems}
+    assert keys == {"monitor.thresholds.spike_factr": "spike_factor",
+                    "monitor.profiling.stepz": "steps"}
+
+
+def test_yaml_syntax_error_is_unusable(tmp_path):
+    path = write(tmp_path, "data:\n  batch_size: [1,\n  x: 2\n")
+    result = validate_config(path, environment=CPU)
+    assert result["exit_code"] == 2
+    assert result["problems"][0]["kind"] == "yaml_syntax"
+    assert result["problems"][0]["line"] is not None
+
+
+@pytest.mark.parametrize("text, kind, key", [
+    ("data:\n  num_buckets: 0\ntraining:\n  jit_compile: true\n", "unbounded_shapes",
+     "data.num_buckets"),
+    ("data:\n  prefetch: false\n", "prefetch_disabled", "data.prefetch"),
+    ("data:\n  batch_size: 30\ndistribute:\n  mode: mirrored\n  devices: [/cpu:0, /cpu:1, /cpu:2, /cpu:3]\n",
+     "batch_not_divisible", "data.batch_size"),
+    ("training:\n  mixed_precision: mixed_float16\n", "mixed_precision_unsupported",
+     "training.mixed_precision"),
+    ("data:\n  cache_dir: {file}/cache\n", "cache_dir_not_writable", "data.cache_dir"),
+    ("data:\n  corpus: no/such/corpus\n", "corpus_missing", "data.corpus"),
+])
+def test_each_trap_is_found(tmp_path, text, kind, key):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    path = write(tmp_path, text.format(file=blocker))
+    problems = validate_config(path, environment=CPU)["problems"]
+    assert [(p["kind"], p["key"]) for p in problems] == [(kind, key)]
+    assert problems[0]["line"] is not None
+
+
+def test_bfloat16_needs_hardware_support():
+    cfg = Config()
+    cfg.training.mixed_precision = "mixed_bfloat16"
+    assert [p["kind"] for p in check_config(cfg, CPU)] == ["mixed_precision_unsupported"]
+    assert check_config(cfg, {"gpus": [], "cpu_bf16": True}) == []
+    old_gpu = {"gpus": [{"name": "T4", "compute_capability": [7, 5]}], "cpu_bf16": False}
+    assert [p["kind"] for p in check_config(cfg, old_gpu)] == ["mixed_precision_unsupported"]
+    cfg.training.mixed_precision = "mixed_float16"
+    assert check_config(cfg, old_gpu) == []
+
+
+def test_bad_input_unset_only_for_a_corpus_with_bad_files(tmp_path):
+    from keras_gpufix.data.synthetic import make_corpus
+
+    clean = make_corpus(str(tmp_path / "clean"), 3, max_seconds=1.0)
+    bad = make_corpus(str(tmp_path / "bad"), 3, max_seconds=1.0, bad_files=("not_wav",))
+    assert validate_config(write(tmp_path, f"data:\n  corpus: {clean}\n"),
+                           environment=CPU)["exit_code"] == 0
+    path = write(tmp_path, "data:\n  corpus: bad\n", name="bad.yaml")  # relative to the file
+    result = validate_config(path, environment=CPU)
+    assert [p["kind"] for p in result["problems"]] == ["bad_input_unset"]
+    assert "bad_not_wav.wav" in result["problems"][0]["message"]
+    fixed = validate_config(path, fix=True, environment=CPU)
+    assert fixed["exit_code"] == 0
+    assert load_config(path).data.on_bad_input == "skip"
+
+
+def test_fix_round_trip(tmp_path):
+    text = ("# keep this comment\n"
+            "data:\n"
+            "  batch_size: \"30\"   # global batch\n"
+            "  num_buckets: 0\n"
+            "  prefetch: false\n"
+            "training: {jit_compile: true, mixed_precision: mixed_float16, epocs: 3}\n"
+            "distribute:\n"
+            "  mode: mirrored\n"
+            "  devices: [/cpu:0, /cpu:1, /cpu:2, /cpu:3]\n")
+    path = write(tmp_path, text)
+    result = validate_config(path, fix=True, environment=CPU)
+    assert result["exit_code"] == 0, result["problems"]
+    changes = {(c["key"], c["after"]) for c in result["changes"]}
+    assert ("data.num_buckets", "8") in changes
+    assert ("data.prefetch", "auto") in changes
+    assert ("training.epocs", "training.epochs") in changes
+    assert ("training.mixed_precision", "auto") in changes
+    assert ("data.batch_size", "32") in changes
+    with open(result["backup"]) as f:
+        assert f.read() == text
+    new = open(path).read()
+    assert "# keep this comment" in new and "# global batch" in new
+    cfg = load_config(path)
+    assert (cfg.data.batch_size, cfg.data.num_buckets, cfg.training.epochs) == (32, 8, 3)
+    assert validate_config(path, environment=CPU)["exit_code"] == 0
+
+
+def test_fix_inserts_missing_key_and_keeps_unfixable(tmp_path):
+    path = write(tmp_path, "data:\n  corpus: nowhere\n  num_buckets: null\n  batch_size: 8\n")
+    result = validate_config(path, fix=True, environment=CPU)
+    assert [p["kind"] for p in result["problems"]] == ["corpus_missing"]
+    assert result["exit_code"] == 1
+    assert load_config(path).data.num_buckets == 8
+    path = write(tmp_path, "training:\n  jit_compile: true\ndata:\n  num_buckets: 0\n",
+                 name="two.yaml")
+    validate_config(path, fix=True, environment=CPU)
+    assert load_config(path).data.num_buckets == 8
+    assert os.path.exists(path + ".bak")
+
+
+def test_validate_cli_exit_codes(tmp_path, capsys):
+    good = write(tmp_path, GOOD.replace("mixed_precision: auto", "mixed_precision: float32"),
+                 name="good.yaml")
+    assert main(["validate", good]) == 0
+    assert "valid" in capsys.readouterr().out
+    bad = write(tmp_path, "data:\n  num_bucket: 3\n", name="bad.yaml")
+    assert main(["validate", bad]) == 1
+    out = capsys.readouterr().out
+    assert "bad.yaml, line 2" in out and "did you mean `num_buckets`?" in out
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    broken = write(tmp_path, "data: [1,\n", name="broken.yaml")
+    assert main(["validate", broken]) == 2
+    assert "YAML syntax error" in capsys.readouterr().err
+
+
+def test_validate_cli_fix_prints_changes(tmp_path, capsys):
+    path = write(tmp_path, "data:\n  prefetch: 0\n")
+    original = open(path).read()
+    assert main(["validate", path, "--fix"]) == 0
+    out = capsys.readouterr().out
+    assert "data.prefetch: 0 -> auto (prefetch_disabled)" in out
+    assert open(path + ".bak").read() == original
+    assert main(["validate", path]) == 0
+
+
+def test_example_config_is_valid():
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "tts.yaml")
+    if not os.path.exists(path):
+        pytest.skip("examples/tts.yaml not present")
+    cfg = load_config(path)
+    assert cfg.data.num_buckets

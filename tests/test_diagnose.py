@@ -1,0 +1,201 @@
+"""diagnose on planted-fault scripts (subprocesses: it runs a script like cProfile)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from keras_gpufix.cli import main
+from keras_gpufix.diagnose import rank_causes, scan_script
+
+SLOW_INPUT = """\
+import time
+import numpy as np
+import tensorflow as tf
+import keras
+
+def slow_load(x):
+    time.sleep(0.02)
+    return x
+
+def load(x, y):
+    x = tf.py_function(slow_load, [x], tf.float32)
+    x.set_shape([16])
+    return x, y
+
+xs = np.random.rand(256, 16).astype("float32")
+ys = np.random.rand(256, 1).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, ys)).map(load).batch(8).prefetch(2)
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=True)
+model.fit(ds, epochs=3, verbose=0)
+print("slow script done")
+"""
+
+RECOMPILING = """\
+import numpy as np
+import tensorflow as tf
+import keras
+
+lengths = np.tile(np.arange(10, 250, 20), 3)  # 12 distinct lengths, each seen 3 times
+
+def pad(n):
+    return tf.ones([n, 4]), tf.ones([1])
+
+ds = tf.data.Dataset.from_tensor_slices(lengths).map(pad).padded_batch(1).prefetch(2)
+inp = keras.Input((None, 4))
+x = keras.layers.Conv1D(8, 3, padding="same")(inp)
+model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))
+model.compile("adam", "mse", jit_compile=True)
+model.fit(ds, epochs=1, verbose=0)
+"""
+
+HEALTHY = """\
+import sys
+import numpy as np
+import tensorflow as tf
+import keras
+
+xs = np.random.rand(512, 256).astype("float32")
+ys = np.random.rand(512, 1).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(64).cache().repeat().prefetch(4)
+model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+model.compile("adam", "mse", jit_compile=True)
+model.fit(ds, epochs=1, steps_per_epoch=400, verbose=0)
+print("healthy script done, exiting with", sys.argv[1])
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def diagnose(tmp_path, source, *args, steps=30, trace=True):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    cmd = [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--steps", str(steps),
+           "--log-dir", str(tmp_path / "logs")]
+    if not trace:
+        cmd.append("--no-trace")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(cmd + ["--", "python", str(script), *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    return proc, json.loads(lines[-1]), lines
+
+
+def test_slow_py_function_input_is_input_bound(tmp_path):
+    proc, result, lines = diagnose(tmp_path, SLOW_INPUT, steps=30)
+    assert proc.returncode == 0 and result["exit_code"] == 0
+    assert "slow script done" in lines[:-1]
+    assert result["verdict"] == "input_bound"
+    wait = next(e for e in result["evidence"] if e["figure"] == "input_wait")
+    assert wait["value"] >= 0.5
+    assert wait["value"] == result["fits"][0]["monitor"]["input_wait"]
+    traces = [e for e in result["evidence"] if e["source"] == "XProf"]
+    assert traces and traces[0]["value"] >= 20.0 and "input-bound" in traces[0]["text"]
+    assert result["fits"][0]["stopped_by_diagnose"] is True
+    scan = [(f["trap"], f["line"]) for f in result["scan"]]
+    assert ("py_function_in_map", 17) in scan
+    assert result["fixes"][0]["verdict"] == "input_bound"
+    assert any("train.py:17" in w for w in result["fixes"][0]["where"])
+    for key in ("environment", "fits", "ranking", "log_dir"):
+        assert key in result
+    assert result["environment"]["tensorflow"] and result["environment"]["cpu_count"] >= 1
+
+
+def test_variable_lengths_under_jit_are_recompiling(tmp_path):
+    proc, result, _ = diagnose(tmp_path, RECOMPILING, steps=30, trace=False)
+    assert proc.returncode == 0
+    assert result["verdict"] == "recompiling"
+    retracing = result["fits"][0]["retracing"]
+    assert retracing["new_shapes"] == 12
+    top = result["evidence"][0]
+    assert top["source"] == "RetracingMonitor" and top["value"] == retracing["recompile_share"]
+    assert f"{retracing['new_shapes']} distinct input shapes" in top["text"]
+    assert result["fixes"][0]["verdict"] == "recompiling"
+    assert result["scan"] == []
+
+
+def test_healthy_script_keeps_its_exit_code(tmp_path):
+    proc, result, lines = diagnose(tmp_path, HEALTHY, "3", steps=40, trace=False)
+    assert proc.returncode == 3 and result["exit_code"] == 3
+    assert "healthy script done, exiting with 3" in lines[:-1]
+    assert result["verdict"] == "healthy", result["ranking"]
+    fit = result["fits"][0]
+    assert fit["monitor"]["step_time"]["count"] > 0
+    assert fit["monitor"]["input_wait"] < 0.2
+    assert result["evidence"] and "compute-bound" in result["evidence"][0]["text"]
+    assert result["scan"] == [] and result["fixes"] == []
+
+
+def test_text_report_and_failing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("print('before the error')\nraise RuntimeError('planted')\n")
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--",
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 1
+    assert "before the error" in proc.stdout
+    assert "RuntimeError: planted" in proc.stderr
+    assert "verdict: healthy" in proc.stdout and "(exit code 1)" in proc.stdout
+
+
+def test_diagnose_argument_errors(tmp_path, capsys):
+    assert main(["diagnose"]) == 2
+    assert "the script to run is required" in capsys.readouterr().err
+    assert main(["diagnose", "--", "python", str(tmp_path / "nope.py")]) == 2
+    assert "script not found" in capsys.readouterr().err
+
+
+def test_static_scan_finds_each_trap(tmp_path):
+    script = tmp_path / "traps.py"
+    script.write_text(textwrap.dedent("""\
+        import tensorflow as tf
+
+        def decode(path):
+            return tf.numpy_function(lambda p: p, [path], tf.string)
+
+        def batches():
+            for i in range(10):
+                yield i, i
+
+        ds = tf.data.Dataset.from_tensor_slices(["a"]).map(decode).batch(2)
+        ds2 = tf.data.Dataset.from_generator(batches, output_types=(tf.int32, tf.int32))
+        model.compile("adam", "mse", run_eagerly=True, jit_compile=False)
+        model.fit(batches(), epochs=1)
+        gen = (x for x in range(3))
+        model.fit(gen)
+        for batch in ds:
+            print(batch.numpy())
+        model.run_eagerly = True
+        """))
+    found = [(f["trap"], f["line"]) for f in scan_script(script)]
+    assert found == [
+        ("no_prefetch", 10), ("py_function_in_map", 10), ("python_generator", 11),
+        ("jit_compile_false", 12), ("run_eagerly", 12), ("python_generator", 13),
+        ("python_generator", 15), ("numpy_in_loop", 17), ("run_eagerly", 18),
+    ]
+    first = scan_script(script)[1]
+    assert first["file"] == str(script) and first["code"].startswith("ds = tf.data")
+    assert "line 4" in first["detail"]
+
+
+def test_rank_orders_causes_by_measured_cost():
+    fits = [{
+        "index": 1, "wall_s": 10.0,
+        "monitor": {"input_wait": 0.3, "events": [],
+                    "step_time": {"count": 50, "p50_ms": 10.0, "p95_ms": 12.0}},
+        "retracing": {"verdict": "recompiling", "recompile_share": 0.6, "recompile_ms": 6000.0,
+                      "new_shapes": 9, "trace_count": 2, "median_step_ms": 5.0},
+    }]
+    scan = [{"trap": "no_prefetch", "file": "t.py", "line": 3, "why": "w", "fix": "f",
+             "verdict": "input_bound"}]
+    verdict, ranking, fixes = rank_causes(fits, scan)
+    assert verdict == "recompiling"
+    assert [c["verdict"] for c in ranking] == ["recompiling", "input_bound"]
+    assert [(f["rank"], f["verdict"]) for f in fixes] == [(1, "recompiling"), (2, "input_bound")]
+    assert fixes[1]["where"] == ["t.py:3: w; f"]
+    assert rank_causes([], [])[0] == "healthy"

@@ -46,3 +46,10 @@ def test_instrumented_inside_a_strategy_scope():
 def test_rejects_non_datasets():
     with pytest.raises(ValueError, match="`dataset` must be a tf.data.Dataset"):
         instrument([1, 2, 3])
+
+
+def test_public_name_is_the_function_after_the_builder_loaded():
+    import keras_gpufix as kg
+    import keras_gpufix.data.builder  # noqa: F401  imports the probe module
+
+    assert callable(kg.data.instrument) and kg.data.instrument is instrument

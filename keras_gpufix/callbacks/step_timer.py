@@ -88,7 +88,7 @@ class StepTimer(GuardedCallback):
     def on_train_begin(self, logs=None):
         self._reset()
         if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
-            from keras_gpufix.data.instrument import InputCursor
+            from keras_gpufix.data.input_probe import InputCursor
 
             self._cursor = InputCursor()
             self._cursor.start()

@@ -1,10 +1,10 @@
 """Speech corpus -> `tf.data` input path (TensorFlow only, loaded lazily)."""
 
-import importlib
+from keras_gpufix._lazy import lazy_getattr
 
 _EXPORTS = {
-    "instrument": "keras_gpufix.data.instrument",
-    "InputProbe": "keras_gpufix.data.instrument",
+    "instrument": "keras_gpufix.data.input_probe",
+    "InputProbe": "keras_gpufix.data.input_probe",
     "SpeechDatasetBuilder": "keras_gpufix.data.builder",
     "AudioConfig": "keras_gpufix.data.audio",
     "LogMelSpectrogram": "keras_gpufix.data.audio",
@@ -24,9 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -49,7 +49,7 @@ from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.bucketing import BucketPlan
 from keras_gpufix.data.cache import FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus
-from keras_gpufix.data.instrument import instrument
+from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_text
 from keras_gpufix.exceptions import GpufixWarning
 

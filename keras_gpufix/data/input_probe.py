@@ -1,0 +1,218 @@
+"""Live input readiness: make a dataset's production observable.
+
+`instrument(dataset)` appends one sequential `map` that, for every element,
+bumps a counter and records in ring buffers when the element became ready
+and the shape of each of its tensors. The rings are `tf.lookup` tables, not
+variables, so a dataset instrumented inside a `tf.distribute` strategy scope
+does not get mirrored variables (which cannot be scatter-updated). It adds no
+Python to the pipeline and leaves the elements unchanged.
+
+The monitors read the rings every few steps (never per step) through an
+`InputCursor`, which follows consumption: the element a step takes is the
+next one after those taken by earlier steps. From that they know, per step:
+
+- the input wait: `max(0, ready_time - step_begin)`: the step could not run
+  before its batch existed (the same quantity XProf's input-pipeline
+  analyzer reports as input time);
+- the batch's shapes (the batch size for samples/s, and new shapes that
+  cost an XLA recompile).
+
+Place it last before the final `prefetch` (or `prefetch_to_device`), after
+any `tf.data` service `distribute`, so that the recorded order is the
+consumption order. The cursor re-anchors when it sees that counts cannot
+match (a dataset consumed outside `fit`, a discarded iterator).
+"""
+
+import threading
+import time
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["instrument", "InputProbe", "InputCursor"]
+
+_PROBES = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+class InputProbe:
+    """Counters and ring buffers written by an instrumented dataset.
+
+    Args:
+        element_spec: the dataset's `element_spec`.
+        capacity: ring size in elements (batches). Defaults to 4096.
+    """
+
+    def __init__(self, element_spec, capacity=4096):
+        if capacity < 16:
+            raise ValueError(f"`capacity` must be >= 16. Received: capacity={capacity}")
+        self.capacity = capacity
+        self.element_spec = element_spec
+        specs = tf.nest.flatten(element_spec)
+        self.ranks = [
+            s.shape.rank if isinstance(s, tf.TensorSpec) and s.shape.rank is not None else None
+            for s in specs
+        ]
+        width = max(1, sum(r for r in self.ranks if r))
+        table = tf.lookup.experimental.MutableHashTable
+        with tf.init_scope():
+            self._count = table(tf.int64, tf.int64, default_value=0)
+            self._ready = table(tf.int64, tf.float64, default_value=np.nan)
+            self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
+        self.created = time.time()
+        with _LOCK:
+            _PROBES.add(self)
+
+    def stamp(self, element):
+        """Records one element (runs inside `tf.data`); returns it unchanged."""
+        dims = [
+            tf.shape(t, out_type=tf.int32)
+            for t, r in zip(tf.nest.flatten(element), self.ranks) if r
+        ]
+        shape = tf.concat(dims, 0) if dims else tf.zeros([1], tf.int32)
+        zero = tf.constant([0], tf.int64)
+        index = self._count.lookup(zero)  # the map is sequential: no race
+        counted = self._count.insert(zero, index + 1)
+        with tf.control_dependencies([counted]):
+            now = tf.timestamp()
+        slot = index % self.capacity
+        ready = self._ready.insert(slot, tf.reshape(now, [1]))
+        shapes = self._shapes.insert(slot, tf.reshape(shape, [1, -1]))
+        with tf.control_dependencies([ready, shapes]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    def produced(self):
+        """Number of elements produced so far."""
+        return int(self._count.lookup(tf.constant([0], tf.int64)).numpy()[0])
+
+    def read(self, start, stop):
+        """Ready times (s, epoch) and shape rows of elements [start, stop).
+
+        Elements already overwritten in the ring or not yet produced come
+        back as NaN times and -1 shapes.
+        """
+        produced = self.produced()
+        idx = np.arange(start, stop)
+        valid = (idx >= max(0, produced - self.capacity)) & (idx < produced)
+        slots = tf.constant(idx % self.capacity, tf.int64)
+        ready = self._ready.lookup(slots).numpy()
+        shapes = self._shapes.lookup(slots).numpy().reshape(len(idx), -1)
+        ready = np.where(valid, ready, np.nan)
+        shapes = np.where(valid[:, None], shapes, -1)
+        return ready, shapes
+
+    def shape_key(self, row):
+        """A hashable, readable form of one shape row: ((B, T), (B,), ...)."""
+        out, pos = [], 0
+        for rank in self.ranks:
+            if rank:
+                out.append(tuple(int(d) for d in row[pos:pos + rank]))
+                pos += rank
+        return tuple(out)
+
+    def batch_size(self, row):
+        """The leading dimension of the first tensor of a shape row."""
+        key = self.shape_key(row)
+        return key[0][0] if key and key[0] else None
+
+    @staticmethod
+    def all():
+        with _LOCK:
+            return list(_PROBES)
+
+
+def instrument(dataset, capacity=4096):
+    """Returns `dataset` with its production observable by the monitors.
+
+    Args:
+        dataset: a `tf.data.Dataset` (batched: each element is one step's
+            input).
+        capacity: ring size in batches. Defaults to 4096.
+
+    Returns:
+        A `tf.data.Dataset` with the same elements; `dataset.input_probe`
+        is its `InputProbe`.
+
+    Example:
+
+    >>> ds = kg.data.instrument(ds.batch(32)).prefetch(tf.data.AUTOTUNE)
+    >>> model.fit(ds, callbacks=[kg.GPUOscillationMonitor()])
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            f"`dataset` must be a tf.data.Dataset. Received: {type(dataset).__name__}"
+        )
+    probe = InputProbe(dataset.element_spec, capacity=capacity)
+
+    def _stamp(*args):
+        element = args[0] if len(args) == 1 else args
+        return probe.stamp(element)
+
+    out = dataset.map(_stamp)  # sequential: recorded order = consumption order
+    out.input_probe = probe
+    return out
+
+
+class InputCursor:
+    """Follows consumption of the instrumented dataset `fit` is reading.
+
+    At `start()` it snapshots every live probe; at the first `take` it picks
+    the probe whose production advanced most since (the training dataset,
+    not a validation one). `take(hooks)` maps steps to elements.
+    """
+
+    def __init__(self):
+        self.probe = None
+        self._baseline = {}
+        self._next = 0
+
+    def start(self):
+        self.probe = None
+        self._baseline = {id(p): (p, p.produced()) for p in InputProbe.all()}
+
+    def epoch_begin(self):
+        if self.probe is not None:
+            self._next = min(self._next, self.probe.produced())
+
+    def _pick(self):
+        best, advance = None, 0
+        for probe in InputProbe.all():
+            before = self._baseline.get(id(probe), (probe, 0))[1]
+            gained = probe.produced() - before
+            if gained > advance:
+                best, advance = probe, gained
+        if best is not None:
+            self.probe = best
+            self._next = self._baseline.get(id(best), (best, 0))[1]
+        return best
+
+    def take(self, begins, ends, counts):
+        """Per hook: (input wait s or None, shape row or None).
+
+        Args:
+            begins, ends: wall times (`time.time()`) of each hook's begin/end.
+            counts: steps (batches) each hook consumed.
+        """
+        n = len(counts)
+        if self.probe is None and self._pick() is None:
+            return [None] * n, [None] * n
+        total = int(sum(counts))
+        ready, shapes = self.probe.read(self._next, self._next + total)
+        self._next += total
+        waits, rows, pos = [], [], 0
+        for b, e, c in zip(begins, ends, counts):
+            r = ready[pos:pos + c]
+            row = shapes[pos + c - 1]
+            pos += c
+            if np.isnan(r).any():
+                waits.append(None)
+                rows.append(None)
+                continue
+            dt = e - b
+            per = dt / c
+            # Step k of the hook cannot start before its element is ready.
+            lag = r - (b + per * np.arange(c))
+            waits.append(float(np.clip(lag.max(), 0.0, dt)))
+            rows.append(row)
+        return waits, rows

@@ -130,7 +130,8 @@ def _validate(args, sub):
         return 2
     for change in result["changes"]:
         print(f"fixed {args.config}:{change['line']}: {change['key']}: "
-              f"{change['before']} -> {change['after']} ({change['reason']})")
+              f"{'(unset)' if change['before'] is None else change['before']} -> {change['after']} "
+              f"({change['reason']})")
     if result["backup"]:
         print(f"wrote {args.config} (original kept as {result['backup']})")
     for problem in result["problems"]:

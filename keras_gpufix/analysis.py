@@ -295,6 +295,20 @@ class OscillationDetector:
         self._since_judgement += 1
         if len(self._times) < self.window or self._since_judgement < self.hop:
             return None
+        return self._judge_now()
+
+    def finish(self):
+        """Judges the steps not judged yet at the end of a run.
+
+        A run shorter than a window, or the tail after the last judgement,
+        is judged once over what the window holds (at least `hop` steps).
+        Returns a new event or None, like `update`.
+        """
+        if self._since_judgement == 0 or len(self._times) < self.hop:
+            return None
+        return self._judge_now()
+
+    def _judge_now(self):
         self._since_judgement = 0
         self.judgements += 1
         self.last_judgement = self.judge()
@@ -383,7 +397,8 @@ class OscillationDetector:
         if verdict == "healthy":
             if current is None or current["verdict"] == "healthy":
                 return None
-        elif self._streak[1] < self.min_windows:
+        elif self._streak[1] < (1 if verdict == "recompiling" else self.min_windows):
+            # New shapes are direct evidence; other verdicts must persist.
             return None
         event = {
             "verdict": verdict,

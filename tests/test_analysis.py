@@ -210,3 +210,23 @@ def test_analysis_and_package_import_without_tensorflow_or_keras():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_short_run_with_new_shapes_is_judged_at_finish():
+    det = OscillationDetector()  # window 96: never full in this run
+    times = noisy(60)
+    new = np.zeros(60, bool)
+    new[[10, 20, 30, 40]] = True
+    times[new] = 0.4
+    assert run(det, times, new_shape=new) == []
+    event = det.finish()
+    assert event["verdict"] == "recompiling"  # direct evidence: one judgement suffices
+    assert det.finish() is None  # nothing new to judge
+
+
+def test_finish_does_not_alarm_on_a_short_healthy_run():
+    det = OscillationDetector()
+    times = noisy(60)
+    times[::5] = 0.08  # a stall pattern, but seen by one judgement only
+    run(det, times)
+    assert det.finish() is None

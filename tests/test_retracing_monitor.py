@@ -1,5 +1,6 @@
 """RetracingMonitor with real `fit`: XLA recompiles for new shapes, and their fix."""
 
+import time
 import warnings
 
 import keras
@@ -133,3 +134,18 @@ def test_find_traced_functions_covers_old_and_odd_train_functions():
 def test_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kg.RetracingMonitor(**kwargs)
+
+
+def test_new_shapes_without_xla_and_slow_input_are_not_recompiles():
+    def slow(x, y):
+        def wait(a):
+            time.sleep(0.02)  # the loader, not a compile, makes these steps slow
+            return a
+        return tf.ensure_shape(tf.py_function(wait, [x], tf.float32), x.shape), y
+
+    ds = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False).map(slow))
+    monitor = kg.RetracingMonitor(max_new_shapes=4, verbose=0)
+    seq_model(jit_compile=False).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["new_shapes"] >= 7
+    assert report["verdict"] == "healthy"

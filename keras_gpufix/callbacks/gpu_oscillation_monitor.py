@@ -165,6 +165,9 @@ class GPUOscillationMonitor(GuardedCallback):
     def on_train_end(self, logs=None):
         self.timer.on_train_end(logs)
         self._feed()
+        event = self.detector.finish()
+        if event is not None:
+            self._emit(event)
         self._deactivate()
         if self._sampler is not None:
             self._sampler.stop()
@@ -264,9 +267,10 @@ class GPUOscillationMonitor(GuardedCallback):
             gpu_util = self._sampler.mean_between(timer.begins[0], timer.ends[-1])
         firsts = [timer.durations[i] * 1e3 for i, f in enumerate(timer.epoch_first) if f]
         shapes = {s for s in timer.shapes if s is not None}
+        fixes = [e["fix"] for e in self.events if e["verdict"] == verdict]
         return {
             "verdict": verdict,
-            "fix": FIXES[verdict],
+            "fix": fixes[-1] if fixes else FIXES[verdict],
             "events": [dict(e) for e in self.events],
             "step_time": timer.summary(),
             "input_wait": input_wait,

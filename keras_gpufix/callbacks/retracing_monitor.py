@@ -237,6 +237,8 @@ class RetracingMonitor(GuardedCallback):
         batch_normal = []
         for i in hooks:
             seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
+            # Time spent waiting for the batch is the input's, not a compile.
+            seconds -= min(seconds, timer.input_waits[i] or 0.0)
             new_traces = self._trace_deltas[i]
             self._global += count
             self._steps += count
@@ -284,7 +286,9 @@ class RetracingMonitor(GuardedCallback):
     def _causes(self, priced):
         causes = {}
         slow_shapes = [e for e in priced if e["shape"] is not None and e["slow"]]
-        if len(slow_shapes) > self.max_new_shapes:
+        # Without XLA a new shape costs nothing unless it retraces (counted below).
+        jit = getattr(getattr(self, "_model", None), "jit_compile", None) is not False
+        if jit and len(slow_shapes) > self.max_new_shapes:
             causes["shapes"] = slow_shapes
         new_traces = (self._traces - self._baseline) if self._functions else 0
         if new_traces > self.max_new_shapes:

@@ -249,7 +249,7 @@ def test_auto_policy_by_gpu_generation(monkeypatch, capability, expected):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ({"avx2"}, "float32"), ({"avx512f", "avx512_bf16"}, "mixed_bfloat16"),
+    ({"avx2"}, "float32"), ({"avx512f", "avx512_bf16"}, "float32"),
     ({"amx_bf16"}, "mixed_bfloat16"), (set(), "float32"),
 ])
 def test_auto_policy_on_cpu_by_bfloat16_support(monkeypatch, flags, expected):

@@ -168,8 +168,9 @@ def compile_model(
       exactly one `LossScaleOptimizer`.
     - `steps_per_execution="auto"` times executions of 1 and of 16 steps on
       `sample_batch` and picks the smallest power of two that keeps the
-      per-execution overhead under 5 % (at most 64, and at most about one
-      second per execution). Callbacks (`on_train_batch_*`, the progress
+      per-execution overhead under 5 % (at most 64, at most about one
+      second per execution, and, when `sample_batch` is a dataset of known
+      length, at most an eighth of an epoch). Callbacks (`on_train_batch_*`, the progress
       bar) then fire once per execution.
 
     Weights, optimizer state and metrics are restored after the sample steps.
@@ -248,7 +249,8 @@ def compile_model(
         num_replicas=replicas,
     )
     if batch is not None:
-        _run_sample_steps(model, batch, strategy, report, steps_per_execution)
+        _run_sample_steps(model, batch, strategy, report, steps_per_execution,
+                          _epoch_steps(sample_batch))
     elif model.steps_per_execution > 1 and _is_mirrored(strategy) and replicas > 1:
         model.steps_per_execution = report.steps_per_execution = 1
         _warn_steps(
@@ -678,7 +680,15 @@ def _jit_reason(report, requested, strategy):
 # -- sample steps: verification and steps_per_execution ------------------------------
 
 
-def _run_sample_steps(model, batch, strategy, report, steps_per_execution):
+def _epoch_steps(sample_batch):
+    """Batches per epoch of a dataset `sample_batch` when known, else None."""
+    if isinstance(sample_batch, tf.data.Dataset):
+        n = int(sample_batch.cardinality())
+        return n if n > 0 else None
+    return None
+
+
+def _run_sample_steps(model, batch, strategy, report, steps_per_execution, epoch_steps):
     with strategy.scope():
         model._symbolic_build(data_batch=batch)
     variables = list(model.variables) + list(model.optimizer.variables)
@@ -715,7 +725,8 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution):
             )
         elif steps_per_execution == "auto":
             report.calibration = run.calibrate()
-            report.steps_per_execution = _choose_steps(report.calibration, strategy)
+            report.steps_per_execution = _choose_steps(report.calibration, strategy,
+                                                       epoch_steps)
             report.calibration["chosen"] = report.steps_per_execution
     finally:
         model.steps_per_execution = report.steps_per_execution
@@ -819,13 +830,17 @@ class _SampleRunner:
         return {"t_1": t1, "k": k, "t_k": tk, "overhead_s": overhead, "step_s": step}
 
 
-def _choose_steps(calibration, strategy):
+def _choose_steps(calibration, strategy, epoch_steps=None):
     overhead, step = calibration["overhead_s"], calibration["step_s"]
     f = _TARGET_OVERHEAD
     needed = overhead * (1 - f) / (f * step)
     k = 1 if needed <= 1 else 2 ** math.ceil(math.log2(needed))
     cap = max(1, min(_MAX_STEPS_PER_EXECUTION, int(_MAX_EXECUTION_S / step)))
     k = min(k, cap)
+    if epoch_steps is not None:
+        # Callbacks fire once per execution: keep at least 8 per epoch.
+        k = max(1, min(k, 2 ** int(math.log2(max(1, epoch_steps // 8)))))
+        calibration["epoch_steps"] = epoch_steps
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         k = int(strategy.reduce(
             "MAX", strategy.run(lambda: tf.constant(k, tf.int64)), axis=None

@@ -122,7 +122,7 @@ def test_sample_steps_leave_weights_optimizer_and_metrics_untouched():
 
 
 def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution():
-    x, y = data(96)
+    x, y = data(512)
     model = small_model()
     report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
                               sample_batch=tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
@@ -131,11 +131,12 @@ def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution()
     assert cal["t_k"] > 0 and cal["t_1"] > 0
     k = report.steps_per_execution
     assert k == cal["chosen"] == model.steps_per_execution
-    assert k == kg_compile._choose_steps(cal, tf.distribute.get_strategy())
-    assert 1 <= k <= 64 and k & (k - 1) == 0  # a power of two
+    assert k == kg_compile._choose_steps(cal, tf.distribute.get_strategy(), 64)
+    assert cal["epoch_steps"] == 64  # the dataset's length caps it at 64 // 8
+    assert 1 <= k <= 8 and k & (k - 1) == 0  # a power of two
     counter = CountBatchEnds()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
-    assert counter.calls == math.ceil(12 / k)  # 12 steps, one hook per execution
+    assert counter.calls == math.ceil(64 / k)  # 64 steps, one hook per execution
 
 
 @pytest.mark.parametrize("overhead, step, expected", [
@@ -147,6 +148,13 @@ def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution()
 def test_choose_steps_rule(overhead, step, expected):
     calibration = {"overhead_s": overhead, "step_s": step}
     assert kg_compile._choose_steps(calibration, tf.distribute.get_strategy()) == expected
+
+
+@pytest.mark.parametrize("epoch_steps, expected", [(8, 1), (100, 8), (1000, 64), (None, 64)])
+def test_choose_steps_keeps_eight_executions_per_epoch(epoch_steps, expected):
+    calibration = {"overhead_s": 0.002, "step_s": 0.0001}  # wants 64
+    assert kg_compile._choose_steps(calibration, tf.distribute.get_strategy(),
+                                    epoch_steps) == expected
 
 
 def test_steps_per_execution_auto_without_sample_batch_warns():

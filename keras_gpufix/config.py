@@ -450,7 +450,7 @@ def device_info():
 
     `gpus`: list of `{"name", "compute_capability"}` (a `[major, minor]`
     list or None) of the physical GPUs TensorFlow sees; `cpu_bf16`: the CPU
-    has native bfloat16 instructions (AVX512-BF16 or AMX).
+    has AMX-BF16 (AVX512-BF16 alone runs a step slower than float32).
     """
     import tensorflow as tf
 
@@ -469,7 +469,7 @@ def device_info():
             flags = f.read()
     except OSError:
         pass
-    return {"gpus": gpus, "cpu_bf16": bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))}
+    return {"gpus": gpus, "cpu_bf16": bool(re.search(r"\bamx_bf16\b", flags))}
 
 
 def _replicas(distribute, info):
@@ -509,7 +509,7 @@ def _precision_support(policy, info):
             return (f"the GPU (compute capability {max(ccs)[0]}.{max(ccs)[1]}) has no "
                     "bfloat16 math; it needs 8.0 (Ampere) or newer")
         if not info["gpus"] and not info["cpu_bf16"]:
-            return "this CPU has no bfloat16 instructions (AVX512-BF16/AMX); it runs emulated"
+            return "this CPU has no AMX-BF16: a bfloat16 step is slower than float32 here"
     return None
 
 

@@ -149,3 +149,21 @@ def test_new_shapes_without_xla_and_slow_input_are_not_recompiles():
     report = monitor.report()
     assert report["new_shapes"] >= 7
     assert report["verdict"] == "healthy"
+
+
+def test_every_step_at_a_new_shape_is_recompiling():
+    rng = np.random.default_rng(1)
+    lengths = range(3, 15)  # 12 batches, no length repeats: no normal step to compare
+    x = [rng.random((BATCH, n, 4), dtype=np.float32) for n in lengths]
+    ds = instrument(tf.data.Dataset.from_generator(
+        lambda: ((a, a.mean(axis=(1, 2))[:, None]) for a in x),
+        output_signature=(tf.TensorSpec([BATCH, None, 4], tf.float32),
+                          tf.TensorSpec([BATCH, 1], tf.float32)),
+    ))
+    monitor = kg.RetracingMonitor(max_new_shapes=8, verbose=0)
+    with pytest.warns(GpufixWarning, match="new input shapes"):
+        seq_model(jit_compile=True).fit(ds, epochs=1, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["new_shapes"] == 12
+    assert report["verdict"] == "recompiling"
+    assert report["recompile_ms"] > 0

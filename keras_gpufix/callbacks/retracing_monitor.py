@@ -275,7 +275,9 @@ class RetracingMonitor(GuardedCallback):
         for e in self._events:
             e = dict(e)
             if median is None:
-                e["cost_ms"], e["slow"] = None, False
+                # Every step so far was at a new shape or traced: nothing to
+                # compare with, so each whole step counts (an upper bound).
+                e["cost_ms"], e["slow"] = e["step_ms"], True
             else:
                 base = median * e["steps"]
                 e["cost_ms"] = max(0.0, e["step_ms"] - base)

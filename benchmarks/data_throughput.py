@@ -113,7 +113,7 @@ def main(argv=None):
     try:
         start = time.perf_counter()
         if not os.path.exists(os.path.join(corpus, "metadata.csv")):
-            kg.data.make_corpus(corpus, args.utterances, seed=0)
+            kg.data.make_synthetic_corpus(corpus, args.utterances, seed=0)
         print(f"corpus: {args.utterances} utterances in {time.perf_counter() - start:.1f} s "
               f"({corpus})")
         shutil.rmtree(cache_dir, ignore_errors=True)

@@ -209,7 +209,7 @@ def main(argv=None):
     if not os.path.exists(os.path.join(corpus, "metadata.csv")):
         print(f"Generating {args.utterances} utterances ({args.min_seconds}-"
               f"{args.max_seconds} s) into {corpus} ...", flush=True)
-        kg.data.make_corpus(corpus, args.utterances, seed=0, min_seconds=args.min_seconds,
+        kg.data.make_synthetic_corpus(corpus, args.utterances, seed=0, min_seconds=args.min_seconds,
                             max_seconds=args.max_seconds)
     audio, text = kg.data.AudioConfig(), kg.data.TextConfig()
     vocab = len(text.vocabulary) + 2

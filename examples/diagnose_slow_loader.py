@@ -31,7 +31,7 @@ FILTERBANK = kg.data.mel_filterbank(CONFIG)  # (n_fft // 2 + 1, n_mels)
 def corpus_dir(root):
     path = os.path.join(root, "corpus")
     if not os.path.exists(os.path.join(path, "metadata.csv")):
-        kg.data.make_corpus(path, 96, seed=0, min_seconds=1.0, max_seconds=4.0)
+        kg.data.make_synthetic_corpus(path, 96, seed=0, min_seconds=1.0, max_seconds=4.0)
     return path
 
 

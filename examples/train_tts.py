@@ -239,7 +239,7 @@ def make_builder(args):
         corpus = os.path.join(args.output, "corpus")
         if not os.path.exists(os.path.join(corpus, "metadata.csv")):
             print(f"Generating {args.utterances} utterances into {corpus} ...")
-            kg.data.make_corpus(corpus, args.utterances, seed=args.seed,
+            kg.data.make_synthetic_corpus(corpus, args.utterances, seed=args.seed,
                                 min_seconds=args.min_seconds, max_seconds=args.max_seconds)
     audio = kg.data.AudioConfig(sample_rate=22050, n_mels=args.n_mels,
                                 max_seconds=args.max_seconds if args.corpus else None)

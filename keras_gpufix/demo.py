@@ -1,6 +1,6 @@
 """`keras-gpufix demo`: the whole fast path on a generated corpus, no data or GPU needed.
 
-1. `kg.data.make_corpus` writes a small LJSpeech-style corpus (speech-like
+1. `kg.data.make_synthetic_corpus` writes a small LJSpeech-style corpus (speech-like
    audio, one deliberately truncated file) and a YAML config beside it;
 2. `kg.from_config` makes the strategy, dtype policy, dataset builder
    (feature cache, length buckets) and the monitors;
@@ -86,7 +86,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     if not os.path.exists(os.path.join(corpus, "metadata.csv")):
         if verbose:
             print(f"Generating {utterances} utterances in {corpus} ...", flush=True)
-        kg.data.make_corpus(corpus, utterances, min_seconds=1.0, max_seconds=4.0,
+        kg.data.make_synthetic_corpus(corpus, utterances, min_seconds=1.0, max_seconds=4.0,
                             bad_files=("truncated",))
     corpus_seconds = time.perf_counter() - t0
 

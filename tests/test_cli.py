@@ -8,9 +8,9 @@ from keras_gpufix.cli import main
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from keras_gpufix.data.synthetic import make_corpus
+    from keras_gpufix.data.synthetic import make_synthetic_corpus
 
-    return make_corpus(str(tmp_path_factory.mktemp("cli") / "corpus"), 24, max_seconds=2.0,
+    return make_synthetic_corpus(str(tmp_path_factory.mktemp("cli") / "corpus"), 24, max_seconds=2.0,
                        bad_files=("empty_file",))
 
 

@@ -113,10 +113,10 @@ def test_bfloat16_needs_hardware_support():
 
 
 def test_bad_input_unset_only_for_a_corpus_with_bad_files(tmp_path):
-    from keras_gpufix.data.synthetic import make_corpus
+    from keras_gpufix.data.synthetic import make_synthetic_corpus
 
-    clean = make_corpus(str(tmp_path / "clean"), 3, max_seconds=1.0)
-    bad = make_corpus(str(tmp_path / "bad"), 3, max_seconds=1.0, bad_files=("not_wav",))
+    clean = make_synthetic_corpus(str(tmp_path / "clean"), 3, max_seconds=1.0)
+    bad = make_synthetic_corpus(str(tmp_path / "bad"), 3, max_seconds=1.0, bad_files=("not_wav",))
     assert validate_config(write(tmp_path, f"data:\n  corpus: {clean}\n"),
                            environment=CPU)["exit_code"] == 0
     path = write(tmp_path, "data:\n  corpus: bad\n", name="bad.yaml")  # relative to the file

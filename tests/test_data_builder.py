@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.builder import SpeechDatasetBuilder
 from keras_gpufix.data.corpus import Corpus, read_wav_header
-from keras_gpufix.data.synthetic import BAD_KINDS, make_corpus, write_wav
+from keras_gpufix.data.synthetic import BAD_KINDS, make_synthetic_corpus, write_wav
 from keras_gpufix.data.text import TextConfig, encode_text
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -26,7 +26,7 @@ SKIPPED = sorted(set(BAD_KINDS) - set(HANDLED))
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), 30, sample_rate=16000,
+    return make_synthetic_corpus(tmp_path_factory.mktemp("corpus"), 30, sample_rate=16000,
                        min_seconds=0.3, max_seconds=1.5, bad_files=BAD_KINDS)
 
 
@@ -117,7 +117,7 @@ def test_skip_mode_reports_every_bad_kind(cached):
 
 @pytest.mark.parametrize("kind", SKIPPED)
 def test_raise_mode_names_file_line_and_reason(tmp_path, kind):
-    path = make_corpus(tmp_path, 2, sample_rate=16000, min_seconds=0.3, max_seconds=1.5,
+    path = make_synthetic_corpus(tmp_path, 2, sample_rate=16000, min_seconds=0.3, max_seconds=1.5,
                        bad_files=[kind])
     with pytest.raises(ValueError, match=r"metadata.csv, line 3 \(id '.*', file .*\.wav\): "):
         SpeechDatasetBuilder(path, audio=AUDIO, on_bad_input="raise", verbose=0)
@@ -125,7 +125,7 @@ def test_raise_mode_names_file_line_and_reason(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", HANDLED)
 def test_raise_mode_converts_handled_kinds(tmp_path, kind):
-    path = make_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.5,
+    path = make_synthetic_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.5,
                        bad_files=[kind])
     builder = SpeechDatasetBuilder(path, audio=AUDIO, on_bad_input="raise", verbose=0)
     assert builder.report["utterances"] == 2 and builder.report["skipped"] == []
@@ -263,7 +263,7 @@ def test_constructor_argument_errors(corpus, tmp_path):
         SpeechDatasetBuilder(corpus, audio={"n_mels": 80})
     with pytest.raises(ValueError, match="`corpus` must be a folder with metadata.csv"):
         SpeechDatasetBuilder(42)
-    empty = make_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.4)
+    empty = make_synthetic_corpus(tmp_path, 1, sample_rate=16000, min_seconds=0.3, max_seconds=0.4)
     os.remove(os.path.join(empty, "wavs", "LJ000-0000.wav"))
     with pytest.raises(ValueError, match="No usable utterance .* LJ000-0000: missing file"):
         SpeechDatasetBuilder(empty, verbose=0)
@@ -273,9 +273,8 @@ def test_public_names_load_lazily():
     import keras_gpufix as kg
 
     for name in ("SpeechDatasetBuilder", "AudioConfig", "TextConfig", "log_mel",
-                 "LogMelSpectrogram", "make_corpus", "make_synthetic_corpus", "Corpus",
+                 "LogMelSpectrogram", "make_synthetic_corpus", "Corpus",
                  "instrument", "InputProbe"):
         assert getattr(kg.data, name) is not None
-    assert kg.data.make_synthetic_corpus is kg.data.make_corpus
     assert isinstance(Corpus.from_pairs([]), kg.data.Corpus)
     assert read_wav_header is kg.data.read_wav_header

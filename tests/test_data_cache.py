@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras_gpufix.data.audio import AudioConfig
 from keras_gpufix.data.builder import SpeechDatasetBuilder
 from keras_gpufix.data.cache import FeatureCache
-from keras_gpufix.data.synthetic import make_corpus
+from keras_gpufix.data.synthetic import make_synthetic_corpus
 from keras_gpufix.exceptions import GpufixWarning
 
 AUDIO = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
@@ -70,7 +70,7 @@ def _entries(cache_dir):
 
 @pytest.fixture()
 def corpus(tmp_path):
-    return make_corpus(tmp_path / "corpus", 12, sample_rate=16000, min_seconds=0.3, max_seconds=1.0)
+    return make_synthetic_corpus(tmp_path / "corpus", 12, sample_rate=16000, min_seconds=0.3, max_seconds=1.0)
 
 
 def test_miss_then_hit_with_identical_features(corpus, tmp_path):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_gpufix.data.corpus import Corpus, read_wav_header
-from keras_gpufix.data.synthetic import BAD_KINDS, make_corpus, write_wav
+from keras_gpufix.data.synthetic import BAD_KINDS, make_synthetic_corpus, write_wav
 
 SKIPPED = {
     "truncated": "truncated WAV: the header declares",
@@ -24,13 +24,13 @@ HANDLED = sorted(set(BAD_KINDS) - set(SKIPPED))
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus")
-    return make_corpus(path, 6, sample_rate=8000, min_seconds=0.2, max_seconds=0.6,
+    return make_synthetic_corpus(path, 6, sample_rate=8000, min_seconds=0.2, max_seconds=0.6,
                        bad_files=BAD_KINDS)
 
 
 def test_make_corpus_is_ljspeech_shaped_and_reproducible(tmp_path):
-    first = make_corpus(tmp_path / "a", 5, seed=3, min_seconds=0.5, max_seconds=2.0)
-    second = make_corpus(tmp_path / "b", 5, seed=3, min_seconds=0.5, max_seconds=2.0)
+    first = make_synthetic_corpus(tmp_path / "a", 5, seed=3, min_seconds=0.5, max_seconds=2.0)
+    second = make_synthetic_corpus(tmp_path / "b", 5, seed=3, min_seconds=0.5, max_seconds=2.0)
     lines = open(os.path.join(first, "metadata.csv"), encoding="utf-8").read().splitlines()
     assert len(lines) == 5
     for line in lines:
@@ -45,7 +45,7 @@ def test_make_corpus_is_ljspeech_shaped_and_reproducible(tmp_path):
 
 
 def test_durations_follow_transcript_length(tmp_path):
-    path = make_corpus(tmp_path, 40, seed=1, sample_rate=8000, min_seconds=1.0, max_seconds=10.0)
+    path = make_synthetic_corpus(tmp_path, 40, seed=1, sample_rate=8000, min_seconds=1.0, max_seconds=10.0)
     corpus = Corpus.from_ljspeech(path)
     kept, _ = corpus.scan()
     seconds = [u.info.seconds for u in kept]
@@ -89,7 +89,7 @@ def test_skip_reports_every_bad_kind(corpus_dir):
 
 @pytest.mark.parametrize("kind", sorted(SKIPPED))
 def test_raise_names_file_line_and_reason(tmp_path, kind):
-    path = make_corpus(tmp_path, 2, sample_rate=8000, min_seconds=0.2, max_seconds=0.6,
+    path = make_synthetic_corpus(tmp_path, 2, sample_rate=8000, min_seconds=0.2, max_seconds=0.6,
                        bad_files=[kind])
     with pytest.raises(ValueError) as info:
         Corpus.from_ljspeech(path).scan("raise", max_seconds=1.0)

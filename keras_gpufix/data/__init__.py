@@ -17,7 +17,6 @@ _EXPORTS = {
     "read_wav_header": "keras_gpufix.data.corpus",
     "BucketPlan": "keras_gpufix.data.bucketing",
     "FeatureCache": "keras_gpufix.data.cache",
-    "make_corpus": "keras_gpufix.data.synthetic",
     "make_synthetic_corpus": "keras_gpufix.data.synthetic",
 }
 

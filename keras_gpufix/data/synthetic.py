@@ -1,6 +1,6 @@
 """A generated LJSpeech-style corpus of speech-like audio (no downloads).
 
-`make_corpus(path, n_utterances)` writes `path/metadata.csv`
+`make_synthetic_corpus(path, n_utterances)` writes `path/metadata.csv`
 (`id|text|normalized_text`, one line per utterance) and `path/wavs/<id>.wav`
 (16-bit PCM mono). The audio is a sequence of syllables: a glottal
 pulse train with a gliding pitch through three formant resonances, an
@@ -37,7 +37,7 @@ import wave
 
 import numpy as np
 
-__all__ = ["make_corpus", "make_synthetic_corpus", "BAD_KINDS", "write_wav"]
+__all__ = ["make_synthetic_corpus", "BAD_KINDS", "write_wav"]
 
 BAD_KINDS = (
     "stereo",
@@ -154,7 +154,7 @@ def _speech(rng, seconds, sample_rate):
     return 0.5 * out + 3e-4 * rng.standard_normal(n)
 
 
-def make_corpus(
+def make_synthetic_corpus(
     path,
     n_utterances,
     seed=0,
@@ -182,7 +182,7 @@ def make_corpus(
 
     Example:
 
-    >>> corpus = make_corpus("/tmp/corpus", 100, max_seconds=4.0)
+    >>> corpus = make_synthetic_corpus("/tmp/corpus", 100, max_seconds=4.0)
     >>> builder = kg.data.SpeechDatasetBuilder(corpus)
     """
     if n_utterances < 1:
@@ -249,4 +249,3 @@ def make_corpus(
     return str(path)
 
 
-make_synthetic_corpus = make_corpus

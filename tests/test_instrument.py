@@ -21,7 +21,7 @@ def test_elements_unchanged_and_recorded_in_order():
     ready, shapes = probe.read(0, 10)
     assert np.all(np.diff(ready) >= 0)
     assert probe.shape_key(shapes[0]) == ((4, FEATURES), (4, 1))
-    assert probe.batch_size(shapes[0]) == 4
+    assert probe.batch_size(probe.shape_key(shapes[0])) == 4
 
 
 def test_ring_reports_overwritten_and_future_elements_as_missing():

@@ -128,7 +128,7 @@ class StepTimer(GuardedCallback):
         if len(self.durations) - self.synced >= self.SYNC_EVERY:
             self.sync()
 
-    SYNC_EVERY = 16
+    SYNC_EVERY = 32
 
     @property
     def input_probe(self):
@@ -138,8 +138,9 @@ class StepTimer(GuardedCallback):
     def sync(self):
         """Reads input wait and shapes of the hooks not read yet.
 
-        Cheap (one read of the probe's rings), so it runs every
-        `SYNC_EVERY` hooks and at epoch end rather than per step.
+        One read of the probe's rings (about a millisecond), so it runs
+        every `SYNC_EVERY` hooks, before validation and at epoch end rather
+        than per step.
         """
         start, stop = self.synced, len(self.durations)
         self.synced = stop
@@ -154,10 +155,11 @@ class StepTimer(GuardedCallback):
         )
         probe = self._cursor.probe
         for i, (wait, row) in enumerate(zip(waits, rows), start=start):
+            key = None if row is None else probe.shape_key(row)
             self.input_waits.append(wait)
-            self.shapes.append(None if row is None else probe.shape_key(row))
-            if row is not None and probe.batch_size(row):
-                self.batch_sizes[i] = probe.batch_size(row)
+            self.shapes.append(key)
+            if key is not None and probe.batch_size(key):
+                self.batch_sizes[i] = probe.batch_size(key)
 
     @guarded
     def on_test_begin(self, logs=None):

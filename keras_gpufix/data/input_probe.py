@@ -60,6 +60,7 @@ class InputProbe:
             self._count = table(tf.int64, tf.int64, default_value=0)
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
+        self._keys = {}
         self.created = time.time()
         with _LOCK:
             _PROBES.add(self)
@@ -104,16 +105,20 @@ class InputProbe:
 
     def shape_key(self, row):
         """A hashable, readable form of one shape row: ((B, T), (B,), ...)."""
-        out, pos = [], 0
-        for rank in self.ranks:
-            if rank:
-                out.append(tuple(int(d) for d in row[pos:pos + rank]))
-                pos += rank
-        return tuple(out)
+        raw = row.tobytes()
+        key = self._keys.get(raw)
+        if key is None:  # few distinct shapes: each is converted once
+            out, pos = [], 0
+            for rank in self.ranks:
+                if rank:
+                    out.append(tuple(int(d) for d in row[pos:pos + rank]))
+                    pos += rank
+            key = self._keys[raw] = tuple(out)
+        return key
 
-    def batch_size(self, row):
-        """The leading dimension of the first tensor of a shape row."""
-        key = self.shape_key(row)
+    @staticmethod
+    def batch_size(key):
+        """The leading dimension of the first tensor of a shape key."""
         return key[0][0] if key and key[0] else None
 
     @staticmethod

@@ -19,8 +19,7 @@ wall-clock ratios on a shared machine swing by tens of percent between
 rounds, the time spent inside the monitors' own hooks is also measured
 directly (a clock around every hook call) and reported per step and as a
 share of the fit's wall time: `1 - share` is the throughput ratio the hooks
-alone allow. TensorFlow runs single-threaded ops here (intra/inter-op
-threads = 1) to keep the rounds comparable.
+alone allow.
 """
 
 import argparse
@@ -64,8 +63,6 @@ def main():
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
 
     rng = np.random.default_rng(0)
     x = rng.random((args.steps * args.batch_size, 128), dtype=np.float32)

@@ -205,19 +205,18 @@ class InputCursor:
         total = int(sum(counts))
         ready, shapes = self.probe.read(self._next, self._next + total)
         self._next += total
-        waits, rows, pos = [], [], 0
-        for b, e, c in zip(begins, ends, counts):
-            r = ready[pos:pos + c]
-            row = shapes[pos + c - 1]
-            pos += c
-            if np.isnan(r).any():
-                waits.append(None)
-                rows.append(None)
-                continue
-            dt = e - b
-            per = dt / c
-            # Step k of the hook cannot start before its element is ready.
-            lag = r - (b + per * np.arange(c))
-            waits.append(float(np.clip(lag.max(), 0.0, dt)))
-            rows.append(row)
-        return waits, rows
+        begins, ends = np.asarray(begins, np.float64), np.asarray(ends, np.float64)
+        counts = np.asarray(counts, np.int64)
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each element's hook start
+        hook = np.repeat(np.arange(n), counts)
+        per = (ends - begins) / counts
+        # Step k of a hook cannot start before its element is ready.
+        lag = ready - (begins[hook] + per[hook] * (np.arange(total) - first))
+        worst = np.full(n, -np.inf)
+        with np.errstate(invalid="ignore"):
+            np.maximum.at(worst, hook, lag)  # NaN (element not readable) propagates
+        waits = np.clip(worst, 0.0, ends - begins)
+        last = np.cumsum(counts) - 1
+        missing = np.isnan(waits)
+        return ([None if m else float(w) for w, m in zip(waits, missing)],
+                [None if m else shapes[i] for i, m in zip(last, missing)])

@@ -17,7 +17,7 @@ new shapes were slow, or the step was traced more than `max_new_shapes`
 times, the verdict is `recompiling` and one warning per cause names the
 shapes and the fix.
 
-Steps are timed, and shapes read every 32 steps and at epoch end, by an
+Steps are timed, and shapes read every quarter second and at epoch end, by an
 inner `StepTimer`; per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
 `logs` dict; results are in `report()`.
 """

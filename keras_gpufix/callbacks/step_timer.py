@@ -125,10 +125,21 @@ class StepTimer(GuardedCallback):
         self._t0 = None
         if self._writer is not None:
             self._writer.add("step_timer/step_ms", elapsed / count * 1e3, self._global - 1)
-        if len(self.durations) - self.synced >= self.SYNC_EVERY:
+        pending = len(self.durations) - self.synced
+        if pending >= self.SYNC_MAX_HOOKS or (
+            pending >= self.SYNC_MIN_HOOKS
+            and self.ends[-1] - self.ends[self.synced - 1 if self.synced else 0]
+            >= self.SYNC_SECONDS
+        ):
             self.sync()
 
-    SYNC_EVERY = 32
+    # Reading the probe costs about half a millisecond while fit runs, so it
+    # happens at most every SYNC_SECONDS (<= 0.2 % of the time), after at
+    # least SYNC_MIN_HOOKS hooks, and at least every SYNC_MAX_HOOKS (well
+    # inside the probe's ring of 4096 batches).
+    SYNC_SECONDS = 0.25
+    SYNC_MIN_HOOKS = 8
+    SYNC_MAX_HOOKS = 1024
 
     @property
     def input_probe(self):
@@ -138,9 +149,8 @@ class StepTimer(GuardedCallback):
     def sync(self):
         """Reads input wait and shapes of the hooks not read yet.
 
-        One read of the probe's rings (about a millisecond), so it runs
-        every `SYNC_EVERY` hooks, before validation and at epoch end rather
-        than per step.
+        Runs every `SYNC_SECONDS` (see above), before validation and at
+        epoch end, rather than per step.
         """
         start, stop = self.synced, len(self.durations)
         self.synced = stop

@@ -30,15 +30,15 @@ import sys
 import warnings
 
 from keras_gpufix.analysis import VERDICTS, OscillationDetector
-from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter, guarded
-from keras_gpufix.callbacks.step_timer import StepTimer
+from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter
+from keras_gpufix.callbacks.step_timer import TimedCallback
 from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.nvml import NvmlSampler
 
 __all__ = ["GPUOscillationMonitor"]
 
 
-class GPUOscillationMonitor(GuardedCallback):
+class GPUOscillationMonitor(TimedCallback):
     """Detects input-bound, stalling, recompiling or dispatch-bound training.
 
     Args:
@@ -68,7 +68,7 @@ class GPUOscillationMonitor(GuardedCallback):
 
     def __init__(self, window=96, warmup=5, min_windows=2, thresholds=None,
                  log_dir=None, on_detect=None, nvml=True, verbose=1):
-        super().__init__()
+        super().__init__(warmup=warmup)
         if on_detect is not None and not (
             callable(on_detect) or hasattr(on_detect, "on_oscillation")
         ):
@@ -87,30 +87,16 @@ class GPUOscillationMonitor(GuardedCallback):
         self.detector = OscillationDetector(
             window=window, warmup=warmup, min_windows=min_windows, **self.thresholds
         )
-        self.timer = StepTimer(warmup=warmup)
         self.events = []
         self._sampler = None
         self._writer = None
-        self._fed = 0
         self._shapes_seen = set()
         self._said_step_times_only = False
 
-    def set_model(self, model):
-        super().set_model(model)
-        self.timer.set_model(model)
-
-    def set_params(self, params):
-        super().set_params(params)
-        self.timer.set_params(params)
-
-    @guarded
-    def on_train_begin(self, logs=None):
-        self._activate()
+    def _begin(self):
         self.detector.reset()
         self.events = []
-        self._fed = 0
         self._shapes_seen = set()
-        self.timer.on_train_begin(logs)
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
@@ -133,42 +119,14 @@ class GPUOscillationMonitor(GuardedCallback):
                   "judging from step times" + (
                       " and input wait." if "tensorflow" in sys.modules else "."))
 
-    @guarded
-    def on_epoch_begin(self, epoch, logs=None):
-        self.timer.on_epoch_begin(epoch, logs)
-
-    @guarded
-    def on_train_batch_begin(self, batch, logs=None):
-        self.timer.on_train_batch_begin(batch, logs)
-
-    @guarded
-    def on_train_batch_end(self, batch, logs=None):
-        timer = self.timer
-        synced = timer.synced
-        timer.on_train_batch_end(batch, logs)
-        if timer.synced != synced:
-            self._feed()
-
-    @guarded
-    def on_test_begin(self, logs=None):
-        self.timer.on_test_begin(logs)
-        self._feed()
-
-    @guarded
-    def on_epoch_end(self, epoch, logs=None):
-        self.timer.on_epoch_end(epoch, logs)
-        self._feed()
+    def _epoch_done(self):
         if self._writer is not None:
             self._writer.flush()
 
-    @guarded
-    def on_train_end(self, logs=None):
-        self.timer.on_train_end(logs)
-        self._feed()
+    def _end(self):
         event = self.detector.finish()
         if event is not None:
             self._emit(event)
-        self._deactivate()
         if self._sampler is not None:
             self._sampler.stop()
             if self._sampler.error is not None:
@@ -188,11 +146,10 @@ class GPUOscillationMonitor(GuardedCallback):
                       + ("" if wait is None else f", input wait {wait:.0%}")
                       + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""))
 
-    def _feed(self):
-        """Feeds the hooks read by the timer since the last call."""
+    def _read_hooks(self, start, stop):
+        """Feeds the hooks the timer has read to the detector."""
         timer = self.timer
-        for i in range(self._fed, timer.synced):
-            self._fed = i + 1
+        for i in range(start, stop):
             shape = timer.shapes[i]
             new_shape = shape is not None and shape not in self._shapes_seen
             if shape is not None:

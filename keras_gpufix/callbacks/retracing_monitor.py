@@ -31,8 +31,7 @@ from collections import deque
 import numpy as np
 
 from keras_gpufix.analysis import FIXES
-from keras_gpufix.callbacks._base import GuardedCallback, guarded
-from keras_gpufix.callbacks.step_timer import StepTimer
+from keras_gpufix.callbacks.step_timer import TimedCallback
 from keras_gpufix.exceptions import GpufixWarning
 
 __all__ = ["RetracingMonitor", "find_traced_functions"]
@@ -87,7 +86,7 @@ def _as_lists(key):
     return [list(dims) for dims in key]
 
 
-class RetracingMonitor(GuardedCallback):
+class RetracingMonitor(TimedCallback):
     """Counts train-step traces and new input shapes; prices their compiles.
 
     Args:
@@ -125,17 +124,8 @@ class RetracingMonitor(GuardedCallback):
         self.spike_factor = float(spike_factor)
         self.min_spike_ms = float(min_spike_ms)
         self.verbose = verbose
-        self.timer = StepTimer()
         self._told_no_probe = False
         self._reset()
-
-    def set_model(self, model):
-        super().set_model(model)
-        self.timer.set_model(model)
-
-    def set_params(self, params):
-        super().set_params(params)
-        self.timer.set_params(params)
 
     def _reset(self):
         self._functions = {}
@@ -145,7 +135,6 @@ class RetracingMonitor(GuardedCallback):
         self._fit_t1 = None
         self._global = 0
         self._trace_deltas = []  # new traces per hook
-        self._done = 0  # hooks of the timer already judged
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
@@ -157,10 +146,8 @@ class RetracingMonitor(GuardedCallback):
         self._warned = set()
         self.notes = []
 
-    @guarded
-    def on_train_begin(self, logs=None):
+    def _begin(self):
         self._reset()
-        self._activate()
         self._functions = find_traced_functions(getattr(self.model, "train_function", None))
         if self._functions:
             self._baseline = self._trace_total()
@@ -173,46 +160,17 @@ class RetracingMonitor(GuardedCallback):
                 f"({type(getattr(self.model, 'train_function', None)).__name__}) holds no "
                 "tf.function this Keras version exposes; shapes are still checked")
         self._traces = self._baseline
-        self.timer.on_train_begin(logs)
 
     def _trace_total(self):
         return sum(int(f.experimental_get_tracing_count()) for f in self._functions.values())
 
-    @guarded
-    def on_epoch_begin(self, epoch, logs=None):
-        self.timer.on_epoch_begin(epoch, logs)
-
-    @guarded
-    def on_train_batch_begin(self, batch, logs=None):
-        self.timer.on_train_batch_begin(batch, logs)
-
-    @guarded
-    def on_train_batch_end(self, batch, logs=None):
-        hooks = len(self.timer.durations)
-        self.timer.on_train_batch_end(batch, logs)
-        if len(self.timer.durations) == hooks:
-            return
+    def _after_hook(self):
         traces = self._trace_total() if self._functions else self._traces
         self._trace_deltas.append(traces - self._traces)
         self._traces = traces
-        self._sync()
 
-    @guarded
-    def on_test_begin(self, logs=None):
-        self.timer.on_test_begin(logs)
-        self._sync()
-
-    @guarded
-    def on_epoch_end(self, epoch, logs=None):
-        self.timer.on_epoch_end(epoch, logs)
-        self._sync()
-
-    @guarded
-    def on_train_end(self, logs=None):
-        self.timer.on_train_end(logs)
-        self._sync()
+    def _end(self):
         self._fit_t1 = time.time()
-        self._deactivate()
         if self.verbose:
             r = self.report()
             traces = "?" if r["trace_count"] is None else r["trace_count"]
@@ -222,13 +180,10 @@ class RetracingMonitor(GuardedCallback):
 
     # -- internals -------------------------------------------------------
 
-    def _sync(self):
-        """Judges the hooks the timer has read since the last call."""
+    def _read_hooks(self, start, stop):
+        """Judges the hooks the timer has read."""
         timer = self.timer
-        hooks = range(self._done, timer.synced)
-        self._done = timer.synced
-        if not hooks:
-            return
+        hooks = range(start, stop)
         if timer.input_probe is None and _NO_PROBE not in self.notes:
             self.notes.append(_NO_PROBE)
             if self.verbose and not self._told_no_probe:

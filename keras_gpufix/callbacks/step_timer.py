@@ -28,7 +28,7 @@ import time
 from keras_gpufix.analysis import summarize_step_times
 from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter, guarded
 
-__all__ = ["StepTimer"]
+__all__ = ["StepTimer", "TimedCallback"]
 
 
 class StepTimer(GuardedCallback):
@@ -226,3 +226,94 @@ class StepTimer(GuardedCallback):
             skip += self.counts[hook]
             hook += 1
         return self._summarize(hook)
+
+
+class TimedCallback(GuardedCallback):
+    """Base of our callbacks that observe steps through an inner `StepTimer`.
+
+    Every Keras hook is forwarded to `self.timer`; subclasses implement the
+    parts they need:
+
+    - `_begin()` / `_end()`: at the start / end of each `fit` (after the
+      timer's own `on_train_begin`, before its `on_train_end` has been read);
+    - `_after_hook()`: after each timed hook (a step, or N steps with
+      `steps_per_execution=N`);
+    - `_read_hooks(start, stop)`: the timer has read the input signals of
+      hooks `start..stop-1` (every quarter second, before validation, at
+      epoch end and at the end of `fit`);
+    - `_epoch_done()`: at epoch end, after `_read_hooks`.
+    """
+
+    def __init__(self, warmup=0):
+        super().__init__()
+        self.timer = StepTimer(warmup=warmup)
+        self._read = 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.timer.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.timer.set_params(params)
+
+    def _begin(self):
+        pass
+
+    def _end(self):
+        pass
+
+    def _after_hook(self):
+        pass
+
+    def _read_hooks(self, start, stop):
+        pass
+
+    def _epoch_done(self):
+        pass
+
+    def _take(self):
+        if self.timer.synced > self._read:
+            start, self._read = self._read, self.timer.synced
+            self._read_hooks(start, self._read)
+
+    @guarded
+    def on_train_begin(self, logs=None):
+        self._activate()
+        self._read = 0
+        self.timer.on_train_begin(logs)
+        self._begin()
+
+    @guarded
+    def on_epoch_begin(self, epoch, logs=None):
+        self.timer.on_epoch_begin(epoch, logs)
+
+    @guarded
+    def on_train_batch_begin(self, batch, logs=None):
+        self.timer.on_train_batch_begin(batch, logs)
+
+    @guarded
+    def on_train_batch_end(self, batch, logs=None):
+        hooks = len(self.timer.durations)
+        self.timer.on_train_batch_end(batch, logs)
+        if len(self.timer.durations) != hooks:
+            self._after_hook()
+        self._take()
+
+    @guarded
+    def on_test_begin(self, logs=None):
+        self.timer.on_test_begin(logs)
+        self._take()
+
+    @guarded
+    def on_epoch_end(self, epoch, logs=None):
+        self.timer.on_epoch_end(epoch, logs)
+        self._take()
+        self._epoch_done()
+
+    @guarded
+    def on_train_end(self, logs=None):
+        self.timer.on_train_end(logs)
+        self._take()
+        self._deactivate()
+        self._end()

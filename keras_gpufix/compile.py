@@ -21,6 +21,7 @@ worked around are one `GpufixWarning` each.
 """
 
 import dataclasses
+import inspect
 import logging
 import math
 import re
@@ -173,7 +174,12 @@ def compile_model(
       length, at most an eighth of an epoch). Callbacks (`on_train_batch_*`, the progress
       bar) then fire once per execution.
 
-    Weights, optimizer state and metrics are restored after the sample steps.
+    Weights, optimizer state and metrics are restored after the sample steps
+    (by assignment), and the train function they traced and XLA-compiled is
+    kept: `fit` on batches of the sample batch's spec and shape (a dataset
+    `sample_batch`: its element spec) traces and compiles nothing more.
+    Setting `model.steps_per_execution` afterwards is honoured (the loop is
+    rebuilt around the same compiled step).
     Under `MultiWorkerMirroredStrategy` every worker must call
     `compile_model` with the same arguments (the steps are collective); the
     workers agree on the largest calibrated value.
@@ -250,7 +256,7 @@ def compile_model(
     )
     if batch is not None:
         _run_sample_steps(model, batch, strategy, report, steps_per_execution,
-                          _epoch_steps(sample_batch))
+                          _epoch_steps(sample_batch), _element_spec(sample_batch))
     elif model.steps_per_execution > 1 and _is_mirrored(strategy) and replicas > 1:
         model.steps_per_execution = report.steps_per_execution = 1
         _warn_steps(
@@ -688,7 +694,23 @@ def _epoch_steps(sample_batch):
     return None
 
 
-def _run_sample_steps(model, batch, strategy, report, steps_per_execution, epoch_steps):
+def _element_spec(sample_batch):
+    """The element spec `fit` will see for a dataset `sample_batch`, else None.
+
+    The sample steps feed batches with this spec, so the traced step is the
+    one `fit` on that dataset calls (same concrete function, same XLA
+    executable for the sample batch's shape).
+    """
+    if not isinstance(sample_batch, tf.data.Dataset):
+        return None
+    spec = sample_batch.element_spec
+    if all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return spec
+    return None
+
+
+def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
+                      epoch_steps, element_spec):
     with strategy.scope():
         model._symbolic_build(data_batch=batch)
     variables = list(model.variables) + list(model.optimizer.variables)
@@ -698,7 +720,8 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution, epoch
             _MAX_STEPS_PER_EXECUTION if steps_per_execution == "auto"
             else model.steps_per_execution
         )
-        run, loop_error, error = _first_working(model, batch, strategy, target)
+        run, loop_error, error = _first_working(model, batch, strategy, target,
+                                                element_spec)
         if run is None:
             if not report.jit_compile:
                 raise error
@@ -706,7 +729,8 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution, epoch
             _remove_per_replica_xla(model)
             model.jit_compile = False
             report.jit_compile, report.xla_scope = False, None
-            run, loop_error, error = _first_working(model, batch, strategy, target)
+            run, loop_error, error = _first_working(model, batch, strategy, target,
+                                                    element_spec)
             if run is None:
                 raise error  # fails without XLA too: not an XLA problem
             report.fallback_reason = reason
@@ -728,17 +752,79 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution, epoch
             report.steps_per_execution = _choose_steps(report.calibration, strategy,
                                                        epoch_steps)
             report.calibration["chosen"] = report.steps_per_execution
-    finally:
+    except BaseException:
+        _restore(model, variables, saved)
         model.steps_per_execution = report.steps_per_execution
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-        model.reset_metrics()
         model.train_function = None
-        model.test_function = None
-        model.predict_function = None
+        raise
+    _restore(model, variables, saved)
+    _keep_train_function(model, model.train_function, run.k, report.steps_per_execution)
 
 
-def _first_working(model, batch, strategy, k):
+def _restore(model, variables, saved):
+    for variable, value in zip(variables, saved):
+        variable.assign(value)  # assignment keeps the traced functions valid
+    model.reset_metrics()
+
+
+# -- the train function fit reuses ----------------------------------------------------
+
+
+def _keep_train_function(model, function, built_for, k):
+    """Leaves `model.train_function` ready for `fit` with `steps_per_execution=k`.
+
+    `function` is the train function the sample steps traced (and
+    XLA-compiled) for `built_for` steps per execution. Keras bakes
+    `steps_per_execution` into the traced loop, so for another `k` the loop
+    is built again around the same `one_step_on_data` `tf.function`: its
+    traces, and the XLA executable compiled per function and shape, are
+    reused, so `fit` on batches of the sample batch's spec and shape compiles
+    nothing. The kept function rebuilds itself the same way when
+    `model.steps_per_execution` is changed later.
+    """
+    model.steps_per_execution = k
+    if k != built_for:
+        function = _rebuild_sharing_step(model, function)
+
+    def train_function(iterator):
+        if model.steps_per_execution != k:
+            _keep_train_function(model, function, k, model.steps_per_execution)
+            return model.train_function(iterator)
+        return function(iterator)
+
+    train_function.__wrapped__ = function
+    model.train_function = train_function
+
+
+def _rebuild_sharing_step(model, old):
+    """A new Keras train function whose loop calls `old`'s traced step."""
+    model.make_train_function(force=True)
+    new = model.train_function
+    step = _closure_cell(old, "one_step_on_data")
+    multi = _closure_cell(new, "multi_step_on_iterator")
+    loop = getattr(multi.cell_contents, "python_function", None) if multi else None
+    cells = [
+        _closure_cell(new, "one_step_on_data"),
+        _closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
+    ]
+    if step is None or None in cells:
+        logger.debug("compile_model: this Keras's train function has another "
+                     "layout; fit traces its step again")
+        return new
+    for cell in cells:  # not traced yet: the loop will call the old step
+        cell.cell_contents = step.cell_contents
+    return new
+
+
+def _closure_cell(fn, name):
+    """The closure cell holding free variable `name` of function `fn`, or None."""
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars or not fn.__closure__:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)]
+
+
+def _first_working(model, batch, strategy, k, element_spec=None):
     """(runner, loop_error, error): a runner whose step ran, trying `k` then 1.
 
     `loop_error` is the failure of the `k`-step loop when only 1 worked;
@@ -747,7 +833,7 @@ def _first_working(model, batch, strategy, k):
     loop_error = None
     for attempt in dict.fromkeys((k, 1)):
         try:
-            run = _SampleRunner(model, batch, strategy, attempt)
+            run = _SampleRunner(model, batch, strategy, attempt, element_spec)
             run.step()
             return run, loop_error, None
         except Exception as exc:  # classified by the caller
@@ -786,24 +872,42 @@ def _warn_steps(why, strategy, stacklevel):
 
 class _SampleRunner:
     """Runs Keras's train function built with `steps_per_execution=k` on
-    iterators of n copies of the batch (the loop stops when the iterator
-    ends, so one build times both 1 and k steps per execution)."""
+    iterators of n copies of the batch (Keras's loop stops when the iterator
+    ends, so one build, one trace and one XLA compile time both 1 and k
+    steps per execution).
 
-    def __init__(self, model, batch, strategy, k):
+    The batches carry `element_spec` (the training dataset's, with its
+    unknown dimensions) when given, and go through the strategy's
+    `experimental_distribute_dataset` as in `fit`, so `fit` calls the step
+    traced here."""
+
+    def __init__(self, model, batch, strategy, k, element_spec=None):
         self.model, self.batch, self.strategy, self.k = model, batch, strategy, k
+        self.element_spec = element_spec
+        try:
+            tf.nest.assert_same_structure(tuple(batch), tuple(element_spec or batch))
+        except (TypeError, ValueError):
+            self.element_spec = None  # the batch's own static shapes then
         model.steps_per_execution = k
         model.make_train_function(force=True)
 
     def _iterator(self, n):
-        ds = tf.data.Dataset.from_tensors(self.batch).repeat(n)
+        ds = tf.data.Dataset.from_tensors(self.batch)
+        if self.element_spec is not None:
+            ds = ds.map(self._relax)
+        ds = ds.repeat(n)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF
         )
-        ds = ds.with_options(options)
-        if _is_mirrored(self.strategy):
-            ds = self.strategy.experimental_distribute_dataset(ds)
+        ds = self.strategy.experimental_distribute_dataset(ds.with_options(options))
         return iter(ds)
+
+    def _relax(self, *element):
+        return tf.nest.map_structure(
+            lambda t, spec: tf.raw_ops.PlaceholderWithDefault(input=t, shape=spec.shape),
+            element, tuple(self.element_spec),
+        )
 
     def step(self, n=1, iterator=None):
         logs = self.model.train_function(iterator or self._iterator(n))

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import compile as kg_compile
+from keras_gpufix.callbacks.retracing_monitor import find_traced_functions
 from keras_gpufix.exceptions import GpufixWarning
 
 
@@ -137,6 +138,51 @@ def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution()
     counter = CountBatchEnds()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
     assert counter.calls == math.ceil(64 / k)  # 64 steps, one hook per execution
+
+
+def _step_traces(model):
+    """Traces of Keras's one_step_on_data, the XLA-compiled train step."""
+    return find_traced_functions(model.train_function)[
+        "one_step_on_data"].experimental_get_tracing_count()
+
+
+def test_fit_reuses_the_step_traced_and_compiled_by_compile_model():
+    x, y = data(512)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # (None, 8) batches
+    model = small_model()
+    report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                              sample_batch=dataset)
+    assert report.calibration["k"] == 16 != report.steps_per_execution
+    step = find_traced_functions(model.train_function)["one_step_on_data"]
+    assert step.experimental_get_tracing_count() == 1  # calibration and final k share it
+    counter = CountBatchEnds()
+    model.fit(dataset, epochs=2, verbose=0, callbacks=[counter])
+    assert counter.calls == 2 * 64 // report.steps_per_execution  # the final k, not 16
+    assert find_traced_functions(model.train_function)["one_step_on_data"] is step
+    assert step.experimental_get_tracing_count() == 1  # fit traced (and compiled) nothing
+    assert int(model.optimizer.iterations.numpy()) == 128
+
+
+def test_steps_per_execution_changed_after_compile_model_is_honoured():
+    x, y = data(64)
+    model = small_model()
+    kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                     steps_per_execution=4, sample_batch=(x[:8], y[:8]))
+    model.steps_per_execution = 2
+    counter = CountBatchEnds()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
+    assert counter.calls == 4  # 8 steps, 2 per execution
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert _step_traces(model) == 1  # the loop was rebuilt around the same step
+
+
+def test_a_failed_sample_step_leaves_no_train_function():
+    x, y = data()
+    model = small_model()
+    with pytest.raises(Exception):
+        kg.compile_model(model, "adam", "mse", mixed_precision=None,
+                         steps_per_execution=1, sample_batch=(x[:16, :5], y[:16]))
+    assert model.train_function is None
 
 
 @pytest.mark.parametrize("overhead, step, expected", [

@@ -356,18 +356,26 @@ class OscillationDetector:
             util = float(np.mean(utils))
             evidence["gpu_util"] = util
 
-        period = None
+        # Stalls recur in the step times, or, more cleanly when measured, in
+        # the input waits (host noise makes compute slower, not input later).
+        series = []
         if lost_share >= self.min_stall_share and lost_ms >= self.min_stall_ms:
-            excess = np.where(slow, t - med, 0.0)
+            series.append(("step_time", np.where(slow, t - med, 0.0)))
+        if wait_share is not None:
+            w = np.asarray(waits)
+            stalls = np.where(w * 1e3 > max(self.min_spike_ms, 1e3 * med), w, 0.0)
+            if (stalls.sum() >= self.min_stall_share * t.sum()
+                    and stalls.sum() * 1e3 >= self.min_stall_ms):
+                series.append(("input_wait", stalls))
+        for source, excess in series:
             period, acf = _period(excess, 3, self.acf_threshold)
             if period is not None:
                 evidence["period"] = period
                 evidence["autocorrelation"] = acf
+                evidence["period_from"] = source
                 if wait_share is not None:
-                    w = np.asarray(waits)
                     evidence["slow_steps_waiting_for_input"] = float(
-                        np.mean(w[slow] > 0.5 * (t[slow] - med))
-                    )
+                        np.mean(w[slow] > 0.5 * (t[slow] - med))) if slow.any() else 0.0
                 return "periodic_stall", evidence, period
 
         if wait_share is not None and wait_share >= self.input_wait_threshold:

@@ -230,3 +230,20 @@ def test_finish_does_not_alarm_on_a_short_healthy_run():
     times[::5] = 0.08  # a stall pattern, but seen by one judgement only
     run(det, times)
     assert det.finish() is None
+
+
+def test_period_found_in_input_waits_when_host_noise_hides_it_in_step_times():
+    rng = np.random.default_rng(5)
+    times = noisy(500, base=0.002)
+    waits = np.zeros(500)
+    waits[::9] = 0.02
+    times[::9] += 0.02
+    noise = rng.random(500) < 0.15  # a busy host: many slow steps, no input wait
+    times[noise] += rng.uniform(0.005, 0.03, noise.sum())
+    events = run(OscillationDetector(), times, input_wait=waits)
+    assert events[0]["verdict"] == "periodic_stall"
+    assert events[0]["period"] == 9
+    assert events[0]["evidence"]["period_from"] in ("step_time", "input_wait")
+    det = OscillationDetector()
+    run(det, times, input_wait=waits)
+    assert det.dominant_verdict() == "periodic_stall"

@@ -189,7 +189,8 @@ class OscillationDetector:
         acf_threshold: autocorrelation needed to call a period. Defaults
             to 0.5.
         growth_threshold: growth of the median step time over the first
-            judged window's median that counts as degrading. Defaults to 0.5.
+            judged window's median that counts as degrading (and by at least
+            `min_spike_ms`). Defaults to 0.5.
 
     Example:
 
@@ -389,7 +390,8 @@ class OscillationDetector:
             return "irregular_stall", evidence, None
         growth = med * 1e3 / self._baseline_ms - 1.0 if self._baseline_ms > 0 else 0.0
         evidence["growth"] = growth
-        if growth >= self.growth_threshold and not slow.any():
+        grown_ms = med * 1e3 - self._baseline_ms
+        if growth >= self.growth_threshold and grown_ms >= self.min_spike_ms and not slow.any():
             return "degrading", evidence, None
         return "healthy", evidence, None
 

@@ -247,3 +247,8 @@ def test_period_found_in_input_waits_when_host_noise_hides_it_in_step_times():
     det = OscillationDetector()
     run(det, times, input_wait=waits)
     assert det.dominant_verdict() == "periodic_stall"
+
+
+def test_submillisecond_drift_is_not_degrading():
+    times = np.linspace(0.0008, 0.0016, 600)  # doubles, but by 0.8 ms
+    assert run(OscillationDetector(), times) == []

@@ -208,6 +208,7 @@ class SpeechDatasetBuilder:
         }
         filterbank = audio_lib.mel_filterbank(self.audio)
 
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def compute(index):
             field = {name: column[index] for name, column in columns.items()}
             waveform = audio_lib.decode_wav(
@@ -224,6 +225,7 @@ class SpeechDatasetBuilder:
         paths = tf.constant([self._cache.feature_path(i) for i in range(len(self.utterances))])
         n_mels = self.audio.n_mels
 
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def read(index):
             mel = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
             return tf.ensure_shape(mel, [None, n_mels])
@@ -255,6 +257,7 @@ class SpeechDatasetBuilder:
         compute = self._compute_features()
         paths = tf.constant(paths)
 
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def write(index):
             mel = compute(index)
             data = tf.io.serialize_tensor(mel)
@@ -376,6 +379,7 @@ class SpeechDatasetBuilder:
         mel_pad = math.log(self.audio.log_floor)
         n_mels = self.audio.n_mels
 
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def load(utterance, key, pad_frames, pad_text):
             mel = features(utterance)
             mel_len = tf.shape(mel)[0]

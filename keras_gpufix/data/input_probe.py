@@ -150,6 +150,7 @@ def instrument(dataset, capacity=4096):
         )
     probe = InputProbe(dataset.element_spec, capacity=capacity)
 
+    @tf.autograph.experimental.do_not_convert
     def _stamp(*args):
         element = args[0] if len(args) == 1 else args
         return probe.stamp(element)

@@ -41,13 +41,6 @@ def _builder(corpus, cache_dir=None, config=None, verbose=1):
                                      **kwargs), cache_dir
 
 
-def _cache_for(builder, cache_dir):
-    """The builder's `FeatureCache` entry, not opened (nothing is built)."""
-    from keras_gpufix.data import FeatureCache
-
-    return FeatureCache(cache_dir, builder.fingerprint(), len(builder.utterances), verbose=0)
-
-
 def _dir_size(path):
     total = 0
     for root, _, files in os.walk(path):
@@ -86,7 +79,7 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
     """
     builder, cache_dir = _builder(corpus, cache_dir, config, verbose=0)
     _need_cache_dir(cache_dir)
-    cache = _cache_for(builder, cache_dir)
+    cache = builder.cache_entry()
     fresh = cache.verify(full=False)
     mine = cache.name
     return {
@@ -130,7 +123,7 @@ def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=
     """
     builder, cache_dir = _builder(corpus, cache_dir, config, verbose=0)
     _need_cache_dir(cache_dir)
-    mine = _cache_for(builder, cache_dir).name
+    mine = builder.cache_entry().name
     names = _entries(cache_dir) if all_entries else [n for n in _entries(cache_dir) if n == mine]
     removed, freed = [], 0
     for name in names:

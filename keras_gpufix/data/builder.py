@@ -232,6 +232,17 @@ class SpeechDatasetBuilder:
 
         return read
 
+    def cache_entry(self):
+        """This corpus and config's `FeatureCache` entry, not opened.
+
+        Nothing is read or built (`keras-gpufix cache info|clear` use it);
+        None without `cache_dir`.
+        """
+        if self.cache_dir is None:
+            return None
+        return FeatureCache(self.cache_dir, self.fingerprint(), len(self.utterances),
+                            verbose=self.verbose)
+
     def prepare(self) -> "SpeechDatasetBuilder":
         """Opens or builds the feature cache (a no-op without `cache_dir`).
 
@@ -243,8 +254,7 @@ class SpeechDatasetBuilder:
             return self
         if self._manifest is not None:
             return self
-        self._cache = FeatureCache(self.cache_dir, self.fingerprint(), len(self.utterances),
-                                   verbose=self.verbose)
+        self._cache = self.cache_entry()
         self._manifest, status = self._cache.open_or_build(self._write_features)
         if list(self._manifest["frames"]) != self._frames.tolist():
             raise RuntimeError(f"The feature cache at {self._cache.path} does not match the corpus scan.")

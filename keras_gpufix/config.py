@@ -463,13 +463,9 @@ def device_info():
         cc = details.get("compute_capability")
         gpus.append({"name": details.get("device_name", device.name),
                      "compute_capability": list(cc) if cc else None})
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        pass
-    return {"gpus": gpus, "cpu_bf16": bool(re.search(r"\bamx_bf16\b", flags))}
+    from keras_gpufix.compile import _cpu_flags  # the flags compile_model's "auto" reads
+
+    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in _cpu_flags()}
 
 
 def _replicas(distribute, info):

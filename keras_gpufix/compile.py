@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
 
-__all__ = ["CompileReport", "compile_model", "enable_mixed_precision"]
+__all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
 
 logger = logging.getLogger(__name__)
 
@@ -339,16 +339,35 @@ def _first_batch(sample_batch):
 # -- mixed precision -------------------------------------------------------------
 
 
+def device_info():
+    """This machine's GPUs and bfloat16 CPU support, without initialising a device.
+
+    Returns:
+        A dict: `gpus`, a list of `{"name", "compute_capability"}` (a
+        `[major, minor]` list, or None when unknown) of the physical GPUs
+        TensorFlow sees; `cpu_bf16`, whether the CPU has AMX-BF16 (AVX512-BF16
+        alone runs a whole step slower than float32); `cpu_bf16_flags`, the
+        CPU's bfloat16 flags (`amx_bf16`, `avx512_bf16`) that are present.
+    """
+    gpus = []
+    for device in tf.config.list_physical_devices("GPU"):
+        try:
+            details = tf.config.experimental.get_device_details(device)
+        except Exception:  # details are best-effort
+            details = {}
+        cc = details.get("compute_capability")
+        gpus.append({"name": details.get("device_name", device.name),
+                     "compute_capability": list(cc) if cc else None})
+    flags = sorted(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in flags, "cpu_bf16_flags": flags}
+
+
 def _choose_policy():
     """(policy, why) for this machine, without initialising any device."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        caps = []
-        for gpu in gpus:
-            details = tf.config.experimental.get_device_details(gpu)
-            if details.get("compute_capability"):
-                caps.append((tuple(details["compute_capability"]),
-                             details.get("device_name", gpu.name)))
+    info = device_info()
+    if info["gpus"]:
+        caps = [(tuple(g["compute_capability"]), g["name"])
+                for g in info["gpus"] if g["compute_capability"]]
         if not caps:
             return "float32", "GPU compute capability unknown"
         (major, minor), name = min(caps)
@@ -363,10 +382,9 @@ def _choose_policy():
                 "float16 needs loss scaling"
             )
         return "float32", f"{where}: no tensor cores, float16 would not be faster"
-    flags = _cpu_flags()
-    if "amx_bf16" in flags:
+    if info["cpu_bf16"]:
         return "mixed_bfloat16", "CPU only, with AMX-BF16: bfloat16 matrix tiles in hardware"
-    if "avx512_bf16" in flags:
+    if "avx512_bf16" in info["cpu_bf16_flags"]:
         return "float32", (
             "CPU only, AVX512-BF16 without AMX: the casts cost more than the faster "
             "matmuls save in a whole training step (measured: examples/train_tts.py "

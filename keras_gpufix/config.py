@@ -62,7 +62,6 @@ __all__ = [
     "from_config",
     "check_config",
     "validate_config",
-    "device_info",
 ]
 
 _POLICIES = ("auto", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16")
@@ -445,29 +444,6 @@ def load_config(path) -> Config:
 
 # ------------------------------------------------------------------ checks ---
 
-def device_info():
-    """What the checks need to know about this machine, as a dict.
-
-    `gpus`: list of `{"name", "compute_capability"}` (a `[major, minor]`
-    list or None) of the physical GPUs TensorFlow sees; `cpu_bf16`: the CPU
-    has AMX-BF16 (AVX512-BF16 alone runs a step slower than float32).
-    """
-    import tensorflow as tf
-
-    gpus = []
-    for device in tf.config.list_physical_devices("GPU"):
-        try:
-            details = tf.config.experimental.get_device_details(device)
-        except Exception:  # details are best-effort
-            details = {}
-        cc = details.get("compute_capability")
-        gpus.append({"name": details.get("device_name", device.name),
-                     "compute_capability": list(cc) if cc else None})
-    from keras_gpufix.compile import _cpu_flags  # the flags compile_model's "auto" reads
-
-    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in _cpu_flags()}
-
-
 def _replicas(distribute, info):
     """Replicas the distribute section gives on this machine."""
     if distribute.devices:
@@ -545,13 +521,18 @@ def check_config(cfg: Config, environment=None):
 
     Args:
         cfg: a `Config`.
-        environment: `device_info()`-like dict; defaults to this machine's.
+        environment: `keras_gpufix.compile.device_info()`-like dict; defaults
+            to this machine's.
 
     Returns:
         A list of dicts with `kind`, `key`, `line`, `message`, `expected`,
         `suggestion` and `fix` (`{"action": "set", "key", "value"}` or None).
     """
-    info = device_info() if environment is None else environment
+    if environment is None:
+        from keras_gpufix.compile import device_info
+
+        environment = device_info()
+    info = environment
     problems = []
     d, t = cfg.data, cfg.training
 
@@ -692,7 +673,8 @@ def validate_config(path, fix=False, environment=None):
         fix: write the corrected file in place (atomically: a temporary
             file renamed over it) and keep the original as `<path>.bak`
             (`.bak.1`, ... when that exists). Defaults to False.
-        environment: `device_info()`-like dict. Defaults to this machine's.
+        environment: `keras_gpufix.compile.device_info()`-like dict. Defaults
+            to this machine's.
 
     Returns:
         A dict with `path`, `exit_code` (0 valid, 1 problems remain, 2 the
@@ -706,7 +688,10 @@ def validate_config(path, fix=False, environment=None):
               "backup": None, "error": None}
     try:
         doc = _read(path)
-        environment = device_info() if environment is None else environment
+        if environment is None:
+            from keras_gpufix.compile import device_info
+
+            environment = device_info()
         _, problems = _all_problems(doc, environment)
     except ConfigError as exc:
         result.update(exit_code=2, error=str(exc), problems=exc.problems)

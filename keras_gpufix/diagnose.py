@@ -253,7 +253,7 @@ def environment():
     import keras
     import tensorflow as tf
 
-    from keras_gpufix.config import device_info
+    from keras_gpufix.compile import device_info
     from keras_gpufix.nvml import nvml_status
 
     build = dict(tf.sysconfig.get_build_info())

@@ -208,10 +208,6 @@ class Config:
             return value
         return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.source)), value))
 
-    def to_dict(self):
-        out = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
-        return out
-
 
 class ConfigError(ValueError):
     """A configuration that cannot be used as written.

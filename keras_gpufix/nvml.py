@@ -124,10 +124,6 @@ class NvmlSampler:
             self._thread.join(timeout=1.0)
             self._thread = None
 
-    @property
-    def running(self):
-        return self._thread is not None and self._thread.is_alive()
-
     def mean_between(self, t0, t1):
         """Mean utilisation (0..1) of samples in [t0, t1], None if none."""
         with self._lock:
@@ -135,7 +131,3 @@ class NvmlSampler:
             hi = bisect.bisect_right(self._times, t1)
             values = self._values[lo:hi]
         return sum(values) / len(values) if values else None
-
-    @property
-    def count(self):
-        return len(self._times)

@@ -24,7 +24,6 @@ match (a dataset consumed outside `fit`, a discarded iterator).
 """
 
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -61,7 +60,6 @@ class InputProbe:
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
         self._keys = {}
-        self.created = time.time()
         with _LOCK:
             _PROBES.add(self)
 

@@ -1,0 +1,38 @@
+"""`keras-gpufix diagnose`: run an unchanged training script and say why it is slow.
+
+Like `python -m cProfile train.py`, the script runs in this process as
+`__main__` with its own `sys.argv`. While it runs, `keras.Model.fit` is
+patched so that every `fit` gets, beside the user's own callbacks:
+
+| callback                | what it contributes                                  |
+|-------------------------|------------------------------------------------------|
+| `GPUOscillationMonitor` | step times (its `StepTimer`), input wait, events     |
+| `RetracingMonitor`      | train-step traces, new input shapes, recompile cost  |
+| `ProfilerTrigger`       | an XProf trace (at a fixed step and on oscillation), |
+|                         | analysed headless: input %, classification, conclusion|
+
+A `tf.data.Dataset` passed as `x` goes through `kg.data.instrument` (unless
+it already did), so the input wait is measured. `steps=N` stops each `fit`
+after N steps. The script is also scanned statically (`scan_script`) for
+known traps, and the environment is recorded (`environment`).
+
+`run_diagnosis` returns one dict; `verdict` is the cause that cost the most
+measured time (`rank_causes`), `healthy` when none did. Every figure in it
+was measured in this run.
+
+The package holds one concern per module: `scan` (the static scan), `run`
+(the patching and the run) and `report` (the ranking and the text report).
+"""
+
+from keras_gpufix.diagnose.report import format_report, rank_causes
+from keras_gpufix.diagnose.run import environment, run_diagnosis
+from keras_gpufix.diagnose.scan import TRAPS, scan_script
+
+__all__ = [
+    "run_diagnosis",
+    "scan_script",
+    "environment",
+    "rank_causes",
+    "format_report",
+    "TRAPS",
+]

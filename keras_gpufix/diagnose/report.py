@@ -1,0 +1,168 @@
+"""The report: rank the measured causes and print the diagnosis for people."""
+
+from keras_gpufix.analysis import FIXES
+
+__all__ = ["rank_causes", "format_report", "healthy_evidence", "trace_evidence"]
+
+
+def _pct(x):
+    return f"{x:.0%}"
+
+
+def _fit_causes(fit):
+    """(verdict, score, evidence list) candidates measured in one fit."""
+    out = []
+    monitor = fit.get("monitor") or {}
+    st = monitor.get("step_time") or {}
+    label = f"fit {fit['index']}"
+    wait = monitor.get("input_wait")
+    if wait is not None and wait >= 0.2:
+        out.append(("input_bound", wait, [{
+            "source": "GPUOscillationMonitor", "figure": "input_wait", "value": wait,
+            "text": f"{label}: {_pct(wait)} of step time spent waiting for the next batch "
+                    f"({st.get('count')} steps, median {st.get('p50_ms', 0):.1f} ms, "
+                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}]))
+    retr = fit.get("retracing") or {}
+    if retr.get("verdict") == "recompiling":
+        share = retr.get("recompile_share") or 0.0
+        out.append(("recompiling", share, [{
+            "source": "RetracingMonitor", "figure": "recompile_share", "value": share,
+            "text": f"{label}: {retr.get('new_shapes')} distinct input shapes, "
+                    f"{retr.get('recompile_ms') or 0:.0f} ms spent at new shapes "
+                    f"({_pct(share)} of the fit's wall time, median step "
+                    f"{retr.get('median_step_ms') or 0:.1f} ms), "
+                    f"{retr.get('trace_count')} train-step traces"}]))
+    for event in monitor.get("events") or []:
+        verdict = event["verdict"]
+        if verdict == "healthy" or verdict in ("input_bound", "recompiling") and any(
+                c[0] == verdict for c in out):
+            continue
+        ev = event.get("evidence") or {}
+        score = ev.get("slow_time_share") or ev.get("input_wait") or 0.1
+        out.append((verdict, score, [{
+            "source": "GPUOscillationMonitor", "figure": "event", "value": score,
+            "text": f"{label}: {event['message']}"}]))
+    for trace in (fit.get("profiler") or {}).get("traces", []):
+        a = trace.get("analysis") or {}
+        if a.get("classification") == "highly_input_bound":
+            out.append(("input_bound", (a.get("input_percent") or 0) / 100,
+                        [_trace_item(fit, trace)]))
+    return out
+
+
+def _trace_item(fit, trace):
+    a = trace["analysis"]
+    return {"source": "XProf", "figure": "input_percent", "value": a.get("input_percent"),
+            "text": f"fit {fit['index']}: XProf trace of steps {trace['start_step']}-"
+                    f"{trace['end_step']} ({trace.get('reason')}): step "
+                    f"{a.get('step_time_ms') or 0:.1f} ms, {a.get('input_percent') or 0:.1f}% "
+                    f"input, {a['classification']}. XProf: {a.get('conclusion', '')}",
+            "path": trace.get("path")}
+
+
+def trace_evidence(fits):
+    return [_trace_item(fit, trace) for fit in fits
+            for trace in (fit.get("profiler") or {}).get("traces", [])
+            if "classification" in (trace.get("analysis") or {})]
+
+
+def rank_causes(fits, scan=()):
+    """Ranks the measured causes; returns (verdict, ranking, fixes).
+
+    A cause is ranked by the share of time it measurably cost (input wait,
+    recompile time, time lost to slow steps); static findings never make a
+    verdict, they point at the lines to change for it.
+
+    Returns:
+        `verdict` (`healthy` when no cause was measured), `ranking` (list
+        of dicts `verdict`, `score`, `evidence`, `fix`, best first) and
+        `fixes` (ranked list of dicts `rank`, `verdict`, `fix`, `where`:
+        `file:line` of the matching scan findings).
+    """
+    merged = {}
+    for fit in fits:
+        for verdict, score, evidence in _fit_causes(fit):
+            slot = merged.setdefault(verdict, {"verdict": verdict, "score": 0.0, "evidence": []})
+            slot["score"] = max(slot["score"], float(score))
+            slot["evidence"].extend(evidence)
+    ranking = sorted(merged.values(), key=lambda c: -c["score"])
+    for cause in ranking:
+        period = next((e.get("period") for f in fits
+                       for e in (f.get("monitor") or {}).get("events", [])
+                       if e["verdict"] == cause["verdict"]), None)
+        cause["fix"] = FIXES.get(cause["verdict"], "").format(period=period)
+    verdict = ranking[0]["verdict"] if ranking else "healthy"
+    fixes, used = [], set()
+    for cause in ranking:
+        where = [f for f in scan if f.get("verdict") == cause["verdict"]]
+        used.update(id(f) for f in where)
+        fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
+                      "where": [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}" for f in where]})
+    for f in scan:
+        if id(f) not in used and f.get("verdict") is not None:
+            fixes.append({"verdict": f["verdict"], "fix": f["fix"],
+                          "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
+    for rank, fix in enumerate(fixes, start=1):
+        fix["rank"] = rank
+    return verdict, ranking, fixes
+
+
+def healthy_evidence(fits):
+    out = []
+    for fit in fits:
+        monitor = fit.get("monitor") or {}
+        st = monitor.get("step_time") or {}
+        if not st.get("count"):
+            continue
+        wait = monitor.get("input_wait")
+        retr = fit.get("retracing") or {}
+        out.append({"source": "GPUOscillationMonitor", "figure": "step_time",
+                    "value": st.get("p50_ms"),
+                    "text": f"fit {fit['index']}: {st['count']} steps, median "
+                            f"{st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
+                            + ("" if wait is None else f", input wait {_pct(wait)}")
+                            + (f", {retr['trace_count']} train-step traces"
+                               if retr.get("trace_count") is not None else "")
+                            + "; no cause measured: the steps are compute-bound"})
+    return out
+
+
+def format_report(result):
+    """The diagnosis as text for people."""
+    lines = [f"keras-gpufix diagnose: {' '.join(result['command'])} "
+             f"(exit code {result['exit_code']})",
+             f"verdict: {result['verdict']}"]
+    if result["evidence"]:
+        lines.append("evidence:")
+        lines += [f"  - {e['text']}" for e in result["evidence"]]
+    if result["fixes"]:
+        lines.append("fixes (ranked):")
+        for fix in result["fixes"]:
+            lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
+            lines += [f"     {w}" for w in fix["where"]]
+    lines.append(f"static scan: {len(result['scan'])} finding(s)")
+    lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}" for f in result["scan"]]
+    env = result["environment"]
+    gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"
+    nvml = "available" if env["nvml"]["available"] else f"unavailable ({env['nvml']['reason']})"
+    lines.append(f"environment: TensorFlow {env['tensorflow']}, Keras {env['keras']} "
+                 f"({env['keras_backend']}), Python {env['python']}, {env['cpu_count']} CPUs "
+                 f"({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
+                 f"{env['xla']['built_with_xla']}, NVML: {nvml}, policy {env['dtype_policy']}")
+    for fit in result["fits"]:
+        st = (fit.get("monitor") or {}).get("step_time") or {}
+        retr = fit.get("retracing") or {}
+        text = f"fit {fit['index']}: {fit.get('steps') or 0} steps timed in {fit.get('wall_s', 0):.1f} s"
+        if fit.get("stopped_by_diagnose"):
+            text += " (stopped by --steps)"
+        if st.get("count"):
+            text += f", median {st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms"
+        if retr.get("trace_count") is not None:
+            text += f", {retr['trace_count']} traces, recompile {retr.get('recompile_ms') or 0:.0f} ms"
+        if fit.get("error"):
+            text += f"; ended by {fit['error']}"
+        lines.append(text)
+    if result["traces"]:
+        lines.append(f"traces under {result['log_dir']}: tensorboard --logdir {result['log_dir']}")
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,355 @@
+"""The run: execute the script as `__main__` with every `fit` patched, gather the diagnosis."""
+
+import contextlib
+import functools
+import gc
+import importlib.util
+import math
+import os
+import platform
+import runpy
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+from keras_gpufix import __version__
+from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
+from keras_gpufix.diagnose.scan import scan_script
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = ["environment", "run_diagnosis"]
+
+
+def environment():
+    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict."""
+    import keras
+    import tensorflow as tf
+
+    from keras_gpufix.compile import device_info
+    from keras_gpufix.nvml import nvml_status
+
+    build = dict(tf.sysconfig.get_build_info())
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "keras_backend": keras.backend.backend(),
+        "keras_gpufix": __version__,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": affinity,
+        "devices": [d.name for d in tf.config.list_physical_devices()],
+        "gpus": device_info()["gpus"],
+        "cuda_build": bool(build.get("is_cuda_build")),
+        "cuda_version": build.get("cuda_version"),
+        "cudnn_version": build.get("cudnn_version"),
+        "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()),
+                "TF_XLA_FLAGS": os.environ.get("TF_XLA_FLAGS")},
+        "nvml": nvml_status(),
+        "dtype_policy": keras.mixed_precision.global_policy().name,
+    }
+
+
+def _instrumented(dataset, depth=64):
+    """Whether `dataset` or one of its inputs went through kg.data.instrument."""
+    for _ in range(depth):
+        if dataset is None:
+            return False
+        if getattr(dataset, "input_probe", None) is not None:
+            return True
+        dataset = getattr(dataset, "_input_dataset", None)
+    return False
+
+
+def _monitor_window(total_steps, warmup):
+    """A detector window that can judge twice within `total_steps`."""
+    if not total_steps:
+        return 96
+    return int(max(8, min(96, (total_steps - warmup - 2) / 1.5)))
+
+
+def _stop_after(steps):
+    """A callback that stops `fit` after `steps` steps (counting steps_per_execution)."""
+    import keras
+
+    class StopAfter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.stopped, self._first = 0, False, 0
+
+        def on_train_begin(self, logs=None):
+            self.seen, self.stopped = 0, False
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._first = batch
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += max(1, batch - self._first + 1)
+            if self.seen >= steps:
+                self.model.stop_training = True
+                self.stopped = True
+
+    return StopAfter()
+
+
+class FitPatch:
+    """Context manager: every `keras.Model.fit` gets the diagnostic callbacks."""
+
+    def __init__(self, steps=None, log_dir=None, trace=True, verbose=1):
+        self.steps = steps
+        self.log_dir = log_dir
+        self.trace = trace
+        self.verbose = verbose
+        self.fits = []
+        self.notes = []
+        self._depth = 0
+
+    def __enter__(self):
+        import keras
+
+        self._cls = keras.Model
+        self._had_own = "fit" in self._cls.__dict__
+        original = self._cls.fit
+        patch = self
+
+        @functools.wraps(original)
+        def fit(model, *args, **kwargs):
+            if patch._depth:  # a subclass's fit calling super().fit
+                return original(model, *args, **kwargs)
+            patch._depth += 1
+            try:
+                return patch._fit(original, model, args, kwargs)
+            finally:
+                patch._depth -= 1
+
+        self._original = original
+        self._cls.fit = fit
+        return self
+
+    def __exit__(self, *exc):
+        if self._had_own:
+            self._cls.fit = self._original
+        else:
+            del self._cls.fit
+        return False
+
+    def _note(self, message):
+        if message not in self.notes:
+            self.notes.append(message)
+            warnings.warn(f"keras-gpufix diagnose: {message}", GpufixWarning, stacklevel=3)
+
+    def _prepare(self, original, model, args, kwargs):
+        """(bound arguments, our callbacks) for one fit."""
+        import inspect
+
+        import tensorflow as tf
+
+        import keras_gpufix as kg
+
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        arguments = bound.arguments
+        x = arguments.get("x")
+        dataset = isinstance(x, tf.data.Dataset)
+        if dataset and not _instrumented(x):
+            arguments["x"] = kg.data.instrument(x)
+        epochs = arguments.get("epochs", 1)
+        per_epoch = arguments.get("steps_per_epoch")
+        if per_epoch is None and dataset:
+            card = int(x.cardinality())
+            per_epoch = card if card > 0 else None
+        total = self.steps or (per_epoch * epochs if per_epoch else None)
+        if self.steps and per_epoch:
+            total = min(self.steps, per_epoch * epochs)
+        user = list(arguments.get("callbacks") or [])
+        mine = {}
+        warmup = 5
+        verbose = self.verbose
+        classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
+                   "profiler": "ProfilerTrigger"}
+        for key, name in classes.items():
+            try:
+                cls = getattr(kg, name)
+            except (ImportError, AttributeError) as exc:
+                self._note(f"{name} is not available ({exc}); its evidence is missing")
+                continue
+            existing = [cb for cb in user if isinstance(cb, cls)]
+            if existing:
+                mine[key] = existing[0]
+                continue
+            if key == "monitor":
+                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
+                                verbose=verbose)
+            elif key == "retracing":
+                mine[key] = cls()
+            elif self.trace:
+                at = min(10, max(warmup, (total or 30) // 3))
+                steps = max(2, min(10, ((total or 30) - at) // 2))
+                mine[key] = cls(os.path.join(self.log_dir, f"fit_{len(self.fits) + 1}"),
+                                trigger=["oscillation", at], steps=steps, max_traces=2,
+                                verbose=verbose)
+        ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
+        stop = _stop_after(self.steps) if self.steps else None
+        arguments["callbacks"] = user + ours + ([stop] if stop else [])
+        info = {"x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
+                "steps_per_epoch": per_epoch}
+        return bound, mine, stop, info
+
+    def _fit(self, original, model, args, kwargs):
+        try:
+            bound, mine, stop, info = self._prepare(original, model, args, kwargs)
+        except Exception as exc:  # never break the user's fit
+            self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
+                       "this fit ran without them")
+            return original(model, *args, **kwargs)
+        entry = {"index": len(self.fits) + 1, **info}
+        self.fits.append(entry)
+        t0 = time.perf_counter()
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except BaseException as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            entry["wall_s"] = time.perf_counter() - t0
+            entry["stopped_by_diagnose"] = bool(stop and stop.stopped)
+            entry["model"] = {
+                "name": model.name,
+                "jit_compile": getattr(model, "jit_compile", None),
+                "run_eagerly": getattr(model, "run_eagerly", None),
+                "steps_per_execution": getattr(model, "steps_per_execution", None),
+            }
+            for key, cb in mine.items():
+                try:
+                    entry[key] = cb.report()
+                except Exception as exc:
+                    entry[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            entry["steps"] = (entry.get("monitor") or {}).get("step_time", {}).get("count")
+            # A fit stopped early leaves its epoch iterator in a reference
+            # cycle; freed only at interpreter exit, an iterator with a
+            # py_function in flight deadlocks there (TF 2.21). Free it now.
+            gc.collect()
+
+
+def _resolve(command):
+    """(kind, target, argv) for `python train.py ARGS`, `train.py ARGS` or `-m mod ARGS`."""
+    command = list(command)
+    if command and os.path.basename(command[0]).startswith("python") and (
+            len(command) == 1 or not command[0].endswith(".py")):
+        command = command[1:]
+    if not command:
+        raise ValueError("no script given: use `keras-gpufix diagnose -- python train.py ARGS`")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise ValueError("`-m` needs a module name")
+        spec = importlib.util.find_spec(command[1])
+        if spec is None or spec.origin is None:
+            raise ValueError(f"no module named {command[1]!r}")
+        return "module", command[1], [spec.origin, *command[2:]]
+    if not os.path.isfile(command[0]):
+        raise ValueError(f"script not found: {command[0]}")
+    return "script", os.path.abspath(command[0]), command
+
+
+def _exit_code(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if hasattr(value, "item"):  # NumPy scalars
+        return _jsonable(value.item())
+    return str(value)
+
+
+def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
+    """Runs a training script with the monitors attached; returns the diagnosis.
+
+    Args:
+        command: `["python", "train.py", *args]`, `["train.py", *args]` or
+            `["-m", "package.module", *args]`.
+        steps: stop every `fit` after this many steps. Defaults to None
+            (the script's own length).
+        log_dir: where profiler traces go. Defaults to a new folder under
+            the system temp dir.
+        trace: take XProf traces (ProfilerTrigger). Defaults to True.
+        verbose: the monitors print their events (1) or not (0).
+
+    Returns:
+        A JSON-ready dict: `command`, `exit_code` (the script's),
+        `verdict`, `evidence` (of the verdict), `ranking`, `fixes`
+        (ranked), `scan`, `environment`, `fits` (one per `fit`: the
+        monitors' reports), `traces` (XProf evidence), `log_dir`, `notes`.
+
+    Raises:
+        ValueError: when the command names no script that exists.
+    """
+    if steps is not None and steps < 1:
+        raise ValueError(f"`steps` must be >= 1. Received: steps={steps}")
+    kind, target, argv = _resolve(command)
+    script = argv[0]
+    scan = scan_script(script)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="keras_gpufix_diagnose_")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = list(argv)
+    if kind == "script":
+        sys.path.insert(0, os.path.dirname(target))
+    exit_code = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", GpufixWarning)
+        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch:
+            try:
+                if kind == "module":
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(target, run_name="__main__")
+            except SystemExit as exc:
+                exit_code = _exit_code(exc.code)
+            except KeyboardInterrupt:
+                traceback.print_exc()
+                exit_code = 130
+            except BaseException:
+                traceback.print_exc()
+                exit_code = 1
+            finally:
+                sys.argv, sys.path[:] = saved_argv, saved_path
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+    verdict, ranking, fixes = rank_causes(patch.fits, scan)
+    traces = trace_evidence(patch.fits)
+    evidence = list(ranking[0]["evidence"]) if ranking else []
+    if verdict == "healthy":
+        evidence = healthy_evidence(patch.fits)
+    evidence += [t for t in traces if t not in evidence]
+    return _jsonable({
+        "command": list(command),
+        "exit_code": exit_code,
+        "verdict": verdict,
+        "evidence": evidence,
+        "ranking": ranking,
+        "fixes": fixes,
+        "scan": scan,
+        "environment": environment(),
+        "fits": patch.fits,
+        "traces": traces,
+        "log_dir": log_dir,
+        "notes": patch.notes,
+    })

@@ -511,26 +511,6 @@ def _precision_support(policy, info):
     return None
 
 
-def _writable(path):
-    """None when a cache can be created at `path`, else why not."""
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{probe} is a file, not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".kg-write-test-"):
-            pass
-    except OSError as exc:
-        return f"cannot write in {probe}: {exc.strerror or exc}"
-    return None
-
-
 def _default_cache_dir():
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "keras_gpufix")
@@ -593,12 +573,14 @@ def check_config(cfg: Config, environment=None):
             "`auto` picks what this device runs fast", "auto")
     cache = cfg.path(d.cache_dir)
     if cache is not None:
-        why = _writable(cache)
+        from keras_gpufix.data.cache import writable_problem  # the builder's own check
+
+        why = writable_problem(cache)
         if why:
             default = _default_cache_dir()
             add("cache_dir_not_writable", "data.cache_dir",
                 f"`data.cache_dir` {cache} cannot be written ({why})",
-                *([default] if _writable(default) is None else []))
+                *([default] if writable_problem(default) is None else []))
     return problems
 
 

@@ -12,8 +12,6 @@ on the corpus and on the audio/text configs, so they take the same
 """
 
 import os
-import shutil
-import tempfile
 import time
 
 __all__ = ["bench_data", "cache_build", "cache_info", "cache_clear", "format_bench",
@@ -52,15 +50,6 @@ def _dir_size(path):
     return total
 
 
-def _entries(cache_dir):
-    try:
-        names = sorted(os.listdir(cache_dir))
-    except FileNotFoundError:
-        return []
-    return [n for n in names if n.startswith("features-") and not n.endswith(".lock")
-            and os.path.isdir(os.path.join(cache_dir, n))]
-
-
 def _need_cache_dir(cache_dir):
     if not cache_dir:
         raise ValueError("no cache folder: pass --cache-dir DIR or --config with data.cache_dir")
@@ -73,10 +62,14 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
         A dict: `cache_dir`, `fingerprint`, `path`, `status` (`"fresh"`:
         complete and intact for the corpus as it is now; `"missing"`),
         `utterances` (in the corpus scan; in the entry when fresh),
-        `size_bytes`, `skipped` (bad utterances) and `other_entries` (other
+        `size_bytes`, `skipped` (bad utterances: dicts `id`, `path`, `line`,
+        `reason`) and `other_entries` (other
         fingerprints in the folder: stale versions of this corpus or other
-        corpora, with their sizes).
+        corpora, with their sizes) and `leftovers` (temporary folders of
+        interrupted or failed builds, which `cache_clear` removes).
     """
+    from keras_gpufix.data.cache import FeatureCache
+
     builder, cache_dir = _builder(corpus, cache_dir, config, verbose=0)
     _need_cache_dir(cache_dir)
     cache = builder.cache_entry()
@@ -90,10 +83,12 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
         "path": cache.path,
         "status": "fresh" if fresh else "missing",
         "utterances": len(builder.utterances),
-        "skipped": len(builder.report["skipped"]),
+        "skipped": builder.report["skipped"],
         "size_bytes": _dir_size(cache.path) if fresh else 0,
         "other_entries": [{"name": n, "size_bytes": _dir_size(os.path.join(cache_dir, n))}
-                          for n in _entries(cache_dir) if n != mine],
+                          for n in FeatureCache.entries(cache_dir) if n != mine],
+        "leftovers": [{"name": n, "size_bytes": _dir_size(os.path.join(cache_dir, n))}
+                      for n in FeatureCache.leftovers(cache_dir)],
     }
 
 
@@ -104,8 +99,19 @@ def cache_build(corpus, cache_dir=None, config=None, verbose=1):
         `cache_info` plus `build` (`"hit"` if it was already there, else
         `"miss"`) and `seconds` (time to open or build it).
     """
+    from keras_gpufix.data.audio import resampled_length
+    from keras_gpufix.data.cache import FeatureCache
+
     builder, cache_dir = _builder(corpus, cache_dir, config, verbose=verbose)
     _need_cache_dir(cache_dir)
+    cache = builder.cache_entry()
+    if not cache.verify(full=False):
+        cache.check_writable()
+        audio = builder.audio
+        frames = [audio.num_frames(resampled_length(u.info.frames, u.info.sample_rate,
+                                                    audio.sample_rate))
+                  for u in builder.utterances]
+        cache.check_space(FeatureCache.estimate_bytes(frames, audio.n_mels))
     t0 = time.perf_counter()
     builder.prepare()
     seconds = time.perf_counter() - t0
@@ -114,27 +120,27 @@ def cache_build(corpus, cache_dir=None, config=None, verbose=1):
 
 
 def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=0):
-    """Removes the cache entry of `corpus` (every entry with `all_entries`).
+    """Removes the cache entry of `corpus` (every entry with `all_entries`),
+    and the temporary folders that interrupted or failed builds left.
 
     An entry is renamed aside first, so no reader ever sees half of one.
 
     Returns:
-        A dict: `cache_dir`, `removed` (entry names), `freed_bytes`.
+        A dict: `cache_dir`, `removed` (entry and leftover names),
+        `freed_bytes`.
     """
+    from keras_gpufix.data.cache import FeatureCache
+
     builder, cache_dir = _builder(corpus, cache_dir, config, verbose=0)
     _need_cache_dir(cache_dir)
     mine = builder.cache_entry().name
-    names = _entries(cache_dir) if all_entries else [n for n in _entries(cache_dir) if n == mine]
+    entries = FeatureCache.entries(cache_dir)
+    names = (entries if all_entries else [n for n in entries if n == mine]) \
+        + FeatureCache.leftovers(cache_dir)
     removed, freed = [], 0
     for name in names:
-        path = os.path.join(cache_dir, name)
-        size = _dir_size(path)
-        trash = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
-        os.rename(path, os.path.join(trash, name))
-        shutil.rmtree(trash, ignore_errors=True)
-        lock = path + ".lock"
-        if os.path.exists(lock):
-            os.unlink(lock)
+        size = _dir_size(os.path.join(cache_dir, name))
+        FeatureCache.remove(cache_dir, name)
         removed.append(name)
         freed += size
     return {"action": "clear", "corpus": corpus, "cache_dir": cache_dir, "removed": removed,
@@ -241,7 +247,7 @@ def format_cache(result):
         lines.append(f"cache {result['build']} in {result['seconds']:.2f} s")
     lines += [
         f"corpus:       {result['corpus']} ({result['utterances']} utterances, "
-        f"{result['skipped']} skipped)",
+        f"{len(result['skipped'])} skipped)",
         f"cache entry:  {result['path']}",
         f"fingerprint:  {result['fingerprint']}",
         f"status:       {result['status']}"
@@ -253,4 +259,11 @@ def format_cache(result):
         lines.append(f"other entries ({len(others)}, stale or other corpora; "
                      "`cache clear --all` removes them): "
                      + ", ".join(f"{o['name']} ({_mb(o['size_bytes'])})" for o in others))
+    leftovers = result["leftovers"]
+    if leftovers:
+        lines.append(f"leftovers ({len(leftovers)}, from interrupted or failed builds; "
+                     "`cache clear` removes them): "
+                     + ", ".join(f"{o['name']} ({_mb(o['size_bytes'])})" for o in leftovers))
+    lines += [f"skipped {s['path']}" + (f" (line {s['line']})" if s["line"] is not None else "")
+              + f": {s['reason']}" for s in result["skipped"]]
     return "\n".join(lines)

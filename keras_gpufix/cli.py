@@ -10,8 +10,9 @@
 
 Each function returns a dict; `--json` prints it as one line (the last line
 of stdout), otherwise it is printed for people. Exit codes: 0 success,
-1 problems found (validate), 2 bad arguments or unusable input; diagnose
-exits with the script's own exit code.
+1 problems found (validate), 2 bad arguments or unusable input, 130
+interrupted (Ctrl-C: one line, no traceback); diagnose exits with the
+script's own exit code.
 """
 
 import argparse
@@ -186,7 +187,7 @@ def _cache(args, sub):
     try:
         result = function(args.corpus, cache_dir=args.cache_dir, config=args.config,
                           verbose=0 if args.json else 1, **kwargs)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad corpus, unwritable folder, disk full
         sub.error(str(exc))
     if args.json:
         _print_json(result)
@@ -225,3 +226,8 @@ def main(argv=None) -> int:
         return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler
         return exc.code if isinstance(exc.code, int) else 2
+    except KeyboardInterrupt:
+        print("keras-gpufix: interrupted" + ("; nothing half-written: the cache entry was not "
+                                             "committed" if args.command == "cache" else ""),
+              file=sys.stderr, flush=True)
+        return 130

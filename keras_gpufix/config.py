@@ -6,14 +6,14 @@ data:
   audio: {sample_rate: 22050, n_mels: 80}   # kg.data.AudioConfig fields
   text: {}                      # kg.data.TextConfig fields
   batch_size: 32                # global batch (all replicas)
-  num_buckets: 8                # 0 or null: no bucketing (unbounded shapes)
+  num_buckets: 8                # >= 1 length buckets (bounded shapes)
   cache_dir: cache/
   on_bad_input: skip            # skip | raise
-  prefetch: auto                # auto | <buffer size> | /gpu:0 (to device) | false
+  prefetch: auto                # auto | /gpu:0 (to that device)
   service: null                 # grpc://host:port of a tf.data service
 training:
   jit_compile: true
-  mixed_precision: auto         # auto | float32 | bfloat16 | float16
+  mixed_precision: auto         # auto | float32 | bfloat16 | float16 (mixed_*)
   steps_per_execution: auto
   epochs: 10
 distribute:
@@ -22,9 +22,10 @@ distribute:
 monitor:
   window: 96
   warmup: 5
+  min_windows: 2
   thresholds: {}                # OscillationDetector arguments
-  log_dir: logs
-  profiling: {trigger: oscillation, steps: 10, max_traces: 3}   # or false
+  log_dir: logs                 # TensorBoard scalars and profiler traces
+  profiling: {trigger: oscillation, steps: 10, max_traces: 3}   # ProfilerTrigger, or false
 ```
 
 - `load_config(path)` parses and type-checks; every error names the key,
@@ -60,11 +61,14 @@ __all__ = [
     "Setup",
     "load_config",
     "from_config",
+    "builder_kwargs",
     "check_config",
     "validate_config",
 ]
 
 _POLICIES = ("auto", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16")
+# The YAML's short names are Keras's mixed policies (float32 variables).
+_POLICY_NAMES = {False: "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 _MODES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 
 
@@ -81,6 +85,10 @@ def _spec(default, expected, valid, coerce=None):
 
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _int_from_str(v):
@@ -108,16 +116,17 @@ class DataConfig:
                        lambda v: isinstance(v, dict))
     batch_size: int = _spec(32, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
                             _int_from_str)
-    num_buckets: int = _spec(8, "an integer >= 0 or null (0/null: no bucketing)",
-                             lambda v: v is None or (_is_int(v) and v >= 0), _int_from_str)
+    num_buckets: int = _spec(
+        8, "an integer >= 1 (no bucketing is not supported: with unbounded lengths every new "
+        "padded length is a new XLA compile)", lambda v: _is_int(v) and v >= 1,
+        lambda v: 8 if v is None or v == 0 else _int_from_str(v))
     cache_dir: str = _spec(None, "a path (string) or null", _opt_str)
     on_bad_input: str = _spec(None, '"skip", "raise" or null',
                               lambda v: v in (None, "skip", "raise"))
-    prefetch: Any = _spec(
-        "auto", '"auto", true, false, a buffer size >= 0 or a device such as "/gpu:0"',
-        lambda v: isinstance(v, bool) or (_is_int(v) and v >= 0)
-        or (isinstance(v, str) and (v == "auto" or v.startswith("/"))),
-        _int_from_str)
+    prefetch: str = _spec(
+        "auto", '"auto" (tf.data AUTOTUNE) or a device such as "/gpu:0" (prefetch_to_device)',
+        lambda v: isinstance(v, str) and (v == "auto" or v.startswith("/")),
+        lambda v: "auto" if v is not None else None)
     service: str = _spec(None, 'a tf.data service address "grpc://host:port" or null',
                          lambda v: v is None or (isinstance(v, str) and "://" in v))
 
@@ -159,14 +168,21 @@ class ProfilingConfig:
     max_traces: int = _spec(3, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
                             _int_from_str)
     analyze: bool = _spec(True, "true or false", lambda v: isinstance(v, bool), _bool_from_str)
+    cooldown: int = _spec(100, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
+    slow_factor: float = _spec(3.0, "a number > 1", lambda v: _is_number(v) and v > 1)
+    min_slow_ms: float = _spec(5.0, "a number >= 0", lambda v: _is_number(v) and v >= 0)
+    warmup: int = _spec(10, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
 
 
 @dataclasses.dataclass
 class MonitorConfig:
-    """The `monitor` section: the callbacks `from_config` attaches."""
+    """The `monitor` section: `kg.GPUOscillationMonitor` arguments (`log_dir`
+    for its TensorBoard scalars and `ProfilerTrigger`'s traces) and `profiling`."""
 
     window: int = _spec(96, "an integer >= 8", lambda v: _is_int(v) and v >= 8, _int_from_str)
     warmup: int = _spec(5, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
+    min_windows: int = _spec(2, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
+                             _int_from_str)
     thresholds: dict = _spec({}, "a mapping of OscillationDetector arguments",
                              lambda v: isinstance(v, dict))
     log_dir: str = _spec("logs", "a path (string) or null", _opt_str)
@@ -242,21 +258,26 @@ class _Doc:
             raise ConfigError([_problem("yaml_syntax", None, line, source,
                                         f"YAML syntax error: {what}")], unusable=True)
         if self.data is None:
-            self.data, self.root = {}, None
+            raise ConfigError([_problem(
+                "empty_file", None, None, source,
+                "the file is empty (or only comments): nothing is configured. "
+                "Start from examples/tts.yaml")], unusable=True)
         if not isinstance(self.data, dict):
             raise ConfigError([_problem(
                 "not_a_mapping", None, 1, source,
                 "the top level must be a mapping of sections "
                 f"({', '.join(_SECTIONS)}). Received: {_describe(self.data)}")], unusable=True)
         self.nodes = {}  # "a.b" -> (key node, value node, parent mapping node)
-        if self.root is not None:
-            self._walk(self.root, "")
+        self.duplicates = []  # (path, first line, repeated line)
+        self._walk(self.root, "")
 
     def _walk(self, node, prefix):
         if not isinstance(node, yaml.MappingNode):
             return
         for key, value in node.value:
             path = f"{prefix}{key.value}"
+            if path in self.nodes:
+                self.duplicates.append((path, self.line(path), key.start_mark.line + 1))
             self.nodes[path] = (key, value, node)
             self._walk(value, path + ".")
 
@@ -362,6 +383,11 @@ def _nested(raw, prefix, valid, doc, problems):
 def _build(doc):
     """(Config, schema problems) from a parsed document; lenient."""
     problems = []
+    for path, first, again in doc.duplicates:
+        problems.append(_problem(
+            "duplicate_key", path, again, doc.source,
+            f"`{path}` is set twice, on line {first} and line {again} (YAML keeps only "
+            f"line {again}'s value); delete one of them"))
     _unknown_keys(doc.data, _SECTIONS, "", doc, problems)
     sections = {}
     for name, cls in _SECTIONS.items():
@@ -394,7 +420,11 @@ def _build(doc):
         monitor.profiling = _section(ProfilingConfig, monitor.profiling or {},
                                      "monitor.profiling", doc, problems)
     lines = {path: doc.line(path) for path in doc.nodes}
-    return Config(source=doc.source, lines=lines, **sections), problems
+    return Config(source=doc.source, lines=lines, **sections), _in_line_order(problems)
+
+
+def _in_line_order(problems):
+    return sorted(problems, key=lambda p: (p["line"] is None, p["line"] or 0))
 
 
 def _read(path):
@@ -481,26 +511,6 @@ def _precision_support(policy, info):
     return None
 
 
-def _writable(path):
-    """None when a cache can be created at `path`, else why not."""
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{probe} is a file, not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".kg-write-test-"):
-            pass
-    except OSError as exc:
-        return f"cannot write in {probe}: {exc.strerror or exc}"
-    return None
-
-
 def _default_cache_dir():
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "keras_gpufix")
@@ -509,9 +519,8 @@ def _default_cache_dir():
 def check_config(cfg: Config, environment=None):
     """Performance traps in a config, as problem dicts (empty when none).
 
-    Checks what really costs GPU time, on this machine: `jit_compile` with
-    unbounded shapes (no bucketing), `on_bad_input` unset for a corpus that
-    has bad files, prefetch disabled, a batch size the replicas cannot
+    Checks what really costs GPU time, on this machine: `on_bad_input`
+    unset for a corpus that has bad files, a batch size the replicas cannot
     share, a mixed-precision policy the device does not run fast, a
     `cache_dir` that cannot be written, a corpus that does not exist.
 
@@ -538,11 +547,6 @@ def check_config(cfg: Config, environment=None):
         problems.append(_problem(kind, key, cfg.lines.get(key) or cfg.lines.get(key.split(".")[0]),
                                  cfg.source, message, fix=fix))
 
-    if t.jit_compile and not d.num_buckets:
-        add("unbounded_shapes", "data.num_buckets",
-            f"`training.jit_compile` is true but `data.num_buckets` is {d.num_buckets!r} "
-            "(no bucketing): every new padded length is a new XLA compile (seconds each); "
-            "bucket the lengths", 8)
     corpus = cfg.path(d.corpus)
     if corpus is not None:
         if not os.path.exists(corpus):
@@ -555,10 +559,6 @@ def check_config(cfg: Config, environment=None):
                     f"`data.on_bad_input` is unset and the corpus has {len(skipped)} bad "
                     f"utterance(s) (first: line {first['line']}, {first['path']}: "
                     f"{first['reason']}); choose `skip` (drop and report) or `raise`", "skip")
-    if d.prefetch is False or d.prefetch == 0:
-        add("prefetch_disabled", "data.prefetch",
-            f"`data.prefetch` is {d.prefetch!r}: the accelerator waits for every batch "
-            "to be prepared after the previous step", "auto")
     replicas = _replicas(cfg.distribute, info)
     if d.batch_size % replicas:
         fixed = -(-d.batch_size // replicas) * replicas
@@ -573,12 +573,14 @@ def check_config(cfg: Config, environment=None):
             "`auto` picks what this device runs fast", "auto")
     cache = cfg.path(d.cache_dir)
     if cache is not None:
-        why = _writable(cache)
+        from keras_gpufix.data.cache import writable_problem  # the builder's own check
+
+        why = writable_problem(cache)
         if why:
             default = _default_cache_dir()
             add("cache_dir_not_writable", "data.cache_dir",
                 f"`data.cache_dir` {cache} cannot be written ({why})",
-                *([default] if _writable(default) is None else []))
+                *([default] if writable_problem(default) is None else []))
     return problems
 
 
@@ -619,7 +621,8 @@ def _edits(doc, fix):
     value = _scalar(fix["value"])
     if path in doc.nodes:
         node = doc.nodes[path][1]
-        return [(node.start_mark.index, node.end_mark.index, value)]
+        end = node.end_mark.index + len(_stale_comment(doc, node))
+        return [(node.start_mark.index, end, value)]
     section, name = path.split(".", 1)
     text = doc.text
     if section not in doc.nodes:
@@ -641,6 +644,16 @@ def _edits(doc, fix):
     return [(node.start_mark.index, node.end_mark.index, f"\n  {name}: {value}")]
 
 
+def _stale_comment(doc, node):
+    """The `  # ...` ending the line of value `node` when it names the old
+    value (it would lie once `--fix` rewrites the value: it is dropped), else ""."""
+    match = re.match(r"[ \t]+#[^\n]*", doc.text[node.end_mark.index:])
+    old = doc.text[node.start_mark.index:node.end_mark.index].strip("\"'")
+    if match and old and re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", match.group(0)):
+        return match.group(0)
+    return ""
+
+
 def _change(doc, problem):
     """What one fix changes, for people: `before` -> `after` at `line`."""
     fix = problem["fix"]
@@ -649,7 +662,11 @@ def _change(doc, problem):
         before, after = fix["key"], f"{parent}.{fix['to']}" if parent else fix["to"]
     else:
         node = doc.nodes.get(fix["key"], (None, None))[1]
-        before = None if node is None else doc.text[node.start_mark.index:node.end_mark.index]
+        before = None
+        if node is not None:
+            comment = _stale_comment(doc, node).strip()
+            before = doc.text[node.start_mark.index:node.end_mark.index] + (
+                f"  {comment}" if comment else "")
         after = _scalar(fix["value"])
     return {"line": problem["line"], "key": fix["key"], "action": fix["action"],
             "before": before, "after": after, "reason": problem["kind"],
@@ -658,7 +675,7 @@ def _change(doc, problem):
 
 def _all_problems(doc, environment):
     cfg, problems = _build(doc)
-    return cfg, problems + check_config(cfg, environment)
+    return cfg, _in_line_order(problems + check_config(cfg, environment))
 
 
 def validate_config(path, fix=False, environment=None):
@@ -771,6 +788,32 @@ class Setup:
         return self.builder.build(**{**self.build_kwargs, **overrides})
 
 
+def builder_kwargs(cfg: Config) -> dict:
+    """Keyword arguments of `kg.data.SpeechDatasetBuilder` from a config.
+
+    The one place a config becomes builder arguments (`from_config`, the
+    `bench-data` and `cache` commands use it).
+
+    Args:
+        cfg: a `Config`.
+
+    Returns:
+        A dict with `cache_dir` (resolved against the file's folder) and,
+        where the config sets them, `audio` (`kg.data.AudioConfig`), `text`
+        (`kg.data.TextConfig`) and `on_bad_input`.
+    """
+    from keras_gpufix import data
+
+    kwargs = {"cache_dir": cfg.path(cfg.data.cache_dir)}
+    if cfg.data.audio:
+        kwargs["audio"] = data.AudioConfig(**cfg.data.audio)
+    if cfg.data.text:
+        kwargs["text"] = data.TextConfig(**cfg.data.text)
+    if cfg.data.on_bad_input is not None:
+        kwargs["on_bad_input"] = cfg.data.on_bad_input
+    return kwargs
+
+
 def from_config(cfg) -> Setup:
     """Builds strategy, policy, dataset builder, compile arguments and callbacks.
 
@@ -799,20 +842,12 @@ def from_config(cfg) -> Setup:
         cfg = load_config(cfg)
     d, t, m = cfg.data, cfg.training, cfg.monitor
     strategy = kg.setup_strategy(mode=cfg.distribute.mode, devices=cfg.distribute.devices)
-    policy = kg.enable_mixed_precision("float32" if t.mixed_precision is False
-                                       else t.mixed_precision)
+    policy = kg.enable_mixed_precision(_POLICY_NAMES.get(t.mixed_precision, t.mixed_precision))
     builder = None
     if d.corpus is not None:
-        kwargs = {"cache_dir": cfg.path(d.cache_dir)}
-        if d.audio:
-            kwargs["audio"] = kg.data.AudioConfig(**d.audio)
-        if d.text:
-            kwargs["text"] = kg.data.TextConfig(**d.text)
-        if d.on_bad_input is not None:
-            kwargs["on_bad_input"] = d.on_bad_input
-        builder = kg.data.SpeechDatasetBuilder(cfg.path(d.corpus), **kwargs)
+        builder = kg.data.SpeechDatasetBuilder(cfg.path(d.corpus), **builder_kwargs(cfg))
     build_kwargs = {"batch_size": d.batch_size, "num_buckets": d.num_buckets}
-    if isinstance(d.prefetch, str) and d.prefetch.startswith("/"):
+    if d.prefetch != "auto":
         build_kwargs["prefetch_to_device"] = d.prefetch
     if d.service is not None:
         build_kwargs["service"] = d.service
@@ -820,12 +855,10 @@ def from_config(cfg) -> Setup:
                       "steps_per_execution": t.steps_per_execution}
     log_dir = cfg.path(m.log_dir)
     callbacks = [
-        kg.GPUOscillationMonitor(window=m.window, warmup=m.warmup,
+        kg.GPUOscillationMonitor(window=m.window, warmup=m.warmup, min_windows=m.min_windows,
                                  thresholds=m.thresholds, log_dir=log_dir),
-        kg.RetracingMonitor(**({"max_new_shapes": d.num_buckets + 1} if d.num_buckets else {})),
+        kg.RetracingMonitor(max_new_shapes=d.num_buckets + 1),
     ]
     if m.profiling is not False and log_dir is not None:
-        p = m.profiling
-        callbacks.append(kg.ProfilerTrigger(log_dir, trigger=p.trigger, steps=p.steps,
-                                            max_traces=p.max_traces, analyze=p.analyze))
+        callbacks.append(kg.ProfilerTrigger(log_dir, **dataclasses.asdict(m.profiling)))
     return Setup(cfg, strategy, policy, builder, build_kwargs, compile_kwargs, callbacks)

@@ -42,7 +42,7 @@ def test_cache_build_info_clear(corpus, tmp_path, capsys):
     cache = str(tmp_path / "cache")
     assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
     info = last_json(capsys.readouterr().out)
-    assert info["status"] == "missing" and info["utterances"] == 24 and info["skipped"] == 1
+    assert info["status"] == "missing" and info["utterances"] == 24 and len(info["skipped"]) == 1
 
     assert main(["cache", "build", corpus, "--cache-dir", cache]) == 0
     out = capsys.readouterr().out
@@ -102,4 +102,65 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert "24 utterances kept, 1 skipped" in out
     assert "bad_truncated" in out
     assert "verdict:" in out and "retracing:" in out
+    assert len([line for line in out.splitlines() if line.startswith("verdict:")]) == 1
+    assert "shuffle=True" not in out
     assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
+
+
+def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(corpus, tmp_path,
+                                                                            capsys):
+    cache = tmp_path / "cache"
+    (cache / ".features-0123.tmp-abc").mkdir(parents=True)
+    (cache / ".features-0123.tmp-abc" / "part").write_bytes(b"x" * 4096)
+    assert main(["cache", "build", corpus, "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "leftovers (1, from interrupted or failed builds" in out
+    skipped = [line for line in out.splitlines() if line.startswith("skipped ")]
+    assert len(skipped) == 1 and "empty" in skipped[0] and ".wav" in skipped[0]
+    assert main(["cache", "clear", corpus, "--cache-dir", str(cache), "--json"]) == 0
+    cleared = last_json(capsys.readouterr().out)
+    assert ".features-0123.tmp-abc" in cleared["removed"] and cleared["freed_bytes"] >= 4096
+    assert not (cache / ".features-0123.tmp-abc").exists()
+
+
+def test_cache_build_disk_full_exits_2_with_one_line_and_nothing_left(corpus, tmp_path, capsys,
+                                                                       monkeypatch):
+    import errno
+
+    from keras_gpufix.data.builder import SpeechDatasetBuilder
+    from keras_gpufix.data.cache import FeatureCache
+
+    def full(self, paths):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(SpeechDatasetBuilder, "_write_features", full)
+    cache = tmp_path / "cache"
+    assert main(["cache", "build", corpus, "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert str(cache) in err[-1] and "is full" in err[-1] and "Traceback" not in "".join(err)
+    assert FeatureCache.leftovers(str(cache)) == [] and FeatureCache.entries(str(cache)) == []
+
+
+def test_cache_build_in_a_file_exits_2_naming_the_folder(corpus, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["cache", "build", corpus, "--cache-dir", str(blocker / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and "a_file is a file, not a directory" in err
+
+
+def test_ctrl_c_during_cache_build_is_one_line_exit_130(corpus, tmp_path, capsys, monkeypatch):
+    from keras_gpufix.data.builder import SpeechDatasetBuilder
+    from keras_gpufix.data.cache import FeatureCache
+
+    def interrupted(self, paths):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(SpeechDatasetBuilder, "_write_features", interrupted)
+    cache = tmp_path / "cache"
+    assert main(["cache", "build", corpus, "--cache-dir", str(cache)]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "keras-gpufix: interrupted; nothing half-written: the cache entry was not committed")
+    assert FeatureCache.leftovers(str(cache)) == [] and FeatureCache.entries(str(cache)) == []

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import shutil
 
@@ -82,9 +83,6 @@ def test_yaml_syntax_error_is_unusable(tmp_path):
 
 
 @pytest.mark.parametrize("text, kind, key", [
-    ("data:\n  num_buckets: 0\ntraining:\n  jit_compile: true\n", "unbounded_shapes",
-     "data.num_buckets"),
-    ("data:\n  prefetch: false\n", "prefetch_disabled", "data.prefetch"),
     ("data:\n  batch_size: 30\ndistribute:\n  mode: mirrored\n  devices: [/cpu:0, /cpu:1, /cpu:2, /cpu:3]\n",
      "batch_not_divisible", "data.batch_size"),
     ("training:\n  mixed_precision: mixed_float16\n", "mixed_precision_unsupported",
@@ -190,7 +188,7 @@ def test_validate_cli_fix_prints_changes(tmp_path, capsys):
     original = open(path).read()
     assert main(["validate", path, "--fix"]) == 0
     out = capsys.readouterr().out
-    assert "data.prefetch: 0 -> auto (prefetch_disabled)" in out
+    assert "data.prefetch: 0 -> auto (wrong_type)" in out
     assert open(path + ".bak").read() == original
     assert main(["validate", path]) == 0
 
@@ -201,3 +199,153 @@ def test_example_config_is_valid():
         pytest.skip("examples/tts.yaml not present")
     cfg = load_config(path)
     assert cfg.data.num_buckets
+
+
+@pytest.mark.parametrize("text, key, fixed", [
+    ("data:\n  num_buckets: 0\n", "data.num_buckets", 8),
+    ("data:\n  num_buckets: null\n", "data.num_buckets", 8),
+    ("data:\n  prefetch: false\n", "data.prefetch", "auto"),
+    ("data:\n  prefetch: 4\n", "data.prefetch", "auto"),
+])
+def test_values_the_builder_cannot_honour_are_refused(tmp_path, text, key, fixed):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert (problem["kind"], problem["key"], problem["line"]) == ("wrong_type", key, 2)
+    assert problem["fix"]["value"] == fixed
+    assert validate_config(path, fix=True, environment=CPU)["exit_code"] == 0
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(path), section), name) == fixed
+
+
+# Every value the YAML documents, and where from_config must deliver it.
+DOCUMENTED = """\
+data:
+  batch_size: 12
+  num_buckets: 3
+  prefetch: {prefetch}
+training:
+  jit_compile: false
+  mixed_precision: {policy}
+  steps_per_execution: 4
+monitor:
+  window: 16
+  warmup: 2
+  min_windows: 3
+  thresholds: {{spike_factor: 4.0}}
+  log_dir: logs
+  profiling: {{trigger: [slow_step, 7], steps: 2, max_traces: 1, analyze: false,
+              cooldown: 5, slow_factor: 4.0, min_slow_ms: 1.5, warmup: 3}}
+"""
+
+
+@pytest.mark.parametrize("policy, prefetch, keras_policy", [
+    ("auto", "auto", None),
+    ("float32", "/cpu:0", "float32"),
+    ("false", "auto", "float32"),
+    ("bfloat16", "auto", "mixed_bfloat16"),
+    ("float16", "auto", "mixed_float16"),
+    ("mixed_bfloat16", "auto", "mixed_bfloat16"),
+    ("mixed_float16", "auto", "mixed_float16"),
+])
+def test_every_documented_value_reaches_its_object(tmp_path, policy, prefetch, keras_policy):
+    import keras
+
+    import keras_gpufix as kg
+    from keras_gpufix.config import from_config
+
+    path = write(tmp_path, DOCUMENTED.format(policy=policy, prefetch=prefetch))
+    try:
+        setup = from_config(load_config(path))
+        if keras_policy is not None:
+            assert keras.config.dtype_policy().name == keras_policy
+        assert setup.compile_kwargs == {"jit_compile": False, "mixed_precision": setup.policy,
+                                        "steps_per_execution": 4}
+    finally:
+        keras.config.set_dtype_policy("float32")
+    expected = {"batch_size": 12, "num_buckets": 3}
+    if prefetch != "auto":
+        expected["prefetch_to_device"] = prefetch
+    assert setup.build_kwargs == expected
+    by_type = {type(c): c for c in setup.callbacks}
+    monitor = by_type[kg.GPUOscillationMonitor]
+    assert (monitor.window, monitor.warmup, monitor.min_windows, monitor.thresholds) == (
+        16, 2, 3, {"spike_factor": 4.0})
+    assert by_type[kg.RetracingMonitor].max_new_shapes == 4
+    logs = str(tmp_path / "logs")
+    assert monitor.log_dir == logs
+    trigger = by_type[kg.ProfilerTrigger]
+    assert trigger.log_dir == logs
+    assert {name: getattr(trigger, name) for name in (
+        "trigger", "steps", "max_traces", "analyze", "cooldown", "slow_factor",
+        "min_slow_ms", "warmup")} == {
+        "trigger": ["slow_step", 7], "steps": 2, "max_traces": 1, "analyze": False,
+        "cooldown": 5, "slow_factor": 4.0, "min_slow_ms": 1.5, "warmup": 3}
+
+
+def test_sections_follow_the_signatures_they_feed():
+    import inspect
+
+    import keras_gpufix as kg
+    from keras_gpufix.config import MonitorConfig, ProfilingConfig
+
+    def params(cls):
+        return set(inspect.signature(cls).parameters)
+
+    profiling = {f.name for f in dataclasses.fields(ProfilingConfig)}
+    assert profiling == params(kg.ProfilerTrigger) - {"log_dir", "verbose"}
+    monitor = {f.name for f in dataclasses.fields(MonitorConfig)} - {"profiling"}
+    assert monitor == params(kg.GPUOscillationMonitor) - {"on_detect", "nvml", "verbose"}
+
+
+def test_builder_kwargs_from_config(tmp_path):
+    from keras_gpufix.config import builder_kwargs
+
+    path = write(tmp_path, "data:\n  audio: {n_mels: 40}\n  cache_dir: c\n"
+                           "  on_bad_input: raise\n")
+    kwargs = builder_kwargs(load_config(path))
+    assert kwargs["audio"].n_mels == 40
+    assert (kwargs["cache_dir"], kwargs["on_bad_input"]) == (str(tmp_path / "c"), "raise")
+    assert "text" not in kwargs
+
+
+def test_duplicate_keys_name_both_lines(tmp_path):
+    path = write(tmp_path, "data:\n  batch_size: 8\n  num_buckets: 4\n  batch_size: 16\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert (problem["kind"], problem["key"], problem["line"]) == (
+        "duplicate_key", "data.batch_size", 4)
+    assert "line 2 and line 4" in problem["message"]
+    result = validate_config(path, fix=True, environment=CPU)
+    assert result["exit_code"] == 1 and result["changes"] == []
+    assert [p["kind"] for p in result["problems"]] == ["duplicate_key"]
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n# another\n"])
+def test_empty_file_is_unusable(tmp_path, capsys, text):
+    path = write(tmp_path, text)
+    result = validate_config(path, environment=CPU)
+    assert result["exit_code"] == 2 and "is empty" in result["error"]
+    assert main(["validate", path]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_problems_in_line_order(tmp_path):
+    path = write(tmp_path, "training:\n  epochs: x\ndata:\n  batch_size: y\n  cache_dir: z\n"
+                           "monitor:\n  windw: 3\ndata:\n  prefetch: auto\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = [p["line"] for p in info.value.problems]
+    assert lines == sorted(lines) and len(lines) >= 3
+
+
+def test_fix_drops_a_comment_that_names_the_old_value(tmp_path):
+    path = write(tmp_path, "data:\n  num_buckets: 0   # 0: no bucketing\n"
+                           "  batch_size: \"8\"  # global batch\n")
+    result = validate_config(path, fix=True, environment=CPU)
+    assert result["exit_code"] == 0
+    assert open(path).read() == "data:\n  num_buckets: 8\n  batch_size: 8  # global batch\n"
+    before = {c["key"]: c["before"] for c in result["changes"]}
+    assert before["data.num_buckets"] == "0  # 0: no bucketing"

@@ -1,6 +1,8 @@
+import errno
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,3 +210,70 @@ def test_two_concurrent_builders_build_once(corpus, tmp_path):
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
     builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
     assert builder.report["cache"] == "hit" and builder._cache.verify(full=True)
+
+
+def _writer_then_enospc(paths):
+    """A feature writer that writes one file, then finds the disk full."""
+    with open(paths[0], "wb") as f:
+        f.write(b"x" * 100)
+    yield 0, 1, 100, bytes(8)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_full_during_build_is_one_line_and_leaves_nothing(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    cache = FeatureCache(cache_dir, "a" * 64, count=3, verbose=0)
+    with pytest.raises(OSError, match=r"feature cache .*cache is full .*MiB free.*removed") as info:
+        cache.open_or_build(_writer_then_enospc)
+    assert "\n" not in str(info.value)
+    assert os.listdir(cache_dir) == [os.path.basename(cache.path) + ".lock"]
+    assert FeatureCache.leftovers(cache_dir) == [] and FeatureCache.entries(cache_dir) == []
+
+
+def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch):
+    import keras_gpufix.data.cache as cache_module
+
+    cache = FeatureCache(str(tmp_path / "cache"), "b" * 64, count=2, verbose=0)
+    needed = FeatureCache.estimate_bytes([100, 50], n_mels=40)
+    assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
+    monkeypatch.setattr(cache_module.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+
+    def never(paths):
+        raise AssertionError("the writer must not run")
+
+    with pytest.raises(OSError, match=r"needs about 0\.0 MiB, 0\.0 MiB free"):
+        cache.open_or_build(never, needed_bytes=needed)
+    assert FeatureCache.leftovers(cache.cache_dir) == []
+
+
+def test_unwritable_cache_folder_is_named_before_building(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cache = FeatureCache(str(blocker / "cache"), "c" * 64, count=1, verbose=0)
+    with pytest.raises(OSError, match=r"cannot be written \(.*a_file is a file, not a directory\)"):
+        cache.open_or_build(_writer_then_enospc)
+
+
+def test_interrupted_build_removes_its_temporary_folder(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+
+    def interrupted(paths):
+        yield 0, 1, 1, bytes(8)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        FeatureCache(cache_dir, "d" * 64, count=2, verbose=0).open_or_build(interrupted)
+    assert FeatureCache.leftovers(cache_dir) == [] and FeatureCache.entries(cache_dir) == []
+
+
+def test_remove_lists_and_deletes_entries_and_leftovers(corpus, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    leftover = os.path.join(cache_dir, ".features-0123.tmp-xyz")
+    os.makedirs(os.path.join(leftover, "features"))
+    assert FeatureCache.entries(cache_dir) == [builder._cache.name]
+    assert FeatureCache.leftovers(cache_dir) == [".features-0123.tmp-xyz"]
+    for name in FeatureCache.entries(cache_dir) + FeatureCache.leftovers(cache_dir):
+        FeatureCache.remove(cache_dir, name)
+    assert os.listdir(cache_dir) == []

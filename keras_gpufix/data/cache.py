@@ -31,6 +31,7 @@ the float32 `(frames, n_mels)` array. Files are serialised, written and
 fingerprinted inside the `tf.data` pipeline that computes them, in parallel.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -48,9 +49,11 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-__all__ = ["FeatureCache", "fingerprint"]
+__all__ = ["FeatureCache", "fingerprint", "writable_problem"]
 
 CACHE_FORMAT = 1
+ENTRY_PREFIX = "features-"
+TENSOR_HEADER_BYTES = 64  # upper bound of `serialize_tensor`'s proto header for a 2-D float32
 
 
 def fingerprint(description) -> str:
@@ -84,6 +87,40 @@ class _Lock:
         self.file.close()
 
 
+def writable_problem(path) -> "str | None":
+    """None when a cache folder can be created at `path`, else why not.
+
+    The nearest existing folder on the path is probed with a real write
+    (a read-only mount passes `os.access` but fails the write).
+    """
+    probe = str(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".kg-write-test-"):
+            pass
+    except OSError as exc:
+        return f"cannot write in {probe}: {exc.strerror or exc}"
+    return None
+
+
+def _disk_full(exc) -> bool:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return isinstance(exc, tf.errors.OpError) and "No space left on device" in str(exc)
+
+
+def _mib(size) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
 class FeatureCache:
     """One cache entry: feature files for a fixed list of utterances.
 
@@ -105,7 +142,7 @@ class FeatureCache:
         self.key = key
         self.count = count
         self.verbose = verbose
-        self.name = f"features-{key[:24]}"
+        self.name = f"{ENTRY_PREFIX}{key[:24]}"
         self.path = os.path.join(self.cache_dir, self.name)
 
     def feature_path(self, index, root=None) -> str:
@@ -169,7 +206,65 @@ class FeatureCache:
                     return False
         return True
 
-    def open_or_build(self, write_features):
+    @staticmethod
+    def estimate_bytes(frames, n_mels) -> int:
+        """Disk space of an entry whose utterances have `frames` frames each."""
+        frames = [int(f) for f in frames]
+        return sum(frames) * n_mels * 4 + len(frames) * TENSOR_HEADER_BYTES
+
+    def check_writable(self) -> None:
+        """Raises `OSError` (one line: the folder, why, the fix) if it cannot be written."""
+        why = writable_problem(self.cache_dir)
+        if why is not None:
+            raise OSError(f"The cache folder {self.cache_dir} cannot be written ({why}). "
+                          "Pass a writable `cache_dir` (or `data.cache_dir` in the config).")
+
+    def check_space(self, needed_bytes) -> None:
+        """Raises `OSError` (one line) if the cache folder's disk has less free space than needed."""
+        probe = self.cache_dir
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe).free
+        if free < needed_bytes:
+            raise OSError(f"Not enough disk space for the feature cache in {self.cache_dir}: "
+                          f"needs about {_mib(needed_bytes)}, {_mib(free)} free. "
+                          "Free some space or pass another `cache_dir`.")
+
+    @staticmethod
+    def entries(cache_dir) -> list:
+        """Names of the published entries in `cache_dir` (sorted)."""
+        return [n for n in FeatureCache._names(cache_dir) if n.startswith(ENTRY_PREFIX)
+                and not n.endswith(".lock") and os.path.isdir(os.path.join(cache_dir, n))]
+
+    @staticmethod
+    def leftovers(cache_dir) -> list:
+        """Names of temporary folders that interrupted or failed builds left (sorted)."""
+        return [n for n in FeatureCache._names(cache_dir)
+                if n.startswith(f".{ENTRY_PREFIX}") and ".tmp-" in n]
+
+    @staticmethod
+    def _names(cache_dir):
+        try:
+            return sorted(os.listdir(cache_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    @staticmethod
+    def remove(cache_dir, name, drop_lock=True) -> None:
+        """Removes entry or leftover `name`; an entry is renamed aside first
+        (no reader ever sees half of one) and, with `drop_lock`, its lock
+        file goes too."""
+        path = os.path.join(cache_dir, name)
+        if name.startswith(ENTRY_PREFIX):
+            trash = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
+            os.rename(path, os.path.join(trash, name))
+            path = trash
+            lock = os.path.join(cache_dir, name + ".lock")
+            if drop_lock and os.path.exists(lock):
+                os.unlink(lock)
+        shutil.rmtree(path, ignore_errors=True)
+
+    def open_or_build(self, write_features, needed_bytes=None):
         """Opens the entry, building it first if needed (under the lock).
 
         Args:
@@ -179,13 +274,24 @@ class FeatureCache:
                 `paths[index]` (in a temporary folder) and yields, in any
                 order, the frames, the file size and `digest(data)`.
 
+            needed_bytes: the entry's estimated size (`estimate_bytes`);
+                checked against the free disk space before building.
+                Defaults to None (not checked).
+
         Returns:
             `(manifest, status)`: the manifest dict (`frames` per index) and
             `"hit"` or `"miss"`.
+
+        Raises:
+            OSError: the folder cannot be written, or the disk is (or gets)
+                too full; one line naming the folder, nothing left behind.
         """
         manifest = self.open()
         if manifest is not None:
             return manifest, "hit"
+        self.check_writable()
+        if needed_bytes is not None:
+            self.check_space(needed_bytes)
         os.makedirs(self.cache_dir, exist_ok=True)
         with _Lock(self.path + ".lock", self.verbose):
             manifest, _ = self._check()
@@ -197,16 +303,26 @@ class FeatureCache:
 
     def _remove_leftovers(self):
         """Deletes temporary folders of killed builds and a damaged entry."""
-        for entry in os.listdir(self.cache_dir):
+        for entry in self.leftovers(self.cache_dir):
             if entry.startswith(f".{self.name}.tmp-"):
-                shutil.rmtree(os.path.join(self.cache_dir, entry), ignore_errors=True)
+                self.remove(self.cache_dir, entry)
         if os.path.exists(self.path):
-            trash = tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=self.cache_dir)
-            os.rename(self.path, os.path.join(trash, "damaged"))
-            shutil.rmtree(trash, ignore_errors=True)
+            self.remove(self.cache_dir, self.name, drop_lock=False)  # we hold that lock
 
     def _build(self, write_features):
         tmp = tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=self.cache_dir)
+        try:
+            return self._build_in(tmp, write_features)
+        except BaseException as exc:  # Ctrl-C included: nothing half-written stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(exc):
+                free = shutil.disk_usage(self.cache_dir).free
+                raise OSError(f"The disk holding the feature cache {self.cache_dir} is full "
+                              f"({_mib(free)} free); the partial entry was removed. "
+                              "Free some space or pass another `cache_dir`.") from None
+            raise
+
+    def _build_in(self, tmp, write_features):
         os.makedirs(os.path.join(tmp, "features"))
         count = self.count
         records = {}

@@ -23,6 +23,7 @@ def _diagnose(mode, steps=30):
 @pytest.mark.parametrize("mode, verdict", [
     ("eager", "eager_step"),
     ("between", "periodic_stall"),
+    ("slow_input", "input_bound"),
     ("never_trains", "unknown"),
 ])
 def test_custom_loop_named_right(mode, verdict):
@@ -44,11 +45,14 @@ def test_custom_loop_named_right(mode, verdict):
                    for w in result["fixes"][0]["where"])
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
+    if mode == "slow_input":  # the time in next() of the loop's iterator
+        assert loop["phases"]["input_share"] > 0.5
 
 
-def test_steps_stops_a_tf_function_loop():
+def test_steps_stops_a_healthy_tf_function_loop():
     proc, result = _diagnose("function", steps=12)
     assert proc.returncode == 3
+    assert result["verdict"] == "healthy"  # cached input, compiled step
     assert "done" in proc.stdout  # the script ran on after its loop ended
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True

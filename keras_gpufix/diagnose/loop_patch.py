@@ -55,6 +55,8 @@ class _Loop:
                       "step": dict(patch.step_info)}
         patch.fits_patch.fits.append(self.entry)
         self.cycles = 0
+        self.wait_s = 0.0  # time in next() of the training iterators
+        self.busy_s = 0.0  # from next() returning to the next call: step + between
         self.current = None
         self.t0 = time.perf_counter()
         self.callbacks.on_train_begin()
@@ -78,6 +80,9 @@ class _Loop:
         self.entry["wall_s"] = time.perf_counter() - self.t0
         self.entry["stopped_by_diagnose"] = self.patch.stopped
         self.entry["step"] = dict(self.patch.step_info)
+        cycle = self.wait_s + self.busy_s
+        self.entry["phases"] = {"input_wait_s": self.wait_s, "step_and_between_s": self.busy_s,
+                                "input_share": self.wait_s / cycle if cycle else None}
         self.patch.fits_patch.collect(self.entry, self.mine)
 
 
@@ -91,6 +96,7 @@ class _WatchedIterator:
         self.mark = None  # the patch's step count at the last next()
         self.batch = None  # the open batch (hooks begun, not ended)
         self.training = False
+        self.returned = None  # perf_counter when next() last returned a batch
 
     def __iter__(self):
         return self
@@ -120,12 +126,14 @@ class _WatchedIterator:
             if self.batch is not None:
                 loop.callbacks.on_train_batch_end(self.batch)
                 loop.cycles += 1
+                loop.busy_s += time.perf_counter() - self.returned
             if patch.steps and loop.cycles >= patch.steps:
                 patch.stopped = True
                 self.batch = None
                 self.close()
                 raise StopIteration
         self.mark = patch.step_calls
+        t0 = time.perf_counter()
         try:
             element = next(self.iterator)
         except StopIteration:
@@ -133,7 +141,9 @@ class _WatchedIterator:
                 self.batch = None
                 self.close()
             raise
+        self.returned = time.perf_counter()
         if self.training:
+            patch.loop.wait_s += self.returned - t0
             self.batch = 0 if self.batch is None else self.batch + 1
             patch.loop.callbacks.on_train_batch_begin(self.batch)
         return element

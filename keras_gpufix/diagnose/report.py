@@ -15,6 +15,12 @@ def _label(fit):
     return f"{fit.get('kind', 'fit')} {fit['index']}"
 
 
+def _input_wait(fit):
+    """The run's input-wait share: the monitor's, else (a custom loop) the time in next()."""
+    wait = (fit.get("monitor") or {}).get("input_wait")
+    return (fit.get("phases") or {}).get("input_share") if wait is None else wait
+
+
 def _eager_cause(fit, label, wait):
     """The `eager_step` candidate of one run (direct evidence), or None."""
     step = fit.get("step") or {}
@@ -36,7 +42,7 @@ def _fit_causes(fit):
     monitor = fit.get("monitor") or {}
     st = monitor.get("step_time") or {}
     label = _label(fit)
-    wait = monitor.get("input_wait")
+    wait = _input_wait(fit)
     eager = _eager_cause(fit, label, wait) if st.get("count") else None
     if eager:
         out.append(eager)
@@ -154,7 +160,7 @@ def healthy_evidence(fits):
         st = monitor.get("step_time") or {}
         if not st.get("count"):
             continue
-        wait = monitor.get("input_wait")
+        wait = _input_wait(fit)
         retr = fit.get("retracing") or {}
         out.append({"source": "GPUOscillationMonitor", "figure": "step_time",
                     "value": st.get("p50_ms"),

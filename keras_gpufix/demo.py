@@ -7,12 +7,22 @@
 3. a tiny mel-prediction model is compiled with `kg.compile_model` (XLA)
    and trained for a few epochs with the monitors attached;
 4. the report: what the builder skipped and padded, what the compile
-   helper set, the monitors' verdict, shapes and the XProf trace conclusion.
+   helper set, the monitor's one verdict and its evidence (step times,
+   input shapes and traces, the XProf trace's numbers).
+
+TensorFlow's own C++ and absl log lines are hidden for the run
+(`TF_CPP_MIN_LOG_LEVEL=2` unless already set, before TensorFlow is
+imported; TF 2.21 writes its import-time `I0000`/`W0000`/`E0000` lines before
+reading it, so those are filtered from stderr while TensorFlow loads);
+`TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo` shows them all.
 """
 
 import os
+import re
+import sys
 import tempfile
 import time
+import warnings
 
 __all__ = ["run_demo", "format_demo", "DEMO_CONFIG"]
 
@@ -55,6 +65,36 @@ def _model(vocab_size, n_mels):
     return keras.Model({"text": text, "mel": mel}, out, name="tiny_mel_predictor")
 
 
+_TF_LOG_LINE = re.compile(r"^([IWE]\d{4} |WARNING: All log messages before absl)")
+
+
+def _import_tensorflow_quietly():
+    """Imports TensorFlow (and probes its devices) with its log lines hidden."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2"):
+        import tensorflow as tf
+    else:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile("w+") as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                import tensorflow as tf
+
+                tf.config.list_physical_devices()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            captured.seek(0)
+            for line in captured:
+                if not _TF_LOG_LINE.match(line):
+                    sys.stderr.write(line)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    return tf
+
+
 def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     """Generates a corpus, trains briefly with the monitors, returns the report.
 
@@ -72,7 +112,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     """
     import dataclasses
 
-    import tensorflow as tf
+    tf = _import_tensorflow_quietly()
 
     import keras_gpufix as kg
 
@@ -105,8 +145,10 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         model = _model(setup.builder.text.num_ids, n_mels)
         report = kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
     t1 = time.perf_counter()
-    history = model.fit(train, epochs=setup.config.training.epochs, callbacks=setup.callbacks,
-                        verbose=2 if verbose else 0)
+    with warnings.catch_warnings():  # the builder shuffles itself; fit's shuffle does not apply
+        warnings.filterwarnings("ignore", message=".*shuffle=True.*")
+        history = model.fit(train, epochs=setup.config.training.epochs,
+                            callbacks=setup.callbacks, verbose=2 if verbose else 0)
     fit_seconds = time.perf_counter() - t1
     reports = {type(cb).__name__: cb.report() for cb in setup.callbacks}
     losses = history.history.get("loss", [])
@@ -115,11 +157,11 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         "config": config_path,
         "corpus_seconds": corpus_seconds,
         "builder": dict(setup.builder.report),
-        "compile": dataclasses.asdict(report) if dataclasses.is_dataclass(report) else str(report),
+        "compile": dataclasses.asdict(report),
         "fit_seconds": fit_seconds,
-        "monitor": reports.get("GPUOscillationMonitor"),
-        "retracing": reports.get("RetracingMonitor"),
-        "traces": (reports.get("ProfilerTrigger") or {}).get("traces", []),
+        "monitor": reports["GPUOscillationMonitor"],
+        "retracing": reports["RetracingMonitor"],
+        "traces": reports["ProfilerTrigger"]["traces"],
         "log_dir": setup.config.path(setup.config.monitor.log_dir),
         "loss": [losses[0], losses[-1]] if losses else [],
         "devices": [d.name for d in tf.config.list_logical_devices()],
@@ -127,7 +169,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
 
 
 def format_demo(result):
-    b, m, r = result["builder"], result["monitor"] or {}, result["retracing"] or {}
+    b, m, r = result["builder"], result["monitor"], result["retracing"]
     st = m.get("step_time") or {}
     lines = [
         f"keras-gpufix demo in {result['workdir']} (config {result['config']})",
@@ -138,10 +180,9 @@ def format_demo(result):
         f"efficiency {b['padding_efficiency']:.1%}, bucket boundaries {b['bucket_boundaries']}",
     ]
     c = result["compile"]
-    if isinstance(c, dict):
-        lines.append(f"compile:  jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "
-                     f"steps_per_execution={c.get('steps_per_execution')}"
-                     + (f", fallback: {c['fallback_reason']}" if c.get("fallback_reason") else ""))
+    lines.append(f"compile:  jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "
+                 f"steps_per_execution={c.get('steps_per_execution')}"
+                 + (f", fallback: {c['fallback_reason']}" if c.get("fallback_reason") else ""))
     loss = result["loss"]
     lines.append(f"fit:      {result['fit_seconds']:.1f} s"
                  + (f", loss {loss[0]:.3f} -> {loss[1]:.3f}" if loss else ""))
@@ -151,15 +192,16 @@ def format_demo(result):
                      f"{st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
                      + ("" if wait is None else f", input wait {wait:.1%}")
                      + (f", {st['samples_per_s']:.0f} utterances/s" if st.get("samples_per_s") else ""))
-    lines.append(f"verdict:  {m.get('verdict')} (GPUOscillationMonitor); retracing: "
-                 f"{r.get('new_shapes')} input shapes, {r.get('trace_count')} traces -> "
-                 f"{r.get('verdict')}")
+    lines.append(f"verdict:  {m.get('verdict')} (GPUOscillationMonitor.report())")
+    lines.append(f"evidence: retracing: {r.get('new_shapes')} input shapes, "
+                 f"{r.get('trace_count')} traces")
     for t in result["traces"]:
         a = t.get("analysis") or {}
         if "classification" in a:
-            lines.append(f"XProf:    steps {t['start_step']}-{t['end_step']}: step "
-                         f"{a.get('step_time_ms') or 0:.1f} ms, input {a.get('input_percent') or 0:.1f}% "
-                         f"-> {a['classification']}")
+            lines.append(f"evidence: XProf trace of steps {t['start_step']}-{t['end_step']}: step "
+                         f"{a.get('step_time_ms') or 0:.1f} ms, input {a.get('input_percent') or 0:.1f}%")
     lines.append(f"next:     tensorboard --logdir {result['log_dir']}   |   keras-gpufix "
                  f"validate {result['config']}")
+    lines.append("TensorFlow's own log lines were hidden: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo "
+                 "shows them")
     return "\n".join(lines)

@@ -102,6 +102,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert "24 utterances kept, 1 skipped" in out
     assert "bad_truncated" in out
     assert "verdict:" in out and "retracing:" in out
+    assert len([line for line in out.splitlines() if line.startswith("verdict:")]) == 1
+    assert "shuffle=True" not in out
     assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
 
 

@@ -140,7 +140,8 @@ def test_text_report_and_failing_script(tmp_path):
     assert proc.returncode == 1
     assert "before the error" in proc.stdout
     assert "RuntimeError: planted" in proc.stderr
-    assert "verdict: healthy" in proc.stdout and "(exit code 1)" in proc.stdout
+    assert "verdict: unknown" in proc.stdout and "(exit code 1)" in proc.stdout
+    assert "no training step was seen" in proc.stdout
 
 
 def test_diagnose_argument_errors(tmp_path, capsys):
@@ -198,4 +199,9 @@ def test_rank_orders_causes_by_measured_cost():
     assert [c["verdict"] for c in ranking] == ["recompiling", "input_bound"]
     assert [(f["rank"], f["verdict"]) for f in fixes] == [(1, "recompiling"), (2, "input_bound")]
     assert fixes[1]["where"] == ["t.py:3: w; f"]
-    assert rank_causes([], [])[0] == "healthy"
+    assert rank_causes([], [])[0] == "unknown"  # nothing seen: never healthy
+    fits[0]["monitor"]["input_wait"] = 0.0
+    del fits[0]["retracing"]
+    assert rank_causes(fits, [])[0] == "healthy"
+    fits[0]["model"] = {"run_eagerly": True}
+    assert rank_causes(fits, [])[0] == "eager_step"

@@ -1,6 +1,7 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
 from keras_gpufix.analysis import FIXES
+from keras_gpufix.profiling import format_analysis
 
 __all__ = ["rank_causes", "format_report", "healthy_evidence", "trace_evidence"]
 
@@ -9,13 +10,36 @@ def _pct(x):
     return f"{x:.0%}"
 
 
+def _label(fit):
+    """`fit 1` or `loop 2`: how the report names one run."""
+    return f"{fit.get('kind', 'fit')} {fit['index']}"
+
+
+def _eager_cause(fit, label, wait):
+    """The `eager_step` candidate of one run (direct evidence), or None."""
+    step = fit.get("step") or {}
+    if step.get("eager"):
+        text = (f"{label}: the gradient step ran eagerly (a GradientTape outside any "
+                f"tf.function, at {step.get('eager_where')})")
+    elif (fit.get("model") or {}).get("run_eagerly"):
+        text = f"{label}: fit ran with run_eagerly=True: every op of the step ran from Python"
+    else:
+        return None
+    share = 1.0 - (wait or 0.0)
+    return ("eager_step", share, [{"source": "diagnose", "figure": "step_share", "value": share,
+                                   "text": text}])
+
+
 def _fit_causes(fit):
-    """(verdict, score, evidence list) candidates measured in one fit."""
+    """(verdict, score, evidence list) candidates measured in one run."""
     out = []
     monitor = fit.get("monitor") or {}
     st = monitor.get("step_time") or {}
-    label = f"fit {fit['index']}"
+    label = _label(fit)
     wait = monitor.get("input_wait")
+    eager = _eager_cause(fit, label, wait) if st.get("count") else None
+    if eager:
+        out.append(eager)
     if wait is not None and wait >= 0.2:
         out.append(("input_bound", wait, [{
             "source": "GPUOscillationMonitor", "figure": "input_wait", "value": wait,
@@ -29,7 +53,7 @@ def _fit_causes(fit):
             "source": "RetracingMonitor", "figure": "recompile_share", "value": share,
             "text": f"{label}: {retr.get('new_shapes')} distinct input shapes, "
                     f"{retr.get('recompile_ms') or 0:.0f} ms spent at new shapes "
-                    f"({_pct(share)} of the fit's wall time, median step "
+                    f"({_pct(share)} of the run's wall time, median step "
                     f"{retr.get('median_step_ms') or 0:.1f} ms), "
                     f"{retr.get('trace_count')} train-step traces"}]))
     for event in monitor.get("events") or []:
@@ -52,11 +76,13 @@ def _fit_causes(fit):
 
 def _trace_item(fit, trace):
     a = trace["analysis"]
-    return {"source": "XProf", "figure": "input_percent", "value": a.get("input_percent"),
-            "text": f"fit {fit['index']}: XProf trace of steps {trace['start_step']}-"
-                    f"{trace['end_step']} ({trace.get('reason')}): step "
-                    f"{a.get('step_time_ms') or 0:.1f} ms, {a.get('input_percent') or 0:.1f}% "
-                    f"input, {a['classification']}. XProf: {a.get('conclusion', '')}",
+    analysed = a.get("step_time_ms") is not None
+    return {"source": "XProf", "figure": "input_percent",
+            "value": a.get("input_percent") if analysed else None,
+            "text": f"{_label(fit)}: XProf trace of steps {trace['start_step']}-"
+                    f"{trace['end_step']} ({trace.get('reason')}): "
+                    + (format_analysis(a) if analysed else
+                       "XProf could not analyse it: " + format_analysis(a)),
             "path": trace.get("path")}
 
 
@@ -74,7 +100,8 @@ def rank_causes(fits, scan=()):
     verdict, they point at the lines to change for it.
 
     Returns:
-        `verdict` (`healthy` when no cause was measured), `ranking` (list
+        `verdict` (`healthy` when steps were timed and no cause was
+        measured, `unknown` when no training step was seen), `ranking` (list
         of dicts `verdict`, `score`, `evidence`, `fix`, best first) and
         `fixes` (ranked list of dicts `rank`, `verdict`, `fix`, `where`:
         `file:line` of the matching scan findings).
@@ -91,13 +118,19 @@ def rank_causes(fits, scan=()):
                        for e in (f.get("monitor") or {}).get("events", [])
                        if e["verdict"] == cause["verdict"]), None)
         cause["fix"] = FIXES.get(cause["verdict"], "").format(period=period)
-    verdict = ranking[0]["verdict"] if ranking else "healthy"
+    timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
+    verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
     fixes, used = [], set()
     for cause in ranking:
         where = [f for f in scan if f.get("verdict") == cause["verdict"]]
         used.update(id(f) for f in where)
+        seen = []
+        if cause["verdict"] == "eager_step":
+            seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
+                    for f in fits if (f.get("step") or {}).get("eager_where")]
         fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
-                      "where": [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}" for f in where]})
+                      "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
+                                       for f in where]})
     for f in scan:
         if id(f) not in used and f.get("verdict") is not None:
             fixes.append({"verdict": f["verdict"], "fix": f["fix"],
@@ -108,7 +141,14 @@ def rank_causes(fits, scan=()):
 
 
 def healthy_evidence(fits):
+    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen."""
     out = []
+    if not any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits):
+        loops = ", ".join(_label(f) for f in fits) or "no model.fit call"
+        return [{"source": "diagnose", "figure": "steps", "value": 0,
+                 "text": f"the script ran but no training step was seen ({loops}; no gradient "
+                         "step between iterations of a tf.data dataset): nothing was measured, "
+                         "so nothing can be judged"}]
     for fit in fits:
         monitor = fit.get("monitor") or {}
         st = monitor.get("step_time") or {}
@@ -118,7 +158,7 @@ def healthy_evidence(fits):
         retr = fit.get("retracing") or {}
         out.append({"source": "GPUOscillationMonitor", "figure": "step_time",
                     "value": st.get("p50_ms"),
-                    "text": f"fit {fit['index']}: {st['count']} steps, median "
+                    "text": f"{_label(fit)}: {st['count']} steps, median "
                             f"{st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
                             + ("" if wait is None else f", input wait {_pct(wait)}")
                             + (f", {retr['trace_count']} train-step traces"
@@ -152,7 +192,7 @@ def format_report(result):
     for fit in result["fits"]:
         st = (fit.get("monitor") or {}).get("step_time") or {}
         retr = fit.get("retracing") or {}
-        text = f"fit {fit['index']}: {fit.get('steps') or 0} steps timed in {fit.get('wall_s', 0):.1f} s"
+        text = f"{_label(fit)}: {fit.get('steps') or 0} steps timed in {fit.get('wall_s', 0):.1f} s"
         if fit.get("stopped_by_diagnose"):
             text += " (stopped by --steps)"
         if st.get("count"):

@@ -15,6 +15,7 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
+from keras_gpufix.diagnose.loop_patch import LoopPatch
 from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.exceptions import GpufixWarning
@@ -144,6 +145,53 @@ class FitPatch:
             self.notes.append(message)
             warnings.warn(f"keras-gpufix diagnose: {message}", GpufixWarning, stacklevel=3)
 
+    def monitors(self, total, user=(), retracing=True):
+        """Our callbacks for one run of `total` steps (None: unknown), by report key.
+
+        A monitor the user already passed is used instead of a new one.
+        """
+        import keras_gpufix as kg
+
+        mine = {}
+        warmup = 5
+        verbose = self.verbose
+        classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
+                   "profiler": "ProfilerTrigger"}
+        if not retracing:
+            del classes["retracing"]
+        for key, name in classes.items():
+            try:
+                cls = getattr(kg, name)
+            except (ImportError, AttributeError) as exc:
+                self._note(f"{name} is not available ({exc}); its evidence is missing")
+                continue
+            existing = [cb for cb in user if isinstance(cb, cls)]
+            if existing:
+                mine[key] = existing[0]
+                continue
+            if key == "monitor":
+                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
+                                verbose=verbose)
+            elif key == "retracing":
+                mine[key] = cls()
+            elif self.trace:
+                at = min(10, max(warmup, (total or 30) // 3))
+                steps = max(2, min(10, ((total or 30) - at) // 2))
+                mine[key] = cls(os.path.join(self.log_dir, f"run_{len(self.fits) + 1}"),
+                                trigger=["oscillation", at], steps=steps, max_traces=2,
+                                verbose=verbose)
+        return mine
+
+    @staticmethod
+    def collect(entry, mine):
+        """Puts each monitor's report and the timed step count into `entry`."""
+        for key, cb in mine.items():
+            try:
+                entry[key] = cb.report()
+            except Exception as exc:
+                entry[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        entry["steps"] = (entry.get("monitor") or {}).get("step_time", {}).get("count")
+
     def _prepare(self, original, model, args, kwargs):
         """(bound arguments, our callbacks) for one fit."""
         import inspect
@@ -167,36 +215,11 @@ class FitPatch:
         if self.steps and per_epoch:
             total = min(self.steps, per_epoch * epochs)
         user = list(arguments.get("callbacks") or [])
-        mine = {}
-        warmup = 5
-        verbose = self.verbose
-        classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
-                   "profiler": "ProfilerTrigger"}
-        for key, name in classes.items():
-            try:
-                cls = getattr(kg, name)
-            except (ImportError, AttributeError) as exc:
-                self._note(f"{name} is not available ({exc}); its evidence is missing")
-                continue
-            existing = [cb for cb in user if isinstance(cb, cls)]
-            if existing:
-                mine[key] = existing[0]
-                continue
-            if key == "monitor":
-                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                verbose=verbose)
-            elif key == "retracing":
-                mine[key] = cls()
-            elif self.trace:
-                at = min(10, max(warmup, (total or 30) // 3))
-                steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(os.path.join(self.log_dir, f"fit_{len(self.fits) + 1}"),
-                                trigger=["oscillation", at], steps=steps, max_traces=2,
-                                verbose=verbose)
+        mine = self.monitors(total, user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         stop = _stop_after(self.steps) if self.steps else None
         arguments["callbacks"] = user + ours + ([stop] if stop else [])
-        info = {"x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
+        info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
         return bound, mine, stop, info
 
@@ -224,12 +247,7 @@ class FitPatch:
                 "run_eagerly": getattr(model, "run_eagerly", None),
                 "steps_per_execution": getattr(model, "steps_per_execution", None),
             }
-            for key, cb in mine.items():
-                try:
-                    entry[key] = cb.report()
-                except Exception as exc:
-                    entry[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            entry["steps"] = (entry.get("monitor") or {}).get("step_time", {}).get("count")
+            self.collect(entry, mine)
             # A fit stopped early leaves its epoch iterator in a reference
             # cycle; freed only at interpreter exit, an iterator with a
             # py_function in flight deadlocks there (TF 2.21). Free it now.
@@ -314,7 +332,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
     exit_code = 0
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch:
+        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch, \
+                LoopPatch(patch):
             try:
                 if kind == "module":
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -336,7 +355,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
-    if verdict == "healthy":
+    if verdict in ("healthy", "unknown"):
         evidence = healthy_evidence(patch.fits)
     evidence += [t for t in traces if t not in evidence]
     return _jsonable({

@@ -28,7 +28,7 @@ TRAPS = {
         "end the pipeline with `.prefetch(tf.data.AUTOTUNE)`",
     ),
     "run_eagerly": (
-        "dispatch_bound",
+        "eager_step",
         "`run_eagerly=True` runs every op from Python: no graph, no XLA",
         "remove run_eagerly=True (use it only to debug)",
     ),

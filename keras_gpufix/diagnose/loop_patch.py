@@ -1,0 +1,250 @@
+"""Custom training loops: Python iteration over tf.data datasets and the steps between.
+
+While the script runs, three TensorFlow entry points are wrapped:
+
+| entry point                 | what diagnose learns                                   |
+|-----------------------------|--------------------------------------------------------|
+| `tf.data.Dataset.__iter__`  | the script iterates a dataset itself (its own loop)    |
+| `tf.GradientTape.gradient`  | a training step: eager (direct evidence of `eager_step`)|
+|                             | or traced inside a `tf.function` (that function trains)|
+| `tf.function` calls         | each call of a function that computes gradients is a   |
+|                             | step                                                   |
+
+An iterator becomes a training loop at the first `next()` after which a
+step was seen; from then on each `next()` closes one cycle and opens the
+next, and the monitors get the Keras hooks (`on_train_begin`,
+`on_epoch_begin/end`, `on_train_batch_begin/end`, `on_train_end`). With
+`steps=N` the iterator ends (`StopIteration`, like an exhausted dataset)
+after N training cycles, so a `for` loop stops cleanly; later epochs over
+the same dataset end at once. Iteration inside
+`fit`, `evaluate` or `predict`, or inside a `tf.function`, is left alone.
+"""
+
+import os
+import sys
+import time
+
+__all__ = ["LoopPatch"]
+
+
+def _library_prefixes():
+    import keras
+    import tensorflow
+
+    import keras_gpufix
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (keras, tensorflow, keras_gpufix))
+
+
+def _where(frame):
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class _Loop:
+    """One custom-loop run: its monitors and the hooks they get."""
+
+    def __init__(self, patch):
+        import keras
+
+        self.patch = patch
+        self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, retracing=False)
+        self.callbacks = keras.callbacks.CallbackList(
+            list(self.mine.values()), model=keras.Sequential(name="custom_loop"))
+        self.entry = {"index": len(patch.fits_patch.fits) + 1, "kind": "loop",
+                      "x": "tf.data.Dataset (iterated by the script)", "epochs": 0,
+                      "step": dict(patch.step_info)}
+        patch.fits_patch.fits.append(self.entry)
+        self.cycles = 0
+        self.current = None
+        self.t0 = time.perf_counter()
+        self.callbacks.on_train_begin()
+
+    def open_epoch(self, iterator):
+        if self.current is not None and self.current is not iterator:
+            self.current.close()
+        self.current = iterator
+        self.callbacks.on_epoch_begin(self.entry["epochs"])
+
+    def close_epoch(self, iterator):
+        self.callbacks.on_epoch_end(self.entry["epochs"])
+        self.entry["epochs"] += 1
+        if self.current is iterator:
+            self.current = None
+
+    def finish(self):
+        if self.current is not None:
+            self.current.close()
+        self.callbacks.on_train_end()
+        self.entry["wall_s"] = time.perf_counter() - self.t0
+        self.entry["stopped_by_diagnose"] = self.patch.stopped
+        self.entry["step"] = dict(self.patch.step_info)
+        self.patch.fits_patch.collect(self.entry, self.mine)
+
+
+class _WatchedIterator:
+    """A dataset iterator whose `next()` calls delimit the loop's cycles."""
+
+    def __init__(self, patch, iterator, key):
+        self.patch = patch
+        self.iterator = iterator
+        self.key = key  # the id of the dataset the script iterates
+        self.mark = None  # the patch's step count at the last next()
+        self.batch = None  # the open batch (hooks begun, not ended)
+        self.training = False
+
+    def __iter__(self):
+        return self
+
+    def __getattr__(self, name):  # element_spec, get_next, ...
+        return getattr(self.iterator, name)
+
+    def close(self):
+        loop = self.patch.loop
+        if self.batch is not None:
+            loop.callbacks.on_train_batch_end(self.batch)
+            self.batch = None
+        if self.training:
+            self.training = False
+            loop.close_epoch(self)
+
+    def __next__(self):
+        patch = self.patch
+        if patch.stopped and self.key in patch.trained_datasets:
+            raise StopIteration  # a later epoch of a loop --steps stopped
+        if self.mark is not None and patch.step_calls > self.mark and not self.training:
+            self.training = True
+            patch.trained_datasets.add(self.key)
+            patch.start_loop().open_epoch(self)
+        if self.training:
+            loop = patch.loop
+            if self.batch is not None:
+                loop.callbacks.on_train_batch_end(self.batch)
+                loop.cycles += 1
+            if patch.steps and loop.cycles >= patch.steps:
+                patch.stopped = True
+                self.batch = None
+                self.close()
+                raise StopIteration
+        self.mark = patch.step_calls
+        try:
+            element = next(self.iterator)
+        except StopIteration:
+            if self.training:
+                self.batch = None
+                self.close()
+            raise
+        if self.training:
+            self.batch = 0 if self.batch is None else self.batch + 1
+            patch.loop.callbacks.on_train_batch_begin(self.batch)
+        return element
+
+    next = __next__
+
+
+class LoopPatch:
+    """Context manager: custom training loops get the diagnostic callbacks.
+
+    Args:
+        fits_patch: the run's `FitPatch` (its monitors, its list of runs,
+            its depth: iteration inside `fit` is `fit`'s).
+    """
+
+    def __init__(self, fits_patch):
+        self.fits_patch = fits_patch
+        self.steps = fits_patch.steps
+        self.loop = None
+        self.stopped = False
+        self.trained_datasets = set()
+        self.step_calls = 0
+        self.step_info = {"eager": False, "eager_where": None, "functions": []}
+        self._train_functions = {}
+        self._named = set()
+        self._stack = []
+        self._saved = []
+
+    def start_loop(self):
+        if self.loop is None:
+            self.loop = _Loop(self)
+        return self.loop
+
+    def _patch(self, cls, name, make):
+        original = cls.__dict__[name]
+        self._saved.append((cls, name, original))
+        setattr(cls, name, make(original))
+
+    def __enter__(self):
+        import tensorflow as tf
+
+        import keras_gpufix as kg
+        from keras_gpufix.diagnose.run import _instrumented
+
+        library = _library_prefixes()
+        patch = self
+        function_cls = type(tf.function(lambda: None))
+
+        def user_frame(depth):
+            frame = sys._getframe(depth)
+            while frame is not None and frame.f_code.co_filename.startswith(library):
+                frame = frame.f_back
+            return frame
+
+        def make_iter(original):
+            def __iter__(dataset):
+                caller = sys._getframe(1).f_code.co_filename
+                if (patch.fits_patch._depth or caller.startswith(library)
+                        or not tf.executing_eagerly()):
+                    return original(dataset)
+                key = id(dataset)
+                if not _instrumented(dataset):
+                    dataset = kg.data.instrument(dataset)
+                return _WatchedIterator(patch, original(dataset), key)
+            return __iter__
+
+        def make_gradient(original):
+            def gradient(tape, *args, **kwargs):
+                if not patch.fits_patch._depth:
+                    if tf.executing_eagerly():
+                        patch.step_calls += 1
+                        if not patch.step_info["eager"]:
+                            frame = user_frame(2)
+                            patch.step_info["eager"] = True
+                            patch.step_info["eager_where"] = frame and _where(frame)
+                    elif patch._stack:
+                        patch._train_functions.setdefault(id(patch._stack[0]), patch._stack[0])
+                return original(tape, *args, **kwargs)
+            return gradient
+
+        def make_call(original):
+            def __call__(fn, *args, **kwargs):
+                if patch.fits_patch._depth or not tf.executing_eagerly():
+                    return original(fn, *args, **kwargs)
+                patch._stack.append(fn)
+                try:
+                    return original(fn, *args, **kwargs)
+                finally:
+                    patch._stack.pop()
+                    if not patch._stack and id(fn) in patch._train_functions:
+                        patch._step_function_called(fn)
+            return __call__
+
+        self._patch(tf.data.Dataset, "__iter__", make_iter)
+        self._patch(tf.GradientTape, "gradient", make_gradient)
+        self._patch(function_cls, "__call__", make_call)
+        return self
+
+    def _step_function_called(self, fn):
+        self.step_calls += 1
+        if id(fn) not in self._named:
+            self._named.add(id(fn))
+            code = getattr(getattr(fn, "python_function", None), "__code__", None)
+            self.step_info["functions"].append({
+                "name": getattr(fn, "__name__", "?"),
+                "where": code and f"{code.co_filename}:{code.co_firstlineno}"})
+
+    def __exit__(self, *exc):
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+        if self.loop is not None:
+            self.loop.finish()
+        return False

@@ -1,0 +1,57 @@
+"""diagnose on custom training loops (subprocesses: each run imports TensorFlow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "custom_loop.py")
+
+
+def _diagnose(mode, steps=30):
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
+         "--steps", str(steps), "--", "python", SCRIPT, mode],
+        capture_output=True, text=True, env=env, timeout=300)
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode, verdict", [
+    ("eager", "eager_step"),
+    ("between", "periodic_stall"),
+    ("never_trains", "unknown"),
+])
+def test_custom_loop_named_right(mode, verdict):
+    proc, result = _diagnose(mode)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert result["exit_code"] == 3
+    assert result["verdict"] == verdict, result["evidence"]
+    if mode == "never_trains":
+        assert result["fits"] == []
+        assert "no training step was seen" in result["evidence"][0]["text"]
+        return
+    (loop,) = result["fits"]
+    assert loop["kind"] == "loop"
+    assert loop["stopped_by_diagnose"] is True
+    if mode == "eager":
+        assert loop["step"]["eager"] is True
+        assert loop["step"]["eager_where"].endswith("custom_loop.py:40")
+        assert any(w.startswith(loop["step"]["eager_where"])
+                   for w in result["fixes"][0]["where"])
+    else:
+        assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
+
+
+def test_steps_stops_a_tf_function_loop():
+    proc, result = _diagnose("function", steps=12)
+    assert proc.returncode == 3
+    assert "done" in proc.stdout  # the script ran on after its loop ended
+    (loop,) = result["fits"]
+    assert loop["stopped_by_diagnose"] is True
+    # 12 cycles after the first step was seen; the monitor's warm-up drops 5
+    assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    assert loop["epochs"] == 1

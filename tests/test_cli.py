@@ -164,3 +164,12 @@ def test_ctrl_c_during_cache_build_is_one_line_exit_130(corpus, tmp_path, capsys
     assert capsys.readouterr().err.strip() == (
         "keras-gpufix: interrupted; nothing half-written: the cache entry was not committed")
     assert FeatureCache.leftovers(str(cache)) == [] and FeatureCache.entries(str(cache)) == []
+
+
+@pytest.mark.parametrize("command", [["cache", "info"], ["bench-data"]])
+def test_bad_config_is_unusable_input_naming_file_and_line(tmp_path, capsys, corpus, command):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  audio: {n_mels: 40}\n  num_buckets: 0\n")
+    assert main([*command, corpus, "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml, line 3" in err and "`data.num_buckets` must be an integer >= 1" in err

@@ -288,7 +288,8 @@ def test_sections_follow_the_signatures_they_feed():
     import inspect
 
     import keras_gpufix as kg
-    from keras_gpufix.config import MonitorConfig, ProfilingConfig
+    from keras_gpufix.config import (DataConfig, DistributeConfig, MonitorConfig,
+                                     ProfilingConfig, TrainingConfig)
 
     def params(cls):
         return set(inspect.signature(cls).parameters)
@@ -297,6 +298,15 @@ def test_sections_follow_the_signatures_they_feed():
     assert profiling == params(kg.ProfilerTrigger) - {"log_dir", "verbose"}
     monitor = {f.name for f in dataclasses.fields(MonitorConfig)} - {"profiling"}
     assert monitor == params(kg.GPUOscillationMonitor) - {"on_detect", "nvml", "verbose"}
+    # data / training / distribute keys are arguments of what they feed (prefetch is
+    # build's prefetch_to_device, "auto" its default; epochs goes to fit)
+    data = {f.name for f in dataclasses.fields(DataConfig)} - {"prefetch"}
+    assert data <= params(kg.data.SpeechDatasetBuilder) | params(
+        kg.data.SpeechDatasetBuilder.build)
+    assert "prefetch_to_device" in params(kg.data.SpeechDatasetBuilder.build)
+    training = {f.name for f in dataclasses.fields(TrainingConfig)} - {"epochs"}
+    assert training <= params(kg.compile_model)
+    assert {f.name for f in dataclasses.fields(DistributeConfig)} <= params(kg.setup_strategy)
 
 
 def test_builder_kwargs_from_config(tmp_path):

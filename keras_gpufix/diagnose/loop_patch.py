@@ -47,7 +47,7 @@ class _Loop:
         import keras
 
         self.patch = patch
-        self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, retracing=False)
+        self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop", retracing=False)
         self.callbacks = keras.callbacks.CallbackList(
             list(self.mine.values()), model=keras.Sequential(name="custom_loop"))
         self.entry = {"index": len(patch.fits_patch.fits) + 1, "kind": "loop",

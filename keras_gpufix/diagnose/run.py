@@ -145,9 +145,10 @@ class FitPatch:
             self.notes.append(message)
             warnings.warn(f"keras-gpufix diagnose: {message}", GpufixWarning, stacklevel=3)
 
-    def monitors(self, total, user=(), retracing=True):
-        """Our callbacks for one run of `total` steps (None: unknown), by report key.
+    def monitors(self, total, kind, user=(), retracing=True):
+        """Our callbacks for one run (`kind` "fit" or "loop") of `total` steps, by report key.
 
+        `total` is None when unknown.
         A monitor the user already passed is used instead of a new one.
         """
         import keras_gpufix as kg
@@ -177,7 +178,7 @@ class FitPatch:
             elif self.trace:
                 at = min(10, max(warmup, (total or 30) // 3))
                 steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(os.path.join(self.log_dir, f"run_{len(self.fits) + 1}"),
+                mine[key] = cls(os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}"),
                                 trigger=["oscillation", at], steps=steps, max_traces=2,
                                 verbose=verbose)
         return mine
@@ -215,7 +216,7 @@ class FitPatch:
         if self.steps and per_epoch:
             total = min(self.steps, per_epoch * epochs)
         user = list(arguments.get("callbacks") or [])
-        mine = self.monitors(total, user=user, retracing=True)
+        mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         stop = _stop_after(self.steps) if self.steps else None
         arguments["callbacks"] = user + ours + ([stop] if stop else [])

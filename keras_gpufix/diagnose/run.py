@@ -255,6 +255,10 @@ class FitPatch:
             gc.collect()
 
 
+_QUIET_NOTE = ("TensorFlow's C++ INFO and WARNING logs were hidden (TF_CPP_MIN_LOG_LEVEL=2); "
+               "to see them: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix diagnose ...")
+
+
 def _resolve(command):
     """(kind, target, argv) for `python train.py ARGS`, `train.py ARGS` or `-m mod ARGS`."""
     command = list(command)
@@ -331,6 +335,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
     if kind == "script":
         sys.path.insert(0, os.path.dirname(target))
     exit_code = 0
+    quiet = "TF_CPP_MIN_LOG_LEVEL" not in os.environ and "tensorflow" not in sys.modules
+    if quiet:  # TensorFlow's C++ INFO and WARNING lines would bury the report
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch, \
@@ -371,5 +378,5 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         "fits": patch.fits,
         "traces": traces,
         "log_dir": log_dir,
-        "notes": patch.notes,
+        "notes": patch.notes + ([_QUIET_NOTE] if quiet else []),
     })

@@ -119,7 +119,7 @@ def test_skip_mode_reports_every_bad_kind(cached):
 def test_raise_mode_names_file_line_and_reason(tmp_path, kind):
     path = make_synthetic_corpus(tmp_path, 2, sample_rate=16000, min_seconds=0.3, max_seconds=1.5,
                        bad_files=[kind])
-    with pytest.raises(ValueError, match=r"metadata.csv, line 3 \(id '.*', file .*\.wav\): "):
+    with pytest.raises(ValueError, match=r"metadata.csv, 1 utterance\(s\): line 3 \(id '.*', file .*\.wav\): "):
         SpeechDatasetBuilder(path, audio=AUDIO, on_bad_input="raise", verbose=0)
 
 
@@ -140,7 +140,7 @@ def test_transcript_without_vocabulary_characters(tmp_path):
     builder = SpeechDatasetBuilder(pairs, audio=AUDIO, verbose=0)
     assert builder.report["utterances"] == 1
     assert "no character of the vocabulary" in builder.report["skipped"][0]["reason"]
-    with pytest.raises(ValueError, match=r"the list of \(wav_path, text\) pairs, line 1"):
+    with pytest.raises(ValueError, match=r"the list of \(wav_path, text\) pairs, 1 utterance\(s\): line 1"):
         SpeechDatasetBuilder(pairs, audio=AUDIO, on_bad_input="raise", verbose=0)
 
 
@@ -278,3 +278,17 @@ def test_public_names_load_lazily():
         assert getattr(kg.data, name) is not None
     assert isinstance(Corpus.from_pairs([]), kg.data.Corpus)
     assert read_wav_header is kg.data.read_wav_header
+
+
+def test_raise_mode_lists_scan_and_text_problems_in_one_error(tmp_path):
+    pairs = []
+    for name, text in (("a", "日本語"), ("b", "fine")):
+        wav = str(tmp_path / f"{name}.wav")
+        write_wav(wav, np.random.default_rng(0).uniform(-0.3, 0.3, 8000), 16000)
+        pairs.append((wav, text))
+    pairs.append((str(tmp_path / "gone.wav"), "missing"))
+    with pytest.raises(ValueError) as info:
+        SpeechDatasetBuilder(pairs, audio=AUDIO, on_bad_input="raise", verbose=0)
+    message = str(info.value)
+    assert "2 utterance(s): line 1 (id 'a'" in message and "no character of the vocabulary" in message
+    assert "line 3 (id 'gone'" in message and "missing file" in message

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from keras_gpufix.data.corpus import Corpus, read_wav_header
+from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.data.synthetic import BAD_KINDS, make_synthetic_corpus, write_wav
 
 SKIPPED = {
@@ -94,7 +95,7 @@ def test_raise_names_file_line_and_reason(tmp_path, kind):
     with pytest.raises(ValueError) as info:
         Corpus.from_ljspeech(path).scan("raise", max_seconds=1.0)
     message = str(info.value)
-    assert "metadata.csv, line 3" in message
+    assert "metadata.csv, 1 utterance(s): line 3 (id " in message
     assert ".wav" in message and 'on_bad_input="skip"' in message
     assert SKIPPED[kind].split(" (")[0] in message
 
@@ -124,3 +125,49 @@ def test_invalid_arguments(tmp_path):
         Corpus.from_ljspeech(tmp_path)
     with pytest.raises(ValueError, match='`on_bad_input` must be "skip" or "raise"'):
         Corpus([], "x").scan(on_bad_input="ignore")
+
+
+def _metadata_variant(tmp_path, data):
+    path = make_synthetic_corpus(tmp_path, 3, sample_rate=8000, min_seconds=0.2, max_seconds=0.4)
+    lines = open(os.path.join(path, "metadata.csv"), encoding="utf-8").read().splitlines()
+    with open(os.path.join(path, "metadata.csv"), "wb") as f:
+        f.write(data(lines))
+    return path, [line.split("|")[0] for line in lines]
+
+
+@pytest.mark.parametrize("encode", [
+    lambda lines: b"\xef\xbb\xbf" + "\n".join(lines).encode("utf-8"),
+    lambda lines: "\n".join(lines).encode("utf-16"),
+    lambda lines: "\r\n".join(["id|text|normalized_text"] + lines).encode("utf-8"),
+], ids=["utf8_bom", "utf16", "header_row"])
+def test_real_world_metadata_keeps_every_utterance(tmp_path, encode):
+    path, ids = _metadata_variant(tmp_path, encode)
+    kept, skipped = Corpus.from_ljspeech(path).scan(on_bad_input="raise")
+    assert [u.id for u in kept] == ids and skipped == []
+
+
+def test_extra_columns_are_read_and_named_once(tmp_path):
+    path, ids = _metadata_variant(
+        tmp_path, lambda lines: "\n".join(line + "|spk|x" for line in lines).encode("utf-8"))
+    with pytest.warns(GpufixWarning, match=r"3 line\(s\) have more than three .*lines 1, 2, 3\)"):
+        corpus = Corpus.from_ljspeech(path)
+    kept, _ = corpus.scan()
+    assert [u.id for u in kept] == ids and all(u.text.strip() and "spk" not in u.text for u in kept)
+
+
+def test_metadata_folder_is_named_as_a_folder(tmp_path):
+    os.makedirs(tmp_path / "metadata.csv")
+    with pytest.raises(ValueError, match=r"metadata.csv is a folder"):
+        Corpus.from_ljspeech(tmp_path)
+
+
+def test_raise_mode_lists_all_bad_items_once(tmp_path):
+    path = make_synthetic_corpus(tmp_path, 2, sample_rate=8000, min_seconds=0.2, max_seconds=0.4)
+    with open(os.path.join(path, "metadata.csv"), "a", encoding="utf-8") as f:
+        f.writelines(f"gone{i}|text {i}|text {i}\n" for i in range(12))
+    with pytest.raises(ValueError) as info:
+        Corpus.from_ljspeech(path).scan(on_bad_input="raise")
+    message = str(info.value)
+    assert "12 utterance(s)" in message and "... and 2 more" in message
+    assert all(f"'gone{i}'" in message for i in range(10)) and "'gone10'" not in message
+    assert message.count("missing file") == 10 and "builder.report['skipped']" in message

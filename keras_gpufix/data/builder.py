@@ -48,7 +48,7 @@ from keras_gpufix import __version__
 from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.bucketing import BucketPlan
 from keras_gpufix.data.cache import FeatureCache, fingerprint
-from keras_gpufix.data.corpus import Corpus
+from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_text
 from keras_gpufix.exceptions import GpufixWarning
@@ -71,14 +71,15 @@ class SpeechDatasetBuilder:
         cache_dir: folder of the persistent feature cache; None computes
             features in the pipeline every epoch. Defaults to None.
         on_bad_input: `"skip"` (drop bad utterances and list them in
-            `report["skipped"]`) or `"raise"` (a `ValueError` naming the
-            file, the metadata line and the reason). Defaults to `"skip"`.
+            `report["skipped"]`) or `"raise"` (one `ValueError` listing
+            every bad utterance's file, metadata line and reason, up to
+            ten, and their count). Defaults to `"skip"`.
         verbose: 1 shows a progress bar while the cache is built and a line
             about skipped utterances; 0 is silent. Defaults to 1.
 
     Raises:
         ValueError: for invalid arguments, with `on_bad_input="raise"` for
-            the first bad utterance, and when no utterance is usable.
+            all bad utterances at once, and when no utterance is usable.
 
     Example:
 
@@ -126,7 +127,7 @@ class SpeechDatasetBuilder:
         )
 
     def _scan(self):
-        kept, skipped = self.corpus.scan(self.on_bad_input, self.audio.max_seconds)
+        kept, skipped = self.corpus.scan("skip", self.audio.max_seconds)
         frames, usable = [], []
         texts = encode_text([u.text for u in kept], self.text) if kept else None
         lengths = texts.row_lengths().numpy() if kept else []
@@ -141,17 +142,13 @@ class SpeechDatasetBuilder:
             elif count == 0:
                 reason = f"clip of {samples} samples is shorter than one frame (n_fft={self.audio.n_fft})"
             if reason is not None:
-                if self.on_bad_input == "raise":
-                    raise ValueError(
-                        f"Bad input in {self.corpus.source}, line {utterance.line} "
-                        f"(id {utterance.id!r}, file {utterance.path}): {reason}. Fix or "
-                        'remove it, or pass on_bad_input="skip".'
-                    )
                 skipped.append({"id": utterance.id, "path": utterance.path,
                                 "line": utterance.line, "reason": reason})
                 continue
             usable.append(len(frames))
             frames.append(count)
+        if skipped and self.on_bad_input == "raise":
+            raise bad_input_error(self.corpus.source, sorted(skipped, key=lambda s: s["line"]))
         if not frames:
             reasons = "; ".join(f"{s['id']}: {s['reason']}" for s in skipped[:3])
             raise ValueError(

@@ -22,6 +22,9 @@ Problems and what happens (`converted` ones are handled, never skipped):
 | empty or whitespace transcript            | skipped / raised                   |
 | metadata line that is not UTF-8 or has no | skipped / raised                   |
 | `|` separator                             |                                    |
+| UTF-8 BOM, UTF-16 metadata.csv            | converted: read as text            |
+| header row `id|text|...`                  | recognised and not read as a clip  |
+| more than three columns                   | read; one warning names the lines  |
 | duplicate id                              | later lines skipped / raised       |
 | clip longer than `max_seconds`            | skipped / raised                   |
 """
@@ -29,8 +32,11 @@ Problems and what happens (`converted` ones are handled, never skipped):
 import dataclasses
 import os
 import struct
+import warnings
 
-__all__ = ["Corpus", "Utterance", "WavInfo", "read_wav_header", "FORMAT_CODES"]
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = ["Corpus", "Utterance", "WavInfo", "bad_input_error", "read_wav_header", "FORMAT_CODES"]
 
 # Encodings the TF-native decoder in `audio.py` reads, keyed by
 # (WAVE format tag, bits per sample); the value is the decoder branch.
@@ -45,6 +51,8 @@ FORMAT_CODES = {
     (6, 8): 7,  # A-law
 }
 _EXTENSIBLE = 0xFFFE
+# How many bad items a raised error lists before giving the count.
+_LISTED = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +158,29 @@ def read_wav_header(path) -> WavInfo:
     return WavInfo(rate, channels, bits, tag, frames, data_offset, frames * block_align)
 
 
+def bad_input_error(source, skipped) -> ValueError:
+    """The one error of `on_bad_input="raise"`: all bad utterances at once.
+
+    Args:
+        source: where the utterances came from (a metadata file, ...).
+        skipped: dicts with keys `id`, `path`, `line`, `reason`.
+
+    Returns:
+        A `ValueError` listing the first bad utterances, their count and
+        where the full list is.
+    """
+    listed = "; ".join(
+        f"line {item['line']} (id {item['id']!r}, file {item['path']}): {item['reason']}"
+        for item in skipped[:_LISTED]
+    )
+    more = f" ... and {len(skipped) - _LISTED} more" if len(skipped) > _LISTED else ""
+    return ValueError(
+        f"Bad input in {source}, {len(skipped)} utterance(s): {listed}{more}. "
+        'Fix or remove them, or pass on_bad_input="skip" to skip them; the full '
+        "list is then in builder.report['skipped'] (`keras-gpufix cache build --json`)."
+    )
+
+
 class Corpus:
     """A list of utterances with their WAV headers, and what was skipped.
 
@@ -186,6 +217,11 @@ class Corpus:
                 empty. Defaults to True.
         """
         metadata = os.path.join(path, "metadata.csv")
+        if os.path.isdir(metadata):
+            raise ValueError(
+                f"`corpus` must hold a metadata.csv file, but {metadata} is a folder. "
+                f"Received: corpus={path!r}"
+            )
         if not os.path.isfile(metadata):
             raise ValueError(
                 f"`corpus` must be a folder with metadata.csv, a list of "
@@ -193,9 +229,12 @@ class Corpus:
                 f"({metadata} does not exist)"
             )
         with open(metadata, "rb") as f:
-            raw_lines = f.read().split(b"\n")
-        records, problems = [], {}
-        for number, raw in enumerate(raw_lines, start=1):
+            data = f.read()
+        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            data = data.decode("utf-16").encode("utf-8")
+        data = data.removeprefix(b"\xef\xbb\xbf")
+        records, problems, extra = [], {}, []
+        for number, raw in enumerate(data.split(b"\n"), start=1):
             raw = raw.rstrip(b"\r")
             if not raw.strip():
                 continue
@@ -206,16 +245,29 @@ class Corpus:
                 problems[number] = f"metadata line is not valid UTF-8 ({exc.reason} at byte {exc.start})"
                 records.append((uid, os.path.join(path, "wavs", uid + ".wav"), None, number))
                 continue
+            if not records and [f.strip().lower() for f in line.split("|")[:2]] == ["id", "text"]:
+                continue
             fields = line.split("|")
             if len(fields) < 2:
                 problems[number] = "metadata line has no `|` separator (expected id|text|normalized_text)"
                 records.append((fields[0], os.path.join(path, "wavs", fields[0] + ".wav"), None, number))
                 continue
+            if len(fields) > 3:
+                extra.append(number)
             text = fields[1]
             if use_normalized and len(fields) > 2 and fields[2].strip():
                 text = fields[2]
             uid = fields[0]
             records.append((uid, os.path.join(path, "wavs", uid + ".wav"), text, number))
+        if extra:
+            listed = ", ".join(map(str, extra[:_LISTED])) + (" ..." if len(extra) > _LISTED else "")
+            warnings.warn(
+                f"{metadata}: {len(extra)} line(s) have more than three `|` columns "
+                f"(lines {listed}); only id|text|normalized_text were read and the "
+                "rest of each line was ignored.",
+                GpufixWarning,
+                stacklevel=2,
+            )
         return cls(records, metadata, problems)
 
     @classmethod
@@ -234,7 +286,8 @@ class Corpus:
 
         Args:
             on_bad_input: `"skip"` to drop and report bad utterances, or
-                `"raise"` to raise on the first one. Defaults to `"skip"`.
+                `"raise"` to raise one error listing all of them. Defaults
+                to `"skip"`.
             max_seconds: clips longer than this are bad. Defaults to None
                 (no limit).
 
@@ -243,8 +296,9 @@ class Corpus:
             list of dicts with keys `id`, `path`, `line`, `reason`.
 
         Raises:
-            ValueError: with `on_bad_input="raise"`, naming the file, the
-                metadata line, the reason and the fix.
+            ValueError: with `on_bad_input="raise"`, listing the first bad
+                utterances (file, metadata line, reason), their count and
+                the fix.
         """
         if on_bad_input not in ("skip", "raise"):
             raise ValueError(
@@ -268,15 +322,11 @@ class Corpus:
             if reason is None and max_seconds is not None and info.seconds > max_seconds:
                 reason = f"clip of {info.seconds:.2f} s is longer than max_seconds={max_seconds}"
             if reason is not None:
-                if on_bad_input == "raise":
-                    raise ValueError(
-                        f"Bad input in {self.source}, line {line} (id {uid!r}, file {path}): "
-                        f"{reason}. Fix or remove it, or pass on_bad_input=\"skip\" to skip "
-                        "and report such utterances."
-                    )
                 skipped.append({"id": uid, "path": path, "line": line, "reason": reason})
                 continue
             seen[uid] = line
             kept.append(Utterance(uid, os.path.abspath(path), text, line,
                                   stat.st_size, stat.st_mtime_ns, info))
+        if skipped and on_bad_input == "raise":
+            raise bad_input_error(self.source, skipped)
         return kept, skipped

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.keras_internals import traced_functions
 
 __all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
 
@@ -598,7 +599,7 @@ def _remove_per_replica_xla(model):
 def _xla_calls(model):
     """(device, callee) of every `_XlaMustCompile` call in the traced train function."""
     calls = set()
-    for fn in _tf_functions(model.train_function):
+    for fn in traced_functions(model.train_function).values():
         for concrete in fn._list_all_concrete_functions():
             graph_def = concrete.graph.as_graph_def()
             nodes = list(graph_def.node)
@@ -610,29 +611,6 @@ def _xla_calls(model):
                     device = _short_device(node.device) or "default"
                     calls.add((device, node.attr["f"].func.name))
     return sorted(calls)
-
-
-def _tf_functions(fn, depth=3):
-    """tf.function objects reachable through the closure of Keras's train function."""
-    found, todo, seen = [], [(fn, 0)], set()
-    while todo:
-        obj, level = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if hasattr(obj, "_list_all_concrete_functions"):
-            found.append(obj)
-            obj = getattr(obj, "_python_function", None)
-        cells = getattr(obj, "__closure__", None) or ()
-        if level < depth:
-            for cell in cells:
-                try:
-                    value = cell.cell_contents
-                except ValueError:
-                    continue
-                if callable(value):
-                    todo.append((value, level + 1))
-    return found
 
 
 def _short_device(device):

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import compile as kg_compile
-from keras_gpufix.callbacks.retracing_monitor import find_traced_functions
+from keras_gpufix.keras_internals import traced_functions
 from keras_gpufix.exceptions import GpufixWarning
 
 
@@ -142,7 +142,7 @@ def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution()
 
 def _step_traces(model):
     """Traces of Keras's one_step_on_data, the XLA-compiled train step."""
-    return find_traced_functions(model.train_function)[
+    return traced_functions(model.train_function)[
         "one_step_on_data"].experimental_get_tracing_count()
 
 
@@ -153,12 +153,12 @@ def test_fit_reuses_the_step_traced_and_compiled_by_compile_model():
     report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
                               sample_batch=dataset)
     assert report.calibration["k"] == 16 != report.steps_per_execution
-    step = find_traced_functions(model.train_function)["one_step_on_data"]
+    step = traced_functions(model.train_function)["one_step_on_data"]
     assert step.experimental_get_tracing_count() == 1  # calibration and final k share it
     counter = CountBatchEnds()
     model.fit(dataset, epochs=2, verbose=0, callbacks=[counter])
     assert counter.calls == 2 * 64 // report.steps_per_execution  # the final k, not 16
-    assert find_traced_functions(model.train_function)["one_step_on_data"] is step
+    assert traced_functions(model.train_function)["one_step_on_data"] is step
     assert step.experimental_get_tracing_count() == 1  # fit traced (and compiled) nothing
     assert int(model.optimizer.iterations.numpy()) == 128
 

@@ -15,7 +15,7 @@ import functools
 import types
 from collections import deque
 
-__all__ = ["traced_functions"]
+__all__ = ["cross_device_ops_name", "traced_functions"]
 
 
 def traced_functions(train_function, depth: int = 4) -> dict:
@@ -61,3 +61,18 @@ def traced_functions(train_function, depth: int = 4) -> dict:
                 except ValueError:  # empty cell
                     pass
     return found
+
+
+def cross_device_ops_name(strategy) -> str:
+    """The all-reduce a `MirroredStrategy` chose, e.g. `"NcclAllReduce"`.
+
+    TensorFlow picks it when the strategy is created (NCCL on GPUs where it
+    has it, else hierarchical copy; `CollectiveAllReduce` on CPU devices) and
+    only keeps it in `strategy.extended._cross_device_ops`. Checked on
+    TensorFlow 2.21.0.
+
+    Returns:
+        The class name, or `"unknown"` when the attribute is gone.
+    """
+    ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
+    return type(ops).__name__ if ops is not None else "unknown"

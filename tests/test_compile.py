@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import compile as kg_compile
+from keras_gpufix.compile import hardware
 from keras_gpufix.keras_internals import traced_functions
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -309,9 +310,39 @@ def test_auto_policy_by_gpu_generation(monkeypatch, capability, expected):
 def test_auto_policy_on_cpu_by_bfloat16_support(monkeypatch, flags, expected):
     monkeypatch.setattr(tf.config, "list_physical_devices",
                         lambda kind=None: [] if kind == "GPU" else ["cpu"])
-    monkeypatch.setattr(kg_compile, "_cpu_flags", lambda: flags)
-    policy, why = kg_compile._choose_policy()
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags)
+    policy, why = hardware.auto_policy()
     assert policy == expected and why
+
+
+def _gpus(*caps):
+    return {"gpus": [{"name": f"GPU {i}", "compute_capability": list(c) if c else None}
+                     for i, c in enumerate(caps)],
+            "cpu_bf16": False, "cpu_bf16_flags": []}
+
+
+@pytest.mark.parametrize("policy, info, fast", [
+    ("bfloat16", _gpus((8, 0), (7, 5)), False),  # the weakest GPU decides
+    ("mixed_bfloat16", _gpus((8, 6), (9, 0)), True),
+    ("float16", _gpus((7, 0), (8, 0)), True),
+    ("mixed_float16", _gpus((6, 1), (8, 0)), False),
+    ("mixed_float16", _gpus(), False),  # CPU only: emulated
+    ("mixed_bfloat16", _gpus(None), False),  # capability unknown
+    ("float32", _gpus((6, 1)), True),
+])
+def test_precision_support_weakest_gpu_decides(policy, info, fast):
+    answer, reason = hardware.precision_support(policy, info)
+    assert answer is fast and reason
+
+
+def test_precision_support_names_a_bad_policy():
+    with pytest.raises(ValueError, match="Received: policy='fp16'"):
+        hardware.precision_support("fp16", _gpus())
+
+
+def test_auto_policy_follows_the_weakest_gpu():
+    assert hardware.auto_policy(_gpus((9, 0), (7, 5)))[0] == "mixed_float16"
+    assert hardware.auto_policy(_gpus((6, 0), (9, 0)))[0] == "float32"
 
 
 # -- arguments and report -------------------------------------------------------------

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_gpufix.keras_internals import traced_functions
+from keras_gpufix.keras_internals import cross_device_ops_name, traced_functions
 
 
 def test_traced_functions_finds_keras_steps():
@@ -22,3 +22,9 @@ def test_traced_functions_covers_old_and_odd_train_functions():
     assert list(traced_functions(fn).values()) == [fn]  # tf.keras style
     assert traced_functions(lambda it: None) == {}
     assert traced_functions(None) == {}
+
+
+def test_cross_device_ops_name_of_a_mirrored_strategy():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert cross_device_ops_name(strategy).endswith("AllReduce")
+    assert cross_device_ops_name(tf.distribute.get_strategy()) == "unknown"

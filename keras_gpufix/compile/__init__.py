@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.compile.hardware import auto_policy, device_info
 from keras_gpufix.keras_internals import traced_functions
 
 __all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
@@ -130,7 +131,7 @@ def enable_mixed_precision(policy: str = "auto") -> str:
     ```
     """
     if policy == "auto":
-        policy, why = _choose_policy()
+        policy, why = auto_policy()
     elif policy in _POLICIES:
         why = "requested"
     else:
@@ -340,71 +341,6 @@ def _first_batch(sample_batch):
 # -- mixed precision -------------------------------------------------------------
 
 
-def device_info():
-    """This machine's GPUs and bfloat16 CPU support, without initialising a device.
-
-    Returns:
-        A dict: `gpus`, a list of `{"name", "compute_capability"}` (a
-        `[major, minor]` list, or None when unknown) of the physical GPUs
-        TensorFlow sees; `cpu_bf16`, whether the CPU has AMX-BF16 (AVX512-BF16
-        alone runs a whole step slower than float32); `cpu_bf16_flags`, the
-        CPU's bfloat16 flags (`amx_bf16`, `avx512_bf16`) that are present.
-    """
-    gpus = []
-    for device in tf.config.list_physical_devices("GPU"):
-        try:
-            details = tf.config.experimental.get_device_details(device)
-        except Exception:  # details are best-effort
-            details = {}
-        cc = details.get("compute_capability")
-        gpus.append({"name": details.get("device_name", device.name),
-                     "compute_capability": list(cc) if cc else None})
-    flags = sorted(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in flags, "cpu_bf16_flags": flags}
-
-
-def _choose_policy():
-    """(policy, why) for this machine, without initialising any device."""
-    info = device_info()
-    if info["gpus"]:
-        caps = [(tuple(g["compute_capability"]), g["name"])
-                for g in info["gpus"] if g["compute_capability"]]
-        if not caps:
-            return "float32", "GPU compute capability unknown"
-        (major, minor), name = min(caps)
-        where = f"{name}, compute capability {major}.{minor}"
-        if major >= 8:
-            return "mixed_bfloat16", (
-                f"{where}: bfloat16 tensor cores, and bfloat16 needs no loss scaling"
-            )
-        if major == 7:
-            return "mixed_float16", (
-                f"{where}: float16 tensor cores but no fast bfloat16; "
-                "float16 needs loss scaling"
-            )
-        return "float32", f"{where}: no tensor cores, float16 would not be faster"
-    if info["cpu_bf16"]:
-        return "mixed_bfloat16", "CPU only, with AMX-BF16: bfloat16 matrix tiles in hardware"
-    if "avx512_bf16" in info["cpu_bf16_flags"]:
-        return "float32", (
-            "CPU only, AVX512-BF16 without AMX: the casts cost more than the faster "
-            "matmuls save in a whole training step (measured: examples/train_tts.py "
-            "under XLA, 26 ms/step in mixed_bfloat16 against 14 ms in float32)"
-        )
-    return "float32", "CPU only, without AMX-BF16/AVX512-BF16: bfloat16 is emulated"
-
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _weighted_leaf_layers(model):
     layers = []
     for layer in model._flatten_layers(include_self=False, recursive=True):
@@ -435,7 +371,7 @@ def _resolve_precision(model, optimizer, mixed_precision, compile_kwargs, reason
         elif global_policy != "float32":
             target, why = global_policy, "the global policy"
         else:
-            target, why = _choose_policy()
+            target, why = auto_policy()
         wanted = keras.DTypePolicy(target).compute_dtype
         off = [layer.name for layer in layers if layer.compute_dtype != wanted]
         if compute != wanted:

@@ -13,9 +13,39 @@ A function that finds the structure changed returns its "unknown" value
 
 import functools
 import types
+import warnings
 from collections import deque
 
-__all__ = ["cross_device_ops_name", "traced_functions"]
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = [
+    "concrete_functions",
+    "cross_device_ops_name",
+    "flatten_layers",
+    "in_multi_worker_mode",
+    "overrides_train_step",
+    "traced_functions",
+]
+
+CHECKED_ON = "Keras 3.15.1, TensorFlow 2.21.0"
+_WARNED = set()
+
+
+def _off(what: str, exc: BaseException) -> None:
+    """One GpufixWarning per internal that stopped working (never more)."""
+    if what in _WARNED:
+        return
+    _WARNED.add(what)
+    import keras
+    import tensorflow as tf
+
+    warnings.warn(
+        f"keras_gpufix: {what} is not where it was on Keras {keras.__version__} / "
+        f"TensorFlow {tf.__version__} (checked on {CHECKED_ON}): "
+        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'.",
+        GpufixWarning,
+        stacklevel=3,
+    )
 
 
 def traced_functions(train_function, depth: int = 4) -> dict:
@@ -76,3 +106,64 @@ def cross_device_ops_name(strategy) -> str:
     """
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     return type(ops).__name__ if ops is not None else "unknown"
+
+
+def concrete_functions(function) -> "list | None":
+    """The concrete functions a `tf.function` traced so far.
+
+    Reads `function._list_all_concrete_functions()` (TensorFlow 2.21.0's
+    `Function`; the public `get_concrete_function` would trace again).
+
+    Returns:
+        A list, or None (with one `GpufixWarning`) when the method is gone.
+    """
+    try:
+        return list(function._list_all_concrete_functions())
+    except Exception as exc:  # any change in TF's private method
+        _off("tf.function._list_all_concrete_functions", exc)
+        return None
+
+
+def flatten_layers(model, recursive: bool = True) -> list:
+    """Every sublayer of `model` (not the model itself), depth first.
+
+    Keras 3.15.1's `Layer._flatten_layers(include_self=False,
+    recursive=...)`; Keras has no public recursive walk (`model.layers` is
+    one level).
+    """
+    try:
+        return list(model._flatten_layers(include_self=False, recursive=recursive))
+    except Exception as exc:
+        _off("Layer._flatten_layers", exc)
+        return list(getattr(model, "layers", []))
+
+
+def overrides_train_step(model) -> bool:
+    """Whether `model`'s class replaces Keras's TensorFlow `train_step`.
+
+    Compares with `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`
+    (Keras 3.15.1); when that class cannot be imported, True (the safe
+    answer: the caller then leaves the step alone).
+    """
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        return type(model).train_step is not TensorFlowTrainer.train_step
+    except Exception as exc:
+        _off("keras.src.backend.tensorflow.trainer.TensorFlowTrainer", exc)
+        return True
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a `MultiWorkerMirroredStrategy` spans several workers.
+
+    TensorFlow 2.21.0 keeps it in `strategy.extended._in_multi_worker_mode()`;
+    when that is gone, the cluster resolver's worker count is used.
+    """
+    try:
+        return bool(strategy.extended._in_multi_worker_mode())
+    except Exception as exc:
+        _off("strategy.extended._in_multi_worker_mode", exc)
+        resolver = getattr(strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        return sum(len(tasks) for tasks in spec.values()) > 1

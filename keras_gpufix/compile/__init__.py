@@ -36,7 +36,13 @@ import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.compile.hardware import auto_policy, device_info
-from keras_gpufix.keras_internals import traced_functions
+from keras_gpufix.keras_internals import (
+    concrete_functions,
+    flatten_layers,
+    in_multi_worker_mode,
+    overrides_train_step,
+    traced_functions,
+)
 
 __all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
 
@@ -278,7 +284,7 @@ def compile_model(
         )
         reasons.append("steps_per_execution=1: not measured (no sample_batch)")
 
-    reasons.insert(0, _jit_reason(report, jit_compile, strategy))
+    reasons.insert(0, _jit_reason(report, jit_compile, strategy, sample_batch is not None))
     report.reason = "\n".join(reasons)
     logger.info("compile_model: %s", str(report).replace("\n", "; "))
     return report
@@ -343,8 +349,8 @@ def _first_batch(sample_batch):
 
 def _weighted_leaf_layers(model):
     layers = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        leaf = not list(layer._flatten_layers(include_self=False, recursive=False))
+    for layer in flatten_layers(model):
+        leaf = not flatten_layers(layer, recursive=False)
         if leaf and layer.weights:
             layers.append(layer)
     return layers
@@ -427,15 +433,13 @@ def _static_jit_blocker(model, scope, strategy, compile_kwargs):
         return "run_eagerly=True (eager steps are never XLA-compiled)"
     no_jit = [
         layer.name
-        for layer in model._flatten_layers(include_self=False)
+        for layer in flatten_layers(model)
         if not getattr(layer, "supports_jit", True)
     ]
     if no_jit:
         return f"layers declare supports_jit=False: {no_jit}"
     if scope == "per_replica":
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-        if type(model).train_step is not TensorFlowTrainer.train_step:
+        if overrides_train_step(model):
             return (
                 f"{type(model).__name__} overrides train_step; under "
                 f"{type(strategy).__name__} only Keras's own train_step can be "
@@ -486,7 +490,7 @@ def _install_per_replica_xla(model):
 def _is_multi_worker(strategy):
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    ) and in_multi_worker_mode(strategy)
 
 
 def _with_replica_axis(logs):
@@ -533,10 +537,19 @@ def _remove_per_replica_xla(model):
 
 
 def _xla_calls(model):
-    """(device, callee) of every `_XlaMustCompile` call in the traced train function."""
+    """(device, callee) of every `_XlaMustCompile` call in the traced train function.
+
+    None when the traced functions cannot be read (not verified).
+    """
     calls = set()
-    for fn in traced_functions(model.train_function).values():
-        for concrete in fn._list_all_concrete_functions():
+    functions = traced_functions(model.train_function)
+    if not functions:
+        return None
+    for fn in functions.values():
+        concretes = concrete_functions(fn)
+        if concretes is None:
+            return None
+        for concrete in concretes:
             graph_def = concrete.graph.as_graph_def()
             nodes = list(graph_def.node)
             for func in graph_def.library.function:
@@ -571,7 +584,7 @@ def _describe_xla_error(model, exc):
     layer = None
     if node:
         parts = node.group(1).split("/")
-        for candidate in model._flatten_layers(include_self=False):
+        for candidate in flatten_layers(model):
             pattern = re.escape(candidate.name) + r"(_\d+)?"
             if any(re.fullmatch(pattern, part) for part in parts):
                 layer = candidate.name
@@ -595,7 +608,7 @@ def _warn_fallback(reason, stacklevel):
     )
 
 
-def _jit_reason(report, requested, strategy):
+def _jit_reason(report, requested, strategy, sampled):
     name = type(strategy).__name__
     if report.jit_compile:
         where = (
@@ -607,7 +620,8 @@ def _jit_reason(report, requested, strategy):
         seen = (
             f"verified on the sample batch: XLA calls on {list(report.xla_devices)}"
             if report.verified
-            else "not verified (no sample_batch)"
+            else "not verified (" + ("the traced step could not be read on this Keras"
+                                     if sampled else "no sample_batch") + ")"
         )
         return f"jit_compile=True: XLA compiles {where}; {seen}"
     if not requested:
@@ -667,9 +681,10 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
                 raise error  # fails without XLA too: not an XLA problem
             report.fallback_reason = reason
             _warn_fallback(reason, stacklevel=4)
-        report.verified = True
-        report.xla_devices = tuple(device for device, _ in _xla_calls(model))
-        if report.jit_compile and not report.xla_devices:
+        calls = _xla_calls(model)
+        report.verified = calls is not None
+        report.xla_devices = tuple(device for device, _ in calls or ())
+        if report.jit_compile and report.verified and not report.xla_devices:
             report.jit_compile, report.xla_scope = False, None
             report.fallback_reason = "the traced train function has no XLA call"
         if loop_error is not None:

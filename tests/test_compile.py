@@ -108,6 +108,24 @@ def test_a_failing_batch_is_the_users_error_not_an_xla_fallback():
                          sample_batch=(x[:16, :5], y[:16]))  # wrong feature size
 
 
+def test_per_replica_step_matches_keras_own_train_step():
+    x, y = data(16)
+    ours, theirs = small_model(), small_model()  # same seed, same weights
+    for model in (ours, theirs):
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], jit_compile=False)
+    kg_compile._install_per_replica_xla(ours)
+    logs = [m.train_on_batch(x, y, return_dict=True) for m in (ours, theirs)]
+    assert logs[0].keys() == logs[1].keys() == {"loss", "mae"}
+    for key in logs[0]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=1e-5)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_size_skips_a_first_input_that_is_none():  # keras-team/keras#21630
+    assert int(kg_compile._batch_size({"a": None, "b": tf.zeros((3, 2))})) == 3
+
+
 # -- sample steps and steps_per_execution -----------------------------------------
 
 

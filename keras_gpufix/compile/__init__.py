@@ -454,20 +454,19 @@ def _install_per_replica_xla(model):
     Runs inside `strategy.run`, so each replica compiles its own cluster on its
     own device; the all-reduce (a cross-replica `merge_call`) and the
     optimizer update stay outside XLA, where `tf.distribute` needs them.
-    Mirrors Keras's `TensorFlowTrainer.train_step`.
+    Keras has no public way to compile only part of its step, so this is a
+    copy of Keras 3.15.1's `TensorFlowTrainer.train_step` through public
+    names (`model.compute_loss`, `model.metrics`, `optimizer.scale_loss`);
+    `tests/test_compile.py` checks it against Keras's own step.
     """
-    from keras.src.losses import loss as loss_module
+    takes_training = "training" in inspect.signature(model.compute_loss).parameters
 
     @tf.function(jit_compile=True, reduce_retracing=True)
     def forward_backward(x, y, sample_weight):
         with tf.GradientTape() as tape:
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            y_pred = model(x, training=True)
+            extra = {"training": True} if takes_training else {}
+            loss = model.compute_loss(x, y, y_pred, sample_weight, **extra)
             scaled = model.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, model.trainable_weights)
         return loss, y_pred, grads
@@ -475,9 +474,10 @@ def _install_per_replica_xla(model):
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, y_pred, grads = forward_backward(x, y, sample_weight)
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(tf.nest.flatten(x)[0])[0],
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        _loss_metric(model).update_state(
+            loss * tf.cast(replicas, loss.dtype),  # the replica's share, unscaled
+            sample_weight=_batch_size(x),
         )
         model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -485,6 +485,16 @@ def _install_per_replica_xla(model):
 
     multi_worker = _is_multi_worker(model.distribute_strategy)
     model.train_step = train_step
+
+
+def _loss_metric(model):
+    """The compiled model's loss tracker: the metric `fit` logs as "loss"."""
+    return next(m for m in model.metrics if m.name == "loss")
+
+
+def _batch_size(x):
+    """Rows in the batch, from its first input that is not None (keras-team/keras#21630)."""
+    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
 
 
 def _is_multi_worker(strategy):

@@ -20,10 +20,13 @@ from keras_gpufix.exceptions import GpufixWarning
 
 __all__ = [
     "concrete_functions",
+    "closure_cell",
     "cross_device_ops_name",
     "flatten_layers",
     "in_multi_worker_mode",
     "overrides_train_step",
+    "set_symbolic_build",
+    "symbolic_build",
     "traced_functions",
 ]
 
@@ -167,3 +170,37 @@ def in_multi_worker_mode(strategy) -> bool:
         resolver = getattr(strategy, "cluster_resolver", None)
         spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
         return sum(len(tasks) for tasks in spec.values()) > 1
+
+
+def closure_cell(fn, name: str):
+    """The closure cell of `fn` holding its free variable `name`, or None.
+
+    Used to make a rebuilt Keras train function (Keras 3.15.1's
+    `make_train_function`: `one_step_on_data` inside
+    `multi_step_on_iterator`) call an already traced step. None, with one
+    `GpufixWarning`, when `fn` has no such variable.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars or not fn.__closure__:
+        _off(f"the train function's closure variable {name!r}",
+             LookupError(f"{getattr(fn, '__name__', fn)!r} has no free variable {name!r}"))
+        return None
+    return fn.__closure__[code.co_freevars.index(name)]
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds `model`'s metrics and optimizer variables from one batch.
+
+    Keras 3.15.1's `Trainer._symbolic_build(data_batch=...)`, what `fit`
+    calls first; Keras has no public equivalent short of running a step.
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+def set_symbolic_build(model, build) -> None:
+    """Makes `fit` call `build(iterator=None, data_batch=None)` to build `model`.
+
+    Keras 3.15.1's `fit` starts with `self._maybe_symbolic_build(iterator=...)`;
+    the multi-worker fix replaces it on the instance.
+    """
+    model._maybe_symbolic_build = build

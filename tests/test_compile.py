@@ -102,7 +102,7 @@ def test_run_eagerly_cannot_use_xla_and_says_so():
 
 def test_a_failing_batch_is_the_users_error_not_an_xla_fallback():
     x, y = data()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="expected axis -1 of input shape to have value 8"):
         kg.compile_model(small_model(), "adam", "mse", mixed_precision=None,
                          steps_per_execution=1,
                          sample_batch=(x[:16, :5], y[:16]))  # wrong feature size
@@ -198,7 +198,7 @@ def test_steps_per_execution_changed_after_compile_model_is_honoured():
 def test_a_failed_sample_step_leaves_no_train_function():
     x, y = data()
     model = small_model()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="expected axis -1 of input shape to have value 8"):
         kg.compile_model(model, "adam", "mse", mixed_precision=None,
                          steps_per_execution=1, sample_batch=(x[:16, :5], y[:16]))
     assert model.train_function is None

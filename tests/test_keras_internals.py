@@ -14,7 +14,10 @@ from keras_gpufix.keras_internals import (
     cross_device_ops_name,
     flatten_layers,
     in_multi_worker_mode,
+    closure_cell,
     overrides_train_step,
+    set_symbolic_build,
+    symbolic_build,
     traced_functions,
 )
 
@@ -100,3 +103,36 @@ def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypat
                                   sample_batch=(np.zeros((4, 3)), np.zeros((4, 1))))
     assert report.verified is False and report.jit_compile is True
     assert "not verified (the traced step could not be read" in report.reason
+
+
+def test_closure_cell_of_keras_train_function(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.make_train_function()
+    cell = closure_cell(model.train_function, "one_step_on_data")
+    assert cell is not None and callable(cell.cell_contents)
+    with pytest.warns(GpufixWarning, match="'nothing_here'"):
+        assert closure_cell(model.train_function, "nothing_here") is None
+
+
+def test_symbolic_build_creates_optimizer_and_metric_variables():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse", metrics=["mae"])
+    assert not model.optimizer.built
+    symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")))
+    assert model.optimizer.built and model.optimizer.variables
+
+
+def test_set_symbolic_build_is_what_fit_calls():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    calls = []
+
+    def build(iterator=None, data_batch=None):
+        calls.append(iterator)
+        symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")))
+
+    set_symbolic_build(model, build)
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), epochs=1, verbose=0)
+    assert len(calls) == 1

@@ -40,7 +40,10 @@ from keras_gpufix.keras_internals import (
     concrete_functions,
     flatten_layers,
     in_multi_worker_mode,
+    closure_cell,
     overrides_train_step,
+    set_symbolic_build,
+    symbolic_build,
     traced_functions,
 )
 
@@ -535,9 +538,9 @@ def _install_multi_worker_fixes(model):
                 data_batch = tf.nest.map_structure(local, next(it))
                 break
         with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
+            symbolic_build(model, data_batch)
 
-    model._maybe_symbolic_build = maybe_symbolic_build
+    set_symbolic_build(model, maybe_symbolic_build)
 
 
 def _remove_per_replica_xla(model):
@@ -668,7 +671,7 @@ def _element_spec(sample_batch):
 def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
                       epoch_steps, element_spec):
     with strategy.scope():
-        model._symbolic_build(data_batch=batch)
+        symbolic_build(model, batch)
     variables = list(model.variables) + list(model.optimizer.variables)
     saved = [v.numpy() for v in variables]
     try:
@@ -757,28 +760,18 @@ def _rebuild_sharing_step(model, old):
     """A new Keras train function whose loop calls `old`'s traced step."""
     model.make_train_function(force=True)
     new = model.train_function
-    step = _closure_cell(old, "one_step_on_data")
-    multi = _closure_cell(new, "multi_step_on_iterator")
+    step = closure_cell(old, "one_step_on_data")
+    multi = closure_cell(new, "multi_step_on_iterator")
     loop = getattr(multi.cell_contents, "python_function", None) if multi else None
     cells = [
-        _closure_cell(new, "one_step_on_data"),
-        _closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
+        closure_cell(new, "one_step_on_data"),
+        closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
     ]
-    if step is None or None in cells:
-        logger.debug("compile_model: this Keras's train function has another "
-                     "layout; fit traces its step again")
+    if step is None or None in cells:  # closure_cell warned: fit traces its step again
         return new
     for cell in cells:  # not traced yet: the loop will call the old step
         cell.cell_contents = step.cell_contents
     return new
-
-
-def _closure_cell(fn, name):
-    """The closure cell holding free variable `name` of function `fn`, or None."""
-    code = getattr(fn, "__code__", None)
-    if code is None or name not in code.co_freevars or not fn.__closure__:
-        return None
-    return fn.__closure__[code.co_freevars.index(name)]
 
 
 def _first_working(model, batch, strategy, k, element_spec=None):

@@ -263,6 +263,7 @@ def test_policy_set_after_building_warns_with_the_fix():
     with pytest.warns(GpufixWarning, match=r"enable_mixed_precision\('mixed_bfloat16'\)"):
         report = kg.compile_model(model, "adam", "mse", steps_per_execution=1)
     assert report.policy == "float32"  # what really computes
+    assert {layer.compute_dtype for layer in model.layers} == {"float32"}  # checked, not applied
 
 
 def test_explicit_mismatch_warns():

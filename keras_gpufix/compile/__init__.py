@@ -199,8 +199,11 @@ def compile_model(
         model: a Keras model, built under the strategy's scope if any.
         optimizer, loss, metrics: as for `model.compile`.
         jit_compile: bool. Defaults to True.
-        mixed_precision: `"auto"` (the global policy where one was set, else
-            what `enable_mixed_precision("auto")` would pick), a policy name,
+        mixed_precision: the policy the built layers are checked against
+            (the check never changes them: weights keep the dtype they were
+            built in; call `enable_mixed_precision` before building).
+            `"auto"` (the global policy where one was set, else what
+            `enable_mixed_precision("auto")` would pick), a policy name,
             or None to skip the check. Defaults to `"auto"`.
         steps_per_execution: `"auto"` or a positive int. `"auto"` without
             `sample_batch` uses 1 and warns. Defaults to `"auto"`.

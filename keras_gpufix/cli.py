@@ -68,6 +68,7 @@ def build_parser():
 
     p = sub.add_parser("validate", help="check a YAML config for performance traps",
                        description="Exit 0 valid, 1 problems found, 2 unusable input.")
+    p.set_defaults(subparser=p)
     p.add_argument("config", metavar="CONFIG", help="YAML config file")
     p.add_argument("--fix", action="store_true",
                    help="rewrite the file with the fixes (backup kept beside it)")
@@ -78,6 +79,7 @@ def build_parser():
         description="Runs the script unchanged (like python -m cProfile); every model.fit "
                     "gets the monitors. Exits with the script's exit code.",
         usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] -- python train.py ARGS")
+    p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
     p.add_argument("--steps", type=_positive_int, metavar="N",
@@ -88,6 +90,7 @@ def build_parser():
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS")
 
     p = sub.add_parser("bench-data", help="input-pipeline throughput alone, over a grid")
+    p.set_defaults(subparser=p)
     p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
     p.add_argument("--batch-sizes", type=_int_list, default=[16, 32, 64], metavar="16,32,64")
     p.add_argument("--parallel", type=_parallel_list, default=["auto"], metavar="auto,1,2",
@@ -100,6 +103,7 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("cache", help="build, inspect or clear the feature cache")
+    p.set_defaults(subparser=p)
     p.add_argument("action", choices=("build", "info", "clear"))
     p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
     p.add_argument("--cache-dir", metavar="DIR", help="cache folder (or data.cache_dir of --config)")
@@ -108,6 +112,7 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("demo", help="generate a small corpus, train briefly, show the diagnosis")
+    p.set_defaults(subparser=p)
     p.add_argument("--dir", metavar="DIR", help="work folder (default: a new temp folder)")
     p.add_argument("--utterances", type=_positive_int, default=96)
     p.add_argument("--epochs", type=_positive_int, default=3)
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    sub = parser._subparsers._group_actions[0].choices[args.command]
+    sub = args.subparser
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo}[args.command]
     try:

@@ -50,6 +50,8 @@ from typing import Any
 
 import yaml
 
+from keras_gpufix.distribute import STRATEGY_MODES
+
 __all__ = [
     "Config",
     "DataConfig",
@@ -69,7 +71,6 @@ __all__ = [
 _POLICIES = ("auto", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16")
 # The YAML's short names are Keras's mixed policies (float32 variables).
 _POLICY_NAMES = {False: "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
-_MODES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 
 
 def _spec(default, expected, valid, coerce=None):
@@ -149,7 +150,7 @@ class TrainingConfig:
 class DistributeConfig:
     """The `distribute` section: arguments of `kg.setup_strategy`."""
 
-    mode: str = _spec("auto", " | ".join(_MODES), lambda v: v in _MODES)
+    mode: str = _spec("auto", " | ".join(STRATEGY_MODES), lambda v: v in STRATEGY_MODES)
     devices: list = _spec(None, 'a list of device names (["/gpu:0", "/gpu:1"]) or null',
                           lambda v: v is None or (isinstance(v, list) and v
                                                   and all(isinstance(d, str) for d in v)))
@@ -471,44 +472,19 @@ def load_config(path) -> Config:
 # ------------------------------------------------------------------ checks ---
 
 def _replicas(distribute, info):
-    """Replicas the distribute section gives on this machine."""
-    if distribute.devices:
-        local = len(distribute.devices)
-    elif distribute.mode in ("default", "one_device"):
+    """Replicas the distribute section gives on this machine (distribute's rule)."""
+    from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
+
+    try:
+        cluster = tf_config_cluster() if distribute.mode in ("auto", "multi_worker") else None
+    except ValueError:  # setup_strategy names the bad TF_CONFIG itself
+        cluster = None
+    count = len(distribute.devices) if distribute.devices else len(info["gpus"])
+    mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
+                                    devices_given=bool(distribute.devices), cluster=cluster)
+    if mode in ("default", "one_device"):
         return 1
-    else:
-        local = max(1, len(info["gpus"]))
-    workers = 1
-    if distribute.mode in ("auto", "multi_worker") and os.environ.get("TF_CONFIG"):
-        try:
-            cluster = json.loads(os.environ["TF_CONFIG"]).get("cluster", {})
-            workers = max(1, len(cluster.get("worker", [])) + len(cluster.get("chief", [])))
-        except ValueError:
-            pass
-    if distribute.mode == "mirrored" or distribute.devices:
-        return local * workers
-    return (local if local >= 2 or distribute.mode == "multi_worker" else 1) * workers
-
-
-def _precision_support(policy, info):
-    """None when `policy` is fast on this machine, else the reason it is not."""
-    policy = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}.get(policy, policy)
-    if policy in (False, "auto", "float32"):
-        return None
-    ccs = [tuple(g["compute_capability"]) for g in info["gpus"] if g["compute_capability"]]
-    if policy == "float16":
-        if not info["gpus"]:
-            return "float16 on a CPU-only machine runs emulated and slower than float32"
-        if ccs and max(ccs) < (7, 0):
-            return (f"the GPU (compute capability {max(ccs)[0]}.{max(ccs)[1]}) has no "
-                    "tensor cores; float16 needs 7.0 or newer to be faster")
-    if policy == "bfloat16":
-        if info["gpus"] and ccs and max(ccs) < (8, 0):
-            return (f"the GPU (compute capability {max(ccs)[0]}.{max(ccs)[1]}) has no "
-                    "bfloat16 math; it needs 8.0 (Ampere) or newer")
-        if not info["gpus"] and not info["cpu_bf16"]:
-            return "this CPU has no AMX-BF16: a bfloat16 step is slower than float32 here"
-    return None
+    return max(1, count) * (sum(cluster.values()) if cluster else 1)
 
 
 def _default_cache_dir():
@@ -533,11 +509,9 @@ def check_config(cfg: Config, environment=None):
         A list of dicts with `kind`, `key`, `line`, `message`, `expected`,
         `suggestion` and `fix` (`{"action": "set", "key", "value"}` or None).
     """
-    if environment is None:
-        from keras_gpufix.compile import device_info
+    from keras_gpufix.compile.hardware import device_info, precision_support
 
-        environment = device_info()
-    info = environment
+    info = device_info() if environment is None else environment
     problems = []
     d, t = cfg.data, cfg.training
 
@@ -566,8 +540,9 @@ def check_config(cfg: Config, environment=None):
             f"`data.batch_size` {d.batch_size} is not divisible by the {replicas} replicas "
             f"of `distribute` (mode {cfg.distribute.mode!r}): replicas get unequal batches "
             "and the last one a different shape", fixed)
-    reason = _precision_support(t.mixed_precision, info)
-    if reason:
+    fast, reason = (True, None) if t.mixed_precision in (False, "auto") else (
+        precision_support(t.mixed_precision, info))
+    if not fast:
         add("mixed_precision_unsupported", "training.mixed_precision",
             f"`training.mixed_precision` is {t.mixed_precision!r} but {reason}; "
             "`auto` picks what this device runs fast", "auto")

@@ -3,11 +3,14 @@
 | found                                  | "auto" gives                          |
 |----------------------------------------|---------------------------------------|
 | `TF_CONFIG` naming a cluster           | `MultiWorkerMirroredStrategy`         |
-| >= 2 GPUs (or `devices` lists >= 2)    | `MirroredStrategy` (NCCL all-reduce   |
-|                                        | where available, else hierarchical    |
-|                                        | copy)                                 |
+| >= 2 GPUs (or `devices` lists >= 2)    | `MirroredStrategy`                    |
 | 1 GPU (or `devices` lists 1)           | `OneDeviceStrategy`                   |
 | no GPU                                 | the default strategy                  |
+
+The all-reduce is TensorFlow's own choice (NCCL on GPUs where TF has it,
+else hierarchical copy; ring or NCCL collectives across workers).
+`STRATEGY_MODES` and `resolve_strategy_mode` are the mode names and the
+"auto" rule; `kg.validate` uses the same ones.
 
 Memory growth is set on every GPU before TensorFlow initialises them (an
 error says so when it is too late). The choice and its reason are logged on
@@ -21,23 +24,66 @@ model GPU" mode in `tf.distribute` (see `docs/distributed.md`).
 import json
 import logging
 import os
-import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
-import tensorflow as tf
+from keras_gpufix.keras_internals import cross_device_ops_name
 
-__all__ = ["setup_strategy", "global_batch_size"]
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+__all__ = [
+    "STRATEGY_MODES", "global_batch_size", "resolve_strategy_mode", "setup_strategy",
+    "tf_config_cluster",
+]
 
 logger = logging.getLogger(__name__)
 
-_MODES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+STRATEGY_MODES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+
+
+def resolve_strategy_mode(
+    mode: str = "auto",
+    *,
+    device_count: int = 0,
+    devices_given: bool = False,
+    cluster: Optional[dict] = None,
+) -> Tuple[str, str]:
+    """The strategy mode `mode` means on these devices: `(mode, reason)`.
+
+    `"auto"`: `"multi_worker"` when `cluster` (from `TF_CONFIG`) is set, else
+    by device count: >= 2 `"mirrored"`, 1 `"one_device"`, 0 `"default"`.
+    Another mode is returned as is (reason `"requested"`). Imports no
+    TensorFlow.
+
+    Args:
+        mode: one of `STRATEGY_MODES`. Defaults to `"auto"`.
+        device_count: the devices to replicate on (the `devices` given, else
+            the GPUs). Defaults to 0.
+        devices_given: whether `device_count` counts a `devices` list (only
+            the reason says so). Defaults to False.
+        cluster: `tf_config_cluster()`'s dict, or None. Defaults to None.
+
+    Raises:
+        ValueError: for a mode not in `STRATEGY_MODES`.
+    """
+    _check_mode(mode)
+    if mode != "auto":
+        return mode, "requested"
+    if cluster:
+        return "multi_worker", f"TF_CONFIG names a cluster {cluster}"
+    what = "devices given" if devices_given else "GPUs"
+    if device_count >= 2:
+        return "mirrored", f"{device_count} {what}"
+    if device_count == 1:
+        return "one_device", f"1 {what}"
+    return "default", "no GPU"
 
 
 def setup_strategy(
     mode: str = "auto",
     devices: Optional[Sequence[str]] = None,
     memory_growth: bool = True,
-) -> tf.distribute.Strategy:
+) -> "tf.distribute.Strategy":
     """Creates the distribution strategy for this machine (or cluster).
 
     Call it first, before any model, tensor or dataset is created: memory
@@ -77,11 +123,9 @@ def setup_strategy(
     train = builder.build(batch_size=kg.global_batch_size(32, strategy))
     ```
     """
-    if mode not in _MODES:
-        raise ValueError(
-            f"`mode` must be one of {', '.join(repr(m) for m in _MODES)}. "
-            f"Received: mode={mode!r}"
-        )
+    import tensorflow as tf
+
+    _check_mode(mode)
     if devices is not None:
         if isinstance(devices, str) or not devices:
             raise ValueError(
@@ -93,21 +137,12 @@ def setup_strategy(
     if memory_growth:
         _set_memory_growth(gpus)
 
-    cluster = _tf_config_cluster()
-    if mode == "auto":
-        if cluster:
-            mode, why = "multi_worker", f"TF_CONFIG names a cluster {cluster}"
-        else:
-            count = len(devices) if devices is not None else len(gpus)
-            what = "devices given" if devices is not None else "GPUs"
-            if count >= 2:
-                mode, why = "mirrored", f"{count} {what}"
-            elif count == 1:
-                mode, why = "one_device", f"1 {what}"
-            else:
-                mode, why = "default", "no GPU"
-    else:
-        why = "requested"
+    mode, why = resolve_strategy_mode(
+        mode,
+        device_count=len(devices) if devices is not None else len(gpus),
+        devices_given=devices is not None,
+        cluster=tf_config_cluster(),
+    )
 
     if mode == "default":
         strategy = tf.distribute.get_strategy()
@@ -119,7 +154,7 @@ def setup_strategy(
     elif mode == "mirrored":
         strategy, detail = _mirrored(devices, gpus)
     else:
-        strategy, detail = _multi_worker(gpus)
+        strategy, detail = _multi_worker()
     logger.info(
         "setup_strategy: %s with %d replica(s): %s (%s)",
         type(strategy).__name__, strategy.num_replicas_in_sync, detail, why,
@@ -127,7 +162,7 @@ def setup_strategy(
     return strategy
 
 
-def global_batch_size(per_replica: int, strategy: Optional[tf.distribute.Strategy] = None) -> int:
+def global_batch_size(per_replica: int, strategy: Optional["tf.distribute.Strategy"] = None) -> int:
     """The batch size to give the dataset: `per_replica` times the replicas.
 
     Keras splits each global batch across the replicas of the strategy, so a
@@ -148,11 +183,23 @@ def global_batch_size(per_replica: int, strategy: Optional[tf.distribute.Strateg
         raise ValueError(
             f"`per_replica` must be an int >= 1. Received: per_replica={per_replica!r}"
         )
+    import tensorflow as tf
+
     strategy = strategy or tf.distribute.get_strategy()
     return per_replica * int(strategy.num_replicas_in_sync)
 
 
+def _check_mode(mode):
+    if mode not in STRATEGY_MODES:
+        raise ValueError(
+            f"`mode` must be one of {', '.join(repr(m) for m in STRATEGY_MODES)}. "
+            f"Received: mode={mode!r}"
+        )
+
+
 def _set_memory_growth(gpus):
+    import tensorflow as tf
+
     for gpu in gpus:
         if tf.config.get_logical_device_configuration(gpu):
             logger.info("setup_strategy: %s has logical devices; memory growth left as is", gpu.name)
@@ -171,7 +218,12 @@ def _set_memory_growth(gpus):
             ) from exc
 
 
-def _tf_config_cluster():
+def tf_config_cluster() -> Optional[dict]:
+    """The cluster `TF_CONFIG` names, as `{job: task count}`, or None.
+
+    Raises:
+        ValueError: when `TF_CONFIG` is not valid JSON.
+    """
     raw = os.environ.get("TF_CONFIG")
     if not raw:
         return None
@@ -185,41 +237,19 @@ def _tf_config_cluster():
     return {job: len(tasks) for job, tasks in cluster.items()}
 
 
-def _nccl_available():
-    if sys.platform != "linux":
-        return False
-    try:
-        from tensorflow.python.framework import kernels
-
-        return bool(kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
-    except Exception:  # the registry is private; be conservative
-        return False
-
-
 def _mirrored(devices, gpus):
+    import tensorflow as tf
+
     if devices is None:
         devices = [f"/gpu:{i}" for i in range(len(gpus))] or ["/cpu:0"]
-    on_gpus = all("gpu" in d.lower() for d in devices)
-    if on_gpus and len(devices) >= 2:
-        if _nccl_available():
-            ops, name = tf.distribute.NcclAllReduce(), "NCCL all-reduce"
-        else:
-            ops, name = tf.distribute.HierarchicalCopyAllReduce(), "hierarchical copy (no NCCL)"
-        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-    else:
-        strategy = tf.distribute.MirroredStrategy(devices)
-        name = type(strategy.extended._cross_device_ops).__name__
-    return strategy, f"{devices}, {name}"
+    strategy = tf.distribute.MirroredStrategy(devices)
+    return strategy, f"{devices}, {cross_device_ops_name(strategy)}"
 
 
-def _multi_worker(gpus):
-    impl = tf.distribute.experimental.CommunicationImplementation
-    if gpus and _nccl_available():
-        chosen = impl.NCCL
-    else:
-        chosen = impl.RING
-    options = tf.distribute.experimental.CommunicationOptions(implementation=chosen)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+def _multi_worker():
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     resolver = strategy.cluster_resolver
     where = f"task {resolver.task_type}:{resolver.task_id}" if resolver else "local"
-    return strategy, f"{where}, {chosen.name} collectives"
+    return strategy, f"{where}, TensorFlow's collective choice"

@@ -10,7 +10,6 @@ Plain functions, usable from a callback (`kg.ProfilerTrigger`), the CLI
 | `step_marker(step)`         | context manager: one training step as XProf sees it   |
 | `stop_trace()`              | stops the trace *we* started; returns its run folder  |
 | `active_trace()`            | our running trace (dict) or None                      |
-| `profiler_running()`        | whether any `tf.profiler` session runs in the process |
 | `xplane_files(path)`        | the `*.xplane.pb` files of a run folder or log dir    |
 | `analyze_trace(path)`       | XProf `input_pipeline_analyzer` -> step time, input % |
 | `classify_input_percent(p)` | XProf's thresholds: >= 20 highly, >= 5 moderately     |
@@ -46,7 +45,6 @@ __all__ = [
     "stop_trace",
     "step_marker",
     "active_trace",
-    "profiler_running",
     "xplane_files",
     "analyze_trace",
     "classify_input_percent",
@@ -79,23 +77,6 @@ def _runs(log_dir):
         return {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))}
     except FileNotFoundError:
         return set()
-
-
-def profiler_running() -> bool:
-    """Whether a `tf.profiler` session (ours or anyone's) runs in this process.
-
-    Reads TensorFlow's own record of the session started through
-    `tf.profiler.experimental.start` (which Keras's `TensorBoard` callback
-    uses). A session started by a profiler server is not visible here;
-    `start_trace` still refuses to run beside it.
-    """
-    if _ACTIVE is not None:
-        return True
-    try:
-        from tensorflow.python.profiler import profiler_v2
-    except ImportError:
-        return False
-    return getattr(profiler_v2, "_profiler", None) is not None
 
 
 def active_trace() -> "dict | None":
@@ -141,7 +122,7 @@ def start_trace(log_dir: "str | os.PathLike", owner: Any = None, tag: "str | Non
         try:
             tf.profiler.experimental.start(os.fspath(log_dir), options=options)
         except tf.errors.AlreadyExistsError as exc:
-            raise ProfilerBusyError(f"Another profiler is running ({exc.message}).") from None
+            raise ProfilerBusyError("another profiler is running (tf.profiler refused to start a second)") from None
         _ACTIVE = {"log_dir": os.fspath(log_dir), "owner": owner,
                    "started": time.time(), "tag": tag}
 

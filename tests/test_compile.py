@@ -12,7 +12,8 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import compile as kg_compile
-from keras_gpufix.callbacks.retracing_monitor import find_traced_functions
+from keras_gpufix.compile import hardware
+from keras_gpufix.keras_internals import traced_functions
 from keras_gpufix.exceptions import GpufixWarning
 
 
@@ -101,10 +102,28 @@ def test_run_eagerly_cannot_use_xla_and_says_so():
 
 def test_a_failing_batch_is_the_users_error_not_an_xla_fallback():
     x, y = data()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="expected axis -1 of input shape to have value 8"):
         kg.compile_model(small_model(), "adam", "mse", mixed_precision=None,
                          steps_per_execution=1,
                          sample_batch=(x[:16, :5], y[:16]))  # wrong feature size
+
+
+def test_per_replica_step_matches_keras_own_train_step():
+    x, y = data(16)
+    ours, theirs = small_model(), small_model()  # same seed, same weights
+    for model in (ours, theirs):
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], jit_compile=False)
+    kg_compile._install_per_replica_xla(ours)
+    logs = [m.train_on_batch(x, y, return_dict=True) for m in (ours, theirs)]
+    assert logs[0].keys() == logs[1].keys() == {"loss", "mae"}
+    for key in logs[0]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=1e-5)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_size_skips_a_first_input_that_is_none():  # keras-team/keras#21630
+    assert int(kg_compile._batch_size({"a": None, "b": tf.zeros((3, 2))})) == 3
 
 
 # -- sample steps and steps_per_execution -----------------------------------------
@@ -142,7 +161,7 @@ def test_steps_per_execution_auto_is_measured_and_callbacks_fire_per_execution()
 
 def _step_traces(model):
     """Traces of Keras's one_step_on_data, the XLA-compiled train step."""
-    return find_traced_functions(model.train_function)[
+    return traced_functions(model.train_function)[
         "one_step_on_data"].experimental_get_tracing_count()
 
 
@@ -153,12 +172,12 @@ def test_fit_reuses_the_step_traced_and_compiled_by_compile_model():
     report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
                               sample_batch=dataset)
     assert report.calibration["k"] == 16 != report.steps_per_execution
-    step = find_traced_functions(model.train_function)["one_step_on_data"]
+    step = traced_functions(model.train_function)["one_step_on_data"]
     assert step.experimental_get_tracing_count() == 1  # calibration and final k share it
     counter = CountBatchEnds()
     model.fit(dataset, epochs=2, verbose=0, callbacks=[counter])
     assert counter.calls == 2 * 64 // report.steps_per_execution  # the final k, not 16
-    assert find_traced_functions(model.train_function)["one_step_on_data"] is step
+    assert traced_functions(model.train_function)["one_step_on_data"] is step
     assert step.experimental_get_tracing_count() == 1  # fit traced (and compiled) nothing
     assert int(model.optimizer.iterations.numpy()) == 128
 
@@ -179,7 +198,7 @@ def test_steps_per_execution_changed_after_compile_model_is_honoured():
 def test_a_failed_sample_step_leaves_no_train_function():
     x, y = data()
     model = small_model()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="expected axis -1 of input shape to have value 8"):
         kg.compile_model(model, "adam", "mse", mixed_precision=None,
                          steps_per_execution=1, sample_batch=(x[:16, :5], y[:16]))
     assert model.train_function is None
@@ -244,6 +263,7 @@ def test_policy_set_after_building_warns_with_the_fix():
     with pytest.warns(GpufixWarning, match=r"enable_mixed_precision\('mixed_bfloat16'\)"):
         report = kg.compile_model(model, "adam", "mse", steps_per_execution=1)
     assert report.policy == "float32"  # what really computes
+    assert {layer.compute_dtype for layer in model.layers} == {"float32"}  # checked, not applied
 
 
 def test_explicit_mismatch_warns():
@@ -309,9 +329,39 @@ def test_auto_policy_by_gpu_generation(monkeypatch, capability, expected):
 def test_auto_policy_on_cpu_by_bfloat16_support(monkeypatch, flags, expected):
     monkeypatch.setattr(tf.config, "list_physical_devices",
                         lambda kind=None: [] if kind == "GPU" else ["cpu"])
-    monkeypatch.setattr(kg_compile, "_cpu_flags", lambda: flags)
-    policy, why = kg_compile._choose_policy()
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags)
+    policy, why = hardware.auto_policy()
     assert policy == expected and why
+
+
+def _gpus(*caps):
+    return {"gpus": [{"name": f"GPU {i}", "compute_capability": list(c) if c else None}
+                     for i, c in enumerate(caps)],
+            "cpu_bf16": False, "cpu_bf16_flags": []}
+
+
+@pytest.mark.parametrize("policy, info, fast", [
+    ("bfloat16", _gpus((8, 0), (7, 5)), False),  # the weakest GPU decides
+    ("mixed_bfloat16", _gpus((8, 6), (9, 0)), True),
+    ("float16", _gpus((7, 0), (8, 0)), True),
+    ("mixed_float16", _gpus((6, 1), (8, 0)), False),
+    ("mixed_float16", _gpus(), False),  # CPU only: emulated
+    ("mixed_bfloat16", _gpus(None), False),  # capability unknown
+    ("float32", _gpus((6, 1)), True),
+])
+def test_precision_support_weakest_gpu_decides(policy, info, fast):
+    answer, reason = hardware.precision_support(policy, info)
+    assert answer is fast and reason
+
+
+def test_precision_support_names_a_bad_policy():
+    with pytest.raises(ValueError, match="Received: policy='fp16'"):
+        hardware.precision_support("fp16", _gpus())
+
+
+def test_auto_policy_follows_the_weakest_gpu():
+    assert hardware.auto_policy(_gpus((9, 0), (7, 5)))[0] == "mixed_float16"
+    assert hardware.auto_policy(_gpus((6, 0), (9, 0)))[0] == "float32"
 
 
 # -- arguments and report -------------------------------------------------------------

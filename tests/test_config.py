@@ -8,7 +8,7 @@ from keras_gpufix.cli import main
 from keras_gpufix.config import (ConfigError, Config, check_config, load_config,
                                  validate_config)
 
-CPU = {"gpus": [], "cpu_bf16": False}
+CPU = {"gpus": [], "cpu_bf16": False, "cpu_bf16_flags": []}
 GOOD = """\
 # a good config
 data:
@@ -103,8 +103,8 @@ def test_bfloat16_needs_hardware_support():
     cfg = Config()
     cfg.training.mixed_precision = "mixed_bfloat16"
     assert [p["kind"] for p in check_config(cfg, CPU)] == ["mixed_precision_unsupported"]
-    assert check_config(cfg, {"gpus": [], "cpu_bf16": True}) == []
-    old_gpu = {"gpus": [{"name": "T4", "compute_capability": [7, 5]}], "cpu_bf16": False}
+    assert check_config(cfg, {"gpus": [], "cpu_bf16": True, "cpu_bf16_flags": ["amx_bf16"]}) == []
+    old_gpu = {"gpus": [{"name": "T4", "compute_capability": [7, 5]}], "cpu_bf16": False, "cpu_bf16_flags": []}
     assert [p["kind"] for p in check_config(cfg, old_gpu)] == ["mixed_precision_unsupported"]
     cfg.training.mixed_precision = "mixed_float16"
     assert check_config(cfg, old_gpu) == []

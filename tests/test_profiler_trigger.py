@@ -199,7 +199,8 @@ def test_exception_in_another_callback_does_not_leave_the_profiler_running(tmp_p
     assert (interrupted["start_step"], interrupted["end_step"]) == (2, 5)
     assert glob.glob(os.path.join(interrupted["path"], "*.xplane.pb"))
     assert (fresh["start_step"], fresh["end_step"]) == (2, 19)  # fit ended first
-    assert not profiling.profiler_running()
+    profiling.start_trace(tmp_path / "free")  # raises ProfilerBusyError if one still runs
+    profiling.stop_trace(save=False)
 
 
 def test_a_dropped_trigger_stops_its_trace_for_the_next_profiler(tmp_path):
@@ -214,7 +215,8 @@ def test_a_dropped_trigger_stops_its_trace_for_the_next_profiler(tmp_path):
     assert profiling.active_trace() is not None
     del trigger
     gc.collect()
-    assert not profiling.profiler_running()
+    profiling.start_trace(tmp_path / "free")  # raises ProfilerBusyError if one still runs
+    profiling.stop_trace(save=False)
     tensorboard = keras.callbacks.TensorBoard(str(tmp_path / "tb"), profile_batch=2)
     model.fit(planted_dataset("healthy", batches=6), epochs=1, verbose=0,
               callbacks=[tensorboard])

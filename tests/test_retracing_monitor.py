@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
-from keras_gpufix.callbacks.retracing_monitor import find_traced_functions
 from keras_gpufix.data import instrument
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -116,14 +115,6 @@ def test_an_eager_model_says_it_cannot_count():
     assert report["trace_count"] is None
     assert any(n.startswith("cannot count traces: the model runs eagerly") for n in report["notes"])
     assert report["new_shapes"] >= 2  # shapes are still read
-
-
-def test_find_traced_functions_covers_old_and_odd_train_functions():
-    fn = tf.function(lambda x: x + 1)
-    fn(tf.constant(1.0))
-    assert list(find_traced_functions(fn).values()) == [fn]  # tf.keras style
-    assert find_traced_functions(lambda it: None) == {}
-    assert find_traced_functions(None) == {}
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -262,9 +262,6 @@ class ProfilerTrigger(GuardedCallback):
             return
         if step < self._retry_at:
             return
-        if profiling.profiler_running() and profiling.active_trace() is None:
-            self._busy(step, "another profiler is running")
-            return
         self._owner = types.SimpleNamespace(callback=weakref.ref(self),
                                             model=weakref.ref(self.model))
         try:

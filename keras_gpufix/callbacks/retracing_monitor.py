@@ -22,9 +22,7 @@ inner `StepTimer`; per hook the monitor adds one read of the trace counter. Noth
 `logs` dict; results are in `report()`.
 """
 
-import functools
 import time
-import types
 import warnings
 from collections import deque
 
@@ -33,53 +31,14 @@ import numpy as np
 from keras_gpufix.analysis import FIXES
 from keras_gpufix.callbacks.step_timer import TimedCallback
 from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.keras_internals import traced_functions
 
-__all__ = ["RetracingMonitor", "find_traced_functions"]
+__all__ = ["RetracingMonitor"]
 
 _NO_PROBE = ("RetracingMonitor: input shapes are not visible (the dataset did not go "
              "through kg.data.instrument); counting tf.function traces and slow steps "
              "only. Pass the dataset through kg.data.instrument(ds) (kg.data builders "
              "do) to see which new shapes cost an XLA recompile.")
-
-
-def find_traced_functions(train_function, depth: int = 4) -> dict:
-    """The `tf.function`s a Keras train function calls, by name.
-
-    Keras 3 builds `model.train_function` as a Python closure around
-    `tf.function`s (`multi_step_on_iterator`, `one_step_on_data`, the
-    latter wrapped by `functools.wraps`); older Keras and `tf.keras` make
-    it a `tf.function` itself. Closure cells, `__wrapped__`, `func` and
-    `python_function` are followed up to `depth` levels; other objects
-    (the model) are not entered.
-
-    Returns:
-        A dict name -> object with `experimental_get_tracing_count()`.
-    """
-    found, seen = {}, set()
-    queue = deque([(train_function, 0)])
-    while queue:  # breadth first: each object is reached by its shortest path
-        obj, level = queue.popleft()
-        if obj is None or level > depth or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if callable(getattr(obj, "experimental_get_tracing_count", None)):
-            name = getattr(obj, "__name__", None) or type(obj).__name__
-            while name in found:
-                name += "_"
-            found[name] = obj
-            queue.append((getattr(obj, "python_function", None), level + 1))
-        elif isinstance(obj, functools.partial):
-            queue.append((obj.func, level + 1))
-        elif isinstance(obj, types.MethodType):
-            queue.append((obj.__func__, level + 1))
-        elif isinstance(obj, types.FunctionType):
-            queue.append((getattr(obj, "__wrapped__", None), level + 1))
-            for cell in obj.__closure__ or ():
-                try:
-                    queue.append((cell.cell_contents, level + 1))
-                except ValueError:  # empty cell
-                    pass
-    return found
 
 
 def _as_lists(key):
@@ -148,7 +107,7 @@ class RetracingMonitor(TimedCallback):
 
     def _begin(self):
         self._reset()
-        self._functions = find_traced_functions(getattr(self.model, "train_function", None))
+        self._functions = traced_functions(getattr(self.model, "train_function", None))
         if self._functions:
             self._baseline = self._trace_total()
         elif getattr(self.model, "run_eagerly", False):

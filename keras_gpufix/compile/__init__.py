@@ -35,6 +35,17 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.compile.hardware import auto_policy, device_info
+from keras_gpufix.keras_internals import (
+    concrete_functions,
+    flatten_layers,
+    in_multi_worker_mode,
+    closure_cell,
+    overrides_train_step,
+    set_symbolic_build,
+    symbolic_build,
+    traced_functions,
+)
 
 __all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
 
@@ -129,7 +140,7 @@ def enable_mixed_precision(policy: str = "auto") -> str:
     ```
     """
     if policy == "auto":
-        policy, why = _choose_policy()
+        policy, why = auto_policy()
     elif policy in _POLICIES:
         why = "requested"
     else:
@@ -188,8 +199,11 @@ def compile_model(
         model: a Keras model, built under the strategy's scope if any.
         optimizer, loss, metrics: as for `model.compile`.
         jit_compile: bool. Defaults to True.
-        mixed_precision: `"auto"` (the global policy where one was set, else
-            what `enable_mixed_precision("auto")` would pick), a policy name,
+        mixed_precision: the policy the built layers are checked against
+            (the check never changes them: weights keep the dtype they were
+            built in; call `enable_mixed_precision` before building).
+            `"auto"` (the global policy where one was set, else what
+            `enable_mixed_precision("auto")` would pick), a policy name,
             or None to skip the check. Defaults to `"auto"`.
         steps_per_execution: `"auto"` or a positive int. `"auto"` without
             `sample_batch` uses 1 and warns. Defaults to `"auto"`.
@@ -276,7 +290,7 @@ def compile_model(
         )
         reasons.append("steps_per_execution=1: not measured (no sample_batch)")
 
-    reasons.insert(0, _jit_reason(report, jit_compile, strategy))
+    reasons.insert(0, _jit_reason(report, jit_compile, strategy, sample_batch is not None))
     report.reason = "\n".join(reasons)
     logger.info("compile_model: %s", str(report).replace("\n", "; "))
     return report
@@ -339,75 +353,10 @@ def _first_batch(sample_batch):
 # -- mixed precision -------------------------------------------------------------
 
 
-def device_info():
-    """This machine's GPUs and bfloat16 CPU support, without initialising a device.
-
-    Returns:
-        A dict: `gpus`, a list of `{"name", "compute_capability"}` (a
-        `[major, minor]` list, or None when unknown) of the physical GPUs
-        TensorFlow sees; `cpu_bf16`, whether the CPU has AMX-BF16 (AVX512-BF16
-        alone runs a whole step slower than float32); `cpu_bf16_flags`, the
-        CPU's bfloat16 flags (`amx_bf16`, `avx512_bf16`) that are present.
-    """
-    gpus = []
-    for device in tf.config.list_physical_devices("GPU"):
-        try:
-            details = tf.config.experimental.get_device_details(device)
-        except Exception:  # details are best-effort
-            details = {}
-        cc = details.get("compute_capability")
-        gpus.append({"name": details.get("device_name", device.name),
-                     "compute_capability": list(cc) if cc else None})
-    flags = sorted(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in flags, "cpu_bf16_flags": flags}
-
-
-def _choose_policy():
-    """(policy, why) for this machine, without initialising any device."""
-    info = device_info()
-    if info["gpus"]:
-        caps = [(tuple(g["compute_capability"]), g["name"])
-                for g in info["gpus"] if g["compute_capability"]]
-        if not caps:
-            return "float32", "GPU compute capability unknown"
-        (major, minor), name = min(caps)
-        where = f"{name}, compute capability {major}.{minor}"
-        if major >= 8:
-            return "mixed_bfloat16", (
-                f"{where}: bfloat16 tensor cores, and bfloat16 needs no loss scaling"
-            )
-        if major == 7:
-            return "mixed_float16", (
-                f"{where}: float16 tensor cores but no fast bfloat16; "
-                "float16 needs loss scaling"
-            )
-        return "float32", f"{where}: no tensor cores, float16 would not be faster"
-    if info["cpu_bf16"]:
-        return "mixed_bfloat16", "CPU only, with AMX-BF16: bfloat16 matrix tiles in hardware"
-    if "avx512_bf16" in info["cpu_bf16_flags"]:
-        return "float32", (
-            "CPU only, AVX512-BF16 without AMX: the casts cost more than the faster "
-            "matmuls save in a whole training step (measured: examples/train_tts.py "
-            "under XLA, 26 ms/step in mixed_bfloat16 against 14 ms in float32)"
-        )
-    return "float32", "CPU only, without AMX-BF16/AVX512-BF16: bfloat16 is emulated"
-
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _weighted_leaf_layers(model):
     layers = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        leaf = not list(layer._flatten_layers(include_self=False, recursive=False))
+    for layer in flatten_layers(model):
+        leaf = not flatten_layers(layer, recursive=False)
         if leaf and layer.weights:
             layers.append(layer)
     return layers
@@ -434,7 +383,7 @@ def _resolve_precision(model, optimizer, mixed_precision, compile_kwargs, reason
         elif global_policy != "float32":
             target, why = global_policy, "the global policy"
         else:
-            target, why = _choose_policy()
+            target, why = auto_policy()
         wanted = keras.DTypePolicy(target).compute_dtype
         off = [layer.name for layer in layers if layer.compute_dtype != wanted]
         if compute != wanted:
@@ -490,15 +439,13 @@ def _static_jit_blocker(model, scope, strategy, compile_kwargs):
         return "run_eagerly=True (eager steps are never XLA-compiled)"
     no_jit = [
         layer.name
-        for layer in model._flatten_layers(include_self=False)
+        for layer in flatten_layers(model)
         if not getattr(layer, "supports_jit", True)
     ]
     if no_jit:
         return f"layers declare supports_jit=False: {no_jit}"
     if scope == "per_replica":
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-        if type(model).train_step is not TensorFlowTrainer.train_step:
+        if overrides_train_step(model):
             return (
                 f"{type(model).__name__} overrides train_step; under "
                 f"{type(strategy).__name__} only Keras's own train_step can be "
@@ -513,20 +460,19 @@ def _install_per_replica_xla(model):
     Runs inside `strategy.run`, so each replica compiles its own cluster on its
     own device; the all-reduce (a cross-replica `merge_call`) and the
     optimizer update stay outside XLA, where `tf.distribute` needs them.
-    Mirrors Keras's `TensorFlowTrainer.train_step`.
+    Keras has no public way to compile only part of its step, so this is a
+    copy of Keras 3.15.1's `TensorFlowTrainer.train_step` through public
+    names (`model.compute_loss`, `model.metrics`, `optimizer.scale_loss`);
+    `tests/test_compile.py` checks it against Keras's own step.
     """
-    from keras.src.losses import loss as loss_module
+    takes_training = "training" in inspect.signature(model.compute_loss).parameters
 
     @tf.function(jit_compile=True, reduce_retracing=True)
     def forward_backward(x, y, sample_weight):
         with tf.GradientTape() as tape:
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            y_pred = model(x, training=True)
+            extra = {"training": True} if takes_training else {}
+            loss = model.compute_loss(x, y, y_pred, sample_weight, **extra)
             scaled = model.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, model.trainable_weights)
         return loss, y_pred, grads
@@ -534,9 +480,10 @@ def _install_per_replica_xla(model):
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss, y_pred, grads = forward_backward(x, y, sample_weight)
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(tf.nest.flatten(x)[0])[0],
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        _loss_metric(model).update_state(
+            loss * tf.cast(replicas, loss.dtype),  # the replica's share, unscaled
+            sample_weight=_batch_size(x),
         )
         model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -546,10 +493,20 @@ def _install_per_replica_xla(model):
     model.train_step = train_step
 
 
+def _loss_metric(model):
+    """The compiled model's loss tracker: the metric `fit` logs as "loss"."""
+    return next(m for m in model.metrics if m.name == "loss")
+
+
+def _batch_size(x):
+    """Rows in the batch, from its first input that is not None (keras-team/keras#21630)."""
+    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
 def _is_multi_worker(strategy):
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    ) and in_multi_worker_mode(strategy)
 
 
 def _with_replica_axis(logs):
@@ -584,9 +541,9 @@ def _install_multi_worker_fixes(model):
                 data_batch = tf.nest.map_structure(local, next(it))
                 break
         with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
+            symbolic_build(model, data_batch)
 
-    model._maybe_symbolic_build = maybe_symbolic_build
+    set_symbolic_build(model, maybe_symbolic_build)
 
 
 def _remove_per_replica_xla(model):
@@ -596,10 +553,19 @@ def _remove_per_replica_xla(model):
 
 
 def _xla_calls(model):
-    """(device, callee) of every `_XlaMustCompile` call in the traced train function."""
+    """(device, callee) of every `_XlaMustCompile` call in the traced train function.
+
+    None when the traced functions cannot be read (not verified).
+    """
     calls = set()
-    for fn in _tf_functions(model.train_function):
-        for concrete in fn._list_all_concrete_functions():
+    functions = traced_functions(model.train_function)
+    if not functions:
+        return None
+    for fn in functions.values():
+        concretes = concrete_functions(fn)
+        if concretes is None:
+            return None
+        for concrete in concretes:
             graph_def = concrete.graph.as_graph_def()
             nodes = list(graph_def.node)
             for func in graph_def.library.function:
@@ -610,29 +576,6 @@ def _xla_calls(model):
                     device = _short_device(node.device) or "default"
                     calls.add((device, node.attr["f"].func.name))
     return sorted(calls)
-
-
-def _tf_functions(fn, depth=3):
-    """tf.function objects reachable through the closure of Keras's train function."""
-    found, todo, seen = [], [(fn, 0)], set()
-    while todo:
-        obj, level = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if hasattr(obj, "_list_all_concrete_functions"):
-            found.append(obj)
-            obj = getattr(obj, "_python_function", None)
-        cells = getattr(obj, "__closure__", None) or ()
-        if level < depth:
-            for cell in cells:
-                try:
-                    value = cell.cell_contents
-                except ValueError:
-                    continue
-                if callable(value):
-                    todo.append((value, level + 1))
-    return found
 
 
 def _short_device(device):
@@ -657,7 +600,7 @@ def _describe_xla_error(model, exc):
     layer = None
     if node:
         parts = node.group(1).split("/")
-        for candidate in model._flatten_layers(include_self=False):
+        for candidate in flatten_layers(model):
             pattern = re.escape(candidate.name) + r"(_\d+)?"
             if any(re.fullmatch(pattern, part) for part in parts):
                 layer = candidate.name
@@ -681,7 +624,7 @@ def _warn_fallback(reason, stacklevel):
     )
 
 
-def _jit_reason(report, requested, strategy):
+def _jit_reason(report, requested, strategy, sampled):
     name = type(strategy).__name__
     if report.jit_compile:
         where = (
@@ -693,7 +636,8 @@ def _jit_reason(report, requested, strategy):
         seen = (
             f"verified on the sample batch: XLA calls on {list(report.xla_devices)}"
             if report.verified
-            else "not verified (no sample_batch)"
+            else "not verified (" + ("the traced step could not be read on this Keras"
+                                     if sampled else "no sample_batch") + ")"
         )
         return f"jit_compile=True: XLA compiles {where}; {seen}"
     if not requested:
@@ -730,7 +674,7 @@ def _element_spec(sample_batch):
 def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
                       epoch_steps, element_spec):
     with strategy.scope():
-        model._symbolic_build(data_batch=batch)
+        symbolic_build(model, batch)
     variables = list(model.variables) + list(model.optimizer.variables)
     saved = [v.numpy() for v in variables]
     try:
@@ -753,9 +697,10 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
                 raise error  # fails without XLA too: not an XLA problem
             report.fallback_reason = reason
             _warn_fallback(reason, stacklevel=4)
-        report.verified = True
-        report.xla_devices = tuple(device for device, _ in _xla_calls(model))
-        if report.jit_compile and not report.xla_devices:
+        calls = _xla_calls(model)
+        report.verified = calls is not None
+        report.xla_devices = tuple(device for device, _ in calls or ())
+        if report.jit_compile and report.verified and not report.xla_devices:
             report.jit_compile, report.xla_scope = False, None
             report.fallback_reason = "the traced train function has no XLA call"
         if loop_error is not None:
@@ -818,28 +763,18 @@ def _rebuild_sharing_step(model, old):
     """A new Keras train function whose loop calls `old`'s traced step."""
     model.make_train_function(force=True)
     new = model.train_function
-    step = _closure_cell(old, "one_step_on_data")
-    multi = _closure_cell(new, "multi_step_on_iterator")
+    step = closure_cell(old, "one_step_on_data")
+    multi = closure_cell(new, "multi_step_on_iterator")
     loop = getattr(multi.cell_contents, "python_function", None) if multi else None
     cells = [
-        _closure_cell(new, "one_step_on_data"),
-        _closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
+        closure_cell(new, "one_step_on_data"),
+        closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
     ]
-    if step is None or None in cells:
-        logger.debug("compile_model: this Keras's train function has another "
-                     "layout; fit traces its step again")
+    if step is None or None in cells:  # closure_cell warned: fit traces its step again
         return new
     for cell in cells:  # not traced yet: the loop will call the old step
         cell.cell_contents = step.cell_contents
     return new
-
-
-def _closure_cell(fn, name):
-    """The closure cell holding free variable `name` of function `fn`, or None."""
-    code = getattr(fn, "__code__", None)
-    if code is None or name not in code.co_freevars or not fn.__closure__:
-        return None
-    return fn.__closure__[code.co_freevars.index(name)]
 
 
 def _first_working(model, batch, strategy, k, element_spec=None):

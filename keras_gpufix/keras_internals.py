@@ -1,0 +1,206 @@
+"""Every reach into Keras's and TensorFlow's private structures, in one place.
+
+keras_gpufix needs a few things Keras and TensorFlow offer no public way to
+get: the `tf.function`s inside `model.train_function`, the graphs they traced,
+and so on. Each is one small function here, checked on Keras 3.15.1 and
+TensorFlow 2.21.0, with a test in `tests/test_keras_internals.py`. The rest of
+the package calls these functions and never touches a private name itself, so
+a Keras release that moves something breaks one function, not many.
+
+A function that finds the structure changed returns its "unknown" value
+(`None`, an empty dict) and the caller says "not verified"; it never guesses.
+"""
+
+import functools
+import types
+import warnings
+from collections import deque
+
+from keras_gpufix.exceptions import GpufixWarning
+
+__all__ = [
+    "concrete_functions",
+    "closure_cell",
+    "cross_device_ops_name",
+    "flatten_layers",
+    "in_multi_worker_mode",
+    "overrides_train_step",
+    "set_symbolic_build",
+    "symbolic_build",
+    "traced_functions",
+]
+
+CHECKED_ON = "Keras 3.15.1, TensorFlow 2.21.0"
+_WARNED = set()
+
+
+def _off(what: str, exc: BaseException) -> None:
+    """One GpufixWarning per internal that stopped working (never more)."""
+    if what in _WARNED:
+        return
+    _WARNED.add(what)
+    import keras
+    import tensorflow as tf
+
+    warnings.warn(
+        f"keras_gpufix: {what} is not where it was on Keras {keras.__version__} / "
+        f"TensorFlow {tf.__version__} (checked on {CHECKED_ON}): "
+        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'.",
+        GpufixWarning,
+        stacklevel=3,
+    )
+
+
+def traced_functions(train_function, depth: int = 4) -> dict:
+    """The `tf.function`s a Keras train function calls, by name.
+
+    Keras 3 builds `model.train_function` as a Python closure around
+    `tf.function`s (`multi_step_on_iterator`, `one_step_on_data`, the
+    latter wrapped by `functools.wraps`); older Keras and `tf.keras` make
+    it a `tf.function` itself. Closure cells, `__wrapped__`, `func` and
+    `python_function` are followed up to `depth` levels; other objects
+    (the model) are not entered. Checked on Keras 3.15.1, TensorFlow 2.21.0.
+
+    Args:
+        train_function: `model.train_function` (or any callable), or `None`.
+        depth: how many links to follow from `train_function`. Defaults to 4.
+
+    Returns:
+        A dict name -> object with `experimental_get_tracing_count()`, in
+        breadth-first order (empty when none is reachable).
+    """
+    found, seen = {}, set()
+    queue = deque([(train_function, 0)])
+    while queue:  # breadth first: each object is reached by its shortest path
+        obj, level = queue.popleft()
+        if obj is None or level > depth or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if callable(getattr(obj, "experimental_get_tracing_count", None)):
+            name = getattr(obj, "__name__", None) or type(obj).__name__
+            while name in found:
+                name += "_"
+            found[name] = obj
+            queue.append((getattr(obj, "python_function", None), level + 1))
+        elif isinstance(obj, functools.partial):
+            queue.append((obj.func, level + 1))
+        elif isinstance(obj, types.MethodType):
+            queue.append((obj.__func__, level + 1))
+        elif isinstance(obj, types.FunctionType):
+            queue.append((getattr(obj, "__wrapped__", None), level + 1))
+            for cell in obj.__closure__ or ():
+                try:
+                    queue.append((cell.cell_contents, level + 1))
+                except ValueError:  # empty cell
+                    pass
+    return found
+
+
+def cross_device_ops_name(strategy) -> str:
+    """The all-reduce a `MirroredStrategy` chose, e.g. `"NcclAllReduce"`.
+
+    TensorFlow picks it when the strategy is created (NCCL on GPUs where it
+    has it, else hierarchical copy; `CollectiveAllReduce` on CPU devices) and
+    only keeps it in `strategy.extended._cross_device_ops`. Checked on
+    TensorFlow 2.21.0.
+
+    Returns:
+        The class name, or `"unknown"` when the attribute is gone.
+    """
+    ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
+    return type(ops).__name__ if ops is not None else "unknown"
+
+
+def concrete_functions(function) -> "list | None":
+    """The concrete functions a `tf.function` traced so far.
+
+    Reads `function._list_all_concrete_functions()` (TensorFlow 2.21.0's
+    `Function`; the public `get_concrete_function` would trace again).
+
+    Returns:
+        A list, or None (with one `GpufixWarning`) when the method is gone.
+    """
+    try:
+        return list(function._list_all_concrete_functions())
+    except Exception as exc:  # any change in TF's private method
+        _off("tf.function._list_all_concrete_functions", exc)
+        return None
+
+
+def flatten_layers(model, recursive: bool = True) -> list:
+    """Every sublayer of `model` (not the model itself), depth first.
+
+    Keras 3.15.1's `Layer._flatten_layers(include_self=False,
+    recursive=...)`; Keras has no public recursive walk (`model.layers` is
+    one level).
+    """
+    try:
+        return list(model._flatten_layers(include_self=False, recursive=recursive))
+    except Exception as exc:
+        _off("Layer._flatten_layers", exc)
+        return list(getattr(model, "layers", []))
+
+
+def overrides_train_step(model) -> bool:
+    """Whether `model`'s class replaces Keras's TensorFlow `train_step`.
+
+    Compares with `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`
+    (Keras 3.15.1); when that class cannot be imported, True (the safe
+    answer: the caller then leaves the step alone).
+    """
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        return type(model).train_step is not TensorFlowTrainer.train_step
+    except Exception as exc:
+        _off("keras.src.backend.tensorflow.trainer.TensorFlowTrainer", exc)
+        return True
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a `MultiWorkerMirroredStrategy` spans several workers.
+
+    TensorFlow 2.21.0 keeps it in `strategy.extended._in_multi_worker_mode()`;
+    when that is gone, the cluster resolver's worker count is used.
+    """
+    try:
+        return bool(strategy.extended._in_multi_worker_mode())
+    except Exception as exc:
+        _off("strategy.extended._in_multi_worker_mode", exc)
+        resolver = getattr(strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        return sum(len(tasks) for tasks in spec.values()) > 1
+
+
+def closure_cell(fn, name: str):
+    """The closure cell of `fn` holding its free variable `name`, or None.
+
+    Used to make a rebuilt Keras train function (Keras 3.15.1's
+    `make_train_function`: `one_step_on_data` inside
+    `multi_step_on_iterator`) call an already traced step. None, with one
+    `GpufixWarning`, when `fn` has no such variable.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars or not fn.__closure__:
+        _off(f"the train function's closure variable {name!r}",
+             LookupError(f"{getattr(fn, '__name__', fn)!r} has no free variable {name!r}"))
+        return None
+    return fn.__closure__[code.co_freevars.index(name)]
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds `model`'s metrics and optimizer variables from one batch.
+
+    Keras 3.15.1's `Trainer._symbolic_build(data_batch=...)`, what `fit`
+    calls first; Keras has no public equivalent short of running a step.
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+def set_symbolic_build(model, build) -> None:
+    """Makes `fit` call `build(iterator=None, data_batch=None)` to build `model`.
+
+    Keras 3.15.1's `fit` starts with `self._maybe_symbolic_build(iterator=...)`;
+    the multi-worker fix replaces it on the instance.
+    """
+    model._maybe_symbolic_build = build

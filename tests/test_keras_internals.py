@@ -1,0 +1,138 @@
+"""Each function of keras_gpufix.keras_internals on the installed Keras/TensorFlow."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_gpufix import keras_internals
+from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.keras_internals import (
+    concrete_functions,
+    cross_device_ops_name,
+    flatten_layers,
+    in_multi_worker_mode,
+    closure_cell,
+    overrides_train_step,
+    set_symbolic_build,
+    symbolic_build,
+    traced_functions,
+)
+
+
+def test_traced_functions_finds_keras_steps():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), epochs=1, verbose=0)
+    found = traced_functions(model.train_function)
+    assert "one_step_on_data" in found
+    assert found["one_step_on_data"].experimental_get_tracing_count() >= 1
+
+
+def test_traced_functions_covers_old_and_odd_train_functions():
+    fn = tf.function(lambda x: x + 1)
+    fn(tf.constant(1.0))
+    assert list(traced_functions(fn).values()) == [fn]  # tf.keras style
+    assert traced_functions(lambda it: None) == {}
+    assert traced_functions(None) == {}
+
+
+def test_cross_device_ops_name_of_a_mirrored_strategy():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert cross_device_ops_name(strategy).endswith("AllReduce")
+    assert cross_device_ops_name(tf.distribute.get_strategy()) == "unknown"
+
+
+def test_concrete_functions_lists_the_traces():
+    fn = tf.function(lambda x: x * 2)
+    fn(tf.constant(1.0))
+    fn(tf.constant([1.0, 2.0]))
+    assert len(concrete_functions(fn)) == 2
+
+
+def test_flatten_layers_walks_nested_models():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="deep")])
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1, name="top")])
+    names = [layer.name for layer in flatten_layers(outer)]
+    assert "deep" in names and "top" in names and outer.name not in names
+    assert "deep" not in [layer.name for layer in flatten_layers(outer, recursive=False)]
+
+
+def test_overrides_train_step():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return {}
+
+    assert not overrides_train_step(keras.Sequential([keras.layers.Dense(1)]))
+    assert overrides_train_step(Custom())
+
+
+def test_in_multi_worker_mode_is_false_on_one_machine():
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert in_multi_worker_mode(strategy) is False
+
+
+def test_a_broken_internal_gives_one_warning_naming_the_keras_version(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    fn = tf.function(lambda x: x)
+    fn(tf.constant(1.0))
+    monkeypatch.setattr(type(fn), "_list_all_concrete_functions",
+                        property(lambda self: (_ for _ in ()).throw(AttributeError("gone"))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert concrete_functions(fn) is None
+        assert concrete_functions(fn) is None
+    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
+    assert len(ours) == 1
+    assert f"Keras {keras.__version__}" in str(ours[0].message)
+    assert "_list_all_concrete_functions" in str(ours[0].message)
+
+
+def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypatch):
+    import keras_gpufix as kg
+
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    monkeypatch.setattr(type(tf.function(lambda: 0)), "_list_all_concrete_functions",
+                        lambda self: (_ for _ in ()).throw(AttributeError("gone")))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.warns(GpufixWarning, match="not where it was on Keras"):
+        report = kg.compile_model(model, "sgd", "mse", mixed_precision=None,
+                                  steps_per_execution=1,
+                                  sample_batch=(np.zeros((4, 3)), np.zeros((4, 1))))
+    assert report.verified is False and report.jit_compile is True
+    assert "not verified (the traced step could not be read" in report.reason
+
+
+def test_closure_cell_of_keras_train_function(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.make_train_function()
+    cell = closure_cell(model.train_function, "one_step_on_data")
+    assert cell is not None and callable(cell.cell_contents)
+    with pytest.warns(GpufixWarning, match="'nothing_here'"):
+        assert closure_cell(model.train_function, "nothing_here") is None
+
+
+def test_symbolic_build_creates_optimizer_and_metric_variables():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse", metrics=["mae"])
+    assert not model.optimizer.built
+    symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")))
+    assert model.optimizer.built and model.optimizer.variables
+
+
+def test_set_symbolic_build_is_what_fit_calls():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    calls = []
+
+    def build(iterator=None, data_batch=None):
+        calls.append(iterator)
+        symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")))
+
+    set_symbolic_build(model, build)
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), epochs=1, verbose=0)
+    assert len(calls) == 1

@@ -1,6 +1,6 @@
 """End to end: the same TTS model trained the naive way and the keras_gpufix way.
 
-    python benchmarks/end_to_end.py [--utterances 256] [--rounds 3] [--json]
+    python benchmarks/end_to_end.py [--utterances 256] [--rounds 3] [--quick] [--out PATH]
 
 Both ways train `examples/train_tts.py`'s model (a light configuration, as
 on a GPU where the input path decides) on the same generated LJSpeech-style
@@ -26,23 +26,29 @@ monitors (`GPUOscillationMonitor`, `RetracingMonitor`, `ProfilerTrigger`'s
 XProf analysis) attached to both ways. The naive dataset goes through
 `kg.data.instrument`, as `keras-gpufix diagnose` does, so the monitor
 measures its input wait; the builder's dataset is instrumented already.
+The naive loader is `keras_gpufix.data.naive` (the one `keras-gpufix demo`
+shows). Figures go to `--out` (default `benchmarks/results/end_to_end.json`).
 """
 
 import argparse
 import importlib.util
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 
-import keras
-import numpy as np
-import tensorflow as tf
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+warnings.filterwarnings("ignore", message=".*shuffle=True.*")  # the datasets shuffle themselves
 
-import keras_gpufix as kg
+import keras  # noqa: E402
+
+import keras_gpufix as kg  # noqa: E402
+from keras_gpufix.data.naive import naive_dataset  # noqa: E402
+from keras_gpufix.output import faster  # noqa: E402
+
+from _results import add_out_argument, write_results  # noqa: E402 (beside this file)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,44 +62,6 @@ def _load_example():
 
 
 tts = _load_example()
-
-
-def naive_dataset(corpus, batch_size, audio, text_config, seed):
-    """The loader most TTS repositories start from."""
-    import librosa
-
-    with open(os.path.join(corpus, "metadata.csv"), encoding="utf-8") as f:
-        rows = [line.rstrip("\n").split("|") for line in f if line.strip()]
-    paths = [os.path.join(corpus, "wavs", r[0] + ".wav") for r in rows]
-    texts = [r[2] for r in rows]
-    table = {c: i + 1 for i, c in enumerate(text_config.vocabulary)}
-
-    def load(path, text):
-        y, sr = librosa.load(path.decode(), sr=audio.sample_rate)
-        mel = librosa.feature.melspectrogram(
-            y=y, sr=sr, n_fft=audio.n_fft, hop_length=audio.hop_length,
-            win_length=audio.win_length, n_mels=audio.n_mels, fmin=audio.fmin,
-            fmax=audio.fmax, power=audio.power)
-        mel = np.log(np.maximum(mel, audio.log_floor)).T.astype(np.float32)
-        ids = np.array([table[c] for c in text.decode().lower() if c in table], np.int32)
-        return ids, np.int32(len(ids)), mel, np.int32(len(mel))
-
-    def tf_load(path, text):
-        ids, text_len, mel, mel_len = tf.numpy_function(
-            load, [path, text], [tf.int32, tf.int32, tf.float32, tf.int32])
-        ids.set_shape([None])
-        text_len.set_shape([])
-        mel.set_shape([None, audio.n_mels])
-        mel_len.set_shape([])
-        return (ids, text_len), (mel, mel_len)
-
-    ds = tf.data.Dataset.from_tensor_slices((paths, texts))
-    ds = ds.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.map(tf_load, num_parallel_calls=tf.data.AUTOTUNE)
-    pad = float(np.log(audio.log_floor))
-    ds = ds.padded_batch(batch_size, drop_remainder=True,
-                         padding_values=((0, 0), (pad, 0)))
-    return kg.data.instrument(ds), len(paths) // batch_size
 
 
 class EpochClock(keras.callbacks.Callback):
@@ -174,18 +142,6 @@ def build_model(vocab_size, args):
                            reduction=args.reduction, dropout=0.0, postnet_channels=0)
 
 
-def machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpus = tf.config.list_physical_devices("GPU")
-    return (f"{os.cpu_count()}-core {platform.machine()} ({cpu}), "
-            f"{len(gpus)} GPU, TF {tf.__version__}, Keras {keras.__version__}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--utterances", type=int, default=256)
@@ -201,8 +157,12 @@ def main(argv=None):
                         help='policy for the keras_gpufix way: "float32" (default: '
                              'on the 2-core test VM bfloat16 under XLA was slower), "auto", ...')
     parser.add_argument("--dir", help="work folder (default: a new temp folder)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--quick", action="store_true",
+                        help="96 utterances, 1 round (about a minute on 2 cores)")
+    add_out_argument(parser, "end_to_end")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.utterances, args.rounds = min(args.utterances, 96), 1
 
     work = args.dir or tempfile.mkdtemp(prefix="kg_e2e_")
     corpus = os.path.join(work, "corpus")
@@ -266,33 +226,41 @@ def main(argv=None):
                   flush=True)
             way.run(args.block_epochs, window)
 
-    result = {
-        "machine": machine(),
-        "command": "python benchmarks/end_to_end.py " + " ".join(argv or sys.argv[1:]),
+    naive_s, fast_s = naive.summary(), fast.summary()
+    figures = {
+        "steady_samples_per_s_naive": naive_s["steady_samples_per_s"],
+        "steady_samples_per_s_keras_gpufix": fast_s["steady_samples_per_s"],
+        "ratio_steady_keras_gpufix_over_naive": round(
+            fast_s["steady_samples_per_s"] / naive_s["steady_samples_per_s"], 2),
+        "first_epoch_s_naive": naive_s["first_epoch_s"],
+        "first_epoch_s_keras_gpufix": fast_s["first_epoch_s"],
+        "setup_s_keras_gpufix": round(setup_s, 2),
+        "verdict_naive": naive_s["verdict"],
+        "verdict_keras_gpufix": fast_s["verdict"],
+        "input_wait_naive": naive_s["input_wait"],
+        "input_wait_keras_gpufix": fast_s["input_wait"],
+        "steps_per_execution_keras_gpufix": fast_s["compile"]["steps_per_execution"],
+    }
+    details = {
         "corpus": {"utterances": args.utterances, "seconds": round(builder.report["seconds"], 1),
                    "range_s": [args.min_seconds, args.max_seconds]},
         "batch_size": args.batch_size,
-        "naive": naive.summary(),
-        "keras_gpufix": fast.summary(),
+        "naive": naive_s,
+        "keras_gpufix": fast_s,
     }
-    result["ratio_steady_samples_per_s"] = round(
-        result["keras_gpufix"]["steady_samples_per_s"] / result["naive"]["steady_samples_per_s"], 2)
-    result["ratio_first_epoch_s"] = round(
-        (result["keras_gpufix"]["first_epoch_s"] + setup_s) / result["naive"]["first_epoch_s"], 2)
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(format_result(result))
+    result = write_results(args.out, "end_to_end", figures, details)
+    print(format_result(result))
     return 0
 
 
-def format_result(r):
-    n, k = r["naive"], r["keras_gpufix"]
+def format_result(result):
+    d, f = result["details"], result["figures"]
+    n, k = d["naive"], d["keras_gpufix"]
     lines = [
-        f"machine: {r['machine']}",
-        f"corpus: {r['corpus']['utterances']} generated utterances, "
-        f"{r['corpus']['seconds']} s of audio ({r['corpus']['range_s'][0]}-"
-        f"{r['corpus']['range_s'][1]} s clips); batch {r['batch_size']}",
+        f"machine: {result['machine']}",
+        f"corpus: {d['corpus']['utterances']} generated utterances, "
+        f"{d['corpus']['seconds']} s of audio ({d['corpus']['range_s'][0]}-"
+        f"{d['corpus']['range_s'][1]} s clips); batch {d['batch_size']}",
         "",
         f"{'':28}{'naive':>20}{'keras_gpufix':>20}",
         f"{'steady samples/s':28}{n['steady_samples_per_s']:>20}{k['steady_samples_per_s']:>20}",
@@ -311,8 +279,11 @@ def format_result(r):
         f"{'loss first -> last':28}{str(n['loss_first_last']):>20}"
         f"{str(k['loss_first_last']):>20}",
         "",
-        f"steady-state ratio (keras_gpufix / naive samples/s): {r['ratio_steady_samples_per_s']}x",
-        f"first epoch ratio (keras_gpufix incl. setup / naive): {r['ratio_first_epoch_s']}x",
+        "steady state: " + faster("keras_gpufix", k["steady_samples_per_s"], "naive",
+                                  n["steady_samples_per_s"], " samples/s"),
+        "first epoch, keras_gpufix's with its cache build and compile_model: "
+        + faster("keras_gpufix", k["first_epoch_s"] + f["setup_s_keras_gpufix"], "naive",
+                 n["first_epoch_s"], " s", durations=True),
         f"keras_gpufix compile: {k['compile']}",
     ]
     if n["fix"]:

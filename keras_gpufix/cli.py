@@ -5,7 +5,7 @@
 | `validate CONFIG [--fix]`                 | `config.validate_config`              |
 | `diagnose [--json] [--steps N] -- CMD`    | `diagnose.run_diagnosis`              |
 | `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
-| `cache build|info|clear CORPUS`           | `benchdata.cache_build/info/clear`    |
+| `cache build|info|clear CORPUS`           | `cache_cli.cache_build/info/clear`    |
 | `demo`                                    | `demo.run_demo`                       |
 
 Each function returns a dict; `--json` prints it as one line (the last line
@@ -184,10 +184,10 @@ def _bench(args, sub):
 
 
 def _cache(args, sub):
-    from keras_gpufix import benchdata
+    from keras_gpufix import cache_cli
 
-    function = {"build": benchdata.cache_build, "info": benchdata.cache_info,
-                "clear": benchdata.cache_clear}[args.action]
+    function = {"build": cache_cli.cache_build, "info": cache_cli.cache_info,
+                "clear": cache_cli.cache_clear}[args.action]
     kwargs = {"all_entries": args.all} if args.action == "clear" else {}
     try:
         result = function(args.corpus, cache_dir=args.cache_dir, config=args.config,
@@ -197,7 +197,7 @@ def _cache(args, sub):
     if args.json:
         _print_json(result)
     else:
-        print(benchdata.format_cache(result))
+        print(cache_cli.format_cache(result))
     return 0
 
 

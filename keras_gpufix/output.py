@@ -12,7 +12,7 @@ silences it. Problems the user should act on are warnings
 import logging
 import sys
 
-__all__ = ["emit"]
+__all__ = ["emit", "faster", "progress"]
 
 logger = logging.getLogger("keras_gpufix")
 
@@ -41,3 +41,69 @@ def emit(message: str, verbose: int = 1) -> None:
         sys.stdout.flush()
     else:
         logger.info(message)
+
+
+def progress(target: "int | None", unit_name: str = "step", verbose: int = 1):
+    """A progress bar that is clean in log files.
+
+    On an interactive terminal it is Keras's `Progbar`, created at the
+    first update so its first frame shows no estimate made from start-up
+    time (a 1.5 s job once showed "1:37 remaining"). Elsewhere (a log
+    file, a pipe, `verbose=0`, interactive logging off) it writes nothing
+    per update: no carriage returns, no ANSI codes; say what runs with
+    `emit` before and after.
+
+    Args:
+        target: the total count, or None when unknown (then the last
+            update passes `finalize=True`).
+        unit_name: what is counted. Defaults to "step".
+        verbose: 0 shows nothing. Defaults to 1.
+
+    Returns:
+        A function `update(current, finalize=None)`.
+    """
+    bar = []
+    live = bool(verbose) and sys.stdout.isatty() and _interactive()
+
+    def update(current: int, finalize: "bool | None" = None) -> None:
+        if not live:
+            return
+        if not bar:
+            import keras
+
+            bar.append(keras.utils.Progbar(target, unit_name=unit_name, interval=0.5))
+        bar[0].update(current, finalize=finalize)
+
+    return update
+
+
+def faster(name_a: str, value_a: float, name_b: str, value_b: float, unit: str = "/s",
+           durations: bool = False) -> str:
+    """A measured ratio as a sentence that says which side is faster.
+
+    A bare ratio ("2.65x") leaves the reader to guess its direction; this
+    puts the faster side first, so the ratio is always >= 1.
+
+    Args:
+        name_a, name_b: the two sides.
+        value_a, value_b: their throughputs in `unit` (higher is faster),
+            or their durations with `durations=True` (lower is faster).
+        unit: unit printed after the values. Defaults to "/s".
+        durations: the values are times. Defaults to False.
+
+    Returns:
+        E.g. "keras_gpufix is 4.20x faster than naive (630 vs 150 utterances/s)",
+        "naive and keras_gpufix are equally fast (...)", or a sentence
+        saying a value was not measured.
+    """
+    for name, value in ((name_a, value_a), (name_b, value_b)):
+        if not value or value <= 0:
+            return f"no ratio: {name} was not measured"
+    sides = sorted([(name_a, value_a), (name_b, value_b)], key=lambda side: side[1],
+                   reverse=not durations)
+    (fast, fast_value), (slow, slow_value) = sides
+    ratio = max(fast_value, slow_value) / min(fast_value, slow_value)
+    values = f"({fast_value:.4g} vs {slow_value:.4g}{unit})"
+    if round(ratio, 2) == 1.0:
+        return f"{name_a} and {name_b} are equally fast {values}"
+    return f"{fast} is {ratio:.2f}x faster than {slow} {values}"

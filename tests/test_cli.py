@@ -1,4 +1,5 @@
 import json
+import re
 
 import keras
 import pytest
@@ -93,7 +94,8 @@ def test_bench_data_grid_and_recommendation(corpus, tmp_path, capsys):
     assert result["best"] == best
 
 
-def test_demo_runs_end_to_end(tmp_path, capsys):
+def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(tmp_path,
+                                                                                  capsys):
     try:
         assert main(["demo", "--dir", str(tmp_path), "--utterances", "24", "--epochs", "2"]) == 0
     finally:
@@ -101,9 +103,22 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "24 utterances kept, 1 skipped" in out
     assert "bad_truncated" in out
-    assert "verdict:" in out and "retracing:" in out
-    assert len([line for line in out.splitlines() if line.startswith("verdict:")]) == 1
     assert "shuffle=True" not in out
+    lines = out.splitlines()
+    naive = next(i for i, line in enumerate(lines) if line.startswith("naive:"))
+    fast = next(i for i, line in enumerate(lines) if line.startswith("keras_gpufix:"))
+    result = next(line for line in lines if line.startswith("result:"))
+    assert naive < fast < lines.index(result)
+    # one verdict per way, each in its own section
+    verdicts = [i for i, line in enumerate(lines) if line.strip().startswith("verdict:")]
+    assert len(verdicts) == 2 and naive < verdicts[0] < fast < verdicts[1]
+    rates = re.findall(r"then (\d+) utterances/s", out)
+    assert len(rates) == 2
+    naive_rate, fast_rate = (int(r) for r in rates)
+    winner, loser = (("keras_gpufix", "naive") if fast_rate >= naive_rate
+                     else ("naive", "keras_gpufix"))
+    assert f"{winner} is " in result and f"x faster than {loser}" in result \
+        or "equally fast" in result
     assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
 
 

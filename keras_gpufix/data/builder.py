@@ -40,7 +40,6 @@ import math
 import os
 import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -52,6 +51,7 @@ from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_text
 from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.output import emit, progress
 
 __all__ = ["SpeechDatasetBuilder"]
 
@@ -276,11 +276,12 @@ class SpeechDatasetBuilder:
         written = tf.data.Dataset.range(count).map(
             write, num_parallel_calls=AUTOTUNE, deterministic=False
         ).prefetch(AUTOTUNE)
-        progbar = keras.utils.Progbar(count, unit_name="utterance") if self.verbose else None
+        emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
+             self.verbose)
+        update = progress(count, "utterance", self.verbose)
         for done, record in enumerate(written.as_numpy_iterator(), start=1):
             yield record
-            if progbar is not None:
-                progbar.update(done)
+            update(done)
 
     def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,
               drop_remainder=False, prefetch_to_device=None, service=None,

@@ -1,0 +1,188 @@
+"""`keras-gpufix cache build|info|clear`: the feature cache ahead of training.
+
+`cache_build`, `cache_info` and `cache_clear` manage the builder's feature
+cache (`kg.data.FeatureCache`, which owns the layout: listing, leftovers,
+removing) ahead of training. The cache entry depends on the corpus and on
+the audio/text configs, so they take the same `--config` as training (or
+the defaults); `corpus_builder` turns those arguments into a
+`SpeechDatasetBuilder` (`bench-data` uses it too).
+"""
+
+import os
+import time
+
+__all__ = ["corpus_builder", "cache_build", "cache_info", "cache_clear", "format_cache"]
+
+
+def corpus_builder(corpus, cache_dir=None, config=None, verbose=1):
+    """A `SpeechDatasetBuilder` for `corpus` with a config's data settings.
+
+    Args:
+        corpus: LJSpeech-style corpus folder.
+        cache_dir: feature cache folder; overrides the config's
+            `data.cache_dir`. Defaults to None.
+        config: YAML config path (its `data` section, through
+            `config.builder_kwargs`). Defaults to None.
+        verbose: the builder's `verbose`. Defaults to 1.
+
+    Returns:
+        `(builder, cache_dir)`.
+
+    Raises:
+        FileNotFoundError: `corpus` is not a folder.
+    """
+    from keras_gpufix import data
+    from keras_gpufix.config import builder_kwargs, load_config
+
+    if not os.path.isdir(corpus):
+        raise FileNotFoundError(f"CORPUS must be a corpus folder. Received: {corpus!r}")
+    kwargs = {} if config is None else builder_kwargs(load_config(config))
+    if cache_dir is not None:
+        kwargs["cache_dir"] = cache_dir
+    return data.SpeechDatasetBuilder(corpus, verbose=verbose, **kwargs), kwargs.get("cache_dir")
+
+
+def _dir_size(path):
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _need_cache_dir(cache_dir):
+    if not cache_dir:
+        raise ValueError("no cache folder: pass --cache-dir DIR or --config with data.cache_dir")
+
+
+def cache_info(corpus, cache_dir=None, config=None, verbose=0):
+    """The cache entry for `corpus` (with `config`'s audio/text settings).
+
+    Returns:
+        A dict: `cache_dir`, `fingerprint`, `path`, `status` (`"fresh"`:
+        complete and intact for the corpus as it is now; `"missing"`),
+        `utterances` (in the corpus scan; in the entry when fresh),
+        `size_bytes`, `skipped` (bad utterances: dicts `id`, `path`, `line`,
+        `reason`) and `other_entries` (other
+        fingerprints in the folder: stale versions of this corpus or other
+        corpora, with their sizes) and `leftovers` (temporary folders of
+        interrupted or failed builds, which `cache_clear` removes).
+    """
+    from keras_gpufix.data.cache import FeatureCache
+
+    builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=0)
+    _need_cache_dir(cache_dir)
+    cache = builder.cache_entry()
+    fresh = cache.verify(full=False)
+    mine = cache.name
+    return {
+        "action": "info",
+        "corpus": corpus,
+        "cache_dir": cache_dir,
+        "fingerprint": cache.key,
+        "path": cache.path,
+        "status": "fresh" if fresh else "missing",
+        "utterances": len(builder.utterances),
+        "skipped": builder.report["skipped"],
+        "size_bytes": _dir_size(cache.path) if fresh else 0,
+        "other_entries": [{"name": n, "size_bytes": _dir_size(os.path.join(cache_dir, n))}
+                          for n in FeatureCache.entries(cache_dir) if n != mine],
+        "leftovers": [{"name": n, "size_bytes": _dir_size(os.path.join(cache_dir, n))}
+                      for n in FeatureCache.leftovers(cache_dir)],
+    }
+
+
+def cache_build(corpus, cache_dir=None, config=None, verbose=1):
+    """Builds the feature cache of `corpus` now (progress bar with `verbose`).
+
+    Returns:
+        `cache_info` plus `build` (`"hit"` if it was already there, else
+        `"miss"`) and `seconds` (time to open or build it).
+    """
+    from keras_gpufix.data.audio import resampled_length
+    from keras_gpufix.data.cache import FeatureCache
+
+    builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=verbose)
+    _need_cache_dir(cache_dir)
+    cache = builder.cache_entry()
+    if not cache.verify(full=False):
+        cache.check_writable()
+        audio = builder.audio
+        frames = [audio.num_frames(resampled_length(u.info.frames, u.info.sample_rate,
+                                                    audio.sample_rate))
+                  for u in builder.utterances]
+        cache.check_space(FeatureCache.estimate_bytes(frames, audio.n_mels))
+    t0 = time.perf_counter()
+    builder.prepare()
+    seconds = time.perf_counter() - t0
+    info = cache_info(corpus, cache_dir=cache_dir, config=config)
+    return {**info, "action": "build", "build": builder.report["cache"], "seconds": seconds}
+
+
+def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=0):
+    """Removes the cache entry of `corpus` (every entry with `all_entries`),
+    and the temporary folders that interrupted or failed builds left.
+
+    An entry is renamed aside first, so no reader ever sees half of one.
+
+    Returns:
+        A dict: `cache_dir`, `removed` (entry and leftover names),
+        `freed_bytes`.
+    """
+    from keras_gpufix.data.cache import FeatureCache
+
+    builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=0)
+    _need_cache_dir(cache_dir)
+    mine = builder.cache_entry().name
+    entries = FeatureCache.entries(cache_dir)
+    names = (entries if all_entries else [n for n in entries if n == mine]) \
+        + FeatureCache.leftovers(cache_dir)
+    removed, freed = [], 0
+    for name in names:
+        size = _dir_size(os.path.join(cache_dir, name))
+        FeatureCache.remove(cache_dir, name)
+        removed.append(name)
+        freed += size
+    return {"action": "clear", "corpus": corpus, "cache_dir": cache_dir, "removed": removed,
+            "freed_bytes": freed}
+
+
+def _mb(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_cache(result):
+    if result["action"] == "clear":
+        if not result["removed"]:
+            return f"nothing to clear in {result['cache_dir']}"
+        return (f"removed {len(result['removed'])} entr{'y' if len(result['removed']) == 1 else 'ies'} "
+                f"from {result['cache_dir']} ({_mb(result['freed_bytes'])}): "
+                + ", ".join(result["removed"]))
+    lines = []
+    if result["action"] == "build":
+        lines.append(f"cache {result['build']} in {result['seconds']:.2f} s")
+    lines += [
+        f"corpus:       {result['corpus']} ({result['utterances']} utterances, "
+        f"{len(result['skipped'])} skipped)",
+        f"cache entry:  {result['path']}",
+        f"fingerprint:  {result['fingerprint']}",
+        f"status:       {result['status']}"
+        + ("" if result["status"] == "fresh" else " (run `keras-gpufix cache build`)"),
+        f"size:         {_mb(result['size_bytes'])}",
+    ]
+    others = result["other_entries"]
+    if others:
+        lines.append(f"other entries ({len(others)}, stale or other corpora; "
+                     "`cache clear --all` removes them): "
+                     + ", ".join(f"{o['name']} ({_mb(o['size_bytes'])})" for o in others))
+    leftovers = result["leftovers"]
+    if leftovers:
+        lines.append(f"leftovers ({len(leftovers)}, from interrupted or failed builds; "
+                     "`cache clear` removes them): "
+                     + ", ".join(f"{o['name']} ({_mb(o['size_bytes'])})" for o in leftovers))
+    lines += [f"skipped {s['path']}" + (f" (line {s['line']})" if s["line"] is not None else "")
+              + f": {s['reason']}" for s in result["skipped"]]
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""The naive loader: the baseline of the demo and benchmarks reads what the builder reads."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("librosa")
+
+from keras_gpufix.data import AudioConfig, SpeechDatasetBuilder, TextConfig  # noqa: E402
+from keras_gpufix.data.naive import naive_dataset  # noqa: E402
+from keras_gpufix.data.synthetic import make_synthetic_corpus  # noqa: E402
+
+
+def test_naive_batches_hold_the_builders_features_and_ids(tmp_path):
+    corpus = make_synthetic_corpus(str(tmp_path / "corpus"), 6, min_seconds=0.5, max_seconds=1.0)
+    audio, text = AudioConfig(n_mels=20), TextConfig()
+    dataset, steps = naive_dataset(corpus, 3, audio, text, seed=0)
+    assert steps == 2
+    assert dataset.element_spec[1][0].shape.as_list() == [3, None, 20]
+    naive = {}
+    for (ids, text_len), (mel, mel_len) in dataset.take(steps):
+        for i in range(3):
+            n = int(mel_len[i])
+            naive[tuple(ids[i, :int(text_len[i])].numpy())] = mel[i, :n].numpy()
+        assert float(mel.numpy().min()) >= np.log(audio.log_floor) - 1e-6
+    builder = SpeechDatasetBuilder(corpus, audio=audio, text=text, verbose=0)
+    kg = {}
+    for (ids, text_len), (mel, mel_len) in builder.build(batch_size=6, num_buckets=1,
+                                                         shuffle=False):
+        for i in range(int(ids.shape[0])):
+            kg[tuple(ids[i, :int(text_len[i])].numpy())] = mel[i, :int(mel_len[i])].numpy()
+    assert naive.keys() == kg.keys()
+    for key, features in naive.items():
+        assert features.shape == kg[key].shape
+        np.testing.assert_allclose(features, kg[key], atol=2e-2)
+
+
+def test_naive_needs_a_corpus_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metadata.csv"):
+        naive_dataset(str(tmp_path), 2)

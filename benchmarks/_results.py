@@ -8,7 +8,9 @@
     ...
     write_results(args.out, "end_to_end", {"steady_samples_per_s_naive": 196.0, ...})
 
-The file: `{"benchmark", "command", "machine", "date_utc", "figures"}` with
+The file: `{"benchmark", "command", "machine", "load_average", "date_utc",
+"figures", "details"}` (the 1/5/15-minute load average when written: other
+work on the machine changes absolute figures; ratios come from one run) with
 figures as plain numbers (units in the key names, every ratio key naming
 which side is on top). `benchmarks/run_all.py` runs each benchmark with
 `--out benchmarks/results/<name>.json` and tabulates the files; README and
@@ -56,6 +58,7 @@ def write_results(path, name, figures, details=None):
         "benchmark": name,
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "machine": machine(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "figures": figures,
         "details": details or {},

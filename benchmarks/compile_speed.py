@@ -3,10 +3,11 @@ measured steps_per_execution) against plain `model.compile` defaults.
 
 Both models have the same architecture and initial weights and train on the
 same in-memory batches; epochs alternate A, B, A, B, ... in one process so
-machine load hits both alike. Prints the median samples/s of each, their
-ratio and what compile_model chose.
+machine load hits both alike. Prints the median samples/s of each, which
+is faster and by how much, and what compile_model chose; the figures go to
+`--out` (default `benchmarks/results/compile_speed.json`).
 
-    python benchmarks/compile_speed.py [--rounds 5] [--steps 64] [--batch 16]
+    python benchmarks/compile_speed.py [--rounds 5] [--steps 64] [--batch 16] [--quick] [--out PATH]
 """
 
 import argparse
@@ -22,6 +23,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_gpufix as kg  # noqa: E402
+from keras_gpufix.output import faster  # noqa: E402
+
+from _results import add_out_argument, write_results  # noqa: E402 (beside this file)
 
 
 def build(frames, mels, seed=0):
@@ -47,7 +51,11 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--frames", type=int, default=32)
     parser.add_argument("--mels", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 32 steps")
+    add_out_argument(parser, "compile_speed")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = min(args.rounds, 3), min(args.steps, 32)
     logging.basicConfig(level=logging.WARNING)
 
     rng = np.random.default_rng(0)
@@ -80,8 +88,6 @@ def main(argv=None):
         t / p for t, p in zip(rates["compile_model"], rates["plain"])
     )
     cal = report.calibration or {}
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"devices {[d.name for d in tf.config.list_logical_devices()]}")
     print(f"model: Conv1D x2 + GRU(64) + Dense, input ({args.frames}, {args.mels}), "
           f"batch {args.batch}, {args.steps} steps/epoch, {args.rounds} interleaved rounds")
     print(f"plain model.compile (jit_compile='auto' -> {plain.jit_compile}, "
@@ -92,13 +98,23 @@ def main(argv=None):
           f"(rounds: {', '.join(f'{r:.0f}' for r in rates['compile_model'])})")
     print(f"compile_model with steps_per_execution=1 (XLA only): {c:8.1f} samples/s  "
           f"(rounds: {', '.join(f'{r:.0f}' for r in rates['xla_only'])})")
-    print(f"ratio compile_model / plain: {b / a:.2f}x of medians, "
-          f"{paired:.2f}x median of per-round ratios; XLA only / plain: {c / a:.2f}x")
+    print(f"medians: {faster('compile_model', b, 'plain model.compile', a, ' samples/s')}; "
+          f"median of per-round ratios compile_model / plain {paired:.2f}; "
+          f"{faster('XLA only', c, 'plain model.compile', a, ' samples/s')}")
     if cal:
         print(f"calibration: 1 step {cal['t_1'] * 1e3:.2f} ms, {cal['k']} steps "
               f"{cal['t_k'] * 1e3:.2f} ms per execution -> overhead "
               f"{cal['overhead_s'] * 1e3:.2f} ms, step {cal['step_s'] * 1e3:.2f} ms, "
               f"chosen steps_per_execution={cal['chosen']}")
+    write_results(args.out, "compile_speed", {
+        "samples_per_s_plain": round(a, 1),
+        "samples_per_s_compile_model": round(b, 1),
+        "samples_per_s_xla_only": round(c, 1),
+        "ratio_compile_model_over_plain": round(b / a, 2),
+        "ratio_compile_model_over_plain_per_round_median": round(paired, 2),
+        "ratio_xla_only_over_plain": round(c / a, 2),
+        "steps_per_execution_compile_model": report.steps_per_execution,
+    }, {"rounds": rates, "calibration": cal, "settings": vars(args)})
     return 0
 
 

@@ -1,0 +1,86 @@
+"""Re-measures every figure that README.md and docs/ quote.
+
+    python benchmarks/run_all.py            # quick settings (a few minutes on 2 cores)
+    python benchmarks/run_all.py --full     # the sizes README quotes as "full"
+    python benchmarks/run_all.py end_to_end compile_speed   # some of them
+
+Runs each benchmark listed in `BENCHMARKS` as its own process with
+`--out benchmarks/results/<name>.json` (its `--quick` setting unless
+`--full`), one after the other, then writes `benchmarks/results/SUMMARY.md`:
+one table of every figure with the command that produced it and the
+machine. A benchmark that fails is reported and the others still run; the
+exit code is then 1.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from _results import RESULTS
+
+__all__ = ["BENCHMARKS", "main"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (arguments for the quick run, arguments for the full run); each
+# script accepts --out (benchmarks/_results.py).
+BENCHMARKS = {
+    "end_to_end": (["--quick"], []),
+    "compile_speed": (["--quick"], []),
+}
+
+
+def _summary(names):
+    lines = ["# Benchmark figures", "",
+             "Written by `python benchmarks/run_all.py`; each figure comes from the JSON file of "
+             "its benchmark in this folder (the command, machine, load average and date are "
+             "in it).", "",
+             "| benchmark | figure | value | command | machine | load (1 min) | date (UTC) |",
+             "|---|---|---|---|---|---|---|"]
+    for name in names:
+        path = os.path.join(RESULTS, f"{name}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            result = json.load(f)
+        for key, value in result["figures"].items():
+            lines.append(f"| {name} | `{key}` | {value} | `{result['command']}` | "
+                         f"{result['machine']} | {result.get('load_average', ['?'])[0]} | "
+                         f"{result['date_utc']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    parser.add_argument("--full", action="store_true", help="full sizes instead of --quick")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+    names = args.names or list(BENCHMARKS)
+    failed = []
+    for name in names:
+        quick, full = BENCHMARKS[name]
+        out = os.path.join(RESULTS, f"{name}.json")
+        command = [sys.executable, os.path.join(HERE, f"{name}.py"),
+                   *(full if args.full else quick), "--out", out]
+        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        start = time.perf_counter()
+        code = subprocess.call(command, cwd=os.path.dirname(HERE))
+        print(f"== {name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+        if code != 0:
+            failed.append(name)
+    summary = os.path.join(RESULTS, "SUMMARY.md")
+    with open(summary, "w") as f:
+        f.write(_summary(list(BENCHMARKS)))
+    print(f"summary written to {summary}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

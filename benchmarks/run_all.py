@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = {
     "end_to_end": (["--quick"], []),
     "compile_speed": (["--quick"], []),
+    "slow_loader": ([], []),
 }
 
 

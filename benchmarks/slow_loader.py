@@ -44,7 +44,7 @@ def diagnose(example, work):
         "median_step_ms": round(monitor["step_time"]["p50_ms"], 1),
         "samples_per_s": round(monitor["step_time"]["samples_per_s"] or 0, 1),
         "input_wait": round(monitor["input_wait"], 3),
-        "xprof_input_percent": xprof[0] if xprof else None,
+        "xprof_input_percent": round(xprof[0], 1) if xprof else None,
         "evidence": [e["text"] for e in report["evidence"]],
     }
 

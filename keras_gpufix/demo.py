@@ -25,7 +25,6 @@ import re
 import sys
 import tempfile
 import time
-import warnings
 
 from keras_gpufix.output import emit, faster
 
@@ -127,10 +126,8 @@ def _fit(model, dataset, epochs, callbacks, steps=None):
     clock = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: start.append(time.perf_counter()),
         on_epoch_end=lambda epoch, logs: seconds.append(time.perf_counter() - start[-1]))
-    with warnings.catch_warnings():  # both loaders shuffle; fit's shuffle does not apply
-        warnings.filterwarnings("ignore", message=".*shuffle=True.*")
-        history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps,
-                            callbacks=[clock, *callbacks], verbose=0)
+    history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps, shuffle=False,
+                        callbacks=[clock, *callbacks], verbose=0)  # both loaders shuffle
     return history, seconds
 
 

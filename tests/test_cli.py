@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import keras
@@ -58,6 +59,14 @@ def test_cache_build_info_clear(corpus, tmp_path, capsys):
     assert "removed 1 entry" in capsys.readouterr().out
     assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
     assert last_json(capsys.readouterr().out)["status"] == "missing"
+
+
+def test_cache_build_into_a_new_relative_folder(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["cache", "build", corpus, "--cache-dir", "new/cache"]) == 0
+    out = capsys.readouterr().out
+    assert "cache miss" in out and "status:       fresh" in out
+    assert os.path.isdir(tmp_path / "new" / "cache")
 
 
 def test_cache_needs_a_folder(corpus, capsys):

@@ -37,10 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-warnings.filterwarnings("ignore", message=".*shuffle=True.*")  # the datasets shuffle themselves
 
 import keras  # noqa: E402
 
@@ -99,6 +97,7 @@ class Way:
                                       max_traces=1, cooldown=10, verbose=0)
         history = self.model.fit(self.dataset, initial_epoch=self.epoch,
                                  epochs=self.epoch + epochs, steps_per_epoch=self.steps,
+                                 shuffle=False,  # both datasets shuffle themselves
                                  verbose=0, callbacks=[clock, monitor, retracing, profiler])
         self.epoch += epochs
         self.losses += history.history["loss"]

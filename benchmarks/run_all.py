@@ -30,26 +30,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = {
     "end_to_end": (["--quick"], []),
     "compile_speed": (["--quick"], []),
+    "slow_loader": ([], []),
 }
 
 
 def _summary(names):
     lines = ["# Benchmark figures", "",
-             "Written by `python benchmarks/run_all.py`; each figure comes from the JSON file of "
-             "its benchmark in this folder (the command, machine, load average and date are "
-             "in it).", "",
-             "| benchmark | figure | value | command | machine | load (1 min) | date (UTC) |",
-             "|---|---|---|---|---|---|---|"]
+             "Written by `python benchmarks/run_all.py` from the JSON file each benchmark wrote "
+             "in this folder. Other work on the machine changes absolute figures (the load "
+             "average is recorded); ratios come from one run."]
     for name in names:
         path = os.path.join(RESULTS, f"{name}.json")
         if not os.path.exists(path):
             continue
         with open(path) as f:
             result = json.load(f)
-        for key, value in result["figures"].items():
-            lines.append(f"| {name} | `{key}` | {value} | `{result['command']}` | "
-                         f"{result['machine']} | {result.get('load_average', ['?'])[0]} | "
-                         f"{result['date_utc']} |")
+        lines += ["", f"## {name}", "",
+                  f"`{result['command']}` on {result['machine']}, load average "
+                  f"{result.get('load_average', ['?'])[0]}, {result['date_utc']} UTC", "",
+                  "| figure | value |", "|---|---|"]
+        lines += [f"| `{key}` | {value} |" for key, value in result["figures"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -66,12 +66,13 @@ def main(argv=None) -> int:
     failed = []
     for name in names:
         quick, full = BENCHMARKS[name]
-        out = os.path.join(RESULTS, f"{name}.json")
-        command = [sys.executable, os.path.join(HERE, f"{name}.py"),
+        root = os.path.dirname(HERE)
+        out = os.path.relpath(os.path.join(RESULTS, f"{name}.json"), root)
+        command = [sys.executable, os.path.relpath(os.path.join(HERE, f"{name}.py"), root),
                    *(full if args.full else quick), "--out", out]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         start = time.perf_counter()
-        code = subprocess.call(command, cwd=os.path.dirname(HERE))
+        code = subprocess.call(command, cwd=root)
         print(f"== {name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
         if code != 0:
             failed.append(name)

@@ -333,6 +333,7 @@ def main(argv=None):
                                                   delete_checkpoint=False)
     start = time.perf_counter()
     history = model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch,
+                        shuffle=False,  # the builder shuffles; fit cannot shuffle a dataset
                         verbose=2 if args.verbose else 0,
                         callbacks=[checkpoint, timer, monitor, retracing, profiler])
     seconds = time.perf_counter() - start

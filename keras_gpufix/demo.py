@@ -25,7 +25,6 @@ import re
 import sys
 import tempfile
 import time
-import warnings
 
 from keras_gpufix.output import emit, faster
 
@@ -127,10 +126,8 @@ def _fit(model, dataset, epochs, callbacks, steps=None):
     clock = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: start.append(time.perf_counter()),
         on_epoch_end=lambda epoch, logs: seconds.append(time.perf_counter() - start[-1]))
-    with warnings.catch_warnings():  # both loaders shuffle; fit's shuffle does not apply
-        warnings.filterwarnings("ignore", message=".*shuffle=True.*")
-        history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps,
-                            callbacks=[clock, *callbacks], verbose=0)
+    history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps, shuffle=False,
+                        callbacks=[clock, *callbacks], verbose=0)  # both loaders shuffle
     return history, seconds
 
 
@@ -159,7 +156,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         `keras_gpufix` (each: `monitor` and `retracing` reports,
         `epoch_seconds`, `fit_seconds`, `samples_per_epoch`,
         `steady_samples_per_s`, `loss` first and last epoch), `traces`
-        (ProfilerTrigger's, keras_gpufix way), `log_dir`, `devices`.
+        (ProfilerTrigger's, keras_gpufix way), `log_dir` (TensorBoard: the
+        keras_gpufix way's scalars and traces, the naive way's under
+        `naive/`), `devices`.
     """
     import dataclasses
 
@@ -194,13 +193,13 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         (ids, _), (frames, _) = text_batch, mel_batch
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
-    def monitors():
-        m = cfg.monitor
-        return (kg.GPUOscillationMonitor(window=m.window, warmup=m.warmup,
-                                         min_windows=m.min_windows, thresholds=m.thresholds,
-                                         verbose=0),
-                kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
-                                    verbose=0))
+    log_dir = cfg.path(cfg.monitor.log_dir)
+    m = cfg.monitor
+    monitor = kg.GPUOscillationMonitor(  # as the config's, its scalars beside them
+        window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
+        log_dir=None if log_dir is None else os.path.join(log_dir, "naive"), verbose=0)
+    retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
+                                    verbose=0)
 
     emit(f"1/2 naive: librosa in tf.numpy_function, padded batches, model.compile defaults; "
          f"{epochs} epochs ...", verbose)
@@ -210,7 +209,6 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     naive_model = _model(text.num_ids, audio.n_mels)
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
-    monitor, retracing = monitors()
     history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
                             [monitor, retracing], steps=naive_steps)
     naive = _side(monitor, retracing, seconds, naive_steps * cfg.data.batch_size, history)
@@ -240,7 +238,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         "keras_gpufix": fast,
         "traces": by_name["ProfilerTrigger"].report()["traces"] if "ProfilerTrigger" in by_name
         else [],
-        "log_dir": cfg.path(cfg.monitor.log_dir),
+        "log_dir": log_dir,
         "devices": [d.name for d in tf.config.list_logical_devices()],
     }
 
@@ -290,8 +288,8 @@ def format_demo(result):
         "result:   " + faster("keras_gpufix", fast["steady_samples_per_s"], "naive",
                               naive["steady_samples_per_s"], " utterances/s")
         + " after the first epoch, same corpus and model, this run",
-        f"next:     tensorboard --logdir {result['log_dir']}   |   keras-gpufix "
-        f"validate {result['config']}",
+        f"next:     tensorboard --logdir {result['log_dir']} (runs keras_gpufix and "
+        f"naive/keras_gpufix)   |   keras-gpufix validate {result['config']}",
         "TensorFlow's own log lines were hidden: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo "
         "shows them",
     ]

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import keras
@@ -48,6 +49,9 @@ def test_cache_build_info_clear(corpus, tmp_path, capsys):
     assert main(["cache", "build", corpus, "--cache-dir", cache]) == 0
     out = capsys.readouterr().out
     assert "cache miss" in out and "status:       fresh" in out
+    # not a terminal: one line says what runs, no progress bar (no \r, no ANSI codes)
+    assert "Computing the features of 24 utterances into" in out
+    assert "\r" not in out and "\x1b[" not in out
 
     assert main(["cache", "build", corpus, "--cache-dir", cache, "--json"]) == 0
     built = last_json(capsys.readouterr().out)
@@ -58,6 +62,14 @@ def test_cache_build_info_clear(corpus, tmp_path, capsys):
     assert "removed 1 entry" in capsys.readouterr().out
     assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
     assert last_json(capsys.readouterr().out)["status"] == "missing"
+
+
+def test_cache_build_into_a_new_relative_folder(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["cache", "build", corpus, "--cache-dir", "new/cache"]) == 0
+    out = capsys.readouterr().out
+    assert "cache miss" in out and "status:       fresh" in out
+    assert os.path.isdir(tmp_path / "new" / "cache")
 
 
 def test_cache_needs_a_folder(corpus, capsys):
@@ -84,6 +96,7 @@ def test_bench_data_grid_and_recommendation(corpus, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "[4/4]" in out and "recommended: batch_size=" in out and "steps/s" in out
+    assert "\r" not in out and "\x1b[" not in out
     assert main(argv + ["--json"]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["cache"] == "hit"
@@ -188,3 +201,21 @@ def test_bad_config_is_unusable_input_naming_file_and_line(tmp_path, capsys, cor
     assert main([*command, corpus, "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.yaml, line 3" in err and "`data.num_buckets` must be an integer >= 1" in err
+
+
+def test_bench_data_counts_batches_live_on_a_terminal(corpus, tmp_path, monkeypatch):
+    import io
+
+    from keras_gpufix.benchdata import bench_data
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    bench_data(corpus, batch_sizes=(4,), seconds=0.3, num_buckets=2,
+               cache_dir=str(tmp_path / "cache"))
+    out = terminal.getvalue()
+    assert "/Unknown" in out and "batch" in out  # Keras's Progbar, counting within the setting
+    assert out.index("/Unknown") < out.index("[1/1] batch")

@@ -87,18 +87,21 @@ class _Lock:
         self.file.close()
 
 
+def _nearest_existing(path) -> str:
+    """`path` made absolute, or its nearest existing ancestor."""
+    probe = os.path.abspath(os.fspath(path))
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    return probe
+
+
 def writable_problem(path) -> "str | None":
     """None when a cache folder can be created at `path`, else why not.
 
     The nearest existing folder on the path is probed with a real write
     (a read-only mount passes `os.access` but fails the write).
     """
-    probe = str(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    probe = _nearest_existing(path)
     if not os.path.isdir(probe):
         return f"{probe} is a file, not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
@@ -221,10 +224,7 @@ class FeatureCache:
 
     def check_space(self, needed_bytes) -> None:
         """Raises `OSError` (one line) if the cache folder's disk has less free space than needed."""
-        probe = self.cache_dir
-        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        free = shutil.disk_usage(probe).free
+        free = shutil.disk_usage(_nearest_existing(self.cache_dir)).free
         if free < needed_bytes:
             raise OSError(f"Not enough disk space for the feature cache in {self.cache_dir}: "
                           f"needs about {_mib(needed_bytes)}, {_mib(free)} free. "

@@ -31,6 +31,7 @@ BENCHMARKS = {
     "end_to_end": (["--quick"], []),
     "compile_speed": (["--quick"], []),
     "slow_loader": ([], []),
+    "padding": ([], []),
 }
 
 

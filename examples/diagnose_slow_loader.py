@@ -75,12 +75,17 @@ def build_model():
     return model
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description):
+    """The arguments both twins take."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dir", default="runs/slow_loader", help="corpus (generated) and cache")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=4)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0])
     train = dataset(corpus_dir(args.dir), args.batch_size)
     build_model().fit(train, epochs=args.epochs, verbose=2)
 

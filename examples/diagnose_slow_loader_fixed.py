@@ -9,13 +9,12 @@ and epochs read it), length buckets so each batch is padded to one of a few
 lengths, parallel loading and prefetch.
 """
 
-import argparse
 import os
 
 import tensorflow as tf
 
 import keras_gpufix as kg
-from diagnose_slow_loader import build_model, corpus_dir
+from diagnose_slow_loader import build_model, corpus_dir, parse_args
 
 
 def dataset(corpus, batch_size, cache_dir):
@@ -25,11 +24,7 @@ def dataset(corpus, batch_size, cache_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="runs/slow_loader", help="corpus (generated) and cache")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=4)
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     train = dataset(corpus_dir(args.dir), args.batch_size, os.path.join(args.dir, "cache"))
     build_model().fit(train, epochs=args.epochs, verbose=2)
 

@@ -23,6 +23,7 @@ __all__ = [
     "closure_cell",
     "cross_device_ops_name",
     "flatten_layers",
+    "function_jit_compile",
     "in_multi_worker_mode",
     "overrides_train_step",
     "set_symbolic_build",
@@ -124,6 +125,25 @@ def concrete_functions(function) -> "list | None":
         return list(function._list_all_concrete_functions())
     except Exception as exc:  # any change in TF's private method
         _off("tf.function._list_all_concrete_functions", exc)
+        return None
+
+
+def function_jit_compile(function) -> "bool | None":
+    """The `jit_compile` a `tf.function` was created with.
+
+    TensorFlow 2.21.0 keeps it in `function.function_spec.jit_compile` (no
+    underscore, but not in the documented API; `tf.function` has no public
+    getter). `None` from `tf.function(...)` without the argument means
+    "no XLA unless called inside an XLA context", so it is read as False.
+
+    Returns:
+        True or False, or None (with one `GpufixWarning`) when the
+        attribute is gone.
+    """
+    try:
+        return bool(function.function_spec.jit_compile)
+    except Exception as exc:  # TF moved it
+        _off("tf.function.function_spec.jit_compile", exc)
         return None
 
 

@@ -133,6 +133,22 @@ def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(
     assert f"{winner} is " in result and f"x faster than {loser}" in result \
         or "equally fast" in result
     assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
+    # TensorBoard: a step-time chart for each way, side by side
+    for run in ("keras_gpufix", os.path.join("naive", "keras_gpufix")):
+        steps = _scalar_steps(tmp_path / "logs" / run, "step_timer/step_ms")
+        assert len(steps) >= 5 and steps == sorted(steps), run
+
+
+def _scalar_steps(run_dir, tag):
+    """The steps at which `tag` was written in a TensorBoard run folder."""
+    import tensorflow as tf
+
+    steps = []
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+    return steps
 
 
 def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(corpus, tmp_path,

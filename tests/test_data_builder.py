@@ -172,6 +172,9 @@ def test_service_with_dispatcher_and_two_workers(cached):
         assert remote.keys() == local.keys()
         for key, mel in remote.items():
             np.testing.assert_array_equal(mel, local[key])
+    named = cached.build(4, 3, seed=2, service=dispatcher.target, as_dict=True)
+    ids = [i.decode() for batch in named for i in batch["id"].numpy()]
+    assert sorted(ids) == sorted(u.id for u in cached.utterances)
     assert len(workers) == 2
 
 
@@ -229,6 +232,9 @@ MIRRORED = textwrap.dedent(
     with strategy.scope():
         model = _fit_model(TextConfig().num_ids, 40)
     history = model.fit(dataset, epochs=2, verbose=0)
+    named = strategy.experimental_distribute_dataset(builder.build(8, 2, seed=0, as_dict=True))
+    parts = strategy.experimental_local_results(next(iter(named))["id"])
+    assert len(parts) == 2 and all(p.dtype == tf.string for p in parts), parts
     assert strategy.num_replicas_in_sync == 2
     assert np.isfinite(history.history["loss"]).all(), history.history
     print("FIT_OK", builder.report["cache"], builder.report["batches_per_epoch"])
@@ -284,3 +290,98 @@ def test_public_names_load_lazily():
     assert isinstance(Corpus.from_pairs([]), kg.data.Corpus)
     assert read_wav_header is kg.data.read_wav_header
 
+
+
+def _two_speaker_manifest(folder):
+    """Six utterances of two speakers (relative paths), one bad line, one NaN float WAV."""
+    rng = np.random.default_rng(0)
+    lines, expected = [], {}
+    for i in range(7):
+        speaker = ("anna", "bob")[i % 2]
+        rel = os.path.join("clips", speaker, f"c{i}.wav")
+        os.makedirs(os.path.join(folder, "clips", speaker), exist_ok=True)
+        samples = 0.1 * rng.standard_normal(int(16000 * (0.3 + 0.1 * i)))
+        write_wav(os.path.join(folder, rel), samples, 16000,
+                  sample_format="float32" if i == 6 else "pcm16")
+        text = f"clip {'abc'[i % 3] * (i + 1)}"
+        item = {"audio_filepath": rel, "text": text, "speaker": speaker,
+                "language": "en" if i < 3 else "fr", "duration": 0.3 + 0.1 * i}
+        lines.append(__import__("json").dumps(item))
+        expected[f"c{i}"] = item
+        if i == 2:
+            lines.append('{"text": "no audio"}')
+    nan_path = os.path.join(folder, "clips", "anna", "c6.wav")
+    info = read_wav_header(nan_path)
+    with open(nan_path, "r+b") as f:
+        f.seek(info.data_offset + 40)
+        f.write(np.array([np.nan], "<f4").tobytes())
+    del expected["c6"]
+    path = os.path.join(folder, "train.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path, expected
+
+
+def _tokenize(text):
+    return [ord(c) % 50 for c in text]  # id 0 included when ord(c) is 50, 100, ...
+
+
+def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
+    path, expected = _two_speaker_manifest(str(tmp_path))
+    text = TextConfig(tokenizer=_tokenize, vocab_size=50)
+    cached = SpeechDatasetBuilder(path, audio=AUDIO, text=text, cache_dir=tmp_path / "cache", verbose=0)
+    plain = SpeechDatasetBuilder(Corpus.from_manifest(path), audio=AUDIO, text=text, verbose=0)
+    report = cached.report
+    assert report["speakers"] == ["anna", "bob"] and report["languages"] == ["en", "fr"]
+    assert [(s["line"], s["reason"][:25]) for s in report["skipped"]] == [
+        (4, "manifest line has no `aud"), (8, "NaN or infinite samples i")]
+    for builder in (cached, plain):
+        seen = {}
+        for batch in builder.build(batch_size=2, num_buckets=2, seed=1, as_dict=True):
+            assert set(batch) == {"id", "tokens", "tokens_len", "features", "features_len",
+                                  "speaker", "language"}
+            for i, uid in enumerate(batch["id"].numpy()):
+                item = expected[uid.decode()]
+                n, frames = batch["tokens_len"][i], batch["features_len"][i]
+                assert batch["tokens"][i, :n].numpy().tolist() == _tokenize(item["text"])
+                assert not batch["tokens"][i, n:].numpy().any()
+                assert report["speakers"][batch["speaker"][i]] == item["speaker"]
+                assert report["languages"][batch["language"][i]] == item["language"]
+                assert frames == AUDIO.num_frames(int(16000 * item["duration"]))
+                seen[uid.decode()] = batch["features"][i, :frames].numpy()
+        assert seen.keys() == expected.keys()
+        if builder is cached:
+            from_cache = seen
+    for uid, features in seen.items():
+        np.testing.assert_allclose(features, from_cache[uid], atol=1e-5)
+    assert cached.report["cache"] == "miss" and len(cached.cache_entry().open()["frames"]) == 6
+    tuples = cached.build(batch_size=2, num_buckets=2, seed=1)
+    assert len(tuples.element_spec) == 2  # the default layout is unchanged
+
+
+def test_non_finite_features_never_reach_the_cache(tmp_path):
+    pairs = []
+    for i, peak in enumerate((0.5, 0.5, 3e38)):
+        path = str(tmp_path / f"w{i}.wav")
+        write_wav(path, np.zeros(4000), 16000, sample_format="float32")
+        info = read_wav_header(path)
+        with open(path, "r+b") as f:
+            f.seek(info.data_offset)
+            f.write(np.full(4000, peak, "<f4").tobytes())
+        pairs.append((path, "some text"))
+    with pytest.raises(ValueError, match=r"features of .*w2.wav \(line 3, id 'w2'\) are not finite"):
+        SpeechDatasetBuilder(pairs, audio=AUDIO, cache_dir=tmp_path / "cache", verbose=0).prepare()
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []
+
+
+def test_max_tokens_and_tokenizer_failures_are_bad_input(tmp_path, capsys):
+    path, _ = _two_speaker_manifest(str(tmp_path))
+    text = TextConfig(tokenizer=_tokenize, vocab_size=50, max_tokens=8)
+    builder = SpeechDatasetBuilder(path, audio=AUDIO, text=text, verbose=1)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("Skipped 5 of 8 utterances: ") and "train.jsonl (line 4): manifest line" in line
+    assert line.endswith("; and 2 more: builder.report['skipped'].")
+    long = sorted(s["id"] for s in builder.report["skipped"] if "max_tokens=8" in s["reason"])
+    assert long == ["c3", "c4", "c5"]
+    with pytest.raises(ValueError, match=r"5 utterance\(s\): line 4 .*longer than max_tokens=8"):
+        SpeechDatasetBuilder(path, audio=AUDIO, text=text, on_bad_input="raise", verbose=0)

@@ -1,3 +1,4 @@
+import json
 import os
 import re
 
@@ -171,3 +172,132 @@ def test_raise_mode_lists_all_bad_items_once(tmp_path):
     assert "12 utterance(s)" in message and "... and 2 more" in message
     assert all(f"'gone{i}'" in message for i in range(10)) and "'gone10'" not in message
     assert message.count("missing file") == 10 and "builder.report['skipped']" in message
+
+
+def _tone(seconds, rate=8000, freq=220.0):
+    t = np.arange(int(seconds * rate)) / rate
+    return 0.3 * np.sin(2 * np.pi * freq * t)
+
+
+def _manifest_corpus(folder, name="train.jsonl", lines=None):
+    """A two-speaker manifest with relative and absolute paths, plus bad lines."""
+    os.makedirs(os.path.join(folder, "audio", "p1"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "audio", "p2"), exist_ok=True)
+    good = []
+    for i in range(6):
+        speaker = "p1" if i % 2 else "p2"
+        rel = os.path.join("audio", speaker, f"u{i}.wav")
+        write_wav(os.path.join(folder, rel), _tone(0.2 + 0.05 * i), 8000)
+        item = {"audio_filepath": rel if i < 3 else os.path.join(folder, rel),
+                "text": f"utterance number {i}", "duration": 0.2 + 0.05 * i,
+                "speaker": speaker, "language": "en" if i < 4 else "de"}
+        if i == 5:
+            item["id"] = "custom-id"
+        good.append(item)
+    if lines is None:
+        lines = [json.dumps(item) for item in good[:2]] + [
+            "{not json", "[1, 2]", json.dumps({"text": "no audio"}),
+            json.dumps({"audio_filepath": "audio/p1/u1.wav", "text": "x", "speaker": [1]}),
+            "",
+        ] + [json.dumps(item) for item in good[2:]]
+    path = os.path.join(folder, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path, good
+
+
+def test_manifest_every_field_per_utterance(tmp_path):
+    path, good = _manifest_corpus(str(tmp_path))
+    corpus = Corpus.from_manifest(path)
+    assert corpus.name == "train" and corpus.speakers == ["p1", "p2"] and corpus.languages == ["de", "en"]
+    kept, skipped = corpus.scan()
+    assert [u.id for u in kept] == ["u0", "u1", "u2", "u3", "u4", "custom-id"]
+    for utterance, item in zip(kept, good):
+        assert utterance.path == os.path.join(str(tmp_path), "audio", item["speaker"],
+                                              os.path.basename(item["audio_filepath"]))
+        assert (utterance.text, utterance.speaker, utterance.language, utterance.duration) == (
+            item["text"], item["speaker"], item["language"], item["duration"])
+        assert abs(utterance.info.seconds - item["duration"]) < 1e-3
+    assert [(s["line"], s["reason"]) for s in skipped] == [
+        (3, "manifest line is not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        (4, "manifest line is not a JSON object (got list)"),
+        (5, "manifest line has no `audio_filepath` string"),
+        (6, "manifest field `speaker` must be str or int, got [1]"),
+    ]
+    with pytest.raises(ValueError, match=r"Bad input in .*train.jsonl, 4 utterance\(s\): line 3 "):
+        corpus.scan(on_bad_input="raise")
+
+
+def test_manifest_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"`manifest` must be a JSON Lines file.*does not exist"):
+        Corpus.from_manifest(tmp_path / "none.jsonl")
+    with pytest.raises(ValueError, match="is a folder"):
+        Corpus.from_manifest(tmp_path)
+
+
+def test_ljspeech_other_metadata_file(tmp_path):
+    path = make_synthetic_corpus(tmp_path, 4, sample_rate=8000, min_seconds=0.2, max_seconds=0.4)
+    lines = open(os.path.join(path, "metadata.csv"), encoding="utf-8").read().splitlines()
+    with open(os.path.join(path, "metadata_eval.csv"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines[:2]) + "\n")
+    kept, _ = Corpus.from_ljspeech(path, metadata="metadata_eval.csv").scan()
+    assert [u.id for u in kept] == [line.split("|")[0] for line in lines[:2]]
+    assert kept[0].speaker is None and Corpus.from_ljspeech(path).speakers is None
+    with pytest.raises(ValueError, match="metadata_train.csv does not exist"):
+        Corpus.from_ljspeech(path, metadata="metadata_train.csv")
+
+
+def test_concat_keeps_duplicate_ids_under_source_prefixes(tmp_path):
+    first = make_synthetic_corpus(tmp_path / "a", 3, seed=1, sample_rate=8000, min_seconds=0.2, max_seconds=0.4)
+    second = make_synthetic_corpus(tmp_path / "b", 3, seed=2, sample_rate=8000, min_seconds=0.2, max_seconds=0.4)
+    manifest, _ = _manifest_corpus(str(tmp_path / "m"))
+    a, b = Corpus.from_ljspeech(first), Corpus.from_ljspeech(second)
+    assert a.ids == b.ids  # the same LJ ids in both
+    joined = Corpus.concat([a, b, Corpus.from_manifest(manifest)])
+    kept, skipped = joined.scan()
+    assert [u.id for u in kept] == (["a/" + i for i in a.ids] + ["b/" + i for i in b.ids]
+                                    + ["train/" + i for i in ("u0", "u1", "u2", "u3", "u4", "custom-id")])
+    assert len(skipped) == 4 and joined.speakers == ["p1", "p2"]
+    assert kept[0].path == os.path.join(first, "wavs", a.ids[0] + ".wav")
+    assert kept[3].path == os.path.join(second, "wavs", b.ids[0] + ".wav")
+    assert [c.split("/")[0] for c in Corpus.concat([a, a]).ids] == ["a"] * 3 + ["a-2"] * 3
+    with pytest.raises(ValueError, match="`corpora` must be a non-empty list of Corpus"):
+        Corpus.concat([])
+
+
+def test_split_disjoint_complete_repeatable_and_stable(tmp_path):
+    records = [{"id": f"utt{i:04d}", "path": f"{i}.wav", "text": "x", "line": i + 1,
+                "speaker": f"s{i % 3}"} for i in range(1000)]
+    corpus = Corpus(records, "mem")
+    train, val = corpus.split(0.1)
+    assert set(train.ids).isdisjoint(val.ids) and sorted(train.ids + val.ids) == sorted(corpus.ids)
+    assert 70 <= len(val.ids) <= 130
+    assert (train.ids, val.ids) == tuple(part.ids for part in corpus.split(0.1))
+    assert val.ids != corpus.split(0.1, seed=1)[1].ids
+    grown = Corpus(records + [{"id": "new", "path": "n.wav", "text": "y", "line": 1001}], "mem")
+    g_train, g_val = grown.split(0.1)
+    assert set(val.ids) <= set(g_val.ids) and set(train.ids) <= set(g_train.ids)
+    only_s0 = Corpus([r for r in records if r["speaker"] == "s0"], "mem")
+    assert only_s0.split(0.5)[1].speakers == ["s0"] and val.speakers == ["s0", "s1", "s2"]
+    for bad in (0, 1, 1.5, "0.1"):
+        with pytest.raises(ValueError, match="`val_fraction` must be between 0 and 1"):
+            corpus.split(bad)
+
+
+def test_float_wavs_with_nan_or_inf_are_bad_input(tmp_path):
+    pairs = []
+    for name, value in (("ok", None), ("nan", np.nan), ("inf", np.inf)):
+        path = str(tmp_path / f"{name}.wav")
+        write_wav(path, _tone(0.2), 8000, sample_format="float32")
+        if value is not None:
+            info = read_wav_header(path)
+            with open(path, "r+b") as f:
+                f.seek(info.data_offset + 4 * 100)
+                f.write(np.array([value], "<f4").tobytes())
+        pairs.append((path, name))
+    kept, skipped = Corpus.from_pairs(pairs).scan()
+    assert [u.id for u in kept] == ["ok"]
+    assert [(s["id"], s["reason"]) for s in skipped] == [
+        (name, "NaN or infinite samples in the audio; re-export or remove the file") for name in ("nan", "inf")]
+    with pytest.raises(ValueError, match=r"2 utterance\(s\): line 2 \(id 'nan', file .*nan.wav\): NaN"):
+        Corpus.from_pairs(pairs).scan(on_bad_input="raise")

@@ -1,7 +1,8 @@
 import pytest
 import tensorflow as tf
 
-from keras_gpufix.data.text import DEFAULT_VOCABULARY, TextConfig, encode_text, normalize_text
+from keras_gpufix.data.text import (DEFAULT_VOCABULARY, TextConfig, encode_text, encode_transcripts,
+                                     normalize_text)
 
 
 def _normalized(text, **kwargs):
@@ -64,5 +65,52 @@ def test_batch_is_ragged_and_works_inside_tf_data():
     ],
 )
 def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TextConfig(**kwargs)
+
+
+def test_tokenizer_ids_unchanged_with_reasons_for_bad_transcripts():
+    calls = []
+
+    def tokenizer(text):
+        calls.append(text)
+        if text == "boom":
+            raise KeyError("no phoneme")
+        return {"ok": [0, 5, 9], "long": list(range(1, 8)), "range": [3, 10],
+                "empty": [], "float": [1.5]}[text]
+
+    config = TextConfig(tokenizer=tokenizer, vocab_size=10, max_tokens=5)
+    texts = ["ok", "long", "range", "empty", "float", "boom", "ok"]
+    ids, reasons = encode_transcripts(texts, config)
+    assert calls == texts  # once per transcript, raw (no normalisation)
+    assert ids.to_list()[0] == [0, 5, 9] and ids.to_list()[6] == [0, 5, 9] and ids.dtype == tf.int32
+    assert reasons == [
+        None,
+        "transcript of 7 tokens is longer than max_tokens=5",
+        "tokenizer returned id 10 outside [0, vocab_size=10)",
+        "tokenizer returned 0 ids in shape (0,) (expected a non-empty 1-D list)",
+        "tokenizer returned float64 values (expected integer ids)",
+        "tokenizer raised KeyError: 'no phoneme'",
+        None,
+    ]
+    assert config.num_ids == 10
+    assert config.description()["tokenizer"].endswith("tokenizer")
+
+
+def test_characters_through_encode_transcripts():
+    ids, reasons = encode_transcripts(["ab", "###", "abc"], TextConfig(vocabulary="abc", max_tokens=2))
+    assert ids.to_list() == [[1, 2], [], [1, 2, 3]]
+    assert reasons == [None, "transcript has no character of the vocabulary after normalisation",
+                       "transcript of 3 tokens is longer than max_tokens=2"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenizer": "abc", "vocab_size": 3}, "`tokenizer` must be a callable"),
+    ({"tokenizer": len}, "`tokenizer` and `vocab_size` go together"),
+    ({"vocab_size": 3}, "`tokenizer` and `vocab_size` go together"),
+    ({"tokenizer": len, "vocab_size": 0}, "`vocab_size` must be an integer >= 1"),
+    ({"max_tokens": 0}, "`max_tokens` must be an integer >= 1"),
+])
+def test_tokenizer_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TextConfig(**kwargs)

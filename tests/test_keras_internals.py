@@ -13,6 +13,7 @@ from keras_gpufix.keras_internals import (
     concrete_functions,
     cross_device_ops_name,
     flatten_layers,
+    function_jit_compile,
     in_multi_worker_mode,
     closure_cell,
     overrides_train_step,
@@ -50,6 +51,21 @@ def test_concrete_functions_lists_the_traces():
     fn(tf.constant(1.0))
     fn(tf.constant([1.0, 2.0]))
     assert len(concrete_functions(fn)) == 2
+
+
+def test_function_jit_compile_reads_the_argument(monkeypatch):
+    assert function_jit_compile(tf.function(lambda x: x, jit_compile=True)) is True
+    assert function_jit_compile(tf.function(lambda x: x, jit_compile=False)) is False
+    assert function_jit_compile(tf.function(lambda x: x)) is False  # no XLA by default
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    fn = tf.function(lambda x: x)
+    monkeypatch.setattr(type(fn), "function_spec", property(lambda self: None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert function_jit_compile(fn) is None
+        assert function_jit_compile(fn) is None
+    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
+    assert len(ours) == 1 and "function_spec.jit_compile" in str(ours[0].message)
 
 
 def test_flatten_layers_walks_nested_models():

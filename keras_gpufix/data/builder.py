@@ -5,7 +5,7 @@ The builder is the input path a TTS/ASR team would want as the default:
 1. `__init__` scans the corpus (transcripts and WAV headers only), encodes
    every transcript with TF string ops in one vectorised call, and decides
    what is bad input (skipped and reported, or raised) before any decoding.
-2. `prepare()` (called by `build`) computes log-mel features once, in
+2. `prepare()` (called by `build`) computes the features once, in
    parallel with a progress bar, into the fingerprinted `FeatureCache` when
    `cache_dir` is set; later runs open the cache (a hit) in well under a
    second. Without `cache_dir` features are computed in the pipeline, every
@@ -22,6 +22,8 @@ The builder is the input path a TTS/ASR team would want as the default:
 |---------------------------|----------------------------------------------------|
 | `utterances`              | utterances kept                                    |
 | `skipped`                 | list of dicts `id`, `path`, `line`, `reason`       |
+| `speakers`                | speaker names; speaker id `i` is `speakers[i]` (None when the corpus has none) |
+| `languages`               | language names, like `speakers`                    |
 | `converted`               | counts of files handled: `mixed_down`, `resampled`, `re_encoded` (not 16-bit PCM) |
 | `seconds`                 | audio kept, in seconds                             |
 | `cache`                   | `"hit"`, `"miss"` or `"off"` (None before `prepare`) |
@@ -36,7 +38,6 @@ The builder is the input path a TTS/ASR team would want as the default:
 """
 
 import dataclasses
-import math
 import os
 import warnings
 
@@ -49,7 +50,7 @@ from keras_gpufix.data.bucketing import BucketPlan
 from keras_gpufix.data.cache import FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
-from keras_gpufix.data.text import TextConfig, encode_text
+from keras_gpufix.data.text import TextConfig, encode_transcripts
 from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.output import emit, progress
 
@@ -63,8 +64,10 @@ class SpeechDatasetBuilder:
 
     Args:
         corpus: an LJSpeech-style folder (`metadata.csv` with
-            `id|text|normalized_text`, `wavs/<id>.wav`), a list of
-            `(wav_path, text)` pairs, or a `kg.data.Corpus`.
+            `id|text|normalized_text`, `wavs/<id>.wav`), a JSON Lines
+            manifest (`.jsonl` / `.json`, see `Corpus.from_manifest`), a
+            list of `(wav_path, text)` pairs, or a `kg.data.Corpus` (from
+            `Corpus.concat`, `corpus.split`, another metadata file, ...).
         audio: `kg.data.AudioConfig`. Defaults to `AudioConfig()` (22050 Hz,
             80 Slaney mels, librosa-compatible).
         text: `kg.data.TextConfig`. Defaults to `TextConfig()`.
@@ -107,8 +110,8 @@ class SpeechDatasetBuilder:
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.on_bad_input = on_bad_input
         self.verbose = verbose
-        self._manifest = None
         self._cache = None
+        self._prepared = False
         self._scan()
 
     @staticmethod
@@ -116,36 +119,34 @@ class SpeechDatasetBuilder:
         if isinstance(corpus, Corpus):
             return corpus
         if isinstance(corpus, (str, os.PathLike)):
+            if os.fspath(corpus).endswith((".jsonl", ".json")):
+                return Corpus.from_manifest(corpus)
             return Corpus.from_ljspeech(os.fspath(corpus))
         if isinstance(corpus, (list, tuple)) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in corpus
         ):
             return Corpus.from_pairs(corpus)
         raise ValueError(
-            "`corpus` must be a folder with metadata.csv, a list of (wav_path, text) "
-            f"pairs or a kg.data.Corpus. Received: corpus={corpus!r:.200}"
+            "`corpus` must be a folder with metadata.csv, a JSON Lines manifest, a list of "
+            f"(wav_path, text) pairs or a kg.data.Corpus. Received: corpus={corpus!r:.200}"
         )
 
     def _scan(self):
         kept, skipped = self.corpus.scan("skip", self.audio.max_seconds)
         frames, usable = [], []
-        texts = encode_text([u.text for u in kept], self.text) if kept else None
-        lengths = texts.row_lengths().numpy() if kept else []
-        for utterance, text_length in zip(kept, lengths):
+        texts, reasons = encode_transcripts([u.text for u in kept], self.text)
+        for index, (utterance, reason) in enumerate(zip(kept, reasons)):
             samples = audio_lib.resampled_length(
                 utterance.info.frames, utterance.info.sample_rate, self.audio.sample_rate
             )
             count = self.audio.num_frames(samples)
-            reason = None
-            if text_length == 0:
-                reason = "transcript has no character of the vocabulary after normalisation"
-            elif count == 0:
+            if reason is None and count == 0:
                 reason = f"clip of {samples} samples is shorter than one frame (n_fft={self.audio.n_fft})"
             if reason is not None:
                 skipped.append({"id": utterance.id, "path": utterance.path,
                                 "line": utterance.line, "reason": reason})
                 continue
-            usable.append(len(frames))
+            usable.append(index)
             frames.append(count)
         if skipped and self.on_bad_input == "raise":
             raise bad_input_error(self.corpus.source, sorted(skipped, key=lambda s: s["line"]))
@@ -161,11 +162,19 @@ class SpeechDatasetBuilder:
         self._text_splits = ids.row_splits.numpy().astype(np.int64)
         self._text_lengths = np.diff(self._text_splits)
         self._frames = np.array(frames, np.int64)
+        self._labels = {
+            name: np.array([-1 if getattr(u, name) is None else table.index(getattr(u, name))
+                            for u in self.utterances], np.int32)
+            for name, table in (("speaker", self.corpus.speakers), ("language", self.corpus.languages))
+            if table is not None
+        }
         skipped.sort(key=lambda s: s["line"] if s["line"] is not None else -1)
         infos = [u.info for u in self.utterances]
         self.report = {
             "utterances": len(self.utterances),
             "skipped": skipped,
+            "speakers": self.corpus.speakers,
+            "languages": self.corpus.languages,
             "converted": {
                 "mixed_down": sum(i.channels > 1 for i in infos),
                 "resampled": sum(i.sample_rate != self.audio.sample_rate for i in infos),
@@ -182,50 +191,71 @@ class SpeechDatasetBuilder:
             "text_padding_efficiency": None,
             "distinct_shapes": None,
         }
-        if skipped and self.verbose:
-            print(f"Skipped {len(skipped)} of {len(skipped) + len(self.utterances)} utterances "
-                  "(see builder.report['skipped']).")
+        if skipped:
+            listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}" for s in skipped[:3])
+            more = (f"; and {len(skipped) - 3} more: builder.report['skipped']" if len(skipped) > 3
+                    else "")
+            emit(f"Skipped {len(skipped)} of {len(skipped) + len(self.utterances)} utterances: "
+                 f"{listed}{more}.", self.verbose)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the cached features."""
         return fingerprint({
             "version": __version__,
             "audio": dataclasses.asdict(self.audio),
-            "text": dataclasses.asdict(self.text),
+            "text": self.text.description(),
             "utterances": [[u.id, u.path, u.size, u.mtime_ns, u.text] for u in self.utterances],
         })
 
-    def _compute_features(self):
-        """`index -> (frames, n_mels)` log-mel computed from the WAV file (TF ops)."""
+    def _waveform(self):
+        """`index -> (samples,)` float32 waveform decoded from the WAV file at
+        `audio.sample_rate` (TF ops)."""
         infos = [u.info for u in self.utterances]
         paths = tf.constant([u.path for u in self.utterances])
         columns = {
             name: tf.constant([getattr(i, name) for i in infos], tf.int64)
             for name in ("data_offset", "data_bytes", "format_code", "channels", "sample_rate")
         }
-        filterbank = audio_lib.mel_filterbank(self.audio)
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
-        def compute(index):
+        def waveform(index):
             field = {name: column[index] for name, column in columns.items()}
-            waveform = audio_lib.decode_wav(
+            samples = audio_lib.decode_wav(
                 tf.io.read_file(paths[index]), field["data_offset"], field["data_bytes"],
                 field["format_code"], field["channels"],
             )
-            waveform = audio_lib.resample(waveform, field["sample_rate"], self.audio.sample_rate)
-            return audio_lib.log_mel(waveform, self.audio, filterbank)
+            return audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate)
+
+        return waveform
+
+    def _compute_features(self):
+        """`index -> (frames, num_features)` features computed from the WAV file (TF ops)."""
+        waveform = self._waveform()
+
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
+        def compute(index):
+            return audio_lib.extract_features(waveform(index), self.audio)
 
         return compute
 
+    def _trimmed_frames(self):
+        """Feature frames of every utterance after silence trimming (one parallel pass)."""
+        waveform = self._waveform()
+        frames = tf.data.Dataset.range(len(self.utterances)).map(
+            lambda index: audio_lib.feature_frames(waveform(index), self.audio),
+            num_parallel_calls=AUTOTUNE,
+        )
+        return np.fromiter(frames.as_numpy_iterator(), np.int64, len(self.utterances))
+
     def _read_features(self):
-        """`index -> (frames, n_mels)` log-mel read from the cache."""
+        """`index -> (frames, num_features)` features read from the cache."""
         paths = tf.constant([self._cache.feature_path(i) for i in range(len(self.utterances))])
-        n_mels = self.audio.n_mels
+        num_features = self.audio.num_features
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def read(index):
-            mel = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
-            return tf.ensure_shape(mel, [None, n_mels])
+            features = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
+            return tf.ensure_shape(features, [None, num_features])
 
         return read
 
@@ -241,26 +271,49 @@ class SpeechDatasetBuilder:
                             verbose=self.verbose)
 
     def prepare(self) -> "SpeechDatasetBuilder":
-        """Opens or builds the feature cache (a no-op without `cache_dir`).
+        """Opens or builds the feature cache.
+
+        Without `cache_dir` there is nothing to build, except with
+        `audio.trim_top_db`: one parallel pass then measures every
+        utterance's frames after trimming, for the length buckets (with a
+        cache the build records them).
 
         Returns:
             The builder; `report["cache"]` is then `"hit"`, `"miss"` or `"off"`.
         """
-        if self.cache_dir is None:
-            self.report["cache"] = "off"
+        if self._prepared:
             return self
-        if self._manifest is not None:
+        if self.cache_dir is None:
+            if self.audio.trim_top_db is not None:
+                self._frames = self._trimmed_frames()
+            self.report["cache"] = "off"
+            self._prepared = True
             return self
         self._cache = self.cache_entry()
-        self._manifest, status = self._cache.open_or_build(self._write_features)
-        if list(self._manifest["frames"]) != self._frames.tolist():
+        manifest, status = self._cache.open_or_build(
+            self._write_features,
+            needed_bytes=FeatureCache.estimate_bytes(self._frames, self.audio.num_features))
+        frames = np.array(manifest["frames"], np.int64)
+        # With trimming the scan's frame counts are upper bounds; the cache has the real ones.
+        if len(frames) != len(self._frames) or (
+            np.any(frames > self._frames) if self.audio.trim_top_db is not None
+            else np.any(frames != self._frames)
+        ):
             raise RuntimeError(f"The feature cache at {self._cache.path} does not match the corpus scan.")
+        self._frames = frames
+        self._prepared = True
         self.report["cache"] = status
         self.report["cache_path"] = self._cache.path
         return self
 
     def _write_features(self, paths):
-        """Computes, serialises, writes and fingerprints features in parallel."""
+        """Computes, serialises, writes and fingerprints features in parallel.
+
+        Features that are not finite (float samples so large that the
+        spectrum overflows; NaN/inf samples are already bad input at scan
+        time) raise a `ValueError` naming the file: the entry is then not
+        committed and its temporary folder is removed.
+        """
         compute = self._compute_features()
         paths = tf.constant(paths)
 
@@ -270,7 +323,7 @@ class SpeechDatasetBuilder:
             data = tf.io.serialize_tensor(mel)
             with tf.control_dependencies([tf.io.write_file(paths[index], data)]):
                 return (index, tf.shape(mel)[0], tf.strings.length(data),
-                        FeatureCache.digest(data))
+                        FeatureCache.digest(data), tf.reduce_all(tf.math.is_finite(mel)))
 
         count = len(self.utterances)
         written = tf.data.Dataset.range(count).map(
@@ -279,13 +332,21 @@ class SpeechDatasetBuilder:
         emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
              self.verbose)
         update = progress(count, "utterance", self.verbose)
-        for done, record in enumerate(written.as_numpy_iterator(), start=1):
-            yield record
+        for done, (*record, finite) in enumerate(written.as_numpy_iterator(), start=1):
+            if not finite:
+                utterance = self.utterances[record[0]]
+                raise ValueError(
+                    f"The features of {utterance.path} (line {utterance.line}, id "
+                    f"{utterance.id!r}) are not finite (NaN or inf): its samples overflow the "
+                    "spectrum. Re-export the file with samples in [-1, 1] or remove it; "
+                    "nothing was written to the cache."
+                )
+            yield tuple(record)
             update(done)
 
     def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,
               drop_remainder=False, prefetch_to_device=None, service=None,
-              deterministic=None, frame_budget=None) -> tf.data.Dataset:
+              deterministic=None, frame_budget=None, as_dict=False) -> tf.data.Dataset:
         """Returns the training dataset.
 
         Args:
@@ -317,12 +378,19 @@ class SpeechDatasetBuilder:
             frame_budget: padded frames per batch; each bucket's batch size
                 becomes `min(batch_size, frame_budget // boundary)`.
                 Defaults to None.
+            as_dict: yield named batches (see Returns). Defaults to False.
 
         Returns:
             A `tf.data.Dataset` of `((text_ids, text_len), (mel, mel_len))`:
             int32 `(B, T_text)` (0-padded), int32 `(B,)`, float32
-            `(B, T_frames, n_mels)` (padded with `ln(log_floor)`), int32
-            `(B,)`.
+            `(B, T_frames, audio.num_features)` (padded with
+            `audio.padding_value`), int32 `(B,)`. With `as_dict=True`, dicts
+            with the same tensors as
+            `tokens`, `tokens_len`, `features`, `features_len`, plus `id`
+            (string `(B,)`, the corpus ids) and, when the corpus has them,
+            `speaker` and `language` (int32 `(B,)`, indices into
+            `report["speakers"]` / `report["languages"]`; -1 for an
+            utterance without one).
         """
         for name, value in (("batch_size", batch_size), ("num_buckets", num_buckets)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -356,7 +424,7 @@ class SpeechDatasetBuilder:
             key_func=lambda key, *_: key,
             reduce_func=lambda key, batch: batch.batch(window),
             window_size_func=lambda key: key % window,
-        ).map(lambda key, ids, text_len, mel, mel_len: ((ids, text_len), (mel, mel_len)))
+        ).map(self._batch_layout(as_dict))
         if service:
             dataset = dataset.apply(tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch", service=service))
@@ -384,8 +452,8 @@ class SpeechDatasetBuilder:
         """Loads one utterance and pads it to its batch's shape."""
         text_values = tf.constant(self._text_values)
         text_splits = tf.constant(self._text_splits)
-        mel_pad = math.log(self.audio.log_floor)
-        n_mels = self.audio.n_mels
+        mel_pad = self.audio.padding_value
+        num_features = self.audio.num_features
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def load(utterance, key, pad_frames, pad_text):
@@ -396,6 +464,21 @@ class SpeechDatasetBuilder:
             ids = text_values[text_splits[utterance]:text_splits[utterance + 1]]
             text_len = tf.shape(ids)[0]
             ids = tf.pad(ids, [[0, tf.cast(pad_text, tf.int32) - text_len]])
-            return key, ids, text_len, tf.ensure_shape(mel, [None, n_mels]), mel_len
+            return key, utterance, ids, text_len, tf.ensure_shape(mel, [None, num_features]), mel_len
 
         return load
+
+    def _batch_layout(self, as_dict):
+        """Batched `(key, utterance, ids, text_len, mel, mel_len)` -> the user's layout."""
+        if not as_dict:
+            return lambda key, utterance, ids, text_len, mel, mel_len: ((ids, text_len), (mel, mel_len))
+        names = tf.constant([u.id for u in self.utterances])
+        labels = {name: tf.constant(values) for name, values in self._labels.items()}
+
+        def named(key, utterance, ids, text_len, mel, mel_len):
+            batch = {"id": tf.gather(names, utterance), "tokens": ids, "tokens_len": text_len,
+                     "features": mel, "features_len": mel_len}
+            batch.update({name: tf.gather(values, utterance) for name, values in labels.items()})
+            return batch
+
+        return named

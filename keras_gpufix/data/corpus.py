@@ -1,4 +1,4 @@
-"""Speech corpora: LJSpeech folders or `(wav_path, text)` pairs, scanned fast.
+"""Speech corpora: LJSpeech folders, JSON Lines manifests or pairs, scanned fast.
 
 `Corpus` reads the transcript list and then only the header of each WAV file
 (RIFF chunks up to the start of the audio data), so every clip's sample rate,
@@ -22,17 +22,26 @@ Problems and what happens (`converted` ones are handled, never skipped):
 | empty or whitespace transcript            | skipped / raised                   |
 | metadata line that is not UTF-8 or has no | skipped / raised                   |
 | `|` separator                             |                                    |
+| manifest line that is not a JSON object,  | skipped / raised                   |
+| lacks `audio_filepath` / `text`, or has a |                                    |
+| field of the wrong type                   |                                    |
+| NaN or infinite samples (float WAVs)      | skipped / raised                   |
 | UTF-8 BOM, UTF-16 metadata.csv            | converted: read as text            |
 | header row `id|text|...`                  | recognised and not read as a clip  |
+| the same id in two corpora (`concat`)     | kept: ids prefixed by the source   |
 | more than three columns                   | read; one warning names the lines  |
 | duplicate id                              | later lines skipped / raised       |
 | clip longer than `max_seconds`            | skipped / raised                   |
 """
 
 import dataclasses
+import hashlib
+import json
 import os
 import struct
 import warnings
+
+import numpy as np
 
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -78,7 +87,11 @@ class WavInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Utterance:
-    """One kept utterance: id, transcript, file facts and header."""
+    """One kept utterance: id, transcript, file facts, header and labels.
+
+    `speaker`, `language` and `duration` (seconds, as the manifest says)
+    are None when the corpus does not give them.
+    """
 
     id: str
     path: str
@@ -87,6 +100,9 @@ class Utterance:
     size: int
     mtime_ns: int
     info: WavInfo
+    speaker: str = None
+    language: str = None
+    duration: float = None
 
 
 def read_wav_header(path) -> WavInfo:
@@ -158,6 +174,15 @@ def read_wav_header(path) -> WavInfo:
     return WavInfo(rate, channels, bits, tag, frames, data_offset, frames * block_align)
 
 
+def _has_non_finite_samples(path, info) -> bool:
+    """True when a float WAV holds a NaN or an infinite sample (PCM cannot)."""
+    if info.format_tag != 3:
+        return False
+    dtype = np.dtype("<f4" if info.bits == 32 else "<f8")
+    samples = np.fromfile(path, dtype, count=info.frames * info.channels, offset=info.data_offset)
+    return not np.isfinite(samples).all()
+
+
 def bad_input_error(source, skipped) -> ValueError:
     """The one error of `on_bad_input="raise"`: all bad utterances at once.
 
@@ -181,84 +206,127 @@ def bad_input_error(source, skipped) -> ValueError:
     )
 
 
+def _read_lines(path):
+    """`(line_number, bytes)` of a text file's non-empty lines.
+
+    A UTF-8 BOM is dropped and a UTF-16 file (with BOM) is read as text.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        data = data.decode("utf-16").encode("utf-8")
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if raw.strip():
+            yield number, raw
+
+
+def _check_file(path, argument, what):
+    if os.path.isdir(path):
+        raise ValueError(f"`{argument}` must be {what}, but {path} is a folder. Received: {argument}={path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"`{argument}` must be {what}. Received: {argument}={path!r} ({path} does not exist)")
+
+
+def _labels(records, key):
+    """Sorted distinct values of `key` over records, or None when no record has one."""
+    names = sorted({r[key] for r in records if r.get(key) is not None})
+    return names or None
+
+
 class Corpus:
     """A list of utterances with their WAV headers, and what was skipped.
 
     Build one with `Corpus.from_ljspeech(path)` (a folder with
-    `metadata.csv` lines `id|text|normalized_text` and `wavs/<id>.wav`) or
-    `Corpus.from_pairs([(wav_path, text), ...])`, then call `scan()`.
-    `SpeechDatasetBuilder` does both for you.
+    `metadata.csv` lines `id|text|normalized_text` and `wavs/<id>.wav`),
+    `Corpus.from_manifest(path)` (JSON Lines, one utterance a line) or
+    `Corpus.from_pairs([(wav_path, text), ...])`; combine corpora with
+    `Corpus.concat`, hold out a validation set with `split`, then call
+    `scan()`. `SpeechDatasetBuilder` scans for you.
 
     Args:
-        records: list of `(id, wav_path, text, line)`; `text` is None for a
-            line that could not be read, with the reason in `problems`.
+        records: list of dicts with keys `id`, `path`, `text`, `line` and,
+            when known, `speaker`, `language`, `duration`; a line that
+            could not be read has a `reason` instead of a usable text.
         source: where the records came from (named in error messages).
-        problems: dict `line -> reason` for lines rejected while parsing.
+        name: short name of the source, the prefix of its ids in `concat`.
+            Defaults to the file name of `source` without extension.
+        speakers: the speaker table (speaker id `i` is `speakers[i]`).
+            Defaults to the sorted distinct speakers of `records` (None
+            when there is none); `split` passes the whole corpus's table on,
+            so train and validation use the same ids.
+        languages: the language table, like `speakers`.
 
     Example:
 
-    >>> corpus = Corpus.from_ljspeech("data/LJSpeech-1.1")
-    >>> kept, skipped = corpus.scan(on_bad_input="skip", max_seconds=12.0)
+    >>> corpus = Corpus.from_manifest("data/train.jsonl")
+    >>> train, val = corpus.split(0.05)
+    >>> kept, skipped = train.scan(on_bad_input="skip", max_seconds=12.0)
     """
 
-    def __init__(self, records, source, problems=None):
-        self.records = list(records)
+    def __init__(self, records, source, name=None, speakers=None, languages=None):
+        self.records = [dict(r) for r in records]
         self.source = str(source)
-        self.problems = dict(problems or {})
+        self.name = name or os.path.splitext(os.path.basename(self.source))[0]
+        self.speakers = speakers if speakers is not None else _labels(self.records, "speaker")
+        self.languages = languages if languages is not None else _labels(self.records, "language")
+
+    @property
+    def ids(self) -> list:
+        """The utterance ids, in corpus order (bad lines included)."""
+        return [r["id"] for r in self.records]
 
     @classmethod
-    def from_ljspeech(cls, path, use_normalized=True) -> "Corpus":
-        """Reads `path/metadata.csv`; WAVs are `path/wavs/<id>.wav`.
+    def from_ljspeech(cls, path, metadata="metadata.csv", use_normalized=True) -> "Corpus":
+        """Reads `path/<metadata>`; WAVs are `path/wavs/<id>.wav`.
 
         Args:
             path: the corpus folder.
+            metadata: the transcript file, relative to `path` (e.g.
+                `"metadata_train.csv"`) or absolute. Defaults to
+                `"metadata.csv"`.
             use_normalized: take the third column (LJSpeech's normalised
                 text, numbers spelled out) when it is present and not
                 empty. Defaults to True.
         """
-        metadata = os.path.join(path, "metadata.csv")
+        path = os.fspath(path)
+        metadata = os.path.join(path, metadata)
         if os.path.isdir(metadata):
             raise ValueError(
-                f"`corpus` must hold a metadata.csv file, but {metadata} is a folder. "
+                f"`corpus` must hold a {os.path.basename(metadata)} file, but {metadata} is a folder. "
                 f"Received: corpus={path!r}"
             )
         if not os.path.isfile(metadata):
             raise ValueError(
-                f"`corpus` must be a folder with metadata.csv, a list of "
-                f"(wav_path, text) pairs or a Corpus. Received: corpus={path!r} "
-                f"({metadata} does not exist)"
+                f"`corpus` must be a folder with {os.path.basename(metadata)}, a JSON Lines "
+                f"manifest, a list of (wav_path, text) pairs or a Corpus. Received: "
+                f"corpus={path!r} ({metadata} does not exist)"
             )
-        with open(metadata, "rb") as f:
-            data = f.read()
-        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            data = data.decode("utf-16").encode("utf-8")
-        data = data.removeprefix(b"\xef\xbb\xbf")
-        records, problems, extra = [], {}, []
-        for number, raw in enumerate(data.split(b"\n"), start=1):
-            raw = raw.rstrip(b"\r")
-            if not raw.strip():
-                continue
+        records, extra = [], []
+
+        def record(uid, text, number, reason=None):
+            records.append({"id": uid, "path": os.path.join(path, "wavs", uid + ".wav"),
+                            "text": text, "line": number, "reason": reason})
+
+        for number, raw in _read_lines(metadata):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                uid = raw.split(b"|")[0].decode("utf-8", "replace")
-                problems[number] = f"metadata line is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                records.append((uid, os.path.join(path, "wavs", uid + ".wav"), None, number))
-                continue
-            if not records and [f.strip().lower() for f in line.split("|")[:2]] == ["id", "text"]:
+                record(raw.split(b"|")[0].decode("utf-8", "replace"), None, number,
+                       f"metadata line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
                 continue
             fields = line.split("|")
+            if not records and [f.strip().lower() for f in fields[:2]] == ["id", "text"]:
+                continue
             if len(fields) < 2:
-                problems[number] = "metadata line has no `|` separator (expected id|text|normalized_text)"
-                records.append((fields[0], os.path.join(path, "wavs", fields[0] + ".wav"), None, number))
+                record(fields[0], None, number,
+                       "metadata line has no `|` separator (expected id|text|normalized_text)")
                 continue
             if len(fields) > 3:
                 extra.append(number)
-            text = fields[1]
-            if use_normalized and len(fields) > 2 and fields[2].strip():
-                text = fields[2]
-            uid = fields[0]
-            records.append((uid, os.path.join(path, "wavs", uid + ".wav"), text, number))
+            text = fields[2] if use_normalized and len(fields) > 2 and fields[2].strip() else fields[1]
+            record(fields[0], text, number)
         if extra:
             listed = ", ".join(map(str, extra[:_LISTED])) + (" ..." if len(extra) > _LISTED else "")
             warnings.warn(
@@ -268,7 +336,48 @@ class Corpus:
                 GpufixWarning,
                 stacklevel=2,
             )
-        return cls(records, metadata, problems)
+        return cls(records, metadata, name=os.path.basename(os.path.normpath(path)))
+
+    @classmethod
+    def from_manifest(cls, path) -> "Corpus":
+        """Reads a JSON Lines manifest, NeMo's convention: one object a line.
+
+        Keys: `audio_filepath` (absolute, or relative to the manifest's
+        folder) and `text` are required; `id` (defaults to the file stem),
+        `duration` (seconds), `speaker` and `language` are optional.
+        A line that is not such an object is bad input, named by its line
+        number.
+
+        Args:
+            path: the `.jsonl` / `.json` manifest file.
+        """
+        path = os.fspath(path)
+        _check_file(path, "manifest", "a JSON Lines file")
+        folder = os.path.dirname(os.path.abspath(path))
+        records = []
+        for number, raw in _read_lines(path):
+            record, reason = {"id": f"line-{number}", "path": path, "text": None, "line": number}, None
+            try:
+                item = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                item, reason = None, f"manifest line is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            except json.JSONDecodeError as exc:
+                item, reason = None, f"manifest line is not valid JSON ({exc.msg} at column {exc.colno})"
+            if item is not None:
+                reason = _manifest_problem(item)
+            if item is not None and reason is None:
+                audio = os.path.join(folder, item["audio_filepath"])
+                record.update(
+                    id=str(item.get("id", os.path.splitext(os.path.basename(audio))[0])),
+                    path=audio, text=item["text"], duration=item.get("duration"),
+                    speaker=None if item.get("speaker") is None else str(item["speaker"]),
+                    language=item.get("language"),
+                )
+            elif isinstance(item, dict) and isinstance(item.get("audio_filepath"), str):
+                record.update(path=os.path.join(folder, item["audio_filepath"]))
+            record["reason"] = reason
+            records.append(record)
+        return cls(records, path)
 
     @classmethod
     def from_pairs(cls, pairs) -> "Corpus":
@@ -278,11 +387,60 @@ class Corpus:
         for number, pair in enumerate(pairs, start=1):
             wav_path, text = pair
             uid = os.path.splitext(os.path.basename(str(wav_path)))[0]
-            records.append((uid, str(wav_path), text, number))
-        return cls(records, "the list of (wav_path, text) pairs")
+            records.append({"id": uid, "path": str(wav_path), "text": text, "line": number})
+        return cls(records, "the list of (wav_path, text) pairs", name="pairs")
+
+    @classmethod
+    def concat(cls, corpora) -> "Corpus":
+        """Joins corpora; every id becomes `<name>/<id>` so none is dropped.
+
+        `name` is each corpus's `name` (its folder or manifest stem), with
+        `-2`, `-3`, ... added when two corpora have the same one. Speaker
+        and language tables are merged (the same name is the same id).
+
+        Args:
+            corpora: a list of `Corpus`.
+        """
+        corpora = list(corpora)
+        if not corpora or not all(isinstance(c, Corpus) for c in corpora):
+            raise ValueError(f"`corpora` must be a non-empty list of Corpus. Received: corpora={corpora!r:.200}")
+        records, names = [], []
+        for corpus in corpora:
+            name, count = corpus.name, 1
+            while name in names:
+                count += 1
+                name = f"{corpus.name}-{count}"
+            names.append(name)
+            records.extend({**r, "id": f"{name}/{r['id']}"} for r in corpus.records)
+        return cls(records, " + ".join(c.source for c in corpora), name="+".join(names))
+
+    def split(self, val_fraction, seed=0) -> tuple:
+        """Splits into `(train, val)` by hashing each id with `seed`.
+
+        Each utterance goes to `val` when `sha256(seed, id)` falls below
+        `val_fraction`, so the split is disjoint, complete, repeatable, and
+        adding utterances never moves the others. Both parts keep this
+        corpus's speaker and language tables.
+
+        Args:
+            val_fraction: share of utterances held out, in (0, 1).
+            seed: another seed gives another split. Defaults to 0.
+        """
+        if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+            raise ValueError(f"`val_fraction` must be between 0 and 1. Received: val_fraction={val_fraction!r}")
+        parts = ([], [])
+        for record in self.records:
+            digest = hashlib.sha256(f"{seed}\0{record['id']}".encode()).digest()
+            parts[int.from_bytes(digest[:8], "big") / 2**64 < val_fraction].append(record)
+        return tuple(
+            Corpus(part, f"{self.source} ({which} split)", self.name, self.speakers, self.languages)
+            for part, which in zip(parts, ("train", "validation"))
+        )
 
     def scan(self, on_bad_input="skip", max_seconds=None):
         """Reads every WAV header and sorts utterances into kept and skipped.
+
+        Float WAVs are also read whole, to find NaN or infinite samples.
 
         Args:
             on_bad_input: `"skip"` to drop and report bad utterances, or
@@ -305,8 +463,9 @@ class Corpus:
                 f'`on_bad_input` must be "skip" or "raise". Received: on_bad_input={on_bad_input!r}'
             )
         kept, skipped, seen = [], [], {}
-        for uid, path, text, line in self.records:
-            reason, info, stat = self.problems.get(line), None, None
+        for record in self.records:
+            uid, path, text = record["id"], record["path"], record["text"]
+            reason, info, stat = record.get("reason"), None, None
             if reason is None and uid in seen:
                 reason = f"duplicate id {uid!r} (first at line {seen[uid]})"
             if reason is None and (not isinstance(text, str) or not text.strip()):
@@ -315,6 +474,8 @@ class Corpus:
                 try:
                     stat = os.stat(path)
                     info = read_wav_header(path)
+                    if _has_non_finite_samples(path, info):
+                        reason = "NaN or infinite samples in the audio; re-export or remove the file"
                 except FileNotFoundError:
                     reason = "missing file"
                 except (OSError, ValueError) as exc:
@@ -322,11 +483,27 @@ class Corpus:
             if reason is None and max_seconds is not None and info.seconds > max_seconds:
                 reason = f"clip of {info.seconds:.2f} s is longer than max_seconds={max_seconds}"
             if reason is not None:
-                skipped.append({"id": uid, "path": path, "line": line, "reason": reason})
+                skipped.append({"id": uid, "path": path, "line": record["line"], "reason": reason})
                 continue
-            seen[uid] = line
-            kept.append(Utterance(uid, os.path.abspath(path), text, line,
-                                  stat.st_size, stat.st_mtime_ns, info))
+            seen[uid] = record["line"]
+            kept.append(Utterance(uid, os.path.abspath(path), text, record["line"],
+                                  stat.st_size, stat.st_mtime_ns, info, record.get("speaker"),
+                                  record.get("language"), record.get("duration")))
         if skipped and on_bad_input == "raise":
             raise bad_input_error(self.source, skipped)
         return kept, skipped
+
+
+def _manifest_problem(item):
+    """Why a parsed manifest line is not a usable utterance, or None."""
+    if not isinstance(item, dict):
+        return f"manifest line is not a JSON object (got {type(item).__name__})"
+    for key in ("audio_filepath", "text"):
+        if not isinstance(item.get(key), str):
+            return f"manifest line has no `{key}` string"
+    for key, types in (("id", (str, int)), ("speaker", (str, int)), ("language", (str,)),
+                       ("duration", (int, float))):
+        value = item.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            return f"manifest field `{key}` must be {' or '.join(t.__name__ for t in types)}, got {value!r:.40}"
+    return None

@@ -20,13 +20,22 @@ Normalisation, in order (each step can be turned off):
 Ids: 0 is padding; `vocabulary[i]` is id `i + 1`. Characters not in the
 vocabulary follow `unknown`: `"drop"` removes them, `"oov"` maps them all to
 one id, `len(vocabulary) + 1`.
+
+A recipe's own tokenizer (a phonemizer, a keras-hub tokenizer) replaces all
+of that: `TextConfig(tokenizer=fn, vocab_size=N)` calls `fn(transcript)`
+once per transcript when the corpus is scanned (never per epoch), and its
+ids reach the batches unchanged; padding positions hold 0 (mask them with
+the lengths). `encode_transcripts` is what the builder calls: ids of every
+transcript and, for each, why it is unusable (or None).
 """
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["TextConfig", "normalize_text", "encode_text", "ABBREVIATIONS", "DEFAULT_VOCABULARY"]
+__all__ = ["TextConfig", "normalize_text", "encode_text", "encode_transcripts", "ABBREVIATIONS",
+           "DEFAULT_VOCABULARY"]
 
 DEFAULT_VOCABULARY = " abcdefghijklmnopqrstuvwxyz'\".,:;?!-"
 
@@ -56,7 +65,7 @@ _PUNCTUATION = (("[‘’`´]", "'"), ("[“”„]", '"'), ("[–—]", "-"), (
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """How transcripts become character ids.
+    """How transcripts become ids: characters, or a tokenizer of yours.
 
     Args:
         vocabulary: the characters, in id order (id of `vocabulary[i]` is
@@ -67,6 +76,20 @@ class TextConfig:
         lowercase: Defaults to True.
         expand_abbreviations: Defaults to True.
         expand_digits: Defaults to True.
+        tokenizer: a callable `str -> list[int]` (or a 1-D integer array
+            or tensor) run once per raw transcript at scan time; the
+            character options above are then not used. Defaults to None.
+        vocab_size: with `tokenizer`, ids must be in `[0, vocab_size)`
+            (`num_ids`); an utterance with another id is bad input.
+        max_tokens: transcripts with more ids are bad input (skipped and
+            reported, or raised). Defaults to None (no limit).
+
+    Example:
+
+    >>> phonemes = {p: i + 1 for i, p in enumerate(PHONEME_SET)}
+    >>> text = kg.data.TextConfig(
+    ...     tokenizer=lambda s: [phonemes[p] for p in g2p(s)],
+    ...     vocab_size=len(phonemes) + 1, max_tokens=400)
     """
 
     vocabulary: str = DEFAULT_VOCABULARY
@@ -74,6 +97,9 @@ class TextConfig:
     lowercase: bool = True
     expand_abbreviations: bool = True
     expand_digits: bool = True
+    tokenizer: object = None
+    vocab_size: int = None
+    max_tokens: int = None
 
     def __post_init__(self):
         if not self.vocabulary or len(set(self.vocabulary)) != len(self.vocabulary):
@@ -83,11 +109,33 @@ class TextConfig:
             )
         if self.unknown not in ("drop", "oov"):
             raise ValueError(f'`unknown` must be "drop" or "oov". Received: unknown={self.unknown!r}')
+        if self.tokenizer is not None and not callable(self.tokenizer):
+            raise ValueError(f"`tokenizer` must be a callable str -> list[int]. Received: tokenizer={self.tokenizer!r}")
+        if (self.tokenizer is None) != (self.vocab_size is None):
+            raise ValueError(
+                "`tokenizer` and `vocab_size` go together (the ids are checked against "
+                f"vocab_size). Received: tokenizer={self.tokenizer!r}, vocab_size={self.vocab_size!r}"
+            )
+        for name in ("vocab_size", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
 
     @property
     def num_ids(self) -> int:
         """Size of an embedding table over the ids (padding and OOV included)."""
+        if self.tokenizer is not None:
+            return self.vocab_size
         return len(self.vocabulary) + 1 + (self.unknown == "oov")
+
+    def description(self) -> dict:
+        """The settings as plain values (the tokenizer by its qualified name)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.tokenizer is not None:
+            tokenizer = self.tokenizer
+            fields["tokenizer"] = f"{getattr(tokenizer, '__module__', '')}." + getattr(
+                tokenizer, "__qualname__", type(tokenizer).__qualname__)
+        return fields
 
 
 def normalize_text(texts, config: TextConfig = TextConfig()) -> tf.Tensor:
@@ -132,3 +180,54 @@ def encode_text(texts, config: TextConfig = TextConfig()) -> tf.RaggedTensor:
             lambda x: tf.where(x < 0, len(config.vocabulary) + 1, x), ids
         )
     return tf.ragged.boolean_mask(ids, ids >= 0)
+
+
+def _tokenize(text, config):
+    """`(ids, reason)` of one transcript through the user's tokenizer."""
+    try:
+        ids = np.asarray(config.tokenizer(text))
+    except Exception as exc:  # the user's tokenizer: report, never crash the scan
+        return None, f"tokenizer raised {type(exc).__name__}: {exc}"
+    if ids.ndim != 1 or ids.size == 0:
+        return None, f"tokenizer returned {ids.size} ids in shape {ids.shape} (expected a non-empty 1-D list)"
+    if not np.issubdtype(ids.dtype, np.integer):
+        return None, f"tokenizer returned {ids.dtype} values (expected integer ids)"
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+        return None, f"tokenizer returned id {int(bad[0])} outside [0, vocab_size={config.vocab_size})"
+    return ids.astype(np.int32), None
+
+
+def encode_transcripts(texts, config: TextConfig = TextConfig()):
+    """Ids of every transcript, and why each one is unusable (or None).
+
+    Characters go through `encode_text` in one vectorised call; a
+    `config.tokenizer` is called once per transcript. A transcript is
+    unusable when it has no id, when the tokenizer fails or returns ids
+    outside `[0, vocab_size)`, or when it has more than `max_tokens` ids.
+
+    Args:
+        texts: list of str.
+        config: a `TextConfig`.
+
+    Returns:
+        `(ids, reasons)`: int32 `tf.RaggedTensor` `(len(texts), None)`
+        (unusable transcripts have no ids) and a list of str or None.
+    """
+    if config.tokenizer is None:
+        ids = encode_text(texts, config)
+        reasons = [None if n else "transcript has no character of the vocabulary after normalisation"
+                   for n in ids.row_lengths().numpy()]
+    else:
+        rows, reasons = [], []
+        for text in texts:
+            row, reason = _tokenize(text, config)
+            rows.append(np.zeros(0, np.int32) if row is None else row)
+            reasons.append(reason)
+        values = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+        ids = tf.RaggedTensor.from_row_lengths(values, [len(r) for r in rows])
+    if config.max_tokens is not None:
+        for i, n in enumerate(ids.row_lengths().numpy()):
+            if reasons[i] is None and n > config.max_tokens:
+                reasons[i] = f"transcript of {n} tokens is longer than max_tokens={config.max_tokens}"
+    return ids, reasons

@@ -62,7 +62,7 @@ def _spawn(corpus, cache_dir, delay):
 
 def _features(builder):
     """Every cached feature of a prepared builder, in utterance order."""
-    return [builder._cache.read(i) for i in range(len(builder._manifest["frames"]))]
+    return [builder._cache.read(i) for i in range(builder.report["utterances"])]
 
 
 def _entries(cache_dir):
@@ -186,7 +186,7 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
     clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "clean"),
                                  verbose=0).prepare()
-    assert rerun._manifest["fingerprints"] == clean._manifest["fingerprints"]
+    assert rerun.cache_entry().open()["fingerprints"] == clean.cache_entry().open()["fingerprints"]
     for a, b in zip(_features(rerun), _features(clean)):
         np.testing.assert_array_equal(a, b)
 
@@ -234,7 +234,7 @@ def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch)
     import keras_gpufix.data.cache as cache_module
 
     cache = FeatureCache(str(tmp_path / "cache"), "b" * 64, count=2, verbose=0)
-    needed = FeatureCache.estimate_bytes([100, 50], n_mels=40)
+    needed = FeatureCache.estimate_bytes([100, 50], num_features=40)
     assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
     monkeypatch.setattr(cache_module.shutil, "disk_usage",
                         lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))

@@ -1,4 +1,4 @@
-"""Train a small CTC speech recogniser (spectrogram -> characters) from a manifest.
+"""Train a small CTC speech recogniser (linear spectrogram -> characters) from a manifest.
 
     python examples/train_asr_ctc.py --output runs/asr                     # generated corpus
     python examples/train_asr_ctc.py --manifest data/train.jsonl --output runs/asr
@@ -10,8 +10,9 @@ The recipe of keras-io's "CTC ASR" on the keras_gpufix input path:
   `--manifest` one is written next to a small generated corpus;
 - `corpus.split(val_fraction)` holds out a validation set by hashing ids
   (the same utterances every run, whatever is added to the manifest);
-- `kg.data.SpeechDatasetBuilder` computes the spectrograms once into a
-  feature cache and yields bucketed named batches (`build(as_dict=True)`:
+- `kg.data.SpeechDatasetBuilder` computes linear spectrograms (log
+  `|STFT|`, `n_fft // 2 + 1` bins, normalised per utterance, padded with 0)
+  once into a feature cache and yields bucketed named batches (`build(as_dict=True)`:
   `features`, `features_len`, `tokens`, `tokens_len`, `id`, ...);
 - the model (two 1-D convolutions, the first with stride 2, then a
   character classifier; id 0, the padding id, is the CTC blank) is compiled
@@ -122,8 +123,9 @@ def main(argv=None) -> int:
 
     train_corpus, val_corpus = kg.data.Corpus.from_manifest(manifest).split(args.val_fraction,
                                                                             seed=args.seed)
+    # keras-io's CTC ASR features: log |STFT| (257 bins), normalised per utterance, padded with 0
     audio = kg.data.AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400,
-                                n_mels=80, fmax=8000.0)
+                                features="linear", feature_norm="utterance", pad_value=0.0)
     text = kg.data.TextConfig()
     cache_dir = os.path.join(args.output, "cache")
     train_builder = kg.data.SpeechDatasetBuilder(train_corpus, audio=audio, text=text,
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
                                 drop_remainder=True, as_dict=True)
     val = val_builder.build(args.batch_size, 1, shuffle=False, as_dict=True)
 
-    model = build_model(audio.n_mels, text.num_ids, args.width)
+    model = build_model(audio.num_features, text.num_ids, args.width)
     inputs = train.map(split_batch)
     kg.compile_model(model, keras.optimizers.Adam(args.learning_rate), loss=None,
                      mixed_precision="float32", steps_per_execution=1)

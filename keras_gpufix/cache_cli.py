@@ -114,7 +114,7 @@ def cache_build(corpus, cache_dir=None, config=None, verbose=1):
         frames = [audio.num_frames(resampled_length(u.info.frames, u.info.sample_rate,
                                                     audio.sample_rate))
                   for u in builder.utterances]
-        cache.check_space(FeatureCache.estimate_bytes(frames, audio.n_mels))
+        cache.check_space(FeatureCache.estimate_bytes(frames, audio.num_features))
     t0 = time.perf_counter()
     builder.prepare()
     seconds = time.perf_counter() - t0

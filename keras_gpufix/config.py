@@ -173,6 +173,8 @@ class ProfilingConfig:
     slow_factor: float = _spec(3.0, "a number > 1", lambda v: _is_number(v) and v > 1)
     min_slow_ms: float = _spec(5.0, "a number >= 0", lambda v: _is_number(v) and v >= 0)
     warmup: int = _spec(10, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
+    analysis_timeout: float = _spec(5.0, "a number of seconds >= 0",
+                                    lambda v: _is_number(v) and v >= 0)
 
 
 @dataclasses.dataclass

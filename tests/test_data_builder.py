@@ -354,7 +354,7 @@ def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
             from_cache = seen
     for uid, features in seen.items():
         np.testing.assert_allclose(features, from_cache[uid], atol=1e-5)
-    assert cached.report["cache"] == "miss" and len(cached._manifest["frames"]) == 6
+    assert cached.report["cache"] == "miss" and len(cached.cache_entry().open()["frames"]) == 6
     tuples = cached.build(batch_size=2, num_buckets=2, seed=1)
     assert len(tuples.element_spec) == 2  # the default layout is unchanged
 

@@ -236,7 +236,7 @@ def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch)
     import keras_gpufix.data.cache as cache_module
 
     cache = FeatureCache(str(tmp_path / "cache"), "b" * 64, count=2, verbose=0)
-    needed = FeatureCache.estimate_bytes([100, 50], n_mels=40)
+    needed = FeatureCache.estimate_bytes([100, 50], num_features=40)
     assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
     monkeypatch.setattr(cache_module.shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))

@@ -2,12 +2,12 @@ import errno
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,7 +62,8 @@ def _spawn(corpus, cache_dir, delay):
 
 def _features(builder):
     """Every cached feature of a prepared builder, in utterance order."""
-    return [builder._cache.read(i) for i in range(builder.report["utterances"])]
+    entry = builder.cache_entry()
+    return [entry.read(i) for i in range(builder.report["utterances"])]
 
 
 def _entries(cache_dir):
@@ -81,10 +82,11 @@ def test_miss_then_hit_with_identical_features(corpus, tmp_path):
     second = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
     assert (first.report["cache"], second.report["cache"]) == ("miss", "hit")
     assert first.report["cache_path"] == second.report["cache_path"]
-    assert first._cache.verify(full=True)
+    assert first.cache_entry().verify(full=True)
     for a, b in zip(_features(first), _features(second)):
         np.testing.assert_array_equal(a, b)
-    assert [len(f) for f in _features(first)] == first._frames.tolist()
+    assert [len(f) for f in _features(first)] == [AUDIO.num_frames(u.info.frames)
+                                                  for u in first.utterances]
     off = SpeechDatasetBuilder(corpus, audio=AUDIO, verbose=0).prepare()
     assert off.report["cache"] == "off"
 
@@ -120,7 +122,7 @@ def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
     clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
     expected = _features(clean)
-    path = clean._cache.feature_path(3)
+    path = clean.cache_entry().feature_path(3)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 4)
     with pytest.warns(GpufixWarning, match="feature file 3 has"):
@@ -132,7 +134,7 @@ def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
 
 def test_full_verify_catches_flipped_bytes(corpus, tmp_path):
     builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "c"), verbose=0)
-    cache = builder.prepare()._cache
+    cache = builder.prepare().cache_entry()
     with open(cache.feature_path(0), "r+b") as f:
         f.seek(8)
         f.write(b"\x00\x00\x80\x7f")
@@ -209,7 +211,7 @@ def test_two_concurrent_builders_build_once(corpus, tmp_path):
     assert len(_entries(cache_dir)) == 1
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
     builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
-    assert builder.report["cache"] == "hit" and builder._cache.verify(full=True)
+    assert builder.report["cache"] == "hit" and builder.cache_entry().verify(full=True)
 
 
 def _writer_then_enospc(paths):
@@ -237,7 +239,7 @@ def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch)
     needed = FeatureCache.estimate_bytes([100, 50], num_features=40)
     assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
     monkeypatch.setattr(cache_module.shutil, "disk_usage",
-                        lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+                        lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
 
     def never(paths):
         raise AssertionError("the writer must not run")
@@ -272,7 +274,7 @@ def test_remove_lists_and_deletes_entries_and_leftovers(corpus, tmp_path):
     builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
     leftover = os.path.join(cache_dir, ".features-0123.tmp-xyz")
     os.makedirs(os.path.join(leftover, "features"))
-    assert FeatureCache.entries(cache_dir) == [builder._cache.name]
+    assert FeatureCache.entries(cache_dir) == [builder.cache_entry().name]
     assert FeatureCache.leftovers(cache_dir) == [".features-0123.tmp-xyz"]
     for name in FeatureCache.entries(cache_dir) + FeatureCache.leftovers(cache_dir):
         FeatureCache.remove(cache_dir, name)

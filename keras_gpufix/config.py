@@ -173,6 +173,8 @@ class ProfilingConfig:
     slow_factor: float = _spec(3.0, "a number > 1", lambda v: _is_number(v) and v > 1)
     min_slow_ms: float = _spec(5.0, "a number >= 0", lambda v: _is_number(v) and v >= 0)
     warmup: int = _spec(10, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
+    analysis_timeout: float = _spec(5.0, "a number of seconds >= 0",
+                                    lambda v: _is_number(v) and v >= 0)
 
 
 @dataclasses.dataclass
@@ -563,7 +565,7 @@ def _bad_inputs(corpus, max_seconds):
     from keras_gpufix.data.corpus import Corpus
 
     try:
-        source = Corpus.from_ljspeech(corpus)
+        source = Corpus.from_path(corpus)
     except ValueError as exc:
         return [{"line": None, "path": corpus, "reason": str(exc)}]
     return source.scan(on_bad_input="skip", max_seconds=max_seconds)[1]

@@ -167,8 +167,7 @@ def compile_model(
     print(report)
     ```
     """
-    _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch,
-                compile_kwargs)
+    _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
     strategy = model.distribute_strategy
     replicas = int(strategy.num_replicas_in_sync)
@@ -239,8 +238,7 @@ def compile_model(
     return report
 
 
-def _check_args(jit_compile, mixed_precision, steps_per_execution,
-                sample_batch, compile_kwargs):
+def _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch):
     if not isinstance(jit_compile, bool):
         raise ValueError(
             f"`jit_compile` must be True or False. Received: jit_compile={jit_compile!r}"
@@ -268,9 +266,6 @@ def _check_args(jit_compile, mixed_precision, steps_per_execution,
             "`sample_batch` must be (x, y), (x, y, sample_weight) or a "
             f"tf.data.Dataset. Received: sample_batch of type {type(sample_batch).__name__}"
         )
-    for name in ("jit_compile", "steps_per_execution"):
-        if name in compile_kwargs:
-            raise ValueError(f"Pass `{name}` once. Received it in compile_kwargs.")
 
 
 def _first_batch(sample_batch):

@@ -23,6 +23,15 @@ from keras_gpufix.keras_internals import (
 )
 
 
+def _twice(call):
+    """`call()` twice: its two results and the GpufixWarning messages (a broken
+    internal warns once, not per call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [call(), call()]
+    return results, [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)]
+
+
 def test_traced_functions_finds_keras_steps():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -60,12 +69,9 @@ def test_function_jit_compile_reads_the_argument(monkeypatch):
     monkeypatch.setattr(keras_internals, "_WARNED", set())
     fn = tf.function(lambda x: x)
     monkeypatch.setattr(type(fn), "function_spec", property(lambda self: None))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert function_jit_compile(fn) is None
-        assert function_jit_compile(fn) is None
-    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
-    assert len(ours) == 1 and "function_spec.jit_compile" in str(ours[0].message)
+    results, messages = _twice(lambda: function_jit_compile(fn))
+    assert results == [None, None]
+    assert len(messages) == 1 and "function_spec.jit_compile" in messages[0]
 
 
 def test_flatten_layers_walks_nested_models():
@@ -96,14 +102,10 @@ def test_a_broken_internal_gives_one_warning_naming_the_keras_version(monkeypatc
     fn(tf.constant(1.0))
     monkeypatch.setattr(type(fn), "_list_all_concrete_functions",
                         property(lambda self: (_ for _ in ()).throw(AttributeError("gone"))))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert concrete_functions(fn) is None
-        assert concrete_functions(fn) is None
-    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
-    assert len(ours) == 1
-    assert f"Keras {keras.__version__}" in str(ours[0].message)
-    assert "_list_all_concrete_functions" in str(ours[0].message)
+    results, messages = _twice(lambda: concrete_functions(fn))
+    assert results == [None, None] and len(messages) == 1
+    assert f"Keras {keras.__version__}" in messages[0]
+    assert "_list_all_concrete_functions" in messages[0]
 
 
 def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypatch):

@@ -32,6 +32,7 @@ BENCHMARKS = {
     "compile_speed": (["--quick"], []),
     "slow_loader": ([], []),
     "padding": ([], []),
+    "data_throughput": (["--quick"], []),
 }
 
 

@@ -565,7 +565,7 @@ def _bad_inputs(corpus, max_seconds):
     from keras_gpufix.data.corpus import Corpus
 
     try:
-        source = Corpus.from_ljspeech(corpus)
+        source = Corpus.from_path(corpus)
     except ValueError as exc:
         return [{"line": None, "path": corpus, "reason": str(exc)}]
     return source.scan(on_bad_input="skip", max_seconds=max_seconds)[1]

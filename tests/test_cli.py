@@ -72,6 +72,20 @@ def test_cache_build_into_a_new_relative_folder(corpus, tmp_path, monkeypatch, c
     assert os.path.isdir(tmp_path / "new" / "cache")
 
 
+def test_cache_takes_a_json_lines_manifest(corpus, tmp_path, capsys):
+    manifest = tmp_path / "train.jsonl"
+    with open(os.path.join(corpus, "metadata.csv"), encoding="utf-8") as f:
+        lines = [line.split("|") for line in f.read().splitlines()]
+    manifest.write_text("".join(
+        json.dumps({"audio_filepath": os.path.join(corpus, "wavs", uid + ".wav"), "text": text,
+                    "speaker": "s1"}) + "\n" for uid, text, *_ in lines[:5]), encoding="utf-8")
+    assert main(["cache", "info", str(manifest), "--cache-dir", str(tmp_path / "c"), "--json"]) == 0
+    info = last_json(capsys.readouterr().out)
+    assert info["status"] == "missing" and info["utterances"] == 5
+    assert main(["cache", "info", str(tmp_path / "none.jsonl"), "--cache-dir", "/tmp"]) == 2
+    assert "JSON Lines manifest" in capsys.readouterr().err
+
+
 def test_cache_needs_a_folder(corpus, capsys):
     assert main(["cache", "info", corpus]) == 2
     assert "--cache-dir" in capsys.readouterr().err

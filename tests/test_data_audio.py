@@ -269,6 +269,8 @@ def test_linear_features_match_librosa(name, power):
     assert got.shape == expected.shape == (config.num_frames(len(y)), config.n_fft // 2 + 1)
     assert config.num_features == config.n_fft // 2 + 1
     assert np.max(np.abs(got - expected)) <= 1e-3
+    batch = audio.log_linear(np.stack([y, y[::-1]]), config).numpy()
+    np.testing.assert_allclose(batch[0], got, atol=1e-5)
 
 
 def test_trimmed_normalised_linear_features_match_librosa():

@@ -252,11 +252,16 @@ def test_resolve_strategy_mode_names_the_modes():
         distribute.resolve_strategy_mode("pipeline")
 
 
-def test_memory_growth_too_late_is_a_clear_error(monkeypatch):
+def _gpus_without_memory_growth(monkeypatch, count):
+    """`count` fake GPUs, no TF_CONFIG, no logical configuration, memory growth off."""
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    _fake_gpus(monkeypatch, 1)
+    _fake_gpus(monkeypatch, count)
     monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda d: None)
     monkeypatch.setattr(tf.config.experimental, "get_memory_growth", lambda d: False)
+
+
+def test_memory_growth_too_late_is_a_clear_error(monkeypatch):
+    _gpus_without_memory_growth(monkeypatch, 1)
 
     def too_late(device, enable):
         raise RuntimeError("Physical devices cannot be modified after being initialized")
@@ -268,10 +273,7 @@ def test_memory_growth_too_late_is_a_clear_error(monkeypatch):
 
 
 def test_memory_growth_is_set_on_every_gpu(monkeypatch):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    _fake_gpus(monkeypatch, 2)
-    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda d: None)
-    monkeypatch.setattr(tf.config.experimental, "get_memory_growth", lambda d: False)
+    _gpus_without_memory_growth(monkeypatch, 2)
     grown = []
     monkeypatch.setattr(tf.config.experimental, "set_memory_growth",
                         lambda d, enable: grown.append((d.name, enable)))

@@ -9,6 +9,7 @@ _EXPORTS = {
     "AudioConfig": "keras_gpufix.data.audio",
     "LogMelSpectrogram": "keras_gpufix.data.audio",
     "log_mel": "keras_gpufix.data.audio",
+    "log_linear": "keras_gpufix.data.audio",
     "extract_features": "keras_gpufix.data.audio",
     "feature_frames": "keras_gpufix.data.audio",
     "trim_bounds": "keras_gpufix.data.audio",

@@ -43,6 +43,7 @@ __all__ = [
     "AudioConfig",
     "extract_features",
     "feature_frames",
+    "log_linear",
     "log_mel",
     "mel_filterbank",
     "trim_bounds",
@@ -288,6 +289,29 @@ def log_mel(waveform, config: AudioConfig, filterbank: np.ndarray | None = None)
     return tf.math.log(tf.math.maximum(mel, config.log_floor))
 
 
+def log_linear(waveform, config: AudioConfig) -> tf.Tensor:
+    """Log linear spectrogram of a waveform, librosa-compatible.
+
+    `ln(max(|STFT| ** power, log_floor))` where the STFT is
+    `librosa.stft(y, n_fft=n_fft, hop_length=hop_length,
+    win_length=win_length, center=center)` (periodic Hann window, zero
+    padding), computed in double precision as librosa does.
+
+    Args:
+        waveform: float tensor `(..., samples)` at `config.sample_rate`.
+        config: an `AudioConfig` (its `features`, trimming and
+            normalisation options are not applied here: see
+            `extract_features`).
+
+    Returns:
+        float32 tensor `(..., frames, n_fft // 2 + 1)` with
+        `frames == config.num_frames(samples)`.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    magnitude = _magnitude(waveform, config, tf.float64)
+    return tf.math.log(tf.math.maximum(magnitude, config.log_floor))
+
+
 def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
     """Where a clip's sound starts and ends, as `librosa.effects.trim` finds it.
 
@@ -311,11 +335,12 @@ def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
     n_fft, hop = config.n_fft, config.hop_length
     samples = tf.shape(waveform)[0]
     padded = tf.pad(waveform, [[n_fft // 2, n_fft // 2]])
-    power = tf.reduce_mean(tf.square(tf.signal.frame(padded, n_fft, hop)), axis=-1)
+    # Mean square of every frame, pooled (no framed copy of the clip).
+    power = tf.nn.avg_pool1d(tf.square(padded)[None, :, None], n_fft, hop, "VALID")[0, :, 0]
+    count = tf.shape(power)[0]
     floor = 1e-10  # librosa's amin ** 2
     ratio = tf.maximum(power, floor) / tf.maximum(tf.reduce_max(power), floor)
     loud = 10.0 * tf.math.log(ratio) / math.log(10.0) > -float(config.trim_top_db)
-    count = tf.shape(loud)[0]
     index = tf.range(count)
     last = tf.reduce_max(tf.where(loud, index, -1))
     end = tf.minimum(samples, (last + 1) * hop)
@@ -342,8 +367,7 @@ def extract_features(waveform, config: AudioConfig) -> tf.Tensor:
     """The features the dataset builder computes (and caches) for one clip.
 
     In order: silence trimming (`trim_top_db`), peak normalisation
-    (`normalize`), `log_mel` or the log linear spectrogram
-    `ln(max(|STFT| ** power, log_floor))` (`features`), per-utterance
+    (`normalize`), `log_mel` or `log_linear` (`features`), per-utterance
     feature normalisation (`feature_norm`); see `AudioConfig`.
 
     Args:
@@ -355,11 +379,7 @@ def extract_features(waveform, config: AudioConfig) -> tf.Tensor:
         `frames == feature_frames(waveform, config)`.
     """
     waveform = _prepare_waveform(waveform, config)
-    if config.features == "mel":
-        features = log_mel(waveform, config)
-    else:
-        magnitude = _magnitude(waveform, config, tf.float64)
-        features = tf.math.log(tf.math.maximum(magnitude, config.log_floor))
+    features = (log_mel if config.features == "mel" else log_linear)(waveform, config)
     if config.feature_norm == "utterance":
         mean, variance = tf.nn.moments(features, axes=[0], keepdims=True)
         features = (features - mean) / (tf.sqrt(variance) + 1e-10)

@@ -119,9 +119,7 @@ class SpeechDatasetBuilder:
         if isinstance(corpus, Corpus):
             return corpus
         if isinstance(corpus, (str, os.PathLike)):
-            if os.fspath(corpus).endswith((".jsonl", ".json")):
-                return Corpus.from_manifest(corpus)
-            return Corpus.from_ljspeech(os.fspath(corpus))
+            return Corpus.from_path(corpus)
         if isinstance(corpus, (list, tuple)) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in corpus
         ):

@@ -259,3 +259,17 @@ def test_custom_loop_without_functions_says_how_to_count():
 def test_functions_are_checked(functions):
     with pytest.raises(ValueError, match="`functions` must be a list"):
         kg.RetracingMonitor(functions=functions)
+
+
+def test_a_second_fit_at_shapes_compiled_in_the_first_costs_nothing():
+    ds = instrument(batched([12, 22, 31], pad_to_bucket_boundary=True))
+    model = seq_model(jit_compile=True)
+    monitor = kg.RetracingMonitor(verbose=0)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])
+    first = monitor.report()
+    assert first["new_shapes"] == 3 and first["recompile_ms"] > 0
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])  # XLA keeps its 3 programs
+    second = monitor.report()
+    assert second["new_shapes"] == 3 and second["trace_count"] == 0
+    assert all(e["compiled_before"] and not e["compiles"] for e in second["shape_events"])
+    assert second["recompile_ms"] == 0.0 and second["verdict"] == "healthy"

@@ -129,6 +129,10 @@ class RetracingMonitor(TimedCallback):
         self.min_spike_ms = float(min_spike_ms)
         self.verbose = verbose
         self._told_no_probe = False
+        # Shapes the watched functions were compiled for in earlier fits: a
+        # function keeps its XLA cache, so they cost nothing again.
+        self._watched = ()
+        self._compiled_shapes = set()
         self._reset()
 
     def _reset(self):
@@ -140,7 +144,7 @@ class RetracingMonitor(TimedCallback):
         self._fit_t0 = time.time()
         self._fit_t1 = None
         self._global = 0
-        self._trace_deltas = []  # new traces per hook
+        self._trace_deltas = {}  # hook index -> new traces, only hooks that traced
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
@@ -157,6 +161,10 @@ class RetracingMonitor(TimedCallback):
         else:
             self._watch_train_function()
         self._traces = self._baseline
+        watched = tuple(self._functions.values())
+        if len(watched) != len(self._watched) or any(
+                a is not b for a, b in zip(watched, self._watched)):
+            self._watched, self._compiled_shapes = watched, set()
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
@@ -211,9 +219,12 @@ class RetracingMonitor(TimedCallback):
         return sum(int(f.experimental_get_tracing_count()) for f in self._functions.values())
 
     def _after_hook(self):
-        traces = self._trace_total() if self._functions else self._traces
-        self._trace_deltas.append(traces - self._traces)
-        self._traces = traces
+        if not self._functions:
+            return
+        traces = self._trace_total()
+        if traces != self._traces:
+            self._trace_deltas[len(self.timer.durations) - 1] = traces - self._traces
+            self._traces = traces
 
     def _end(self):
         self._fit_t1 = time.time()
@@ -240,7 +251,7 @@ class RetracingMonitor(TimedCallback):
             seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
             # Time spent waiting for the batch is the input's, not a compile.
             seconds -= min(seconds, timer.input_waits[i] or 0.0)
-            new_traces = self._trace_deltas[i]
+            new_traces = self._trace_deltas.pop(i, 0)
             self._global += count
             new_shape = key is not None and key not in self._seen
             if new_shape:
@@ -248,7 +259,10 @@ class RetracingMonitor(TimedCallback):
             if new_shape or new_traces:
                 self._events.append({"step": self._global - count, "steps": count,
                                      "shape": key, "traces": new_traces,
-                                     "step_ms": seconds * 1e3})
+                                     "step_ms": seconds * 1e3,
+                                     "compiled_before": key in self._compiled_shapes})
+                if key is not None and self._functions:
+                    self._compiled_shapes.add(key)
             elif not timer.epoch_first[i]:
                 batch_normal.append(seconds / count)
         if batch_normal:
@@ -271,7 +285,8 @@ class RetracingMonitor(TimedCallback):
         """Whether the event's step compiled: a new trace, or a new shape under XLA."""
         if self._compiled is False:
             return False
-        return bool(event["traces"]) or (event["shape"] is not None and self._jit is True)
+        return bool(event["traces"]) or (event["shape"] is not None and self._jit is True
+                                         and not event["compiled_before"])
 
     def _priced(self):
         """Events with `compiles`, `cost_ms` and `slow`, priced against the current median.
@@ -363,8 +378,10 @@ class RetracingMonitor(TimedCallback):
             `shapes` (distinct input shape keys, as lists, in order seen),
             `new_shapes` (their number), `traced_shapes` (with
             `functions`: name -> the input shapes of each trace),
-            `shape_events` (step, steps, shape, traces, step_ms, compiles,
-            cost_ms, slow of each step at a new shape or with a new trace),
+            `shape_events` (step, steps, shape, traces, step_ms,
+            compiled_before (the shape was compiled in an earlier fit of the
+            same functions), compiles, cost_ms, slow of each step at a new
+            shape or with a new trace),
             `spikes` (other slow steps: more than `spike_factor` x the
             median) and `spike_ms` (their time above it; never priced as
             recompiles), `median_step_ms`, `steps`, `recompile_ms`

@@ -1,31 +1,41 @@
-"""Input-path throughput: `kg.data.SpeechDatasetBuilder` against the usual loaders.
+"""Input-path throughput: `kg.data.SpeechDatasetBuilder` against the naive loader.
 
-Measured side by side in one run on a generated LJSpeech-style corpus:
+Measured side by side in one run on a generated LJSpeech-style corpus, for
+each audio setting (`--settings`): `mel` (`AudioConfig()`, the TTS default)
+and `trim_linear` (the ASR recipe: silence trimmed at 20 dB, peak
+normalisation, log linear spectrogram, per-utterance feature
+normalisation, padding 0.0):
 
-- naive: `tf.numpy_function` calling librosa (load + melspectrogram) per
-  utterance, AUTOTUNE map, `padded_batch` (each batch padded to its longest
-  clip), no cache: the common loader;
-- compute limit: a bare Python loop of `kg.data.log_mel` (tf.signal STFT +
-  mel matmul, one `tf.function`) over the same audio, decoded in memory
-  beforehand;
+- naive: `kg.data.naive.naive_dataset` (`tf.numpy_function` calling
+  librosa's load, trim, normalize and melspectrogram / stft per utterance,
+  AUTOTUNE map, `padded_batch`), no cache: the common loader;
+- compute limit: the same log-mel (`kg.data.log_mel`) or log linear
+  spectrogram (`kg.data.log_linear`) on in-memory waveforms (decoded,
+  and trimmed and normalised where the setting asks, beforehand), in
+  length-sorted, padded batches of `--batch-size`, one `tf.function`
+  traced once, all cores;
 - the builder: cold (empty cache: the cache build alone, and end to end:
   scan, parallel feature computation and cache write, `build()`, one
-  epoch), warm (a new builder on the same cache: time to the
-  first batch, then one epoch) and without cache (features computed in the
-  pipeline every epoch).
+  epoch), warm (a new builder on the same cache: time to the first batch,
+  then one epoch) and without cache (features computed in the pipeline
+  every epoch; with trimming after one pass that measures the trimmed
+  lengths, timed with the epoch).
 
-Prints utterances/s, the ratios against the goals of issue 4, padding
-efficiency and distinct batch shapes per epoch. Other processes on the
-machine change absolute figures; the ratios come from the same run.
+Prints utterances/s, which way is faster and by how much, the builder's
+share of the compute limit (goal >= 0.85), padding efficiency and distinct
+batch shapes per epoch, and writes the figures as JSON (`--out`). Other
+processes on the machine change absolute figures; the ratios come from the
+same run.
 
 Usage:
 
     python benchmarks/data_throughput.py --utterances 1000
+    python benchmarks/data_throughput.py --quick --settings trim_linear
 """
 
 import argparse
+import dataclasses
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -34,158 +44,185 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _results import add_out_argument, write_results  # noqa: E402
 
 import keras_gpufix as kg  # noqa: E402
+from keras_gpufix.data import audio as audio_lib  # noqa: E402
 from keras_gpufix.data.corpus import Corpus  # noqa: E402
+from keras_gpufix.data.naive import naive_dataset  # noqa: E402
+from keras_gpufix.output import faster  # noqa: E402
 
-AUTOTUNE = tf.data.AUTOTUNE
+__all__ = ["SETTINGS", "main"]
+
+SETTINGS = {
+    "mel": audio_lib.AudioConfig(),
+    "trim_linear": audio_lib.AudioConfig(trim_top_db=20.0, normalize="peak", features="linear",
+                                         feature_norm="utterance", pad_value=0.0),
+}
+GOAL_OF_LIMIT = 0.85
 
 
 def _epoch(dataset):
     """Iterates one epoch; returns (seconds, utterances, shapes, real, padded)."""
     start = time.perf_counter()
     count, shapes, real, padded = 0, set(), 0, 0
-    for (ids, _), (mel, mel_len) in dataset:
-        count += int(mel.shape[0])
-        shapes.add((tuple(ids.shape), tuple(mel.shape)))
-        real += int(tf.reduce_sum(mel_len))
-        padded += int(mel.shape[0] * mel.shape[1])
+    for (ids, _), (features, features_len) in dataset:
+        count += int(features.shape[0])
+        shapes.add((tuple(ids.shape), tuple(features.shape)))
+        real += int(tf.reduce_sum(features_len))
+        padded += int(features.shape[0] * features.shape[1])
     return time.perf_counter() - start, count, shapes, real, padded
 
 
-def naive_dataset(utterances, config, batch_size):
-    import librosa
-
-    def features(path):
-        y, _ = librosa.load(path.decode(), sr=config.sample_rate)
-        mel = librosa.feature.melspectrogram(
-            y=y, sr=config.sample_rate, n_fft=config.n_fft, hop_length=config.hop_length,
-            win_length=config.win_length, center=config.center, power=config.power,
-            n_mels=config.n_mels, fmin=config.fmin, fmax=config.fmax, norm="slaney",
-            htk=config.mel_scale == "htk",
-        )
-        return np.log(np.maximum(mel, config.log_floor)).T.astype(np.float32)
-
-    def load(path, text):
-        mel = tf.numpy_function(features, [path], tf.float32)
-        mel = tf.ensure_shape(mel, [None, config.n_mels])
-        ids = tf.strings.unicode_decode(tf.strings.lower(text), "UTF-8")
-        return (ids, tf.shape(ids)[0]), (mel, tf.shape(mel)[0])
-
-    paths = [u.path for u in utterances]
-    texts = [u.text for u in utterances]
-    return (tf.data.Dataset.from_tensor_slices((paths, texts))
-            .shuffle(len(paths), seed=0)
-            .map(load, num_parallel_calls=AUTOTUNE)
-            .padded_batch(batch_size)
-            .prefetch(AUTOTUNE))
-
-
-def compute_limit(utterances, config):
-    """Seconds for a bare loop of log_mel over the audio, decoded beforehand."""
+def compute_limit(utterances, config, batch_size):
+    """Seconds for the bare spectrogram of in-memory audio, length-sorted batches."""
     waves = []
     for u in utterances:
-        contents = tf.io.read_file(u.path)
-        waves.append(kg.data.audio.decode_wav(contents, u.info.data_offset, u.info.data_bytes,
-                                              u.info.format_code, u.info.channels))
-    filterbank = kg.data.mel_filterbank(config)
-    step = tf.function(lambda w: kg.data.log_mel(w, config, filterbank),
-                       input_signature=[tf.TensorSpec([None], tf.float32)])
-    step(waves[0]).numpy()  # trace once
+        wave = audio_lib.decode_wav(tf.io.read_file(u.path), u.info.data_offset,
+                                    u.info.data_bytes, u.info.format_code, u.info.channels)
+        if config.trim_top_db is not None:
+            start, end = audio_lib.trim_bounds(wave, config)
+            wave = wave[start:end]
+        if config.normalize == "peak":
+            wave = wave / tf.reduce_max(tf.abs(wave))
+        waves.append(wave.numpy())
+    waves.sort(key=len)
+    batches = []
+    for i in range(0, len(waves), batch_size):
+        chunk = waves[i:i + batch_size]
+        batch = np.zeros((len(chunk), len(chunk[-1])), np.float32)
+        for row, wave in zip(batch, chunk):
+            row[:len(wave)] = wave
+        batches.append(tf.constant(batch))
+    spectrogram = audio_lib.log_mel if config.features == "mel" else audio_lib.log_linear
+    step = tf.function(lambda w: spectrogram(w, config),
+                       input_signature=[tf.TensorSpec([None, None], tf.float32)])
+    step(batches[0]).numpy()  # trace once
     start = time.perf_counter()
-    for wave in waves:
-        step(wave).numpy()
+    for batch in batches:
+        step(batch).numpy()
     return time.perf_counter() - start
 
 
-def main(argv=None):
+def run_setting(name, config, corpus, utterances, args, workdir):
+    """Every measurement of one audio setting; returns (figures, details)."""
+    n = len(utterances)
+    cache_dir = os.path.join(workdir, f"cache_{name}")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+
+    naive, _ = naive_dataset(corpus, args.batch_size, audio=config, drop_remainder=False)
+    next(iter(naive))  # librosa's first calls compile (numba): not counted against it
+    naive_s, naive_n, naive_shapes, naive_real, naive_padded = _epoch(naive)
+    limit_s = compute_limit(utterances, config, args.batch_size)
+
+    start = time.perf_counter()
+    cold = kg.data.SpeechDatasetBuilder(corpus, audio=config, cache_dir=cache_dir, verbose=0)
+    scan_s = time.perf_counter() - start
+    cold.prepare()
+    cache_s = time.perf_counter() - start - scan_s
+    epoch_s, cold_n, cold_shapes, _, _ = _epoch(cold.build(args.batch_size, args.num_buckets,
+                                                           seed=0))
+    cold_s = time.perf_counter() - start
+    assert cold.report["cache"] == "miss"
+
+    start = time.perf_counter()
+    warm = kg.data.SpeechDatasetBuilder(corpus, audio=config, cache_dir=cache_dir, verbose=0)
+    warm_ds = warm.build(args.batch_size, args.num_buckets, seed=0)
+    next(iter(warm_ds))
+    first_batch_s = time.perf_counter() - start
+    warm_s, warm_n, warm_shapes, warm_real, warm_padded = _epoch(warm_ds)
+    assert warm.report["cache"] == "hit"
+
+    start = time.perf_counter()
+    nocache = kg.data.SpeechDatasetBuilder(corpus, audio=config, verbose=0)
+    nocache_ds = nocache.build(args.batch_size, args.num_buckets, seed=0)
+    nocache_prepare_s = time.perf_counter() - start
+    nocache_epoch_s, nocache_n, _, _, _ = _epoch(nocache_ds)
+    nocache_s = nocache_prepare_s + nocache_epoch_s
+    assert naive_n == cold_n == warm_n == nocache_n == n
+
+    rate = lambda s: n / s  # noqa: E731
+    print(f"\n== setting {name}: {config}")
+    print(f"{'loader':52s} {'utt/s':>8s} {'seconds':>8s}")
+    rows = [
+        ("naive (numpy_function + librosa, pad to max)", naive_s),
+        ("compute limit (spectrogram, in memory, sorted batches)", limit_s),
+        ("builder, cold: cache build (features)", cache_s),
+        ("builder, cold: scan+cache build+1st epoch", cold_s),
+        ("builder, warm cache (one epoch)", warm_s),
+        ("builder, no cache (features every epoch)", nocache_s),
+    ]
+    for label, s in rows:
+        print(f"{label:52s} {rate(s):8.1f} {s:8.2f}")
+    print()
+    for label, s in (("the cold cache build", cache_s), ("the cold builder end to end", cold_s),
+                     ("the warm builder", warm_s), ("the no-cache builder", nocache_s)):
+        print(faster(label, rate(s), "the naive loader", rate(naive_s), " utterances/s"))
+    for label, s in (("cold cache build", cache_s), ("no-cache builder epoch", nocache_s)):
+        share = limit_s / s
+        print(f"{label} reaches {share:.2f} of the compute limit (goal >= {GOAL_OF_LIMIT}): "
+              f"{'met' if share >= GOAL_OF_LIMIT else 'NOT met'}")
+    print(f"cold: scan {scan_s:.2f} s, build()+1st epoch {epoch_s:.2f} s; warm start: first "
+          f"batch after {first_batch_s:.2f} s; no cache: build() {nocache_prepare_s:.2f} s")
+    print(f"padding efficiency: builder {warm_real / warm_padded:.3f}, naive pad-to-max "
+          f"{naive_real / naive_padded:.3f}; distinct batch shapes/epoch: builder "
+          f"{len(warm_shapes)} (cold epoch {len(cold_shapes)}, goal <= {args.num_buckets + 1}), "
+          f"naive {len(naive_shapes)}")
+    figures = {
+        f"{name}_naive_utterances_per_s": round(rate(naive_s), 1),
+        f"{name}_compute_limit_utterances_per_s": round(rate(limit_s), 1),
+        f"{name}_cold_cache_build_utterances_per_s": round(rate(cache_s), 1),
+        f"{name}_cold_end_to_end_utterances_per_s": round(rate(cold_s), 1),
+        f"{name}_warm_epoch_utterances_per_s": round(rate(warm_s), 1),
+        f"{name}_no_cache_utterances_per_s": round(rate(nocache_s), 1),
+        f"{name}_ratio_cold_cache_build_over_naive": round(naive_s / cache_s, 2),
+        f"{name}_ratio_no_cache_over_naive": round(naive_s / nocache_s, 2),
+        f"{name}_ratio_warm_over_naive": round(naive_s / warm_s, 2),
+        f"{name}_share_of_compute_limit_cold_cache_build": round(limit_s / cache_s, 3),
+        f"{name}_share_of_compute_limit_no_cache": round(limit_s / nocache_s, 3),
+        f"{name}_warm_first_batch_s": round(first_batch_s, 2),
+        f"{name}_padding_efficiency_builder": round(warm_real / warm_padded, 3),
+        f"{name}_padding_efficiency_naive": round(naive_real / naive_padded, 3),
+        f"{name}_distinct_shapes_builder": len(warm_shapes),
+        f"{name}_distinct_shapes_naive": len(naive_shapes),
+    }
+    details = {"audio": dataclasses.asdict(config),
+               "bucket_boundaries": warm.report["bucket_boundaries"]}
+    return figures, details
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--utterances", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="300 utterances")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated audio settings of {sorted(SETTINGS)}")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-buckets", type=int, default=8)
     parser.add_argument("--workdir", default=None, help="kept when given; a temp dir otherwise")
+    add_out_argument(parser, "data_throughput")
     args = parser.parse_args(argv)
+    names = [s for s in args.settings.split(",") if s]
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown:
+        parser.error(f"--settings: unknown {unknown}; choose from {sorted(SETTINGS)}")
+    count = 300 if args.quick else args.utterances
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="kg_bench_")
-    corpus = os.path.join(workdir, "corpus")
-    cache_dir = os.path.join(workdir, "cache")
-    config = kg.data.AudioConfig()
+    corpus = os.path.join(workdir, f"corpus_{count}")
     try:
-        start = time.perf_counter()
         if not os.path.exists(os.path.join(corpus, "metadata.csv")):
-            kg.data.make_synthetic_corpus(corpus, args.utterances, seed=0)
-        print(f"corpus: {args.utterances} utterances in {time.perf_counter() - start:.1f} s "
-              f"({corpus})")
-        shutil.rmtree(cache_dir, ignore_errors=True)
+            kg.data.make_synthetic_corpus(corpus, count, seed=0)
         utterances, _ = Corpus.from_ljspeech(corpus).scan()
-        n = len(utterances)
         seconds = sum(u.info.seconds for u in utterances)
-
-        naive_s, naive_n, naive_shapes, naive_real, naive_padded = _epoch(
-            naive_dataset(utterances, config, args.batch_size))
-        limit_s = compute_limit(utterances, config)
-
-        start = time.perf_counter()
-        cold = kg.data.SpeechDatasetBuilder(corpus, audio=config, cache_dir=cache_dir, verbose=0)
-        scan_s = time.perf_counter() - start
-        cold.prepare()
-        cache_s = time.perf_counter() - start - scan_s
-        cold_ds = cold.build(args.batch_size, args.num_buckets, seed=0)
-        epoch_s, cold_n, cold_shapes, _, _ = _epoch(cold_ds)
-        cold_s = time.perf_counter() - start
-        assert cold.report["cache"] == "miss"
-
-        start = time.perf_counter()
-        warm = kg.data.SpeechDatasetBuilder(corpus, audio=config, cache_dir=cache_dir, verbose=0)
-        warm_ds = warm.build(args.batch_size, args.num_buckets, seed=0)
-        next(iter(warm_ds))
-        first_batch = time.perf_counter() - start
-        warm_s, warm_n, warm_shapes, warm_real, warm_padded = _epoch(warm_ds)
-        assert warm.report["cache"] == "hit"
-
-        nocache = kg.data.SpeechDatasetBuilder(corpus, audio=config, verbose=0)
-        nocache_s, nocache_n, _, _, _ = _epoch(nocache.build(args.batch_size, args.num_buckets, seed=0))
-        assert naive_n == cold_n == warm_n == nocache_n == n
-
-        rate = lambda s: n / s  # noqa: E731
-        print(f"machine: {platform.machine()} {os.cpu_count()} CPU cores, TensorFlow "
-              f"{tf.__version__}, GPUs: {len(tf.config.list_physical_devices('GPU'))}")
-        print(f"audio: {seconds / 3600:.2f} h in {n} utterances, batch {args.batch_size}, "
-              f"{args.num_buckets} buckets")
-        print()
-        print(f"{'loader':44s} {'utt/s':>8s} {'seconds':>8s}")
-        rows = [
-            ("naive (numpy_function + librosa, pad to max)", naive_s),
-            ("compute limit (bare tf.signal log-mel loop)", limit_s),
-            ("builder, cold: cache build (features)", cache_s),
-            ("builder, cold: scan+cache build+1st epoch", cold_s),
-            ("builder, warm cache (one epoch)", warm_s),
-            ("builder, no cache (features every epoch)", nocache_s),
-        ]
-        for name, s in rows:
-            print(f"{name:44s} {rate(s):8.1f} {s:8.2f}")
-        print()
-        ratios = [
-            ("cold cache build / naive", naive_s / cache_s, ">= 5"),
-            ("cold cache build / compute limit", limit_s / cache_s, ">= 0.8"),
-            ("cold end-to-end / naive", naive_s / cold_s, ">= 5"),
-            ("cold end-to-end / compute limit", limit_s / cold_s, ">= 0.8"),
-            ("warm builder / naive", naive_s / warm_s, "(info)"),
-            ("no-cache builder / naive", naive_s / nocache_s, "(info)"),
-        ]
-        for name, value, goal in ratios:
-            print(f"{name:44s} {value:8.2f}x  goal {goal}")
-        print(f"{'cold: scan, build()+1st epoch seconds':44s} {scan_s:8.2f} {epoch_s:8.2f}")
-        print(f"{'warm start: time to first batch':44s} {first_batch:8.2f} s  goal <= 2 s "
-              f"for 1,000 utterances")
-        print(f"{'padding efficiency, builder':44s} {warm_real / warm_padded:8.3f}   goal >= 0.90 "
-              f"(report: {warm.report['padding_efficiency']})")
-        print(f"{'padding efficiency, naive pad-to-max':44s} {naive_real / naive_padded:8.3f}")
-        print(f"{'distinct batch shapes/epoch, builder':44s} {len(warm_shapes):8d}   goal <= "
-              f"{args.num_buckets + 1} (cold epoch: {len(cold_shapes)})")
-        print(f"{'distinct batch shapes/epoch, naive':44s} {len(naive_shapes):8d}")
-        print(f"bucket boundaries (frames): {warm.report['bucket_boundaries']}")
-        print(f"text boundaries (ids): {warm.report['text_boundaries']}")
+        print(f"corpus: {len(utterances)} utterances, {seconds / 3600:.2f} h ({corpus}); "
+              f"batch {args.batch_size}, {args.num_buckets} buckets")
+        figures, details = {"utterances": len(utterances), "audio_hours": round(seconds / 3600, 3)}, {}
+        for name in names:
+            setting_figures, details[name] = run_setting(name, SETTINGS[name], corpus, utterances,
+                                                         args, workdir)
+            figures.update(setting_figures)
+        write_results(args.out, "data_throughput", figures, details)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

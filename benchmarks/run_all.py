@@ -31,6 +31,8 @@ BENCHMARKS = {
     "end_to_end": (["--quick"], []),
     "compile_speed": (["--quick"], []),
     "slow_loader": ([], []),
+    "padding": ([], []),
+    "data_throughput": (["--quick"], []),
 }
 
 

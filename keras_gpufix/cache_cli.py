@@ -18,7 +18,7 @@ def corpus_builder(corpus, cache_dir=None, config=None, verbose=1):
     """A `SpeechDatasetBuilder` for `corpus` with a config's data settings.
 
     Args:
-        corpus: LJSpeech-style corpus folder.
+        corpus: LJSpeech-style corpus folder or JSON Lines manifest.
         cache_dir: feature cache folder; overrides the config's
             `data.cache_dir`. Defaults to None.
         config: YAML config path (its `data` section, through
@@ -29,13 +29,14 @@ def corpus_builder(corpus, cache_dir=None, config=None, verbose=1):
         `(builder, cache_dir)`.
 
     Raises:
-        FileNotFoundError: `corpus` is not a folder.
+        FileNotFoundError: `corpus` is neither a folder nor a manifest file.
     """
     from keras_gpufix import data
     from keras_gpufix.config import builder_kwargs, load_config
 
-    if not os.path.isdir(corpus):
-        raise FileNotFoundError(f"CORPUS must be a corpus folder. Received: {corpus!r}")
+    if not (os.path.isdir(corpus) or corpus.endswith((".jsonl", ".json")) and os.path.isfile(corpus)):
+        raise FileNotFoundError(
+            f"CORPUS must be a corpus folder or a JSON Lines manifest (.jsonl). Received: {corpus!r}")
     kwargs = {} if config is None else builder_kwargs(load_config(config))
     if cache_dir is not None:
         kwargs["cache_dir"] = cache_dir
@@ -114,7 +115,7 @@ def cache_build(corpus, cache_dir=None, config=None, verbose=1):
         frames = [audio.num_frames(resampled_length(u.info.frames, u.info.sample_rate,
                                                     audio.sample_rate))
                   for u in builder.utterances]
-        cache.check_space(FeatureCache.estimate_bytes(frames, audio.n_mels))
+        cache.check_space(FeatureCache.estimate_bytes(frames, audio.num_features))
     t0 = time.perf_counter()
     builder.prepare()
     seconds = time.perf_counter() - t0

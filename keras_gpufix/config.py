@@ -173,6 +173,8 @@ class ProfilingConfig:
     slow_factor: float = _spec(3.0, "a number > 1", lambda v: _is_number(v) and v > 1)
     min_slow_ms: float = _spec(5.0, "a number >= 0", lambda v: _is_number(v) and v >= 0)
     warmup: int = _spec(10, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
+    analysis_timeout: float = _spec(5.0, "a number of seconds >= 0",
+                                    lambda v: _is_number(v) and v >= 0)
 
 
 @dataclasses.dataclass
@@ -563,7 +565,7 @@ def _bad_inputs(corpus, max_seconds):
     from keras_gpufix.data.corpus import Corpus
 
     try:
-        source = Corpus.from_ljspeech(corpus)
+        source = Corpus.from_path(corpus)
     except ValueError as exc:
         return [{"line": None, "path": corpus, "reason": str(exc)}]
     return source.scan(on_bad_input="skip", max_seconds=max_seconds)[1]
@@ -745,7 +747,10 @@ class Setup:
         builder: the `kg.data.SpeechDatasetBuilder`, None without a corpus.
         build_kwargs: arguments for `builder.build` (the global batch size).
         compile_kwargs: keyword arguments for `kg.compile_model`.
-        callbacks: fresh monitor callbacks for `fit`.
+        callbacks: fresh monitor callbacks for `fit`: `GPUOscillationMonitor`,
+            `RetracingMonitor` and, with `monitor.log_dir`, a `StepTimer`
+            writing per-step and per-epoch `step_timer/*` TensorBoard scalars
+            beside the monitor's `oscillation/*` and the `ProfilerTrigger`.
     """
 
     config: Config
@@ -834,6 +839,8 @@ def from_config(cfg) -> Setup:
                                  thresholds=m.thresholds, log_dir=log_dir),
         kg.RetracingMonitor(max_new_shapes=d.num_buckets + 1),
     ]
+    if log_dir is not None:  # per-step and per-epoch step_timer/* scalars for TensorBoard
+        callbacks.append(kg.StepTimer(log_dir=log_dir, warmup=m.warmup))
     if m.profiling is not False and log_dir is not None:
         callbacks.append(kg.ProfilerTrigger(log_dir, **dataclasses.asdict(m.profiling)))
     return Setup(cfg, strategy, policy, builder, build_kwargs, compile_kwargs, callbacks)

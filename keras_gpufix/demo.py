@@ -194,12 +194,15 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
     log_dir = cfg.path(cfg.monitor.log_dir)
+    naive_logs = None if log_dir is None else os.path.join(log_dir, "naive")
     m = cfg.monitor
     monitor = kg.GPUOscillationMonitor(  # as the config's, its scalars beside them
         window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
-        log_dir=None if log_dir is None else os.path.join(log_dir, "naive"), verbose=0)
+        log_dir=naive_logs, verbose=0)
     retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
                                     verbose=0)
+    naive_callbacks = [monitor, retracing] + ([] if naive_logs is None else
+                                              [kg.StepTimer(log_dir=naive_logs)])
 
     emit(f"1/2 naive: librosa in tf.numpy_function, padded batches, model.compile defaults; "
          f"{epochs} epochs ...", verbose)
@@ -210,7 +213,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
     history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
-                            [monitor, retracing], steps=naive_steps)
+                            naive_callbacks, steps=naive_steps)
     naive = _side(monitor, retracing, seconds, naive_steps * cfg.data.batch_size, history)
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "

@@ -72,6 +72,20 @@ def test_cache_build_into_a_new_relative_folder(corpus, tmp_path, monkeypatch, c
     assert os.path.isdir(tmp_path / "new" / "cache")
 
 
+def test_cache_takes_a_json_lines_manifest(corpus, tmp_path, capsys):
+    manifest = tmp_path / "train.jsonl"
+    with open(os.path.join(corpus, "metadata.csv"), encoding="utf-8") as f:
+        lines = [line.split("|") for line in f.read().splitlines()]
+    manifest.write_text("".join(
+        json.dumps({"audio_filepath": os.path.join(corpus, "wavs", uid + ".wav"), "text": text,
+                    "speaker": "s1"}) + "\n" for uid, text, *_ in lines[:5]), encoding="utf-8")
+    assert main(["cache", "info", str(manifest), "--cache-dir", str(tmp_path / "c"), "--json"]) == 0
+    info = last_json(capsys.readouterr().out)
+    assert info["status"] == "missing" and info["utterances"] == 5
+    assert main(["cache", "info", str(tmp_path / "none.jsonl"), "--cache-dir", "/tmp"]) == 2
+    assert "JSON Lines manifest" in capsys.readouterr().err
+
+
 def test_cache_needs_a_folder(corpus, capsys):
     assert main(["cache", "info", corpus]) == 2
     assert "--cache-dir" in capsys.readouterr().err
@@ -133,6 +147,22 @@ def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(
     assert f"{winner} is " in result and f"x faster than {loser}" in result \
         or "equally fast" in result
     assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
+    # TensorBoard: a step-time chart for each way, side by side
+    for run in ("keras_gpufix", os.path.join("naive", "keras_gpufix")):
+        steps = _scalar_steps(tmp_path / "logs" / run, "step_timer/step_ms")
+        assert len(steps) >= 5 and steps == sorted(steps), run
+
+
+def _scalar_steps(run_dir, tag):
+    """The steps at which `tag` was written in a TensorBoard run folder."""
+    import tensorflow as tf
+
+    steps = []
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+    return steps
 
 
 def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(corpus, tmp_path,

@@ -277,6 +277,7 @@ def test_every_documented_value_reaches_its_object(tmp_path, policy, prefetch, k
     assert monitor.log_dir == logs
     trigger = by_type[kg.ProfilerTrigger]
     assert trigger.log_dir == logs
+    assert by_type[kg.StepTimer].log_dir == logs  # per-step scalars in TensorBoard
     assert {name: getattr(trigger, name) for name in (
         "trigger", "steps", "max_traces", "analyze", "cooldown", "slow_factor",
         "min_slow_ms", "warmup")} == {
@@ -359,3 +360,15 @@ def test_fix_drops_a_comment_that_names_the_old_value(tmp_path):
     assert open(path).read() == "data:\n  num_buckets: 8\n  batch_size: 8  # global batch\n"
     before = {c["key"]: c["before"] for c in result["changes"]}
     assert before["data.num_buckets"] == "0  # 0: no bucketing"
+
+
+def test_from_config_writes_tensorboard_scalars_only_with_a_log_dir(tmp_path):
+    import keras_gpufix as kg
+    from keras_gpufix.config import from_config
+
+    with_logs = from_config(load_config(write(tmp_path, "monitor:\n  log_dir: tb\n")))
+    timers = [c for c in with_logs.callbacks if type(c) is kg.StepTimer]
+    assert len(timers) == 1 and timers[0].log_dir == str(tmp_path / "tb")
+    without = from_config(load_config(write(tmp_path, "monitor:\n  log_dir: null\n", "b.yaml")))
+    assert {type(c) for c in without.callbacks} == {kg.GPUOscillationMonitor,
+                                                    kg.RetracingMonitor}

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 import struct
 import warnings
 
@@ -9,8 +10,10 @@ import pytest
 import tensorflow as tf
 
 from keras_gpufix.data import audio
+from keras_gpufix.data.builder import SpeechDatasetBuilder
 from keras_gpufix.data.corpus import read_wav_header
 from keras_gpufix.data.synthetic import _speech, write_wav
+from layer_checks import check_config_round_trip, check_dataset_function, check_layer
 
 CONFIGS = {
     "default": audio.AudioConfig(),
@@ -182,14 +185,13 @@ def test_num_frames_matches_log_mel():
             assert audio.log_mel(waveform, config).shape[0] == config.num_frames(samples)
 
 
-def test_layer_matches_function_and_round_trips(tmp_path):
+def test_layer_checks_and_saved_model(tmp_path):
     config = dataclasses.replace(CONFIGS["16k_no_center"], n_mels=40)
     layer = audio.LogMelSpectrogram.from_audio_config(config)
-    waves = np.random.default_rng(3).uniform(-0.5, 0.5, (2, 4000)).astype(np.float32)
-    np.testing.assert_allclose(layer(waves).numpy(), audio.log_mel(waves, config).numpy(), atol=1e-5)
-    clone = audio.LogMelSpectrogram.from_config(layer.get_config())
-    assert clone.get_config() == layer.get_config()
-    assert clone.config == layer.config
+    waves = np.random.default_rng(3).uniform(-0.5, 0.5, (3, 4000)).astype(np.float32)
+    out = check_layer(layer, waves)
+    np.testing.assert_allclose(out, audio.log_mel(waves, config).numpy(), atol=1e-5)
+    assert audio.LogMelSpectrogram.from_config(layer.get_config()).config == layer.config
 
     inputs = keras.Input((4000,))
     model = keras.Model(inputs, keras.layers.Dense(3)(audio.LogMelSpectrogram(n_mels=40)(inputs)))
@@ -200,13 +202,8 @@ def test_layer_matches_function_and_round_trips(tmp_path):
     np.testing.assert_allclose(restored(waves).numpy(), model(waves).numpy(), atol=1e-5)
 
 
-def test_layer_inside_tf_data_and_float32_under_mixed_precision():
-    layer = audio.LogMelSpectrogram(sample_rate=16000, n_fft=512, hop_length=160,
-                                    win_length=400, n_mels=40, fmax=None)
-    waves = np.random.default_rng(4).uniform(-0.5, 0.5, (4, 3200)).astype(np.float32)
-    ds = tf.data.Dataset.from_tensor_slices(waves).batch(2).map(layer)
-    out = np.concatenate([x.numpy() for x in ds])
-    np.testing.assert_allclose(out, layer(waves).numpy(), atol=1e-5)
+def test_layer_is_float32_under_mixed_precision():
+    waves = np.random.default_rng(4).uniform(-0.5, 0.5, (2, 3200)).astype(np.float32)
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -214,3 +211,231 @@ def test_layer_inside_tf_data_and_float32_under_mixed_precision():
         assert mixed(waves).dtype == tf.float32
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def test_layer_refuses_options_it_does_not_apply():
+    with pytest.raises(ValueError, match=r"Received: trim_top_db=20, features='linear'"):
+        audio.LogMelSpectrogram.from_audio_config(
+            audio.AudioConfig(trim_top_db=20, features="linear"))
+    layer = audio.LogMelSpectrogram.from_audio_config(audio.AudioConfig(pad_value=0.0, n_mels=32))
+    assert layer.n_mels == 32
+
+
+# --- trimming, normalisation, linear features (issue 14 item 3) ---
+
+SR = 16000
+SMALL = audio.AudioConfig(sample_rate=SR, n_fft=512, hop_length=160, win_length=400, n_mels=40,
+                          fmax=None)
+
+
+def _planted(rng, lead_s, speech_s, tail_s, floor=1e-4):
+    """Speech with planted leading/trailing near-silence (a noise floor)."""
+    speech = _speech(rng, speech_s, SR)
+    return np.concatenate([floor * rng.standard_normal(int(lead_s * SR)), speech,
+                           floor * rng.standard_normal(int(tail_s * SR))]).astype(np.float32)
+
+
+@pytest.mark.parametrize("top_db", [20, 40, 60])
+@pytest.mark.parametrize("center", [True, False])
+def test_trim_within_two_frames_of_librosa(top_db, center):
+    librosa = pytest.importorskip("librosa")
+    config = dataclasses.replace(SMALL, trim_top_db=top_db, center=center)
+    rng = np.random.default_rng(top_db)
+    for lead, tail in ((0.6, 0.3), (0.05, 0.9), (0.0, 0.0)):
+        y = _planted(rng, lead, 1.2, tail)
+        _, (ref_start, ref_end) = librosa.effects.trim(
+            y, top_db=top_db, frame_length=config.n_fft, hop_length=config.hop_length)
+        start, end = (int(v) for v in audio.trim_bounds(y, config))
+        assert abs(start - ref_start) <= 2 * config.hop_length
+        assert abs(end - ref_end) <= 2 * config.hop_length
+        assert start >= int(lead * SR) - 2 * config.hop_length  # the planted silence went
+        assert end <= len(y) - int(tail * SR) + 2 * config.hop_length + config.n_fft
+        expected_frames = config.num_frames(ref_end - ref_start)
+        features = audio.extract_features(y, config).numpy()
+        assert abs(len(features) - expected_frames) <= 2
+        assert len(features) == int(audio.feature_frames(y, config))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("power", [1.0, 2.0])
+def test_linear_features_match_librosa(name, power):
+    librosa = pytest.importorskip("librosa")
+    config = dataclasses.replace(CONFIGS[name], features="linear", power=power)
+    y = _speech(np.random.default_rng(5), 2.1, config.sample_rate).astype(np.float32)
+    stft = librosa.stft(y, n_fft=config.n_fft, hop_length=config.hop_length,
+                        win_length=config.win_length, center=config.center, window="hann")
+    expected = np.log(np.maximum(np.abs(stft) ** power, config.log_floor)).T
+    got = audio.extract_features(y, config).numpy()
+    assert got.shape == expected.shape == (config.num_frames(len(y)), config.n_fft // 2 + 1)
+    assert config.num_features == config.n_fft // 2 + 1
+    assert np.max(np.abs(got - expected)) <= 1e-3
+    batch = audio.log_linear(np.stack([y, y[::-1]]), config).numpy()
+    np.testing.assert_allclose(batch[0], got, atol=1e-5)
+
+
+def test_trimmed_normalised_linear_features_match_librosa():
+    librosa = pytest.importorskip("librosa")
+    config = dataclasses.replace(SMALL, trim_top_db=30, normalize="peak", features="linear")
+    y = 0.3 * _planted(np.random.default_rng(6), 0.5, 1.0, 0.4)
+    trimmed, _ = librosa.effects.trim(y, top_db=30, frame_length=config.n_fft,
+                                      hop_length=config.hop_length)
+    trimmed = librosa.util.normalize(trimmed)
+    stft = librosa.stft(trimmed, n_fft=config.n_fft, hop_length=config.hop_length,
+                        win_length=config.win_length)
+    expected = np.log(np.maximum(np.abs(stft), config.log_floor)).T
+    got = audio.extract_features(y, config).numpy()
+    assert got.shape == expected.shape
+    assert np.max(np.abs(got - expected)) <= 1e-3
+
+
+def test_peak_normalisation_and_silence():
+    config = dataclasses.replace(SMALL, normalize="peak")
+    y = 0.05 * _speech(np.random.default_rng(7), 0.8, SR).astype(np.float32)
+    np.testing.assert_allclose(audio.extract_features(y, config).numpy(),
+                               audio.extract_features(y / np.abs(y).max(), SMALL).numpy(),
+                               atol=1e-4)
+    silent = np.zeros(SR // 2, np.float32)
+    out = audio.extract_features(silent, config).numpy()
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, np.log(config.log_floor), atol=1e-6)
+
+
+@pytest.mark.parametrize("features", ["mel", "linear"])
+def test_utterance_feature_norm(features):
+    config = dataclasses.replace(SMALL, features=features, feature_norm="utterance")
+    y = _speech(np.random.default_rng(8), 1.0, SR).astype(np.float32)
+    out = audio.extract_features(y, config).numpy()
+    raw = audio.extract_features(y, dataclasses.replace(config, feature_norm=None)).numpy()
+    assert out.shape == raw.shape == (config.num_frames(len(y)), config.num_features)
+    varying = raw.std(axis=0) > 1e-3
+    np.testing.assert_allclose(out.mean(axis=0), 0.0, atol=1e-4)
+    np.testing.assert_allclose(out.std(axis=0)[varying], 1.0, atol=1e-3)
+    expected = (raw - raw.mean(axis=0)) / (raw.std(axis=0) + 1e-10)
+    np.testing.assert_allclose(out[:, varying], expected[:, varying], atol=1e-3)
+
+
+def test_extract_features_in_graph_and_tf_data():
+    config = dataclasses.replace(SMALL, trim_top_db=30, normalize="peak", features="linear",
+                                 feature_norm="utterance")
+    rng = np.random.default_rng(9)
+    clips = [_planted(rng, 0.3, 0.6, 0.2), _planted(rng, 0.1, 0.9, 0.5)]
+    outputs = check_dataset_function(
+        lambda y: (audio.extract_features(y, config), audio.feature_frames(y, config)), clips,
+        atol=1e-4)
+    for features, frames in outputs:
+        assert features.shape == (frames, config.num_features)
+
+
+def test_audio_config_round_trip_and_derived_values():
+    config = dataclasses.replace(SMALL, trim_top_db=25.0, normalize="peak", features="linear",
+                                 pad_value=0.0, feature_norm="utterance", max_seconds=None)
+    check_config_round_trip(config)
+    check_config_round_trip(audio.AudioConfig())
+    assert audio.AudioConfig().padding_value == pytest.approx(np.log(1e-5))
+    assert config.padding_value == 0.0
+    assert (SMALL.num_features, config.num_features) == (40, 257)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"trim_top_db": 0}, "`trim_top_db` must be a number of dB > 0 (e.g. 20 or 60), or None "
+                             "to keep the whole clip. Received: trim_top_db=0"),
+        ({"trim_top_db": "20"}, "Received: trim_top_db='20'"),
+        ({"normalize": "rms"}, '`normalize` must be None or "peak". Received: normalize=\'rms\''),
+        ({"features": "mfcc"}, '`features` must be "mel" or "linear". Received: features=\'mfcc\''),
+        ({"feature_norm": "global"}, '`feature_norm` must be None or "utterance"'),
+        ({"pad_value": float("nan")}, "`pad_value` must be a finite number (e.g. 0.0), or None "
+                                      "for ln(log_floor). Received: pad_value=nan"),
+        ({"pad_value": True}, "Received: pad_value=True"),
+    ],
+)
+def test_new_audio_options_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        audio.AudioConfig(**kwargs)
+
+
+# --- the builder with the new options: lengths, padding, cache fingerprint ---
+
+def _corpus(tmp_path, count=4):
+    rng = np.random.default_rng(10)
+    pairs, clips = [], {}
+    for i in range(count):
+        path = str(tmp_path / f"utt{i}.wav")
+        write_wav(path, _planted(rng, 0.2 + 0.1 * i, 0.4 + 0.15 * i, 0.3), SR)
+        text = f"utterance number {'abcdefgh'[i] * (i + 1)}"
+        pairs.append((path, text))
+        clips[text] = _decode_file(path)
+    return pairs, clips
+
+
+def _features_by_text(builder, dataset):
+    """`{transcript: (real frames, padded frames)}` over one epoch."""
+    alphabet = builder.text.vocabulary
+    out = {}
+    for (ids, text_len), (feats, feats_len) in dataset:
+        for i in range(len(text_len)):
+            text = "".join(alphabet[j - 1] for j in ids[i, : text_len[i]].numpy())
+            out[text] = (feats[i, : feats_len[i]].numpy(), feats[i, feats_len[i]:].numpy())
+    return out
+
+
+def _check_epoch(builder, clips, config):
+    got = _features_by_text(builder, builder.build(batch_size=2, num_buckets=2, seed=0))
+    assert sorted(got) == sorted(clips)
+    for text, (real, padded) in got.items():
+        expected = audio.extract_features(clips[text], config).numpy()
+        assert real.shape == expected.shape
+        np.testing.assert_allclose(real, expected, atol=1e-4)
+        np.testing.assert_array_equal(padded, np.full(padded.shape, config.padding_value,
+                                                      np.float32))
+
+
+CHANGED = {"trim_top_db": 30.0, "normalize": "peak", "features": "linear", "pad_value": 0.0,
+           "feature_norm": "utterance"}
+
+
+def test_every_audio_option_changes_the_fingerprint(tmp_path):
+    pairs, _ = _corpus(tmp_path, count=2)
+    changed = dict(CHANGED, sample_rate=22050, n_fft=1024, hop_length=256, win_length=256,
+                   n_mels=32, fmin=20.0, fmax=4000.0, power=2.0, mel_scale="htk", center=False,
+                   log_floor=1e-6, max_seconds=30.0)
+    assert set(changed) == {f.name for f in dataclasses.fields(audio.AudioConfig)}
+    base = SpeechDatasetBuilder(pairs, audio=SMALL, verbose=0).fingerprint()
+    seen = {base}
+    for name, value in changed.items():
+        config = dataclasses.replace(SMALL, **{name: value})
+        key = SpeechDatasetBuilder(pairs, audio=config, verbose=0).fingerprint()
+        assert key not in seen, name
+        seen.add(key)
+
+
+def test_cache_never_serves_stale_features_when_an_option_changes(tmp_path):
+    pairs, clips = _corpus(tmp_path)
+    cache_dir = tmp_path / "cache"
+    first = SpeechDatasetBuilder(pairs, audio=SMALL, cache_dir=cache_dir, verbose=0)
+    _check_epoch(first, clips, SMALL)
+    assert first.report["cache"] == "miss"
+    config = SMALL
+    for name, value in CHANGED.items():
+        config = dataclasses.replace(config, **{name: value})
+        builder = SpeechDatasetBuilder(pairs, audio=config, cache_dir=cache_dir, verbose=0)
+        _check_epoch(builder, clips, config)
+        assert builder.report["cache"] == "miss", name
+    again = SpeechDatasetBuilder(pairs, audio=SMALL, cache_dir=cache_dir, verbose=0)
+    _check_epoch(again, clips, SMALL)
+    assert again.report["cache"] == "hit"
+
+
+def test_trimmed_lengths_with_and_without_cache(tmp_path):
+    pairs, clips = _corpus(tmp_path)
+    config = dataclasses.replace(SMALL, trim_top_db=30.0, pad_value=-1.0)
+    untrimmed = SpeechDatasetBuilder(pairs, audio=SMALL, verbose=0)
+    for cache_dir in (None, tmp_path / "cache"):
+        builder = SpeechDatasetBuilder(pairs, audio=config, cache_dir=cache_dir, verbose=0)
+        _check_epoch(builder, clips, config)
+        full = untrimmed.build(batch_size=2, num_buckets=2, seed=0)
+        before = sum(int(tf.reduce_sum(n)) for _, (_, n) in full)
+        after = sum(int(tf.reduce_sum(n)) for _, (_, n) in builder.build(2, 2, seed=0))
+        assert after < before - 4 * len(pairs)  # the planted silence is gone
+        assert max(builder.report["bucket_boundaries"]) < max(untrimmed.report["bucket_boundaries"])

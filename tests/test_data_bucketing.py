@@ -1,9 +1,10 @@
 import collections
+import itertools
 
 import numpy as np
 import pytest
 
-from keras_gpufix.data.bucketing import BucketPlan, quantile_boundaries
+from keras_gpufix.data.bucketing import BucketPlan, padding_buckets
 
 
 def _lengths(n=203, seed=0):
@@ -27,11 +28,50 @@ def _epoch(plan, dataset):
     return batches
 
 
-def test_quantile_boundaries():
-    assert quantile_boundaries(np.arange(1, 101), 4).tolist() == [25, 50, 75, 100]
-    assert quantile_boundaries([5] * 10, 8).tolist() == [5]
+def _padded(lengths, bucket_of, boundaries):
+    return int(boundaries[bucket_of].sum() - np.sum(lengths))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padding_buckets_are_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 60, 14)
+    lengths[:3] = lengths[3]  # repeated lengths
+    ordered = np.sort(lengths)
+    for step, num_buckets in ((1, 3), (1, 4), (4, 3)):
+        boundaries, bucket_of = padding_buckets(lengths, num_buckets, step)
+        assert len(boundaries) <= num_buckets and np.all(np.diff(boundaries) > 0)
+        assert np.all(lengths <= boundaries[bucket_of]) and lengths.max() == boundaries[-1]
+        counts = np.bincount(bucket_of)
+        if step > 1:
+            assert np.all(counts[1:] % step == 0)
+        if step > 1:
+            allowed = [c for c in range(1, len(lengths)) if c % step == len(lengths) % step]
+        else:
+            allowed = [c for c in range(1, len(lengths)) if ordered[c] != ordered[c - 1]]
+        best = min(
+            sum(len(run) * run.max() - run.sum() for run in np.split(ordered, list(cuts)))
+            for k in range(num_buckets) for cuts in itertools.combinations(allowed, k)
+        )
+        assert _padded(lengths, bucket_of, boundaries) == best
+
+
+def test_padding_buckets_edge_cases():
+    boundaries, bucket_of = padding_buckets([5] * 10, 8)
+    assert boundaries.tolist() == [5] and bucket_of.tolist() == [0] * 10
+    boundaries, bucket_of = padding_buckets([3, 1, 2], 8, step=16)  # fewer than a batch
+    assert boundaries.tolist() == [3] and bucket_of.tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="`num_buckets` must be >= 1. Received: num_buckets=0"):
-        quantile_boundaries([1, 2], 0)
+        padding_buckets([1, 2], 0)
+
+
+def test_real_speech_lengths_reach_090_with_at_most_9_shapes():
+    # 600 clips of 1-10 s, log-normal around 4 s (median), 22050 Hz / hop 256:
+    # equal-count (quantile) buckets gave 0.879 real frames on this corpus.
+    seconds = np.clip(np.random.default_rng(0).lognormal(np.log(4.0), 0.5, 600), 1, 10)
+    frames = (seconds * 22050 / 256).astype(int) + 1
+    plan = BucketPlan(frames, (seconds * 14).astype(int) + 1, batch_size=16, num_buckets=8)
+    assert plan.padding_efficiency >= 0.90 and len(plan.shapes) <= 9
 
 
 @pytest.mark.parametrize("drop_remainder", [False, True])

@@ -2,12 +2,12 @@ import errno
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -60,9 +60,15 @@ def _spawn(corpus, cache_dir, delay):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 
+def _prepared(corpus, cache_dir, audio=AUDIO):
+    """A builder of `corpus` with its feature cache opened or built (no cache: None)."""
+    return SpeechDatasetBuilder(corpus, audio=audio, cache_dir=cache_dir, verbose=0).prepare()
+
+
 def _features(builder):
     """Every cached feature of a prepared builder, in utterance order."""
-    return [builder._cache.read(i) for i in range(len(builder._manifest["frames"]))]
+    entry = builder.cache_entry()
+    return [entry.read(i) for i in range(builder.report["utterances"])]
 
 
 def _entries(cache_dir):
@@ -77,32 +83,33 @@ def corpus(tmp_path):
 
 def test_miss_then_hit_with_identical_features(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    first = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
-    second = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    first = _prepared(corpus, cache_dir)
+    second = _prepared(corpus, cache_dir)
     assert (first.report["cache"], second.report["cache"]) == ("miss", "hit")
     assert first.report["cache_path"] == second.report["cache_path"]
-    assert first._cache.verify(full=True)
+    assert first.cache_entry().verify(full=True)
     for a, b in zip(_features(first), _features(second)):
         np.testing.assert_array_equal(a, b)
-    assert [len(f) for f in _features(first)] == first._frames.tolist()
-    off = SpeechDatasetBuilder(corpus, audio=AUDIO, verbose=0).prepare()
+    assert [len(f) for f in _features(first)] == [AUDIO.num_frames(u.info.frames)
+                                                  for u in first.utterances]
+    off = _prepared(corpus, None)
     assert off.report["cache"] == "off"
 
 
 def test_transcript_edit_config_change_and_audio_edit_invalidate(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    base = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    base = _prepared(corpus, cache_dir)
     metadata = os.path.join(corpus, "metadata.csv")
     lines = open(metadata, encoding="utf-8").read().splitlines()
     uid, text, _ = lines[0].split("|")
     lines[0] = f"{uid}|{text} again|{text} again"
     open(metadata, "w", encoding="utf-8").write("\n".join(lines) + "\n")
-    edited = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    edited = _prepared(corpus, cache_dir)
     assert edited.report["cache"] == "miss"
     assert edited.report["cache_path"] != base.report["cache_path"]
 
     other = AudioConfig(**{**AUDIO.__dict__, "n_mels": 32})
-    config = SpeechDatasetBuilder(corpus, audio=other, cache_dir=cache_dir, verbose=0).prepare()
+    config = _prepared(corpus, cache_dir, audio=other)
     assert config.report["cache"] == "miss"
 
     wav = os.path.join(corpus, "wavs", uid + ".wav")
@@ -110,7 +117,7 @@ def test_transcript_edit_config_change_and_audio_edit_invalidate(corpus, tmp_pat
     data[-200:] = bytes(200)  # same size, new content, new mtime
     time.sleep(0.01)
     open(wav, "wb").write(bytes(data))
-    audio_edit = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    audio_edit = _prepared(corpus, cache_dir)
     assert audio_edit.report["cache"] == "miss"
     assert not np.array_equal(_features(audio_edit)[0], _features(edited)[0])
     assert len(_entries(cache_dir)) == 4
@@ -118,21 +125,20 @@ def test_transcript_edit_config_change_and_audio_edit_invalidate(corpus, tmp_pat
 
 def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    clean = _prepared(corpus, cache_dir)
     expected = _features(clean)
-    path = clean._cache.feature_path(3)
+    path = clean.cache_entry().feature_path(3)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 4)
     with pytest.warns(GpufixWarning, match="feature file 3 has"):
-        again = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+        again = _prepared(corpus, cache_dir)
     assert again.report["cache"] == "miss"
     for a, b in zip(expected, _features(again)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_full_verify_catches_flipped_bytes(corpus, tmp_path):
-    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "c"), verbose=0)
-    cache = builder.prepare()._cache
+    cache = _prepared(corpus, str(tmp_path / "c")).cache_entry()
     with open(cache.feature_path(0), "r+b") as f:
         f.seek(8)
         f.write(b"\x00\x00\x80\x7f")
@@ -181,12 +187,11 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     assert _entries(cache_dir) == []  # nothing published
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*"))  # only the aside copy
 
-    rerun = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    rerun = _prepared(corpus, cache_dir)
     assert rerun.report["cache"] == "miss"
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
-    clean = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=str(tmp_path / "clean"),
-                                 verbose=0).prepare()
-    assert rerun._manifest["fingerprints"] == clean._manifest["fingerprints"]
+    clean = _prepared(corpus, str(tmp_path / "clean"))
+    assert rerun.cache_entry().open()["fingerprints"] == clean.cache_entry().open()["fingerprints"]
     for a, b in zip(_features(rerun), _features(clean)):
         np.testing.assert_array_equal(a, b)
 
@@ -208,8 +213,8 @@ def test_two_concurrent_builders_build_once(corpus, tmp_path):
     assert sorted(statuses) == ["hit", "miss"]
     assert len(_entries(cache_dir)) == 1
     assert glob.glob(os.path.join(cache_dir, ".features-*.tmp-*")) == []
-    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
-    assert builder.report["cache"] == "hit" and builder._cache.verify(full=True)
+    builder = _prepared(corpus, cache_dir)
+    assert builder.report["cache"] == "hit" and builder.cache_entry().verify(full=True)
 
 
 def _writer_then_enospc(paths):
@@ -234,10 +239,10 @@ def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch)
     import keras_gpufix.data.cache as cache_module
 
     cache = FeatureCache(str(tmp_path / "cache"), "b" * 64, count=2, verbose=0)
-    needed = FeatureCache.estimate_bytes([100, 50], n_mels=40)
+    needed = FeatureCache.estimate_bytes([100, 50], num_features=40)
     assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
     monkeypatch.setattr(cache_module.shutil, "disk_usage",
-                        lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+                        lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
 
     def never(paths):
         raise AssertionError("the writer must not run")
@@ -269,10 +274,10 @@ def test_interrupted_build_removes_its_temporary_folder(tmp_path):
 
 def test_remove_lists_and_deletes_entries_and_leftovers(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    builder = SpeechDatasetBuilder(corpus, audio=AUDIO, cache_dir=cache_dir, verbose=0).prepare()
+    builder = _prepared(corpus, cache_dir)
     leftover = os.path.join(cache_dir, ".features-0123.tmp-xyz")
     os.makedirs(os.path.join(leftover, "features"))
-    assert FeatureCache.entries(cache_dir) == [builder._cache.name]
+    assert FeatureCache.entries(cache_dir) == [builder.cache_entry().name]
     assert FeatureCache.leftovers(cache_dir) == [".features-0123.tmp-xyz"]
     for name in FeatureCache.entries(cache_dir) + FeatureCache.leftovers(cache_dir):
         FeatureCache.remove(cache_dir, name)

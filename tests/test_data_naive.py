@@ -10,18 +10,24 @@ from keras_gpufix.data.naive import naive_dataset  # noqa: E402
 from keras_gpufix.data.synthetic import make_synthetic_corpus  # noqa: E402
 
 
-def test_naive_batches_hold_the_builders_features_and_ids(tmp_path):
+@pytest.mark.parametrize("audio", [
+    AudioConfig(n_mels=20),
+    AudioConfig(trim_top_db=20.0, normalize="peak", features="linear", feature_norm="utterance",
+                pad_value=0.0),
+], ids=["mel", "trim_linear_norm"])
+def test_naive_batches_hold_the_builders_features_and_ids(tmp_path, audio):
     corpus = make_synthetic_corpus(str(tmp_path / "corpus"), 6, min_seconds=0.5, max_seconds=1.0)
-    audio, text = AudioConfig(n_mels=20), TextConfig()
+    text = TextConfig()
     dataset, steps = naive_dataset(corpus, 3, audio, text, seed=0)
     assert steps == 2
-    assert dataset.element_spec[1][0].shape.as_list() == [3, None, 20]
+    assert dataset.element_spec[1][0].shape.as_list() == [3, None, audio.num_features]
     naive = {}
     for (ids, text_len), (mel, mel_len) in dataset.take(steps):
         for i in range(3):
             n = int(mel_len[i])
             naive[tuple(ids[i, :int(text_len[i])].numpy())] = mel[i, :n].numpy()
-        assert float(mel.numpy().min()) >= np.log(audio.log_floor) - 1e-6
+        padded = np.arange(mel.shape[1])[None, :] >= mel_len.numpy()[:, None]
+        np.testing.assert_array_equal(mel.numpy()[padded], np.float32(audio.padding_value))
     builder = SpeechDatasetBuilder(corpus, audio=audio, text=text, verbose=0)
     kg = {}
     for (ids, text_len), (mel, mel_len) in builder.build(batch_size=6, num_buckets=1,

@@ -1,5 +1,6 @@
 """The examples run as users run them: in a subprocess, on data they generate.
 
+`examples/train_asr_ctc.py` trains a tiny CTC model from a generated manifest.
 `examples/train_tts.py` trains a few steps on a tiny generated corpus (one
 bucket, so one XLA compile), then resumes from its checkpoint; the loss goes
 down across the four epochs. `examples/tensorboard_snapshot.py` serves a
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,3 +70,19 @@ def test_tensorboard_snapshot_serves_scalars_and_profile(tmp_path):
     assert result["ok"], result
     assert "step_timer/step_ms" in result["scalar_tags"]
     assert result["profile_runs"]
+
+
+def test_train_asr_ctc_trains_from_a_generated_manifest(tmp_path):
+    out = str(tmp_path / "asr")
+    result = _last_json(_run([os.path.join(EXAMPLES, "train_asr_ctc.py"), "--output", out,
+                              "--utterances", "24", "--epochs", "4", "--batch-size", "8",
+                              "--num-buckets", "1", "--width", "32", "--val-fraction", "0.25"]))
+    assert result["train_utterances"] + result["val_utterances"] == 24
+    assert result["val_utterances"] > 0 and result["speakers"] == ["a", "b"]
+    assert result["batch_shapes"] == 1  # one bucket, drop_remainder: one XLA compile
+    assert all(np.isfinite(result["loss"])) and result["loss"][-1] < result["loss"][0]
+    assert 0.0 <= result["val_cer"] <= 1.5
+    assert os.path.exists(os.path.join(out, "asr.keras"))
+    with open(os.path.join(out, "train.jsonl"), encoding="utf-8") as f:
+        first = json.loads(f.readline())
+    assert not os.path.isabs(first["audio_filepath"])  # the manifest's paths are relative

@@ -10,16 +10,28 @@ import tensorflow as tf
 from keras_gpufix import keras_internals
 from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.keras_internals import (
+    callback_model,
     concrete_functions,
     cross_device_ops_name,
     flatten_layers,
+    function_jit_compile,
     in_multi_worker_mode,
+    input_datasets,
     closure_cell,
     overrides_train_step,
     set_symbolic_build,
     symbolic_build,
     traced_functions,
 )
+
+
+def _twice(call):
+    """`call()` twice: its two results and the GpufixWarning messages (a broken
+    internal warns once, not per call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [call(), call()]
+    return results, [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)]
 
 
 def test_traced_functions_finds_keras_steps():
@@ -52,6 +64,63 @@ def test_concrete_functions_lists_the_traces():
     assert len(concrete_functions(fn)) == 2
 
 
+def test_function_jit_compile_reads_the_argument(monkeypatch):
+    assert function_jit_compile(tf.function(lambda x: x, jit_compile=True)) is True
+    assert function_jit_compile(tf.function(lambda x: x, jit_compile=False)) is False
+    assert function_jit_compile(tf.function(lambda x: x)) is False  # no XLA by default
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    fn = tf.function(lambda x: x)
+    monkeypatch.setattr(type(fn), "function_spec", property(lambda self: None))
+    results, messages = _twice(lambda: function_jit_compile(fn))
+    assert results == [None, None]
+    assert len(messages) == 1 and "function_spec.jit_compile" in messages[0]
+
+
+def test_callback_model_is_the_model_fit_set():
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(callback_model(self))
+
+    probe = Probe()
+    assert callback_model(probe) is None  # before fit
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), batch_size=2, epochs=1, verbose=0,
+              callbacks=[probe])
+    assert seen == [model, model]
+
+
+def test_callback_model_falls_back_to_the_property_with_one_warning(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+
+    class Moved:  # a Keras whose Callback keeps the model elsewhere
+        model = "the model"
+
+    results, messages = _twice(lambda: callback_model(Moved()))
+    assert results == ["the model", "the model"]
+    assert len(messages) == 1 and "Callback._model" in messages[0]
+
+
+def test_input_datasets_walks_a_pipeline():
+    source = tf.data.Dataset.range(8)
+    mapped = source.map(lambda x: x + 1)
+    pipeline = mapped.batch(2).prefetch(1)
+    assert input_datasets(source) == []
+    assert input_datasets(mapped) == [source]
+    (batched,) = input_datasets(pipeline)
+    assert input_datasets(batched) == [mapped]
+    assert input_datasets(tf.data.Dataset.zip((source, mapped))) == [source, mapped]
+
+
+def test_input_datasets_of_an_unknown_object_warns_once(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    results, messages = _twice(lambda: input_datasets(object()))
+    assert results == [[], []]
+    assert len(messages) == 1 and "tf.data.Dataset._inputs" in messages[0]
+
+
 def test_flatten_layers_walks_nested_models():
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="deep")])
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1, name="top")])
@@ -80,14 +149,10 @@ def test_a_broken_internal_gives_one_warning_naming_the_keras_version(monkeypatc
     fn(tf.constant(1.0))
     monkeypatch.setattr(type(fn), "_list_all_concrete_functions",
                         property(lambda self: (_ for _ in ()).throw(AttributeError("gone"))))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert concrete_functions(fn) is None
-        assert concrete_functions(fn) is None
-    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
-    assert len(ours) == 1
-    assert f"Keras {keras.__version__}" in str(ours[0].message)
-    assert "_list_all_concrete_functions" in str(ours[0].message)
+    results, messages = _twice(lambda: concrete_functions(fn))
+    assert results == [None, None] and len(messages) == 1
+    assert f"Keras {keras.__version__}" in messages[0]
+    assert "_list_all_concrete_functions" in messages[0]
 
 
 def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypatch):

@@ -62,6 +62,7 @@ def test_seven_lengths_under_jit_cost_seven_compiles():
     ours = [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)]
     assert len(ours) == 1  # once per cause
     assert "(4, 30, 4)" in ours[0] and "pad_to_bucket_boundary" in ours[0]
+    assert [w.filename for w in caught if issubclass(w.category, GpufixWarning)] == [__file__]
 
 
 def test_the_same_data_in_three_buckets_stays_quiet():
@@ -158,3 +159,117 @@ def test_every_step_at_a_new_shape_is_recompiling():
     assert report["new_shapes"] == 12
     assert report["verdict"] == "recompiling"
     assert report["recompile_ms"] > 0
+
+
+# -- custom loops: RetracingMonitor(functions=[...]) -------------------------
+
+def custom_loop(step, batches, callbacks, epochs=1):
+    """Keras's documented custom-loop pattern: the loop calls the hooks."""
+    hooks = keras.callbacks.CallbackList(callbacks)
+    hooks.on_train_begin()
+    for epoch in range(epochs):
+        hooks.on_epoch_begin(epoch)
+        for i, (x, y) in enumerate(batches):
+            hooks.on_train_batch_begin(i)
+            step(x, y)
+            hooks.on_train_batch_end(i, {})
+        hooks.on_epoch_end(epoch)
+    hooks.on_train_end()
+
+
+def step_function():
+    """A tiny model's step: forward and mse (enough for traces and compiles)."""
+    dense = keras.layers.Dense(3)
+    dense.build((None, None, 4))  # variables exist before the first trace
+
+    def train_step(x, y):
+        return tf.reduce_mean((tf.reduce_mean(dense(x), axis=(1, 2)) - y[:, 0]) ** 2)
+
+    return train_step
+
+
+def length_batches():
+    """Two batches of each of the 7 lengths, the lengths mixed."""
+    return batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False)
+
+
+def test_custom_loop_traces_of_the_users_function_are_counted_and_named():
+    train_step = tf.function(step_function())  # reduce_retracing=False: a trace per shape
+    monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=4, verbose=0)
+    with pytest.warns(GpufixWarning, match=r"train_step was traced 7 times") as caught:
+        custom_loop(train_step, length_batches(), [monitor])
+    report = monitor.report()
+    assert report["trace_count"] == 7 and report["trace_counts"] == {"train_step": 7}
+    assert report["verdict"] == "recompiling" and report["compiled"] is True
+    assert report["jit_compile"] is False
+    lengths = sorted(shapes[0][1] for shapes in report["traced_shapes"]["train_step"])
+    assert lengths == list(LENGTHS)
+    traced = [e for e in report["shape_events"] if e["traces"]]
+    assert len(traced) == 7 and all(e["compiles"] for e in traced)
+    assert report["recompile_ms"] > 0
+    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
+    assert len(ours) == 1 and "[4, 30, 4]" in str(ours[0].message)
+    assert ours[0].filename == __file__  # the loop's line, not our base class
+
+
+def test_custom_loop_under_xla_prices_new_shapes_without_retracing():
+    train_step = tf.function(step_function(), jit_compile=True, reduce_retracing=True)
+    monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=4, verbose=0)
+    with pytest.warns(GpufixWarning, match=r"steps at new input shapes were slow"):
+        custom_loop(train_step, instrument(length_batches()), [monitor], epochs=2)
+    report = monitor.report()
+    assert report["jit_compile"] is True
+    assert report["trace_count"] <= 3 < report["new_shapes"] == 7
+    assert report["verdict"] == "recompiling" and report["recompile_ms"] > 0
+
+
+def test_custom_loop_eager_step_is_never_priced_as_a_recompile():
+    seen = set()
+    step = step_function()
+
+    def train_step(x, y):  # not a tf.function; slow at each new length, like a compile
+        if x.shape[1] not in seen:
+            seen.add(x.shape[1])
+            time.sleep(0.03)
+        return step(x, y)
+
+    monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=2, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        custom_loop(train_step, instrument(length_batches()), [monitor], epochs=2)
+    assert [w for w in caught if issubclass(w.category, GpufixWarning)] == []
+    report = monitor.report()
+    assert report["new_shapes"] == 7  # the shapes are seen ...
+    assert [e["cost_ms"] for e in report["shape_events"]] == [0.0] * 7  # ... and cost nothing
+    assert report["recompile_ms"] == 0.0 and report["compiled"] is False
+    assert report["trace_count"] is None and report["verdict"] == "healthy"
+    assert any(n.startswith("train_step is not a tf.function") for n in report["notes"])
+
+
+def test_custom_loop_without_functions_says_how_to_count():
+    train_step = tf.function(step_function())
+    monitor = kg.RetracingMonitor(verbose=0)
+    custom_loop(train_step, length_batches(), [monitor])
+    report = monitor.report()
+    assert report["trace_count"] is None and report["recompile_ms"] == 0.0
+    assert any("RetracingMonitor(functions=[train_step])" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("functions", [[], ["train_step"], 3])
+def test_functions_are_checked(functions):
+    with pytest.raises(ValueError, match="`functions` must be a list"):
+        kg.RetracingMonitor(functions=functions)
+
+
+def test_a_second_fit_at_shapes_compiled_in_the_first_costs_nothing():
+    ds = instrument(batched([12, 22, 31], pad_to_bucket_boundary=True))
+    model = seq_model(jit_compile=True)
+    monitor = kg.RetracingMonitor(verbose=0)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])
+    first = monitor.report()
+    assert first["new_shapes"] == 3 and first["recompile_ms"] > 0
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])  # XLA keeps its 3 programs
+    second = monitor.report()
+    assert second["new_shapes"] == 3 and second["trace_count"] == 0
+    assert all(e["compiled_before"] and not e["compiles"] for e in second["shape_events"])
+    assert second["recompile_ms"] == 0.0 and second["verdict"] == "healthy"

@@ -16,7 +16,10 @@ show "No step marker observed"). After each trace, with `analyze=True`,
 XProf's `input_pipeline_analyzer` runs headless in a background thread (it
 releases the GIL, so steps go on) and one line is printed: step time,
 input %, classification and XProf's conclusion, plus the TensorBoard
-command. Traces land in `log_dir/plugins/profile/<run>/`.
+command. At the end of `fit` it waits at most `analysis_timeout` seconds
+for analyses still running (a trace of long steps can take minutes), so
+`fit` returns on time; a late analysis lands in `traces` and `report()`
+when it finishes. Traces land in `log_dir/plugins/profile/<run>/`.
 
 Nothing is written to the Keras `logs` dict or to TensorBoard scalars; the
 results are in `traces` and `report()`.
@@ -25,7 +28,6 @@ results are in `traces` and `report()`.
 import threading
 import time
 import types
-import warnings
 import weakref
 from collections import deque
 
@@ -33,7 +35,8 @@ import numpy as np
 
 from keras_gpufix import profiling
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
+from keras_gpufix.output import emit
 
 __all__ = ["ProfilerTrigger"]
 
@@ -88,6 +91,9 @@ class ProfilerTrigger(GuardedCallback):
             Defaults to 5.0.
         warmup: steps at the start of each `fit` that never fire
             `"slow_step"` (compilation). Defaults to 10.
+        analysis_timeout: seconds the end of `fit` waits, in all, for
+            XProf analyses still running; later ones land in `traces` and
+            `report()` when they finish. Defaults to 5.0.
         verbose: 0 silent, 1 prints one line per trace. Defaults to 1.
 
     Attributes:
@@ -95,7 +101,8 @@ class ProfilerTrigger(GuardedCallback):
             (run folder), `start_step`, `end_step`, `reason`, `analysis`
             (`step_time_ms`, `input_percent`, `classification`,
             `conclusion`, ... from `profiling.analyze_trace`; None while
-            running or with `analyze=False`; `{"error": ...}` on failure).
+            running or with `analyze=False`; `{"error": ...}` on failure;
+            `"pending"` says whether XProf is still analysing it).
         skipped: why armed traces did not start when due (another profiler
             running, profiler errors), at most 100 entries.
 
@@ -111,7 +118,8 @@ class ProfilerTrigger(GuardedCallback):
     MAX_SKIPPED = 100
 
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
-                 cooldown=100, slow_factor=3.0, min_slow_ms=5.0, warmup=10, verbose=1):
+                 cooldown=100, slow_factor=3.0, min_slow_ms=5.0, warmup=10,
+                 analysis_timeout=5.0, verbose=1):
         super().__init__()
         if not log_dir:
             raise ValueError(f"`log_dir` must be a directory path. Received: log_dir={log_dir!r}")
@@ -123,6 +131,9 @@ class ProfilerTrigger(GuardedCallback):
                     f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
         if not slow_factor > 1.0:
             raise ValueError(f"`slow_factor` must be > 1. Received: slow_factor={slow_factor}")
+        if not analysis_timeout >= 0:
+            raise ValueError("`analysis_timeout` must be >= 0 (seconds). "
+                             f"Received: analysis_timeout={analysis_timeout}")
         self.log_dir = log_dir
         self.trigger = trigger
         self.steps = int(steps)
@@ -132,6 +143,7 @@ class ProfilerTrigger(GuardedCallback):
         self.slow_factor = float(slow_factor)
         self.min_slow_ms = float(min_slow_ms)
         self.warmup = int(warmup)
+        self.analysis_timeout = float(analysis_timeout)
         self.verbose = verbose
         self.traces = []
         self.skipped = []
@@ -159,7 +171,7 @@ class ProfilerTrigger(GuardedCallback):
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, GpufixWarning, stacklevel=3)
+            warn(message)
 
     # -- triggers --------------------------------------------------------
 
@@ -311,10 +323,10 @@ class ProfilerTrigger(GuardedCallback):
                                       name="kg-xprof-analysis")
             thread.start()
             self._pending.append((trace, thread))
-        elif self.verbose:
-            print(f"\nProfilerTrigger: steps {trace['start_step']}-{end_step} "
-                  f"({trace['reason']}) traced to {trace['path']}. Open: "
-                  f"{profiling.tensorboard_command(self.log_dir)} (Profile tab)")
+        else:
+            emit(f"\nProfilerTrigger: steps {trace['start_step']}-{end_step} "
+                 f"({trace['reason']}) traced to {trace['path']}. Open: "
+                 f"{profiling.tensorboard_command(self.log_dir)} (Profile tab)", self.verbose)
 
     @staticmethod
     def _analyze(trace):
@@ -324,10 +336,12 @@ class ProfilerTrigger(GuardedCallback):
             trace["analysis"] = {"error": f"{type(exc).__name__}: {exc}"}
 
     def _collect(self, wait):
+        """Reports finished analyses; with `wait`, waits `analysis_timeout` s in all."""
+        deadline = time.monotonic() + self.analysis_timeout
         still = []
         for trace, thread in self._pending:
             if wait:
-                thread.join(timeout=300)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 still.append((trace, thread))
                 continue
@@ -335,11 +349,15 @@ class ProfilerTrigger(GuardedCallback):
             if "error" in analysis:
                 self._warn_once("analysis", f"ProfilerTrigger: XProf could not analyse "
                                             f"{trace['path']} ({analysis['error']}).")
-            elif self.verbose:
-                print(f"\nProfilerTrigger: steps {trace['start_step']}-{trace['end_step']} "
-                      f"({trace['reason']}): "
-                      f"{profiling.format_analysis(analysis, self.log_dir)}")
+            else:
+                emit(f"\nProfilerTrigger: steps {trace['start_step']}-{trace['end_step']} "
+                     f"({trace['reason']}): "
+                     f"{profiling.format_analysis(analysis, self.log_dir)}", self.verbose)
         self._pending = still
+        if wait and still:
+            emit(f"ProfilerTrigger: {len(still)} XProf analysis(es) still running after "
+                 f"{self.analysis_timeout:g} s; fit returns now and each lands in "
+                 "report() when it finishes.", self.verbose)
 
     def _stop_stale(self):
         """Stops a trace of ours left running by a `fit` that raised."""
@@ -360,9 +378,16 @@ class ProfilerTrigger(GuardedCallback):
                                  f"ended by an exception was stopped and saved to {path}.")
 
     def report(self):
-        """The traces of this object and the triggers it skipped."""
+        """The traces of this object and the triggers it skipped.
+
+        Returns:
+            A dict: `traces` (as in `traces`, each with `pending`: XProf is
+            still analysing it; its `analysis` arrives when it finishes),
+            `skipped`, `log_dir`, `tensorboard` (the command to open them).
+        """
+        pending = {id(trace) for trace, thread in self._pending if thread.is_alive()}
         return {
-            "traces": [dict(t) for t in self.traces],
+            "traces": [dict(t, pending=id(t) in pending) for t in self.traces],
             "skipped": list(self.skipped),
             "log_dir": str(self.log_dir),
             "tensorboard": profiling.tensorboard_command(self.log_dir),

@@ -5,14 +5,17 @@ Two ways a variable-length input makes training slow:
 - the train step's `tf.function` is traced again (Python values or new
   structures in the batch, or `reduce_retracing=False`): counted with
   `experimental_get_tracing_count()` of the functions inside
-  `model.train_function`;
+  `model.train_function`, or of the user's own `functions` in a custom loop
+  (the shapes each one was traced for are listed too);
 - under `jit_compile=True` XLA compiles once per distinct input shape,
   while the trace count stays at 2 (Keras traces with `reduce_retracing=
   True`, so the second trace has `None` dimensions). Only the shapes show
   it: they are read from a dataset that went through `kg.data.instrument`.
 
-A step at a new shape (or with a new trace) costs its time minus the median
-step: that is the estimated recompile cost. When more than `max_new_shapes`
+A step that compiles (a new trace, or a new shape under XLA) costs its time
+minus the median step: that is the estimated recompile cost. A step that is
+not compiled (a plain Python function, `run_eagerly=True`, or a new shape
+without XLA) costs no compile and is never priced as one. When more than `max_new_shapes`
 new shapes were slow, or the step was traced more than `max_new_shapes`
 times, the verdict is `recompiling` and one warning per cause names the
 shapes and the fix.
@@ -22,16 +25,17 @@ inner `StepTimer`; per hook the monitor adds one read of the trace counter. Noth
 `logs` dict; results are in `report()`.
 """
 
+import sys
 import time
-import warnings
 from collections import deque
 
 import numpy as np
 
 from keras_gpufix.analysis import FIXES
 from keras_gpufix.callbacks.step_timer import TimedCallback
-from keras_gpufix.exceptions import GpufixWarning
-from keras_gpufix.keras_internals import traced_functions
+from keras_gpufix.exceptions import warn
+from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
+from keras_gpufix.output import emit
 
 __all__ = ["RetracingMonitor"]
 
@@ -45,10 +49,33 @@ def _as_lists(key):
     return [list(dims) for dims in key]
 
 
+def _name(function):
+    return getattr(function, "__name__", None) or type(function).__name__
+
+
+def _signature_shapes(concrete):
+    """The shapes of the tensors a concrete function was traced for."""
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(concrete.structured_input_signature)
+    return [s.shape.as_list() if s.shape.rank is not None else None
+            for s in specs if isinstance(s, tf.TensorSpec)]
+
+
 class RetracingMonitor(TimedCallback):
     """Counts train-step traces and new input shapes; prices their compiles.
 
+    In `model.fit` it finds the train step's `tf.function`s itself. In a
+    custom loop (`kg.watch`, or a `keras.callbacks.CallbackList` whose hooks
+    the loop calls) pass the loop's own step functions as `functions`: their
+    traces are counted, the input shapes each was traced for are listed, and
+    a function that is not a `tf.function` (it runs eagerly) is said to
+    compile nothing, so no step of it is priced as a recompile.
+
     Args:
+        functions: the custom loop's step functions (`tf.function`s, or
+            plain Python functions, which are reported as not compiled).
+            Defaults to None: the functions inside `model.train_function`.
         max_new_shapes: slow steps at new shapes (or traces) tolerated in
             one `fit` before the verdict is `recompiling`. Defaults to 8
             (`kg.data` with `num_buckets=8`).
@@ -66,13 +93,31 @@ class RetracingMonitor(TimedCallback):
     >>> monitor = kg.RetracingMonitor()
     >>> model.fit(kg.data.instrument(ds), callbacks=[monitor])
     >>> monitor.report()["recompile_ms"]
+
+    In a custom loop:
+
+    >>> train_step = tf.function(step, jit_compile=True)
+    >>> monitor = kg.RetracingMonitor(functions=[train_step])
+    >>> with kg.watch(ds, callbacks=[monitor]) as watched:
+    ...     for x, y in watched:
+    ...         train_step(x, y)
     """
 
     MEDIAN_WINDOW = 256
 
-    def __init__(self, max_new_shapes=8, warn=True, spike_factor=3.0, min_spike_ms=2.0,
-                 verbose=1):
+    def __init__(self, functions=None, max_new_shapes=8, warn=True, spike_factor=3.0,
+                 min_spike_ms=2.0, verbose=1):
         super().__init__()
+        if functions is not None:
+            if callable(functions):
+                functions = [functions]
+            if (not isinstance(functions, (list, tuple)) or not functions
+                    or not all(callable(f) for f in functions)):
+                raise ValueError("`functions` must be a list of the loop's step functions "
+                                 f"(tf.function or Python callables). Received: "
+                                 f"functions={functions!r}")
+            functions = list(functions)
+        self.functions = functions
         if not isinstance(max_new_shapes, (int, np.integer)) or max_new_shapes < 1:
             raise ValueError("`max_new_shapes` must be an integer >= 1. "
                              f"Received: max_new_shapes={max_new_shapes!r}")
@@ -84,58 +129,111 @@ class RetracingMonitor(TimedCallback):
         self.min_spike_ms = float(min_spike_ms)
         self.verbose = verbose
         self._told_no_probe = False
+        # Shapes the watched functions were compiled for in earlier fits: a
+        # function keeps its XLA cache, so they cost nothing again.
+        self._watched = ()
+        self._compiled_shapes = set()
         self._reset()
 
     def _reset(self):
         self._functions = {}
+        self._compiled = None  # False: nothing is compiled; None: not verified
+        self._jit = None
         self._baseline = 0
         self._traces = 0
         self._fit_t0 = time.time()
         self._fit_t1 = None
         self._global = 0
-        self._trace_deltas = []  # new traces per hook
+        self._trace_deltas = {}  # hook index -> new traces, only hooks that traced
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
         self._normal = deque(maxlen=self.MEDIAN_WINDOW)
         self._spikes = 0
         self._spike_ms = 0.0
-        self._steps = 0
-        self._step_s = 0.0
         self._warned = set()
         self.notes = []
 
     def _begin(self):
         self._reset()
-        self._functions = traced_functions(getattr(self.model, "train_function", None))
+        if self.functions is not None:
+            self._watch_functions()
+        else:
+            self._watch_train_function()
+        self._traces = self._baseline
+        watched = tuple(self._functions.values())
+        if len(watched) != len(self._watched) or any(
+                a is not b for a, b in zip(watched, self._watched)):
+            self._watched, self._compiled_shapes = watched, set()
+
+    def _watch_functions(self):
+        """The custom loop's own step functions."""
+        traced = [f for f in self.functions
+                  if callable(getattr(f, "experimental_get_tracing_count", None))]
+        for f in self.functions:
+            if f not in traced:
+                self.notes.append(f"{_name(f)} is not a tf.function: it runs eagerly, so "
+                                  "nothing is traced or compiled (wrap it in "
+                                  "tf.function(jit_compile=True))")
+        tf = sys.modules.get("tensorflow")
+        if traced and tf is not None and tf.config.functions_run_eagerly():
+            self.notes.append("tf.config.run_functions_eagerly(True) is on: the tf.functions "
+                              "run eagerly, so nothing is traced or compiled")
+            traced = []
+        for f in traced:
+            name = _name(f)
+            while name in self._functions:
+                name += "_"
+            self._functions[name] = f
+        self._compiled = bool(self._functions)
         if self._functions:
             self._baseline = self._trace_total()
-        elif getattr(self.model, "run_eagerly", False):
+            jit = [function_jit_compile(f) for f in self._functions.values()]
+            self._jit = True if any(jit) else (None if None in jit else False)
+
+    def _watch_train_function(self):
+        """The `tf.function`s of `model.fit`'s train step."""
+        model = self.model
+        train_function = getattr(model, "train_function", None)
+        self._functions = traced_functions(train_function)
+        if self._functions:
+            self._baseline = self._trace_total()
+            self._compiled = True
+            self._jit = getattr(model, "jit_compile", None)
+        elif getattr(model, "run_eagerly", False):
+            self._compiled = False
             self.notes.append("cannot count traces: the model runs eagerly "
                               "(run_eagerly=True), so nothing is traced")
+        elif train_function is None:
+            self.notes.append("cannot count traces: no model.train_function (a custom loop?); "
+                              "pass the loop's step functions: "
+                              "RetracingMonitor(functions=[train_step])")
         else:
+            self._jit = getattr(model, "jit_compile", None)
             self.notes.append(
                 "cannot count traces: model.train_function "
-                f"({type(getattr(self.model, 'train_function', None)).__name__}) holds no "
+                f"({type(train_function).__name__}) holds no "
                 "tf.function this Keras version exposes; shapes are still checked")
-        self._traces = self._baseline
 
     def _trace_total(self):
         return sum(int(f.experimental_get_tracing_count()) for f in self._functions.values())
 
     def _after_hook(self):
-        traces = self._trace_total() if self._functions else self._traces
-        self._trace_deltas.append(traces - self._traces)
-        self._traces = traces
+        if not self._functions:
+            return
+        traces = self._trace_total()
+        if traces != self._traces:
+            self._trace_deltas[len(self.timer.durations) - 1] = traces - self._traces
+            self._traces = traces
 
     def _end(self):
         self._fit_t1 = time.time()
         if self.verbose:
             r = self.report()
             traces = "?" if r["trace_count"] is None else r["trace_count"]
-            print(f"RetracingMonitor: {r['new_shapes']} input shapes, {traces} new traces, "
-                  f"estimated recompile cost {r['recompile_ms']:.0f} ms "
-                  f"({r['recompile_share']:.0%} of fit time) -> {r['verdict']}")
+            emit(f"RetracingMonitor: {r['new_shapes']} input shapes, {traces} new traces, "
+                 f"estimated recompile cost {r['recompile_ms']:.0f} ms "
+                 f"({r['recompile_share']:.0%} of fit time) -> {r['verdict']}", self.verbose)
 
     # -- internals -------------------------------------------------------
 
@@ -145,25 +243,26 @@ class RetracingMonitor(TimedCallback):
         hooks = range(start, stop)
         if timer.input_probe is None and _NO_PROBE not in self.notes:
             self.notes.append(_NO_PROBE)
-            if self.verbose and not self._told_no_probe:
-                print(_NO_PROBE)
+            if not self._told_no_probe:
+                emit(_NO_PROBE, self.verbose)
             self._told_no_probe = True
         batch_normal = []
         for i in hooks:
             seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
             # Time spent waiting for the batch is the input's, not a compile.
             seconds -= min(seconds, timer.input_waits[i] or 0.0)
-            new_traces = self._trace_deltas[i]
+            new_traces = self._trace_deltas.pop(i, 0)
             self._global += count
-            self._steps += count
-            self._step_s += seconds
             new_shape = key is not None and key not in self._seen
             if new_shape:
                 self._seen[key] = self._global - count
             if new_shape or new_traces:
                 self._events.append({"step": self._global - count, "steps": count,
                                      "shape": key, "traces": new_traces,
-                                     "step_ms": seconds * 1e3})
+                                     "step_ms": seconds * 1e3,
+                                     "compiled_before": key in self._compiled_shapes})
+                if key is not None and self._functions:
+                    self._compiled_shapes.add(key)
             elif not timer.epoch_first[i]:
                 batch_normal.append(seconds / count)
         if batch_normal:
@@ -182,29 +281,40 @@ class RetracingMonitor(TimedCallback):
         return (step_s > self.spike_factor * median_s
                 and (step_s - median_s) * 1e3 > self.min_spike_ms)
 
+    def _compiles(self, event):
+        """Whether the event's step compiled: a new trace, or a new shape under XLA."""
+        if self._compiled is False:
+            return False
+        return bool(event["traces"]) or (event["shape"] is not None and self._jit is True
+                                         and not event["compiled_before"])
+
     def _priced(self):
-        """Events with `cost_ms` and `slow`, priced against the current median."""
+        """Events with `compiles`, `cost_ms` and `slow`, priced against the current median.
+
+        A step that did not compile costs no compile: `cost_ms` 0.
+        """
         median = self._median_ms()
         out = []
         for e in self._events:
             e = dict(e)
+            e["compiles"] = self._compiles(e)
             if median is None:
                 # Every step so far was at a new shape or traced: nothing to
                 # compare with, so each whole step counts (an upper bound).
                 e["cost_ms"], e["slow"] = e["step_ms"], True
             else:
-                base = median * e["steps"]
-                e["cost_ms"] = max(0.0, e["step_ms"] - base)
+                e["cost_ms"] = max(0.0, e["step_ms"] - median * e["steps"])
                 e["slow"] = self._is_spike(e["step_ms"] / e["steps"] / 1e3, median / 1e3)
+            if not e["compiles"]:
+                e["cost_ms"] = 0.0
             out.append(e)
         return out
 
     def _causes(self, priced):
         causes = {}
-        slow_shapes = [e for e in priced if e["shape"] is not None and e["slow"]]
-        # Without XLA a new shape costs nothing unless it retraces (counted below).
-        jit = getattr(getattr(self, "_model", None), "jit_compile", None) is not False
-        if jit and len(slow_shapes) > self.max_new_shapes:
+        slow_shapes = [e for e in priced
+                       if e["shape"] is not None and e["slow"] and e["compiles"]]
+        if len(slow_shapes) > self.max_new_shapes:
             causes["shapes"] = slow_shapes
         new_traces = (self._traces - self._baseline) if self._functions else 0
         if new_traces > self.max_new_shapes:
@@ -219,25 +329,41 @@ class RetracingMonitor(TimedCallback):
             if cause in self._warned:
                 continue
             self._warned.add(cause)
-            warnings.warn(self._message(cause, events, priced), GpufixWarning, stacklevel=3)
+            warn(self._message(cause, events))
 
-    def _message(self, cause, events, priced):
-        cost = sum(e["cost_ms"] or 0.0 for e in events)
+    def _traced_shapes(self):
+        """Function name -> the input shapes of each of its traces (custom loops)."""
+        if self.functions is None:
+            return {}
+        out = {}
+        for name, function in self._functions.items():
+            concretes = concrete_functions(function)
+            if concretes is not None:
+                out[name] = [_signature_shapes(c) for c in concretes]
+        return out
+
+    def _message(self, cause, events):
+        cost = sum(e["cost_ms"] for e in events)
         share = self._share(cost)
-        jit = getattr(getattr(self, "_model", None), "jit_compile", None)
         if cause == "shapes":
             shapes = sorted(self._seen, key=self._seen.get)
             listed = ", ".join(str(s) for s in shapes[:12])
             more = f" and {len(shapes) - 12} more" if len(shapes) > 12 else ""
             return (f"RetracingMonitor: {len(events)} steps at new input shapes were slow "
-                    f"(jit_compile={jit}): an estimated {cost:.0f} ms of recompilation, "
+                    f"(jit_compile={self._jit}): an estimated {cost:.0f} ms of recompilation, "
                     f"{share:.0%} of fit time so far. Shapes seen: {listed}{more}. "
                     f"Fix: {FIXES['recompiling']}.")
         traced = self._traces - self._baseline
-        return (f"RetracingMonitor: the train step was traced {traced} times in this fit "
-                f"(estimated cost {cost:.0f} ms, {share:.0%} of fit time so far). Feed "
-                "tensors of fixed dtype and structure (no Python numbers or lists in the "
-                f"batch) and {FIXES['recompiling']}.")
+        if self.functions is None:
+            what = "the train step was"
+        else:
+            what = ", ".join(self._functions) + (" was" if len(self._functions) == 1 else " were")
+        shapes = "".join(f" {name} was traced for {traces[-12:]}."
+                         for name, traces in self._traced_shapes().items())
+        return (f"RetracingMonitor: {what} traced {traced} times in this fit "
+                f"(estimated cost {cost:.0f} ms, {share:.0%} of fit time so far).{shapes} "
+                "Feed tensors of fixed dtype and structure (no Python numbers or lists in "
+                f"the batch) and {FIXES['recompiling']}.")
 
     def _share(self, cost_ms):
         elapsed = (self._fit_t1 or time.time()) - self._fit_t0
@@ -250,26 +376,30 @@ class RetracingMonitor(TimedCallback):
             A dict: `trace_count` (traces during the fit, None when they
             cannot be counted), `trace_counts` (function -> total traces),
             `shapes` (distinct input shape keys, as lists, in order seen),
-            `new_shapes` (their number), `shape_events` (step, shape,
-            step_ms, cost_ms, traces of each step at a new shape or with a
-            new trace), `spikes` (other slow steps: more than `spike_factor`
-            x the median) and `spike_ms` (their time above it; without
-            an instrumented dataset recompiles land here), `median_step_ms`,
-            `recompile_ms` (estimated compile cost: time of those steps
-            minus the median step), `recompile_share` (of fit wall time),
-            `jit_compile`, `verdict` (`recompiling` or `healthy`), `fix`,
-            `notes`.
+            `new_shapes` (their number), `traced_shapes` (with
+            `functions`: name -> the input shapes of each trace),
+            `shape_events` (step, steps, shape, traces, step_ms,
+            compiled_before (the shape was compiled in an earlier fit of the
+            same functions), compiles, cost_ms, slow of each step at a new
+            shape or with a new trace),
+            `spikes` (other slow steps: more than `spike_factor` x the
+            median) and `spike_ms` (their time above it; never priced as
+            recompiles), `median_step_ms`, `steps`, `recompile_ms`
+            (estimated compile cost: time of the steps that compiled minus
+            the median step; 0 when nothing is compiled),
+            `recompile_share` (of fit wall time), `compiled` (False when
+            the step runs eagerly, None when not verified), `jit_compile`,
+            `verdict` (`recompiling` or `healthy`), `fix`, `notes`.
         """
         priced = self._priced()
         causes = self._causes(priced)
-        recompile_ms = sum(e["cost_ms"] or 0.0 for e in priced)
+        recompile_ms = sum(e["cost_ms"] for e in priced)
         fix = FIXES["recompiling"] if causes else FIXES["healthy"]
         if "traces" in causes:
             fix = ("feed tensors of fixed dtype and structure (no Python numbers or lists "
                    "in the batch); " + fix)
         notes = list(self.notes)
-        if (not self._seen and self._spikes > self.max_new_shapes
-                and getattr(getattr(self, "_model", None), "jit_compile", False)):
+        if not self._seen and self._spikes > self.max_new_shapes and self._jit is True:
             notes.append(f"{self._spikes} slow steps cost {self._spike_ms:.0f} ms; under "
                          "jit_compile=True new input shapes are the usual cause: instrument "
                          "the dataset (kg.data.instrument) to confirm and name them")
@@ -279,15 +409,17 @@ class RetracingMonitor(TimedCallback):
                              for n, f in self._functions.items()},
             "shapes": [_as_lists(k) for k in sorted(self._seen, key=self._seen.get)],
             "new_shapes": len(self._seen),
+            "traced_shapes": self._traced_shapes(),
             "shape_events": [{k: (_as_lists(v) if k == "shape" and v is not None else v)
                               for k, v in e.items()} for e in priced],
             "spikes": self._spikes,
             "spike_ms": self._spike_ms,
             "median_step_ms": self._median_ms(),
-            "steps": self._steps,
+            "steps": self._global,
             "recompile_ms": recompile_ms,
             "recompile_share": self._share(recompile_ms),
-            "jit_compile": getattr(getattr(self, "_model", None), "jit_compile", None),
+            "compiled": self._compiled,
+            "jit_compile": self._jit,
             "verdict": "recompiling" if causes else "healthy",
             "fix": fix,
             "notes": notes,

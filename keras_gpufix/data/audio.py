@@ -1,4 +1,4 @@
-"""TF-native WAV decoding, resampling and librosa-compatible log-mel features.
+"""TF-native WAV decoding, resampling and librosa-compatible speech features.
 
 `log_mel(waveform, config)` returns `ln(max(mel, log_floor))` laid out
 `(frames, n_mels)`, where `mel` is what
@@ -10,6 +10,16 @@ norm="slaney")` computes: a periodic Hann window of `win_length` centred in
 magnitude raised to `power`, and a Slaney-normalised triangular filterbank
 on the Slaney (default, what HiFi-GAN/XTTS vocoders expect) or HTK mel scale.
 
+`extract_features(waveform, config)` is what the dataset builder caches
+for one utterance, all in TF ops: leading/trailing silence trimmed as
+`librosa.effects.trim(y, top_db=trim_top_db, frame_length=n_fft,
+hop_length=hop_length)` does (`trim_top_db`), peak normalisation
+(`normalize="peak"`), the log-mel above or the log linear spectrogram
+`ln(max(|librosa.stft(y, ...)| ** power, log_floor))` with
+`n_fft // 2 + 1` bins (`features="linear"`), then per-utterance feature
+normalisation (`feature_norm="utterance"`). `feature_frames` gives its
+frame count without computing it.
+
 `decode_wav(contents, info...)` reads the audio data chunk that
 `corpus.read_wav_header` located with `tf.io.decode_raw`, so 8/16/24/32-bit
 PCM, 32/64-bit float, mu-law, A-law and WAVE_FORMAT_EXTENSIBLE files all
@@ -18,8 +28,8 @@ channels down to mono. `resample` converts a clip whose rate differs from
 `AudioConfig.sample_rate` by band-limited FFT resampling; the builder calls
 it where features are computed (at cache time when there is a cache).
 
-`LogMelSpectrogram` is a Keras layer with the same maths, so features can
-also be computed on the GPU inside the model.
+`LogMelSpectrogram` is a Keras layer with the same log-mel maths, so
+features can also be computed on the GPU inside the model.
 """
 
 import dataclasses
@@ -31,8 +41,12 @@ import tensorflow as tf
 
 __all__ = [
     "AudioConfig",
+    "extract_features",
+    "feature_frames",
+    "log_linear",
     "log_mel",
     "mel_filterbank",
+    "trim_bounds",
     "decode_wav",
     "resample",
     "resampled_length",
@@ -40,15 +54,29 @@ __all__ = [
 ]
 
 
+FEATURES = ("mel", "linear")
+NORMALIZE = (None, "peak")
+FEATURE_NORM = (None, "utterance")
+
+
+def _is_number(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class AudioConfig:
-    """How waveforms become log-mel features.
+    """How waveforms become features (log-mel or log linear spectrogram).
+
+    Every field is part of the feature cache's fingerprint: changing any of
+    them computes a new cache entry.
 
     Args:
         sample_rate: rate of the features; other files are resampled.
             Defaults to 22050.
-        n_fft: FFT size. Defaults to 1024.
-        hop_length: samples between frames. Defaults to 256.
+        n_fft: FFT size, also the frame length of silence trimming.
+            Defaults to 1024.
+        hop_length: samples between frames (of the features and of silence
+            trimming). Defaults to 256.
         win_length: Hann window length (<= `n_fft`, centred in it); None
             means `n_fft`. Defaults to 1024.
         n_mels: mel bands. Defaults to 80.
@@ -61,24 +89,49 @@ class AudioConfig:
             `"slaney"`.
         center: pad `n_fft // 2` zeros on both sides so frame `t` is centred
             on sample `t * hop_length`. Defaults to True.
-        log_floor: features are `ln(max(mel, log_floor))`; padding frames
-            hold `ln(log_floor)`. Defaults to 1e-5.
+        log_floor: features are `ln(max(spectrogram, log_floor))`.
+            Defaults to 1e-5.
         max_seconds: longer clips are bad input (skipped or raised).
             Defaults to None (no limit).
+        trim_top_db: trim leading and trailing frames quieter than this
+            many dB below the loudest frame, as `librosa.effects.trim(y,
+            top_db=trim_top_db, frame_length=n_fft, hop_length=hop_length)`
+            (recipes often use 20 to 60). None keeps the whole clip.
+            Defaults to None.
+        normalize: `"peak"` scales each clip (after trimming) so its largest
+            absolute sample is 1.0 (silent clips are left alone); None
+            keeps the levels. Defaults to None.
+        features: `"mel"` (`n_mels` log-mel bands) or `"linear"` (the log of
+            `|STFT| ** power`, `n_fft // 2 + 1` bins, as ASR models on
+            spectrograms use). Defaults to `"mel"`.
+        pad_value: the value of padded feature frames in batches; None
+            means `ln(log_floor)` (silence). Recipes that normalise
+            features (`feature_norm="utterance"`) usually pad with 0.0.
+            Defaults to None.
+        feature_norm: `"utterance"` subtracts from each feature bin its mean
+            over the utterance's frames and divides by its standard
+            deviation (+1e-10); statistics come from the real frames only,
+            never from padding. None keeps the log features. Defaults to
+            None.
     """
 
     sample_rate: int = 22050
     n_fft: int = 1024
     hop_length: int = 256
-    win_length: int = 1024
+    win_length: int | None = 1024
     n_mels: int = 80
     fmin: float = 0.0
-    fmax: float = 8000.0
+    fmax: float | None = 8000.0
     power: float = 1.0
     mel_scale: str = "slaney"
     center: bool = True
     log_floor: float = 1e-5
-    max_seconds: float = None
+    max_seconds: float | None = None
+    trim_top_db: float | None = None
+    normalize: str | None = None
+    features: str = "mel"
+    pad_value: float | None = None
+    feature_norm: str | None = None
 
     def __post_init__(self):
         for name in ("sample_rate", "n_fft", "hop_length", "n_mels"):
@@ -107,9 +160,37 @@ class AudioConfig:
             raise ValueError(f"`log_floor` must be > 0. Received: log_floor={self.log_floor}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"`max_seconds` must be > 0. Received: max_seconds={self.max_seconds}")
+        if self.trim_top_db is not None and not (_is_number(self.trim_top_db)
+                                                 and 0 < self.trim_top_db < math.inf):
+            raise ValueError(
+                "`trim_top_db` must be a number of dB > 0 (e.g. 20 or 60), or None to keep "
+                f"the whole clip. Received: trim_top_db={self.trim_top_db!r}"
+            )
+        for name, allowed in (("normalize", NORMALIZE), ("features", FEATURES),
+                              ("feature_norm", FEATURE_NORM)):
+            value = getattr(self, name)
+            if value not in allowed:
+                choices = " or ".join("None" if a is None else f'"{a}"' for a in allowed)
+                raise ValueError(f"`{name}` must be {choices}. Received: {name}={value!r}")
+        if self.pad_value is not None and not (_is_number(self.pad_value)
+                                               and math.isfinite(self.pad_value)):
+            raise ValueError(
+                "`pad_value` must be a finite number (e.g. 0.0), or None for ln(log_floor). "
+                f"Received: pad_value={self.pad_value!r}"
+            )
+
+    @property
+    def num_features(self) -> int:
+        """Feature bins per frame: `n_mels`, or `n_fft // 2 + 1` for `"linear"`."""
+        return self.n_mels if self.features == "mel" else self.n_fft // 2 + 1
+
+    @property
+    def padding_value(self) -> float:
+        """What padded feature frames hold: `pad_value`, or `ln(log_floor)`."""
+        return math.log(self.log_floor) if self.pad_value is None else float(self.pad_value)
 
     def num_frames(self, num_samples: int) -> int:
-        """Frames that `log_mel` returns for a clip of `num_samples`."""
+        """Frames of a clip of `num_samples` (before trimming, an upper bound)."""
         if self.center:
             num_samples += 2 * (self.n_fft // 2)
         if num_samples < self.n_fft:
@@ -156,19 +237,44 @@ def mel_filterbank(config: AudioConfig) -> np.ndarray:
     return weights.T.astype(np.float32)
 
 
-def _window(config):
+def _window(config, dtype=tf.float32):
     win_length = config.win_length or config.n_fft
-    window = tf.signal.hann_window(win_length, periodic=True, dtype=tf.float32)
+    window = tf.signal.hann_window(win_length, periodic=True, dtype=dtype)
     left = (config.n_fft - win_length) // 2
     return tf.pad(window, [[left, config.n_fft - win_length - left]])
 
 
-def log_mel(waveform, config: AudioConfig, filterbank=None) -> tf.Tensor:
+def _magnitude(waveform, config, dtype=tf.float32):
+    """`|STFT| ** power`, float32 `(..., frames, n_fft // 2 + 1)` (librosa's stft).
+
+    `dtype=tf.float64` windows and transforms in double precision, as
+    librosa does: float32 FFT rounding is ~1e-3 relative in bins 100 dB
+    below a frame's peak, which the mel filterbank's sums average out but
+    a linear spectrogram keeps.
+    """
+    if config.center:
+        pad = config.n_fft // 2
+        rank = len(waveform.shape)
+        waveform = tf.pad(waveform, [[0, 0]] * (rank - 1) + [[pad, pad]])
+    frames = tf.signal.frame(tf.cast(waveform, dtype), config.n_fft, config.hop_length)
+    spectrum = tf.signal.rfft(frames * _window(config, dtype), fft_length=[config.n_fft])
+    if config.power == 2.0:
+        magnitude = tf.math.square(tf.math.real(spectrum)) + tf.math.square(tf.math.imag(spectrum))
+    else:
+        magnitude = tf.math.abs(spectrum)
+        if config.power != 1.0:
+            magnitude = tf.math.pow(magnitude, config.power)
+    return tf.cast(magnitude, tf.float32)
+
+
+def log_mel(waveform, config: AudioConfig, filterbank: np.ndarray | None = None) -> tf.Tensor:
     """Log-mel features of a waveform, librosa-compatible.
 
     Args:
         waveform: float tensor `(..., samples)` at `config.sample_rate`.
-        config: an `AudioConfig`.
+        config: an `AudioConfig` (its `features`, trimming and
+            normalisation options are not applied here: see
+            `extract_features`).
         filterbank: a precomputed `mel_filterbank(config)` (a constant is
             built otherwise).
 
@@ -179,20 +285,129 @@ def log_mel(waveform, config: AudioConfig, filterbank=None) -> tf.Tensor:
     waveform = tf.convert_to_tensor(waveform, tf.float32)
     if filterbank is None:
         filterbank = mel_filterbank(config)
-    if config.center:
-        pad = config.n_fft // 2
-        rank = len(waveform.shape)
-        waveform = tf.pad(waveform, [[0, 0]] * (rank - 1) + [[pad, pad]])
-    frames = tf.signal.frame(waveform, config.n_fft, config.hop_length)
-    spectrum = tf.signal.rfft(frames * _window(config), fft_length=[config.n_fft])
-    if config.power == 2.0:
-        magnitude = tf.math.square(tf.math.real(spectrum)) + tf.math.square(tf.math.imag(spectrum))
-    else:
-        magnitude = tf.math.abs(spectrum)
-        if config.power != 1.0:
-            magnitude = tf.math.pow(magnitude, config.power)
-    mel = tf.tensordot(magnitude, tf.constant(filterbank), axes=1)
+    mel = tf.tensordot(_magnitude(waveform, config), tf.constant(filterbank), axes=1)
     return tf.math.log(tf.math.maximum(mel, config.log_floor))
+
+
+def log_linear(waveform, config: AudioConfig) -> tf.Tensor:
+    """Log linear spectrogram of a waveform, librosa-compatible.
+
+    `ln(max(|STFT| ** power, log_floor))` where the STFT is
+    `librosa.stft(y, n_fft=n_fft, hop_length=hop_length,
+    win_length=win_length, center=center)` (periodic Hann window, zero
+    padding), computed in double precision as librosa does.
+
+    Args:
+        waveform: float tensor `(..., samples)` at `config.sample_rate`.
+        config: an `AudioConfig` (its `features`, trimming and
+            normalisation options are not applied here: see
+            `extract_features`).
+
+    Returns:
+        float32 tensor `(..., frames, n_fft // 2 + 1)` with
+        `frames == config.num_frames(samples)`.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    magnitude = _magnitude(waveform, config, tf.float64)
+    return tf.math.log(tf.math.maximum(magnitude, config.log_floor))
+
+
+def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
+    """Where a clip's sound starts and ends, as `librosa.effects.trim` finds it.
+
+    Frames of `n_fft` samples every `hop_length` (zero-padded by
+    `n_fft // 2` on both sides) whose RMS is more than `trim_top_db` dB
+    below the loudest frame's are silence; the clip keeps the samples from
+    the first loud frame's start to the last loud frame's end, like
+    `librosa.effects.trim(y, top_db=trim_top_db, frame_length=n_fft,
+    hop_length=hop_length)[1]`. With `center=False` the kept span is
+    widened to one frame (`n_fft` samples) where the clip has that many, so
+    a trimmed clip still yields a feature frame.
+
+    Args:
+        waveform: float32 `(samples,)`.
+        config: an `AudioConfig` with `trim_top_db` set.
+
+    Returns:
+        `(start, end)`: int32 scalars, `0 <= start <= end <= samples`.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    n_fft, hop = config.n_fft, config.hop_length
+    samples = tf.shape(waveform)[0]
+    padded = tf.pad(waveform, [[n_fft // 2, n_fft // 2]])
+    # Mean square of every frame, pooled (no framed copy of the clip).
+    power = tf.nn.avg_pool1d(tf.square(padded)[None, :, None], n_fft, hop, "VALID")[0, :, 0]
+    count = tf.shape(power)[0]
+    floor = 1e-10  # librosa's amin ** 2
+    ratio = tf.maximum(power, floor) / tf.maximum(tf.reduce_max(power), floor)
+    loud = 10.0 * tf.math.log(ratio) / math.log(10.0) > -float(config.trim_top_db)
+    index = tf.range(count)
+    last = tf.reduce_max(tf.where(loud, index, -1))
+    end = tf.minimum(samples, (last + 1) * hop)
+    start = tf.minimum(tf.reduce_min(tf.where(loud, index, count)) * hop, end)
+    if not config.center:
+        end = tf.maximum(end, tf.minimum(samples, start + n_fft))
+        start = tf.minimum(start, tf.maximum(0, end - n_fft))
+    return start, end
+
+
+def _prepare_waveform(waveform, config):
+    """Trimmed (`trim_top_db`) and peak-normalised (`normalize`) clip."""
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    if config.trim_top_db is not None:
+        start, end = trim_bounds(waveform, config)
+        waveform = waveform[start:end]
+    if config.normalize == "peak":
+        peak = tf.reduce_max(tf.abs(waveform))
+        waveform = waveform / tf.where(peak > 0.0, peak, 1.0)
+    return waveform
+
+
+def extract_features(waveform, config: AudioConfig) -> tf.Tensor:
+    """The features the dataset builder computes (and caches) for one clip.
+
+    In order: silence trimming (`trim_top_db`), peak normalisation
+    (`normalize`), `log_mel` or `log_linear` (`features`), per-utterance
+    feature normalisation (`feature_norm`); see `AudioConfig`.
+
+    Args:
+        waveform: float32 `(samples,)` at `config.sample_rate`.
+        config: an `AudioConfig`.
+
+    Returns:
+        float32 `(frames, config.num_features)` with
+        `frames == feature_frames(waveform, config)`.
+    """
+    waveform = _prepare_waveform(waveform, config)
+    features = (log_mel if config.features == "mel" else log_linear)(waveform, config)
+    if config.feature_norm == "utterance":
+        mean, variance = tf.nn.moments(features, axes=[0], keepdims=True)
+        features = (features - mean) / (tf.sqrt(variance) + 1e-10)
+    return features
+
+
+def feature_frames(waveform, config: AudioConfig) -> tf.Tensor:
+    """Frames `extract_features` returns for a clip, without computing them.
+
+    Equals `config.num_frames(samples)` unless `trim_top_db` is set, when
+    it depends on the clip's content (`trim_bounds`).
+
+    Args:
+        waveform: float32 `(samples,)` at `config.sample_rate`.
+        config: an `AudioConfig`.
+
+    Returns:
+        int32 scalar.
+    """
+    waveform = tf.convert_to_tensor(waveform, tf.float32)
+    if config.trim_top_db is None:
+        samples = tf.shape(waveform)[0]
+    else:
+        start, end = trim_bounds(waveform, config)
+        samples = end - start
+    if config.center:
+        samples += 2 * (config.n_fft // 2)
+    return tf.maximum(0, 1 + (samples - config.n_fft) // config.hop_length)
 
 
 def _g711_tables():
@@ -289,9 +504,8 @@ def resample(waveform, rate_in, rate_out) -> tf.Tensor:
     return tf.cond(tf.equal(rate_in, rate_out), lambda: waveform, convert)
 
 
-_LAYER_FIELDS = tuple(
-    field.name for field in dataclasses.fields(AudioConfig) if field.name != "max_seconds"
-)
+_LAYER_FIELDS = ("sample_rate", "n_fft", "hop_length", "win_length", "n_mels", "fmin", "fmax",
+                 "power", "mel_scale", "center", "log_floor")
 
 
 @keras.saving.register_keras_serializable(package="keras_gpufix")
@@ -304,9 +518,9 @@ class LogMelSpectrogram(keras.layers.Layer):
     the low-energy bands); cast the output if the model runs in float16.
 
     Args:
-        sample_rate, n_fft, hop_length, win_length, n_mels, fmin, fmax,
-        power, mel_scale, center, log_floor: as in `AudioConfig`, with the
-            same defaults.
+        sample_rate: as in `AudioConfig`, with the same default; likewise
+            `n_fft`, `hop_length`, `win_length`, `n_mels`, `fmin`, `fmax`,
+            `power`, `mel_scale`, `center` and `log_floor`.
         **kwargs: standard layer arguments.
 
     Example:
@@ -327,7 +541,26 @@ class LogMelSpectrogram(keras.layers.Layer):
 
     @classmethod
     def from_audio_config(cls, config: AudioConfig, **kwargs) -> "LogMelSpectrogram":
-        """The layer for an `AudioConfig` (its `max_seconds` is ignored)."""
+        """The layer for an `AudioConfig`'s log-mel (`max_seconds` and
+        `pad_value` do not apply to it).
+
+        Raises:
+            ValueError: the config asks for what the layer does not do on a
+                batch (trimming, normalisation, linear features).
+        """
+        unsupported = {name: getattr(config, name)
+                       for name in ("trim_top_db", "normalize", "feature_norm")
+                       if getattr(config, name) is not None}
+        if config.features != "mel":
+            unsupported["features"] = config.features
+        if unsupported:
+            received = ", ".join(f"{k}={v!r}" for k, v in unsupported.items())
+            raise ValueError(
+                "LogMelSpectrogram computes log-mel features of whole batches; it does not "
+                "trim, normalise or compute linear spectrograms. Use the builder's features "
+                "(kg.data.extract_features) for these, or leave them at their defaults. "
+                f"Received: {received}"
+            )
         return cls(**{name: getattr(config, name) for name in _LAYER_FIELDS}, **kwargs)
 
     def call(self, inputs):

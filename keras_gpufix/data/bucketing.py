@@ -5,10 +5,15 @@ so a loader that pads each batch to its longest clip, or leaves the text
 length free, recompiles on almost every step. `BucketPlan` fixes the shapes
 before the first epoch, from the lengths the corpus scan measured:
 
-- frame boundaries are quantiles of the frame counts (`num_buckets` equal
-  shares of the utterances; bucket `b` holds clips with
-  `boundaries[b-1] < frames <= boundaries[b]`), and every batch is padded to
-  its bucket's boundary (`pad_to_bucket_boundary`);
+- buckets are runs of the utterances sorted by frames, chosen by dynamic
+  programming to minimise the padded frames of an epoch
+  (`padding_buckets`): without `frame_budget` every bucket but the first
+  holds whole batches (the first also the one partial batch), so no
+  leftover is padded to a longer bucket; every batch is padded to its
+  bucket's boundary, the longest clip of the bucket
+  (`pad_to_bucket_boundary`). On 600 clips of 1-10 s (log-normal), batch
+  16, 8 buckets: 0.907 real frames where equal-count (quantile) buckets
+  gave 0.879, 9 batch shapes each (`benchmarks/padding.py`);
 - the text dimension is padded per bucket too, to the longest transcript of
   that bucket or any shorter one (so it never grows across buckets);
 - each bucket's batch size is `batch_size`, or with a `frame_budget`
@@ -27,22 +32,75 @@ together and the order of the batches.
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["BucketPlan", "quantile_boundaries"]
+__all__ = ["BucketPlan", "padding_buckets"]
 
 
 def _argsort(values):
     return tf.cast(tf.argsort(values, stable=True), tf.int64)
 
 
-def quantile_boundaries(lengths, num_buckets: int) -> np.ndarray:
-    """Upper bounds of `num_buckets` equal-count buckets (fewer when lengths repeat)."""
-    lengths = np.asarray(lengths)
+def padding_buckets(lengths, num_buckets: int, step: int = 1):
+    """Buckets of sorted lengths that minimise the padded total.
+
+    The utterances, sorted by length, are cut into at most `num_buckets`
+    runs; each is padded to its longest member, and the cuts minimise
+    `sum(run size * run max)` (exact dynamic programming over the allowed
+    cut positions). With `step > 1` every run but the first holds a
+    multiple of `step` utterances (whole batches; the first holds the
+    remainder too); with `step == 1` cuts go only between different
+    lengths.
+
+    Args:
+        lengths: length of each utterance.
+        num_buckets: most buckets.
+        step: run sizes are multiples of this (the batch size).
+            Defaults to 1.
+
+    Returns:
+        `(boundaries, bucket_of)`: int64 ascending padded lengths, and the
+        bucket of each utterance.
+    """
+    lengths = np.asarray(lengths, np.int64)
     if num_buckets < 1:
         raise ValueError(f"`num_buckets` must be >= 1. Received: num_buckets={num_buckets}")
     if lengths.size == 0:
         raise ValueError("`lengths` must not be empty: there is no utterance to bucket.")
-    quantiles = np.arange(1, num_buckets + 1) / num_buckets
-    return np.unique(np.quantile(lengths, quantiles, method="inverted_cdf")).astype(np.int64)
+    order = np.argsort(lengths, kind="stable")
+    ordered = lengths[order]
+    total = np.concatenate([[0], np.cumsum(ordered)])
+    n = len(ordered)
+    if step > 1:
+        cuts = np.arange(n % step or step, n, step)
+    else:
+        cuts = np.flatnonzero(np.diff(ordered)) + 1
+    points = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    atoms = len(points) - 1
+    count = min(num_buckets, atoms)
+    best = np.full(atoms + 1, np.inf)
+    best[0] = 0.0
+    choices = []
+    for _ in range(count):
+        new, choice = np.full(atoms + 1, np.inf), np.zeros(atoms + 1, np.int64)
+        for end in range(1, atoms + 1):
+            start = points[:end]
+            cost = best[:end] + (points[end] - start) * ordered[points[end] - 1] - (
+                total[points[end]] - total[start])
+            choice[end] = np.argmin(cost)
+            new[end] = cost[choice[end]]
+        choices.append(choice)
+        best = new
+    ends, end = [], atoms
+    for choice in reversed(choices):
+        ends.append(points[end])
+        end = choice[end]
+        if end == 0:
+            break
+    ends = np.array(ends[::-1])
+    run_of = np.searchsorted(ends, np.arange(n), side="right")
+    boundaries, run_bucket = np.unique(ordered[ends - 1], return_inverse=True)
+    bucket_of = np.empty(n, np.int64)
+    bucket_of[order] = run_bucket[run_of]
+    return boundaries.astype(np.int64), bucket_of
 
 
 class BucketPlan:
@@ -77,8 +135,8 @@ class BucketPlan:
             raise ValueError(f"`frame_budget` must be >= 1. Received: frame_budget={frame_budget}")
         self.frames = np.asarray(frames, np.int64)
         self.text_lengths = np.asarray(text_lengths, np.int64)
-        self.boundaries = quantile_boundaries(self.frames, num_buckets)
-        self.bucket_of = np.searchsorted(self.boundaries, self.frames).astype(np.int64)
+        self.boundaries, self.bucket_of = padding_buckets(
+            self.frames, num_buckets, batch_size if frame_budget is None else 1)
         text_max = np.zeros(len(self.boundaries), np.int64)
         np.maximum.at(text_max, self.bucket_of, self.text_lengths)
         self.text_boundaries = np.maximum(np.maximum.accumulate(text_max), 1)

@@ -5,7 +5,7 @@ The builder is the input path a TTS/ASR team would want as the default:
 1. `__init__` scans the corpus (transcripts and WAV headers only), encodes
    every transcript with TF string ops in one vectorised call, and decides
    what is bad input (skipped and reported, or raised) before any decoding.
-2. `prepare()` (called by `build`) computes log-mel features once, in
+2. `prepare()` (called by `build`) computes the features once, in
    parallel with a progress bar, into the fingerprinted `FeatureCache` when
    `cache_dir` is set; later runs open the cache (a hit) in well under a
    second. Without `cache_dir` features are computed in the pipeline, every
@@ -38,7 +38,6 @@ The builder is the input path a TTS/ASR team would want as the default:
 """
 
 import dataclasses
-import math
 import os
 import warnings
 
@@ -111,8 +110,8 @@ class SpeechDatasetBuilder:
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.on_bad_input = on_bad_input
         self.verbose = verbose
-        self._manifest = None
         self._cache = None
+        self._prepared = False
         self._scan()
 
     @staticmethod
@@ -120,9 +119,7 @@ class SpeechDatasetBuilder:
         if isinstance(corpus, Corpus):
             return corpus
         if isinstance(corpus, (str, os.PathLike)):
-            if os.fspath(corpus).endswith((".jsonl", ".json")):
-                return Corpus.from_manifest(corpus)
-            return Corpus.from_ljspeech(os.fspath(corpus))
+            return Corpus.from_path(corpus)
         if isinstance(corpus, (list, tuple)) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in corpus
         ):
@@ -208,37 +205,55 @@ class SpeechDatasetBuilder:
             "utterances": [[u.id, u.path, u.size, u.mtime_ns, u.text] for u in self.utterances],
         })
 
-    def _compute_features(self):
-        """`index -> (frames, n_mels)` log-mel computed from the WAV file (TF ops)."""
+    def _waveform(self):
+        """`index -> (samples,)` float32 waveform decoded from the WAV file at
+        `audio.sample_rate` (TF ops)."""
         infos = [u.info for u in self.utterances]
         paths = tf.constant([u.path for u in self.utterances])
         columns = {
             name: tf.constant([getattr(i, name) for i in infos], tf.int64)
             for name in ("data_offset", "data_bytes", "format_code", "channels", "sample_rate")
         }
-        filterbank = audio_lib.mel_filterbank(self.audio)
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
-        def compute(index):
+        def waveform(index):
             field = {name: column[index] for name, column in columns.items()}
-            waveform = audio_lib.decode_wav(
+            samples = audio_lib.decode_wav(
                 tf.io.read_file(paths[index]), field["data_offset"], field["data_bytes"],
                 field["format_code"], field["channels"],
             )
-            waveform = audio_lib.resample(waveform, field["sample_rate"], self.audio.sample_rate)
-            return audio_lib.log_mel(waveform, self.audio, filterbank)
+            return audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate)
+
+        return waveform
+
+    def _compute_features(self):
+        """`index -> (frames, num_features)` features computed from the WAV file (TF ops)."""
+        waveform = self._waveform()
+
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
+        def compute(index):
+            return audio_lib.extract_features(waveform(index), self.audio)
 
         return compute
 
+    def _trimmed_frames(self):
+        """Feature frames of every utterance after silence trimming (one parallel pass)."""
+        waveform = self._waveform()
+        frames = tf.data.Dataset.range(len(self.utterances)).map(
+            lambda index: audio_lib.feature_frames(waveform(index), self.audio),
+            num_parallel_calls=AUTOTUNE,
+        )
+        return np.fromiter(frames.as_numpy_iterator(), np.int64, len(self.utterances))
+
     def _read_features(self):
-        """`index -> (frames, n_mels)` log-mel read from the cache."""
+        """`index -> (frames, num_features)` features read from the cache."""
         paths = tf.constant([self._cache.feature_path(i) for i in range(len(self.utterances))])
-        n_mels = self.audio.n_mels
+        num_features = self.audio.num_features
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def read(index):
-            mel = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
-            return tf.ensure_shape(mel, [None, n_mels])
+            features = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
+            return tf.ensure_shape(features, [None, num_features])
 
         return read
 
@@ -254,22 +269,37 @@ class SpeechDatasetBuilder:
                             verbose=self.verbose)
 
     def prepare(self) -> "SpeechDatasetBuilder":
-        """Opens or builds the feature cache (a no-op without `cache_dir`).
+        """Opens or builds the feature cache.
+
+        Without `cache_dir` there is nothing to build, except with
+        `audio.trim_top_db`: one parallel pass then measures every
+        utterance's frames after trimming, for the length buckets (with a
+        cache the build records them).
 
         Returns:
             The builder; `report["cache"]` is then `"hit"`, `"miss"` or `"off"`.
         """
-        if self.cache_dir is None:
-            self.report["cache"] = "off"
+        if self._prepared:
             return self
-        if self._manifest is not None:
+        if self.cache_dir is None:
+            if self.audio.trim_top_db is not None:
+                self._frames = self._trimmed_frames()
+            self.report["cache"] = "off"
+            self._prepared = True
             return self
         self._cache = self.cache_entry()
-        self._manifest, status = self._cache.open_or_build(
+        manifest, status = self._cache.open_or_build(
             self._write_features,
-            needed_bytes=FeatureCache.estimate_bytes(self._frames, self.audio.n_mels))
-        if list(self._manifest["frames"]) != self._frames.tolist():
+            needed_bytes=FeatureCache.estimate_bytes(self._frames, self.audio.num_features))
+        frames = np.array(manifest["frames"], np.int64)
+        # With trimming the scan's frame counts are upper bounds; the cache has the real ones.
+        if len(frames) != len(self._frames) or (
+            np.any(frames > self._frames) if self.audio.trim_top_db is not None
+            else np.any(frames != self._frames)
+        ):
             raise RuntimeError(f"The feature cache at {self._cache.path} does not match the corpus scan.")
+        self._frames = frames
+        self._prepared = True
         self.report["cache"] = status
         self.report["cache_path"] = self._cache.path
         return self
@@ -351,8 +381,9 @@ class SpeechDatasetBuilder:
         Returns:
             A `tf.data.Dataset` of `((text_ids, text_len), (mel, mel_len))`:
             int32 `(B, T_text)` (0-padded), int32 `(B,)`, float32
-            `(B, T_frames, n_mels)` (padded with `ln(log_floor)`), int32
-            `(B,)`. With `as_dict=True`, dicts with the same tensors as
+            `(B, T_frames, audio.num_features)` (padded with
+            `audio.padding_value`), int32 `(B,)`. With `as_dict=True`, dicts
+            with the same tensors as
             `tokens`, `tokens_len`, `features`, `features_len`, plus `id`
             (string `(B,)`, the corpus ids) and, when the corpus has them,
             `speaker` and `language` (int32 `(B,)`, indices into
@@ -419,8 +450,8 @@ class SpeechDatasetBuilder:
         """Loads one utterance and pads it to its batch's shape."""
         text_values = tf.constant(self._text_values)
         text_splits = tf.constant(self._text_splits)
-        mel_pad = math.log(self.audio.log_floor)
-        n_mels = self.audio.n_mels
+        mel_pad = self.audio.padding_value
+        num_features = self.audio.num_features
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def load(utterance, key, pad_frames, pad_text):
@@ -431,7 +462,7 @@ class SpeechDatasetBuilder:
             ids = text_values[text_splits[utterance]:text_splits[utterance + 1]]
             text_len = tf.shape(ids)[0]
             ids = tf.pad(ids, [[0, tf.cast(pad_text, tf.int32) - text_len]])
-            return key, utterance, ids, text_len, tf.ensure_shape(mel, [None, n_mels]), mel_len
+            return key, utterance, ids, text_len, tf.ensure_shape(mel, [None, num_features]), mel_len
 
         return load
 

@@ -27,7 +27,7 @@ the graph, so an audio file edited in place gives stale features.
 
 Layout: `cache_dir/features-<fingerprint>/{manifest.json, COMPLETE,
 features/<index>.tensor}`; a feature file is a `tf.io.serialize_tensor` of
-the float32 `(frames, n_mels)` array. Files are serialised, written and
+the float32 `(frames, num_features)` array (`AudioConfig.num_features`). Files are serialised, written and
 fingerprinted inside the `tf.data` pipeline that computes them, in parallel.
 """
 
@@ -157,7 +157,7 @@ class FeatureCache:
         return tf.fingerprint(tf.reshape(data, [1]))[0]
 
     def read(self, index):
-        """The cached float32 `(frames, n_mels)` features of one utterance."""
+        """The cached float32 `(frames, num_features)` features of one utterance."""
         return tf.io.parse_tensor(tf.io.read_file(self.feature_path(index)), tf.float32).numpy()
 
     def open(self):
@@ -210,10 +210,10 @@ class FeatureCache:
         return True
 
     @staticmethod
-    def estimate_bytes(frames, n_mels) -> int:
+    def estimate_bytes(frames, num_features) -> int:
         """Disk space of an entry whose utterances have `frames` frames each."""
         frames = [int(f) for f in frames]
-        return sum(frames) * n_mels * 4 + len(frames) * TENSOR_HEADER_BYTES
+        return sum(frames) * num_features * 4 + len(frames) * TENSOR_HEADER_BYTES
 
     def check_writable(self) -> None:
         """Raises `OSError` (one line: the folder, why, the fix) if it cannot be written."""

@@ -278,6 +278,14 @@ class Corpus:
         return [r["id"] for r in self.records]
 
     @classmethod
+    def from_path(cls, path) -> "Corpus":
+        """A `.jsonl` / `.json` file through `from_manifest`, a folder through `from_ljspeech`."""
+        path = os.fspath(path)
+        if path.endswith((".jsonl", ".json")):
+            return cls.from_manifest(path)
+        return cls.from_ljspeech(path)
+
+    @classmethod
     def from_ljspeech(cls, path, metadata="metadata.csv", use_normalized=True) -> "Corpus":
         """Reads `path/<metadata>`; WAVs are `path/wavs/<id>.wav`.
 

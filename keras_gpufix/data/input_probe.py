@@ -19,8 +19,11 @@ next one after those taken by earlier steps. From that they know, per step:
 
 Place it last before the final `prefetch` (or `prefetch_to_device`), after
 any `tf.data` service `distribute`, so that the recorded order is the
-consumption order. The cursor re-anchors when it sees that counts cannot
-match (a dataset consumed outside `fit`, a discarded iterator).
+consumption order. Every element also records its index within its iterator (0 for the
+first element of a new iterator), so the cursor re-anchors at the first
+step of an epoch: batches that the previous epoch's iterator had already
+prefetched and that were discarded with it (a loop that stopped early, a
+`break`) are skipped instead of shifting every later step by their count.
 """
 
 import threading
@@ -58,13 +61,19 @@ class InputProbe:
         with tf.init_scope():
             self._count = table(tf.int64, tf.int64, default_value=0)
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
+            self._local = table(tf.int64, tf.int64, default_value=-1)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
         self._keys = {}
         with _LOCK:
             _PROBES.add(self)
 
-    def stamp(self, element):
-        """Records one element (runs inside `tf.data`); returns it unchanged."""
+    def stamp(self, local, element):
+        """Records one element (runs inside `tf.data`); returns it unchanged.
+
+        Args:
+            local: the element's index within its iterator.
+            element: the element.
+        """
         dims = [
             tf.shape(t, out_type=tf.int32)
             for t, r in zip(tf.nest.flatten(element), self.ranks) if r
@@ -78,7 +87,8 @@ class InputProbe:
         slot = index % self.capacity
         ready = self._ready.insert(slot, tf.reshape(now, [1]))
         shapes = self._shapes.insert(slot, tf.reshape(shape, [1, -1]))
-        with tf.control_dependencies([ready, shapes]):
+        first = self._local.insert(slot, tf.reshape(local, [1]))
+        with tf.control_dependencies([ready, shapes, first]):
             return tf.nest.map_structure(tf.identity, element)
 
     def produced(self):
@@ -100,6 +110,15 @@ class InputProbe:
         ready = np.where(valid, ready, np.nan)
         shapes = np.where(valid[:, None], shapes, -1)
         return ready, shapes
+
+    def iterator_starts(self, start, stop):
+        """Indices in [start, stop) of elements that began a new iterator."""
+        produced = self.produced()
+        idx = np.arange(max(start, produced - self.capacity), min(stop, produced))
+        if not len(idx):
+            return idx
+        local = self._local.lookup(tf.constant(idx % self.capacity, tf.int64)).numpy()
+        return idx[local == 0]
 
     def shape_key(self, row):
         """A hashable, readable form of one shape row: ((B, T), (B,), ...)."""
@@ -149,11 +168,12 @@ def instrument(dataset, capacity=4096):
     probe = InputProbe(dataset.element_spec, capacity=capacity)
 
     @tf.autograph.experimental.do_not_convert
-    def _stamp(*args):
-        element = args[0] if len(args) == 1 else args
-        return probe.stamp(element)
+    def _stamp(local, element):
+        return probe.stamp(local, element)
 
-    out = dataset.map(_stamp)  # sequential: recorded order = consumption order
+    # enumerate() counts per iterator; the map is sequential, so the
+    # recorded order is the consumption order.
+    out = dataset.enumerate().map(_stamp)
     out.input_probe = probe
     return out
 
@@ -170,14 +190,28 @@ class InputCursor:
         self.probe = None
         self._baseline = {}
         self._next = 0
+        self._anchor = False
 
     def start(self):
         self.probe = None
+        self._anchor = False
         self._baseline = {id(p): (p, p.produced()) for p in InputProbe.all()}
 
     def epoch_begin(self):
-        if self.probe is not None:
-            self._next = min(self._next, self.probe.produced())
+        self._anchor = True
+
+    def _reanchor(self):
+        """At an epoch's first read: start at its iterator's first element.
+
+        A new iterator's first element is the last iterator start produced
+        since the last element taken (the batches before it were prefetched
+        by a discarded iterator). No start there: the iterator goes on from
+        the previous epoch (`fit` with `steps_per_epoch`).
+        """
+        self._anchor = False
+        starts = self.probe.iterator_starts(self._next, self.probe.produced())
+        if len(starts):
+            self._next = int(starts[-1])
 
     def _pick(self):
         best, advance = None, 0
@@ -201,6 +235,8 @@ class InputCursor:
         n = len(counts)
         if self.probe is None and self._pick() is None:
             return [None] * n, [None] * n
+        if self._anchor:
+            self._reanchor()
         total = int(sum(counts))
         ready, shapes = self.probe.read(self._next, self._next + total)
         self._next += total

@@ -1,0 +1,367 @@
+"""`compile_model` and its `CompileReport`: the entry that runs the concerns in order.
+
+The precision check (`precision`), the XLA decision (`verification`), the
+per-replica step (`per_replica`), the sample steps that verify the step and
+calibrate `steps_per_execution` (`calibration`), then one report.
+"""
+
+import dataclasses
+import logging
+import warnings
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from keras_gpufix.compile.calibration import (
+    MAX_STEPS_PER_EXECUTION,
+    choose_steps,
+    first_working,
+    keep_train_function,
+    warn_steps,
+)
+from keras_gpufix.compile.per_replica import (
+    install_multi_worker_fixes,
+    install_per_replica_xla,
+    is_mirrored,
+    is_multi_worker,
+    remove_per_replica_xla,
+)
+from keras_gpufix.compile.precision import POLICIES, check_precision
+from keras_gpufix.compile.verification import (
+    describe_xla_error,
+    first_line,
+    jit_reason,
+    static_jit_blocker,
+    warn_fallback,
+    xla_calls,
+)
+from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.keras_internals import symbolic_build
+
+__all__ = ["CompileReport", "compile_model"]
+
+logger = logging.getLogger("keras_gpufix.compile")
+
+_MIXED_ARGS = ("auto", None) + POLICIES
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What `compile_model` set, as really used by the compiled train step.
+
+    Attributes:
+        jit_compile: whether the train step runs XLA-compiled. With a
+            `sample_batch` this is read from the traced train function (its
+            `_XlaMustCompile` calls), not from the argument.
+        policy: the dtype policy the model's layers compute in, e.g.
+            `"mixed_bfloat16"`.
+        loss_scaling: whether the optimizer is a `LossScaleOptimizer`
+            (exactly one) because layers compute in float16.
+        steps_per_execution: the value set on the model.
+        fallback_reason: why XLA was requested but is not used, or None.
+        xla_scope: `"step"` (Keras compiles the whole step), `"per_replica"`
+            (each replica's forward and backward pass; all-reduce and optimizer
+            update outside XLA) or None.
+        xla_devices: devices of the XLA-compiled calls in the traced train
+            function (`"default"` where the call is not pinned to a device);
+            empty when not verified or not compiled.
+        verified: whether a train step ran on `sample_batch`.
+        num_replicas: replicas in sync of the model's strategy.
+        calibration: the `steps_per_execution` measurement (seconds): one
+            execution of 1 step, of `k` steps, the derived fixed overhead per
+            execution and time per step; None when not measured.
+        reason: one line per choice, saying which and why.
+    """
+
+    jit_compile: bool
+    policy: str
+    loss_scaling: bool
+    steps_per_execution: int
+    fallback_reason: Optional[str] = None
+    xla_scope: Optional[str] = None
+    xla_devices: tuple = ()
+    verified: bool = False
+    num_replicas: int = 1
+    calibration: Optional[dict] = None
+    reason: str = ""
+
+    def __str__(self):
+        lines = [
+            f"jit_compile={self.jit_compile} ({self.xla_scope or 'off'}"
+            f"{', verified' if self.verified else ', not verified'})",
+            f"policy={self.policy} loss_scaling={self.loss_scaling}",
+            f"steps_per_execution={self.steps_per_execution}",
+        ]
+        return "\n".join(lines + self.reason.splitlines())
+
+
+def compile_model(
+    model,
+    optimizer,
+    loss,
+    metrics=None,
+    *,
+    jit_compile: bool = True,
+    mixed_precision: Optional[str] = "auto",
+    steps_per_execution="auto",
+    sample_batch=None,
+    **compile_kwargs,
+) -> CompileReport:
+    """Calls `model.compile` with every speed setting explicit and checked.
+
+    - `jit_compile=True` is set explicitly (Keras's `"auto"` turns XLA off on
+      CPU and under strategies). Under `MirroredStrategy` /
+      `MultiWorkerMirroredStrategy` each replica's forward and backward pass
+      is XLA-compiled and the all-reduce and optimizer update run outside XLA
+      (Keras's own `jit_compile=True` fails there). With `sample_batch`, one
+      train step runs: if XLA fails, the model falls back to graph mode with
+      a `GpufixWarning` naming the op and layer, and the report says what the
+      traced train function really uses.
+    - The layers' compute dtype is checked against the policy
+      (`mixed_precision`); a mismatch warns with the fix. Float16 layers get
+      exactly one `LossScaleOptimizer`.
+    - `steps_per_execution="auto"` times executions of 1 and of 16 steps on
+      `sample_batch` and picks the smallest power of two that keeps the
+      per-execution overhead under 5 % (at most 64, at most about one
+      second per execution, and, when `sample_batch` is a dataset of known
+      length, at most an eighth of an epoch). Callbacks (`on_train_batch_*`, the progress
+      bar) then fire once per execution.
+
+    Weights, optimizer state and metrics are restored after the sample steps
+    (by assignment), and the train function they traced and XLA-compiled is
+    kept: `fit` on batches of the sample batch's spec and shape (a dataset
+    `sample_batch`: its element spec) traces and compiles nothing more.
+    Setting `model.steps_per_execution` afterwards is honoured (the loop is
+    rebuilt around the same compiled step).
+    Under `MultiWorkerMirroredStrategy` every worker must call
+    `compile_model` with the same arguments (the steps are collective); the
+    workers agree on the largest calibrated value.
+
+    Args:
+        model: a Keras model, built under the strategy's scope if any.
+        optimizer, loss, metrics: as for `model.compile`.
+        jit_compile: bool. Defaults to True.
+        mixed_precision: the policy the built layers are checked against
+            (the check never changes them: weights keep the dtype they were
+            built in; call `enable_mixed_precision` before building).
+            `"auto"` (the global policy where one was set, else what
+            `enable_mixed_precision("auto")` would pick), a policy name,
+            or None to skip the check. Defaults to `"auto"`.
+        steps_per_execution: `"auto"` or a positive int. `"auto"` without
+            `sample_batch` uses 1 and warns. Defaults to `"auto"`.
+        sample_batch: `(x, y)` or `(x, y, sample_weight)` of the size used in
+            training, or a `tf.data.Dataset` (its first batch). Defaults to
+            None (nothing is run).
+        **compile_kwargs: passed to `model.compile`.
+
+    Returns:
+        A `CompileReport`.
+
+    Raises:
+        ValueError: for an invalid argument value.
+
+    Example:
+    ```python
+    report = kg.compile_model(model, "adam", "mse", sample_batch=(x[:32], y[:32]))
+    print(report)
+    ```
+    """
+    _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
+    batch = _first_batch(sample_batch)
+    strategy = model.distribute_strategy
+    replicas = int(strategy.num_replicas_in_sync)
+    reasons = []
+
+    policy, loss_scaling, optimizer = check_precision(
+        model, optimizer, mixed_precision, compile_kwargs, reasons
+    )
+    scope = "per_replica" if is_mirrored(strategy) else "step"
+    fallback = None
+    if jit_compile:
+        fallback = static_jit_blocker(model, scope, strategy, compile_kwargs)
+        if fallback:
+            warn_fallback(fallback, stacklevel=3)
+    use_jit = bool(jit_compile) and fallback is None
+
+    compile_kwargs.setdefault("auto_scale_loss", False)
+    with strategy.scope():
+        model.compile(
+            optimizer=optimizer,
+            loss=loss,
+            metrics=metrics,
+            jit_compile=use_jit and scope == "step",
+            steps_per_execution=(
+                1 if steps_per_execution == "auto" else steps_per_execution
+            ),
+            **compile_kwargs,
+        )
+    if use_jit and scope == "per_replica":
+        install_per_replica_xla(model)
+    if is_multi_worker(strategy):
+        install_multi_worker_fixes(model)
+
+    report = CompileReport(
+        jit_compile=use_jit,
+        policy=policy,
+        loss_scaling=loss_scaling,
+        steps_per_execution=model.steps_per_execution,
+        fallback_reason=fallback,
+        xla_scope=scope if use_jit else None,
+        num_replicas=replicas,
+    )
+    if batch is not None:
+        _run_sample_steps(model, batch, strategy, report, steps_per_execution,
+                          _epoch_steps(sample_batch), _element_spec(sample_batch))
+    elif model.steps_per_execution > 1 and is_mirrored(strategy) and replicas > 1:
+        model.steps_per_execution = report.steps_per_execution = 1
+        warn_steps(
+            f"steps_per_execution={steps_per_execution} was not verified (no "
+            "sample_batch) and fails under this strategy in Keras "
+            f"{keras.__version__}; pass sample_batch= to verify it",
+            strategy, stacklevel=3,
+        )
+    elif steps_per_execution == "auto":
+        warnings.warn(
+            "compile_model: steps_per_execution='auto' measures on a batch; "
+            "none was given, so steps_per_execution=1. Pass "
+            "sample_batch=(x, y) (a batch of the training size) to calibrate "
+            "it, or pass an int.",
+            GpufixWarning,
+            stacklevel=2,
+        )
+        reasons.append("steps_per_execution=1: not measured (no sample_batch)")
+
+    reasons.insert(0, jit_reason(report, jit_compile, strategy, sample_batch is not None))
+    report.reason = "\n".join(reasons)
+    logger.info("compile_model: %s", str(report).replace("\n", "; "))
+    return report
+
+
+def _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch):
+    if not isinstance(jit_compile, bool):
+        raise ValueError(
+            f"`jit_compile` must be True or False. Received: jit_compile={jit_compile!r}"
+        )
+    if mixed_precision not in _MIXED_ARGS:
+        raise ValueError(
+            "`mixed_precision` must be 'auto', None or one of "
+            f"{', '.join(repr(p) for p in POLICIES)}. "
+            f"Received: mixed_precision={mixed_precision!r}"
+        )
+    if steps_per_execution != "auto" and not (
+        isinstance(steps_per_execution, int)
+        and not isinstance(steps_per_execution, bool)
+        and steps_per_execution >= 1
+    ):
+        raise ValueError(
+            "`steps_per_execution` must be 'auto' or an int >= 1. "
+            f"Received: steps_per_execution={steps_per_execution!r}"
+        )
+    if sample_batch is not None and not (
+        isinstance(sample_batch, tf.data.Dataset)
+        or (isinstance(sample_batch, (tuple, list)) and len(sample_batch) in (2, 3))
+    ):
+        raise ValueError(
+            "`sample_batch` must be (x, y), (x, y, sample_weight) or a "
+            f"tf.data.Dataset. Received: sample_batch of type {type(sample_batch).__name__}"
+        )
+
+
+def _first_batch(sample_batch):
+    if sample_batch is None:
+        return None
+    if isinstance(sample_batch, tf.data.Dataset):
+        for element in sample_batch.take(1):
+            sample_batch = element
+            break
+        else:
+            raise ValueError("`sample_batch` is an empty tf.data.Dataset.")
+        if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) not in (2, 3):
+            raise ValueError(
+                "`sample_batch` must yield (x, y) or (x, y, sample_weight). "
+                f"Received an element of type {type(sample_batch).__name__}"
+            )
+    return tuple(sample_batch)
+
+
+def _epoch_steps(sample_batch):
+    """Batches per epoch of a dataset `sample_batch` when known, else None."""
+    if isinstance(sample_batch, tf.data.Dataset):
+        n = int(sample_batch.cardinality())
+        return n if n > 0 else None
+    return None
+
+
+def _element_spec(sample_batch):
+    """The element spec `fit` will see for a dataset `sample_batch`, else None.
+
+    The sample steps feed batches with this spec, so the traced step is the
+    one `fit` on that dataset calls (same concrete function, same XLA
+    executable for the sample batch's shape).
+    """
+    if not isinstance(sample_batch, tf.data.Dataset):
+        return None
+    spec = sample_batch.element_spec
+    if all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return spec
+    return None
+
+
+def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
+                      epoch_steps, element_spec):
+    with strategy.scope():
+        symbolic_build(model, batch)
+    variables = list(model.variables) + list(model.optimizer.variables)
+    saved = [v.numpy() for v in variables]
+    try:
+        target = (
+            MAX_STEPS_PER_EXECUTION if steps_per_execution == "auto"
+            else model.steps_per_execution
+        )
+        run, loop_error, error = first_working(model, batch, strategy, target,
+                                                element_spec)
+        if run is None:
+            if not report.jit_compile:
+                raise error
+            reason = describe_xla_error(model, error)
+            remove_per_replica_xla(model)
+            model.jit_compile = False
+            report.jit_compile, report.xla_scope = False, None
+            run, loop_error, error = first_working(model, batch, strategy, target,
+                                                    element_spec)
+            if run is None:
+                raise error  # fails without XLA too: not an XLA problem
+            report.fallback_reason = reason
+            warn_fallback(reason, stacklevel=4)
+        calls = xla_calls(model)
+        report.verified = calls is not None
+        report.xla_devices = tuple(device for device, _ in calls or ())
+        if report.jit_compile and report.verified and not report.xla_devices:
+            report.jit_compile, report.xla_scope = False, None
+            report.fallback_reason = "the traced train function has no XLA call"
+        if loop_error is not None:
+            report.steps_per_execution = 1
+            warn_steps(
+                f"a train function with steps_per_execution={target} failed on "
+                f"the sample batch ({first_line(loop_error)})",
+                strategy, stacklevel=4,
+            )
+        elif steps_per_execution == "auto":
+            report.calibration = run.calibrate()
+            report.steps_per_execution = choose_steps(report.calibration, strategy,
+                                                       epoch_steps)
+            report.calibration["chosen"] = report.steps_per_execution
+    except BaseException:
+        _restore(model, variables, saved)
+        model.steps_per_execution = report.steps_per_execution
+        model.train_function = None
+        raise
+    _restore(model, variables, saved)
+    keep_train_function(model, model.train_function, run.k, report.steps_per_execution)
+
+
+def _restore(model, variables, saved):
+    for variable, value in zip(variables, saved):
+        variable.assign(value)  # assignment keeps the traced functions valid
+    model.reset_metrics()

@@ -1,0 +1,50 @@
+"""Our callbacks in Keras's documented custom loop: `keras.callbacks.CallbackList`."""
+
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_gpufix as kg
+from keras_gpufix.data import instrument
+
+
+def test_probe_follows_a_new_iterator_per_epoch_after_a_break():
+    # Batch k of an iterator has k % 7 + 1 rows, so a shape names the batch.
+    # Each epoch stops after 5 batches while the prefetch buffer holds more:
+    # those discarded batches must not shift the next epoch's steps.
+    probed = instrument(tf.data.Dataset.range(40).map(lambda i: tf.zeros([i % 7 + 1, 3])))
+    ds = probed.prefetch(8)
+    timer = kg.StepTimer()
+    callbacks = keras.callbacks.CallbackList([timer])
+    callbacks.on_train_begin()
+    taken = []
+    for epoch in range(3):
+        callbacks.on_epoch_begin(epoch)
+        for step, batch in enumerate(ds):
+            callbacks.on_train_batch_begin(step)
+            taken.append(((int(batch.shape[0]), 3),))
+            callbacks.on_train_batch_end(step)
+            if step == 4:
+                time.sleep(0.05)  # the discarded iterator's prefetch fills
+                break
+        callbacks.on_epoch_end(epoch)
+    callbacks.on_train_end()
+    assert probed.input_probe.produced() > len(taken)  # batches were discarded
+    assert timer.shapes == taken
+    assert timer.batch_sizes == [rows for ((rows, _),) in taken]
+
+
+def test_probe_follows_one_iterator_across_epochs_in_fit():
+    # fit with steps_per_epoch keeps one iterator over a repeated dataset:
+    # its prefetched batches are the next epoch's first steps, not discards.
+    xy = tf.data.Dataset.range(40).map(
+        lambda i: (tf.zeros([i % 7 + 1, 3]), tf.zeros([i % 7 + 1, 1])))
+    ds = instrument(xy.repeat()).prefetch(8)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    timer = kg.StepTimer()
+    model.fit(ds, epochs=3, steps_per_epoch=10, verbose=0, callbacks=[timer])
+    assert timer.batch_sizes == [g % 40 % 7 + 1 for g in range(30)]

@@ -215,7 +215,9 @@ def format_report(result):
         if fit.get("error"):
             text += f"; ended by {fit['error']}"
         lines.append(text)
-    if result["traces"]:
-        lines.append(f"traces under {result['log_dir']}: tensorboard --logdir {result['log_dir']}")
+    if result["fits"]:
+        lines.append(f"TensorBoard (step times, oscillation scalars"
+                     f"{', traces' if result['traces'] else ''}): "
+                     f"tensorboard --logdir {result['log_dir']}")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

@@ -5,6 +5,8 @@ Multi-replica behaviour is in tests/test_distribute.py (subprocesses).
 
 import math
 import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -314,6 +316,20 @@ def _fake_gpu(monkeypatch, capability):
     monkeypatch.setattr(tf.config.experimental, "get_device_details",
                         lambda device: {"compute_capability": capability,
                                         "device_name": "Fake GPU"})
+
+
+def test_hardware_verdicts_import_no_tensorflow():
+    """`kg.validate` asks hardware.precision_support with a device dict: no TF needed."""
+    code = (
+        "import sys; from keras_gpufix.compile import hardware; "
+        "info = {'gpus': [{'name': 'A100', 'compute_capability': [8, 0]}], "
+        "'cpu_bf16': False, 'cpu_bf16_flags': []}; "
+        "print(hardware.precision_support('mixed_bfloat16', info)[0], "
+        "sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True []"
 
 
 @pytest.mark.parametrize("capability, expected", [

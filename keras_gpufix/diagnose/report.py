@@ -1,6 +1,6 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
-from keras_gpufix.analysis import FIXES
+from keras_gpufix.analysis import FIXES, fix_for
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
@@ -125,7 +125,7 @@ def rank_causes(fits, scan=()):
         period = next((e.get("period") for f in fits
                        for e in (f.get("monitor") or {}).get("events", [])
                        if e["verdict"] == cause["verdict"]), None)
-        cause["fix"] = FIXES.get(cause["verdict"], "").format(period=period)
+        cause["fix"] = fix_for(cause["verdict"], period=period) if cause["verdict"] in FIXES else ""
     timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
     verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
     fixes, used = [], set()

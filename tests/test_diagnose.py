@@ -230,6 +230,11 @@ def test_rank_orders_causes_by_measured_cost():
     assert rank_causes(fits, [])[0] == "healthy"
     fits[0]["model"] = {"run_eagerly": True}
     assert rank_causes(fits, [])[0] == "eager_step"
+    eager = [{"trap": "run_eagerly", "file": "t.py", "line": 7, "why": "w", "fix": "f",
+              "verdict": "eager_step", "training_path": True}]
+    verdict, ranking, fixes = rank_causes(fits, eager)
+    assert ranking[0]["fix"].endswith("at t.py:7")  # the verdict table's text, filled
+    assert fixes[0]["where"] == ["t.py:7: w; f"]
 
 
 def _cycles(cycle_s, between_s, n=10):

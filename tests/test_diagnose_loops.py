@@ -54,6 +54,7 @@ def test_custom_loop_named_right(mode, verdict):
         assert loop["step"]["eager_where"].endswith(f"custom_loop.py:{_line('tape.gradient')}")
         assert any(w.startswith(loop["step"]["eager_where"])
                    for w in result["fixes"][0]["where"])
+        assert result["fixes"][0]["fix"].endswith(f"at {loop['step']['eager_where']}")
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "slow_input":  # the time in next() of the loop's iterator

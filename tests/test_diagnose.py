@@ -346,3 +346,8 @@ def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_pa
     where = [w for fix in fixes for w in fix["where"]]
     assert any("helpers.py:14" in w for w in where)
     assert not any("viz.py" in w or "decode.py" in w for w in where)
+    # the input was measured fine (0% wait, no what-if gain): its findings are no fix
+    assert not any("helpers.py:5" in w for w in where)
+    fits[0]["what_if"] = {"speedup_if_input_free": 1.5}  # the input competes for the cores
+    where = [w for fix in rank_causes(fits, scan)[2] for w in fix["where"]]
+    assert any("helpers.py:5" in w for w in where)

@@ -103,6 +103,28 @@ def trace_evidence(fits):
             if "classification" in (trace.get("analysis") or {})]
 
 
+def _ruled_out(fits, ranking):
+    """Verdicts this run measured absent: their static findings are not ranked as fixes.
+
+    `input_bound` when every timed run waited less than the threshold for
+    input and no what-if found the input costing that share either (an
+    input competing for the cores reads 0% wait); `eager_step` when steps
+    were timed and none ran eagerly.
+    """
+    timed = [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
+    if not timed:
+        return set()
+    out = set()
+    limit = THRESHOLDS["input_wait_share"]
+    speedups = [(f.get("what_if") or {}).get("speedup_if_input_free") for f in timed]
+    if all(_input_wait(f) is not None and _input_wait(f) < limit for f in timed) and not any(
+            z and 1 - 1 / z >= limit for z in speedups):
+        out.add("input_bound")
+    if not any(c["verdict"] == "eager_step" for c in ranking):
+        out.add("eager_step")
+    return out
+
+
 def rank_causes(fits, scan=()):
     """Ranks the measured causes; returns (verdict, ranking, fixes).
 
@@ -111,7 +133,9 @@ def rank_causes(fits, scan=()):
     (`keras_gpufix.analysis.rank_causes`, with the one verdict table and
     thresholds); static findings never make a verdict, they point at the
     lines to change for it; findings off the training path
-    (`training_path` False) are never fixes.
+    (`training_path` False) are never fixes, nor are findings of a cause
+    the run measured absent (`input_bound` with little input wait and no
+    what-if gain, `eager_step` with no eager step).
 
     Returns:
         `verdict` (`healthy` when steps were timed and no cause was
@@ -135,8 +159,10 @@ def rank_causes(fits, scan=()):
         fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where]})
-    for f in scan:  # code that training does not run is never a fix
-        if id(f) not in used and f.get("verdict") is not None and f.get("training_path", True):
+    ruled_out = _ruled_out(fits, ranking)
+    for f in scan:  # code that training does not run, or a cause measured absent, is no fix
+        if (id(f) not in used and f.get("verdict") is not None and f.get("training_path", True)
+                and f["verdict"] not in ruled_out):
             fixes.append({"verdict": f["verdict"], "fix": f["fix"],
                           "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
     for rank, fix in enumerate(fixes, start=1):

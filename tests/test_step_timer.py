@@ -212,3 +212,18 @@ def test_memory_does_not_grow_with_the_run():
           f"{long / 1024:.0f} KiB after 20,000")
     assert callbacks.callbacks[0].summary()["count"] == 20000
     assert long <= short * 1.05 + 16 * 1024
+
+
+def test_a_run_that_ended_by_an_exception_does_not_capture_the_next(monkeypatch):
+    import keras_gpufix.callbacks._stream as stream_module
+
+    clock = Clock()
+    monkeypatch.setattr(stream_module, "time", clock)
+    crashed = kg.StepTimer()
+    crashed.on_train_begin()
+    crashed.on_train_batch_begin(0)
+    crashed.on_train_batch_end(0, {})  # ... and fit raised: no on_train_end
+    timer = kg.StepTimer()
+    drive_hooks(keras.callbacks.CallbackList([timer]), 20, clock)
+    assert timer.stream is not crashed.stream
+    assert timer.summary()["count"] == 20

@@ -17,6 +17,7 @@ import weakref
 import keras
 
 from keras_gpufix.exceptions import warn
+from keras_gpufix.keras_internals import callback_model
 
 __all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
 
@@ -68,11 +69,11 @@ class GuardedCallback(keras.callbacks.Callback):
 
     def siblings(self, cls):
         """Our callbacks of type `cls` in the same running `fit`."""
-        model = getattr(self, "_model", None)
+        model = callback_model(self)
         return [
             cb for cb in list(_ACTIVE)
             if isinstance(cb, cls) and cb is not self
-            and getattr(cb, "_model", None) is model
+            and callback_model(cb) is model
         ]
 
 
@@ -81,7 +82,11 @@ class ScalarWriter:
 
     Uses `tf.summary` (imported on first flush). Where TensorFlow is not
     installed (another Keras backend) it warns once and drops the scalars.
+    At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
+    early).
     """
+
+    MAX_PENDING = 8192
 
     def __init__(self, log_dir, run="keras_gpufix"):
         self.path = os.path.join(os.fspath(log_dir), run)
@@ -92,6 +97,8 @@ class ScalarWriter:
     def add(self, tag, value, step):
         if not self._disabled and value is not None:
             self._pending.append((tag, float(value), int(step)))
+            if len(self._pending) >= self.MAX_PENDING:
+                self.flush()
 
     def flush(self):
         if self._disabled or not self._pending:

@@ -91,7 +91,11 @@ class StepStream:
         """The stream of `callback`'s running fit (opened by the first joiner)."""
         key = id(callback_model(callback))
         stream = _OPEN.get(key)
-        if stream is None or stream._closed or callback in stream.members:
+        # Members join at on_train_begin, before any step: a stream that has
+        # timed a step belongs to an earlier run (one that ended by an
+        # exception, so on_train_end never closed it).
+        if (stream is None or stream._closed or callback in stream.members
+                or stream.hooks or stream._begin is not None):
             stream = _OPEN[key] = cls(key)
         stream.members.append(callback)
         if stream.leader is None:

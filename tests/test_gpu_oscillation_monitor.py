@@ -66,8 +66,9 @@ def test_a_run_shorter_than_the_window_is_judged_at_its_end():
     monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)  # window 96
     report = fit("slow", monitor, batches=40, sleep=0.01)
     assert report["verdict"] == "input_bound" and report["input_wait"] > 0.4
-    tiny = kg.GPUOscillationMonitor(verbose=0, nvml=False)
-    assert fit("healthy", tiny, batches=10)["verdict"] == "unknown"  # 4 steps after warmup
+    tiny = fit("healthy", kg.GPUOscillationMonitor(verbose=0, nvml=False), batches=10)
+    assert tiny["verdict"] == "unknown"  # 5 steps after warmup
+    assert tiny["fix"].startswith("only 5 steps after warmup (fewer than min_judge_steps=8)")
 
 
 def test_events_reach_on_detect_and_siblings():

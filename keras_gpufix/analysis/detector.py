@@ -223,7 +223,8 @@ class OscillationDetector:
             (`slow_factor`, `cost_share`, `input_wait_share`, ...).
 
     Attributes:
-        log: the `StepLog` of the records after warmup (the run's summary).
+        log: the `StepLog` of the records after warmup, the first of each
+            epoch left out (the run's summary).
         events: the events so far (at most `MAX_EVENTS`).
 
     Example:
@@ -308,7 +309,8 @@ class OscillationDetector:
         elif record.new_shape:
             self._shapes.add(("#", self._seen))
         self._ring.append(record)
-        self.log.add(record)
+        if not record.epoch_first:  # epoch starts are judged apart, as in `judge`
+            self.log.add(record)
         self._since_judgement += 1
         if len(self._ring) < self.window or self._since_judgement < self.hop:
             return None

@@ -31,6 +31,7 @@ __all__ = [
     "PHASES",
     "PHASE_FIXES",
     "THRESHOLDS",
+    "TOO_FEW_STEPS",
     "fix_for",
     "slow_mask",
     "recompile_cost",
@@ -105,6 +106,12 @@ PHASE_FIXES = {
         "often or move it off the step path"
     ),
 }
+
+#: The fix of `unknown` when steps were seen, but fewer than min_judge_steps.
+TOO_FEW_STEPS = (
+    "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
+    "judge; run longer or lower warmup"
+)
 
 FIXES = {
     "recompiling": (

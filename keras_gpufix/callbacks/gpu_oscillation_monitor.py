@@ -36,7 +36,14 @@ Nothing is added to the Keras `logs` dict.
 
 import sys
 
-from keras_gpufix.analysis import FIXES, VERDICTS, OscillationDetector, fix_for
+from keras_gpufix.analysis import (
+    FIXES,
+    THRESHOLDS,
+    TOO_FEW_STEPS,
+    VERDICTS,
+    OscillationDetector,
+    fix_for,
+)
 from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -243,6 +250,9 @@ class GPUOscillationMonitor(TimedCallback):
         else:
             fix, phase = FIXES[verdict], None
         summary = self.detector.log.summary()
+        if verdict == "unknown" and summary["count"]:
+            fix = TOO_FEW_STEPS.format(steps=summary["count"], min_steps=self.thresholds.get(
+                "min_judge_steps", THRESHOLDS["min_judge_steps"]))
         gpu_util = None
         if self._sampler is not None:
             gpu_util = self._sampler.mean_between(0.0, float("inf"))

@@ -1,0 +1,140 @@
+"""kg.watch: any loop, any iterable, the Keras hooks in fit's order."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_gpufix as kg
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(f"epoch_begin {epoch}")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(f"begin {batch}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(f"end {batch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(f"epoch_end {epoch}")
+
+    def on_train_end(self, logs=None):
+        self.calls.append("train_end")
+
+
+def batches(n=3, size=4):
+    return [np.zeros((size, 2), np.float32) for _ in range(n)]
+
+
+def test_hooks_in_fit_order_over_epochs_and_a_break():
+    recorder = Recorder()
+    with kg.watch(batches(), callbacks=[recorder]) as watched:
+        for _ in watched:
+            pass
+        for step, _ in enumerate(watched):
+            if step == 1:
+                break
+        assert recorder.calls[-1] == "begin 1"  # the step is open in the loop body
+    assert recorder.calls == [
+        "train_begin",
+        "epoch_begin 0", "begin 0", "end 0", "begin 1", "end 1", "begin 2", "end 2", "epoch_end 0",
+        "epoch_begin 1", "begin 0", "end 0", "begin 1", "end 1", "epoch_end 1",
+        "train_end",
+    ]
+    assert (watched.epoch, watched.steps) == (2, 5)
+
+
+def test_an_error_in_the_loop_ends_the_run_without_ending_the_epoch():
+    recorder = Recorder()
+    with pytest.raises(RuntimeError, match="boom"):
+        with kg.watch(batches(), callbacks=[recorder]) as watched:
+            for _ in watched:
+                raise RuntimeError("boom")
+    assert recorder.calls == ["train_begin", "epoch_begin 0", "begin 0", "end 0", "train_end"]
+
+
+def test_a_stop_raised_by_the_iterable_ends_the_epoch_cleanly():
+    # diagnose's --steps: the iterable's iterator raises StopIteration early.
+    def two_then_stop():
+        yield from batches(2)
+
+    recorder = Recorder()
+    with kg.watch(two_then_stop(), callbacks=[recorder]) as watched:
+        seen = sum(1 for _ in watched)
+    assert seen == 2
+    assert recorder.calls[-3:] == ["end 1", "epoch_end 0", "train_end"]
+
+
+def test_default_callback_is_the_monitor_and_bad_arguments_are_named():
+    watched = kg.watch(batches())
+    assert [type(c).__name__ for c in watched.callbacks] == ["GPUOscillationMonitor"]
+    with pytest.raises(ValueError, match="`iterable` must be iterable.*Received: iterable=int"):
+        kg.watch(3)
+    with pytest.raises(ValueError, match="`callbacks` must be a list of keras.callbacks.Callback"):
+        kg.watch(batches(), callbacks=[print])
+
+
+def test_watching_a_list_on_jax_imports_no_tensorflow():
+    pytest.importorskip("jax")
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import keras_gpufix as kg
+        assert "tensorflow" not in sys.modules and "keras" not in sys.modules
+        monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+        with kg.watch([np.ones((8, 3))] * 12, callbacks=[monitor]) as watched:
+            for epoch in range(2):
+                for batch in watched:
+                    batch.sum()
+        import keras
+        print(keras.backend.backend(), "tensorflow" in sys.modules,
+              watched.report()["step_time"]["count"])
+    """)
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    backend, tf_imported, steps = out.stdout.split()[-3:]
+    assert (backend, tf_imported) == ("jax", "False")
+    assert int(steps) > 0
+
+
+def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch):
+    from keras_gpufix import watched as watched_module
+
+    supplied = []
+
+    class Stream:  # the shared step log's entry point (core's StepStream.supply)
+        def supply(self, wait, **facts):
+            supplied.append((wait, facts))
+
+    clock = iter([10.0, 10.5, 11.0, 11.25, 12.0, 12.0])  # next(): start, return
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return next(clock)
+
+    monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Stream())
+    monkeypatch.setattr(watched_module, "time", Clock)
+    batches = [(np.zeros((4, 2)), np.zeros(4)), {"x": np.zeros((3, 5, 2))}]
+    with kg.watch(batches, callbacks=[Recorder()]) as watched:
+        assert sum(1 for _ in watched) == 2
+    assert supplied == [
+        (0.5, {"samples": 4, "shape": ((4, 2), (4,)), "split": False}),
+        (0.25, {"samples": 3, "shape": ((3, 5, 2),), "split": False}),
+    ]

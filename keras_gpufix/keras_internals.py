@@ -13,18 +13,19 @@ A function that finds the structure changed returns its "unknown" value
 
 import functools
 import types
-import warnings
 from collections import deque
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 
 __all__ = [
+    "callback_model",
     "concrete_functions",
     "closure_cell",
     "cross_device_ops_name",
     "flatten_layers",
     "function_jit_compile",
     "in_multi_worker_mode",
+    "input_datasets",
     "overrides_train_step",
     "set_symbolic_build",
     "symbolic_build",
@@ -41,14 +42,17 @@ def _off(what: str, exc: BaseException) -> None:
         return
     _WARNED.add(what)
     import keras
-    import tensorflow as tf
 
-    warnings.warn(
+    try:  # the callbacks also run on Keras backends without TensorFlow
+        import tensorflow as tf
+
+        tf_version = tf.__version__
+    except ImportError:
+        tf_version = "not installed"
+    warn(
         f"keras_gpufix: {what} is not where it was on Keras {keras.__version__} / "
-        f"TensorFlow {tf.__version__} (checked on {CHECKED_ON}): "
-        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'.",
-        GpufixWarning,
-        stacklevel=3,
+        f"TensorFlow {tf_version} (checked on {CHECKED_ON}): "
+        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'."
     )
 
 
@@ -110,6 +114,38 @@ def cross_device_ops_name(strategy) -> str:
     """
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     return type(ops).__name__ if ops is not None else "unknown"
+
+
+def callback_model(callback):
+    """The model given to a Keras callback by `set_model`, or None before that.
+
+    Keras 3.15.1 keeps it in `Callback._model`. The public `callback.model`
+    property is not a plain read: on the JAX backend it syncs the model's
+    state from the device (at every call, so per batch in a hook), and on
+    torch it unwraps `DistributedDataParallel`. When `_model` is gone the
+    property is used.
+    """
+    try:
+        return callback._model
+    except AttributeError as exc:
+        _off("keras.callbacks.Callback._model", exc)
+        return getattr(callback, "model", None)
+
+
+def input_datasets(dataset) -> list:
+    """The datasets a `tf.data.Dataset` was made from (empty for a source).
+
+    TensorFlow 2.21.0's `DatasetV2._inputs()`: one input for `map`,
+    `batch`, `prefetch` ..., several for `zip` and `concatenate`, none for
+    `from_tensor_slices` and other sources. tf.data has no public way to
+    walk a pipeline. An empty list, with one `GpufixWarning`, when the
+    method is gone.
+    """
+    try:
+        return list(dataset._inputs())
+    except Exception as exc:  # any change in TF's private method
+        _off("tf.data.Dataset._inputs", exc)
+        return []
 
 
 def concrete_functions(function) -> "list | None":

@@ -78,7 +78,6 @@ class NvmlSampler:
         self._values = []  # mean utilisation of the visible GPUs, 0..1
         self._lock = threading.Lock()
         self.error = None
-        self.gpus = 0
         self._stop = threading.Event()
         self._thread = None
 
@@ -91,7 +90,6 @@ class NvmlSampler:
         if not handles:
             pynvml.nvmlShutdown()
             raise RuntimeError("NVML sees no GPU")
-        self.gpus = len(handles)
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._run, args=(pynvml, handles), name="keras_gpufix-nvml", daemon=True

@@ -1,5 +1,8 @@
 """Every public callback: defaults, two fits, steps_per_execution, TensorBoard."""
 
+import types
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix.data import instrument
+from keras_gpufix.exceptions import GpufixWarning
 from planted import FEATURES, tiny_model
 
 PUBLIC = ["StepTimer", "GPUOscillationMonitor", "ProfilerTrigger", "RetracingMonitor"]
@@ -37,7 +41,86 @@ def test_two_fits_with_steps_per_execution_and_tensorboard(name, tmp_path):
         history = model.fit(dataset(), epochs=2, verbose=0, callbacks=[callback, tensorboard])
         assert len(history.history["loss"]) == 2
     assert not getattr(callback, "errors", [])
-    if hasattr(callback, "report"):
-        assert isinstance(callback.report(), dict)
-    if name == "StepTimer":  # state reset per fit: one fit's 2 x 16 hooks of 3 steps
-        assert callback.counts == [3] * 32
+    CHECK_SECOND_FIT[name](callback, tmp_path)
+
+
+def _step_timer(timer, tmp_path):
+    # state reset per fit: one fit's 2 x 16 hooks of 3 steps, each timed
+    assert timer.counts == [3] * 32
+    summary = timer.summary()
+    assert summary["count"] == 96 and summary["mean_ms"] > 0
+    assert summary["steps_per_hook"] == 3
+    assert summary["samples_per_s"] > 0  # batch size read from the instrumented batches
+
+
+def _monitor(monitor, tmp_path):
+    report = monitor.report()
+    assert report["step_time"]["count"] > 0 and report["step_time"]["mean_ms"] > 0
+    assert report["new_shapes"] == 1  # one batch shape, read from the instrumented data
+    assert report["input_wait"] is not None and 0 <= report["input_wait"] <= 1
+    assert report["fix"] and report["errors"] == []
+    assert all(e["start_step"] <= e["end_step"] < 96 for e in report["events"])
+
+
+def _profiler(trigger, tmp_path):
+    report = trigger.report()  # nothing armed it: no GPUOscillationMonitor in the list
+    assert report["traces"] == [] and report["skipped"] == []
+    assert report["log_dir"] == str(tmp_path / "trigger")
+    assert str(tmp_path / "trigger") in report["tensorboard"]
+
+
+def _retracing(monitor, tmp_path):
+    report = monitor.report()
+    assert report["steps"] == 96 and report["compiled"] is True
+    assert report["trace_count"] == 0  # traced in the first fit only
+    assert report["new_shapes"] == 1 and report["shapes"] == [[[8, FEATURES], [8, 1]]]
+    assert report["recompile_ms"] == 0.0 and report["verdict"] == "healthy"
+
+
+CHECK_SECOND_FIT = {"StepTimer": _step_timer, "GPUOscillationMonitor": _monitor,
+                    "ProfilerTrigger": _profiler, "RetracingMonitor": _retracing}
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+def _inject(name, monkeypatch):
+    """Breaks one thing each callback relies on, inside its hooks."""
+    if name == "StepTimer":
+        import keras_gpufix.callbacks.step_timer as module
+
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=_broken,
+                                                                  time=_broken))
+    elif name == "GPUOscillationMonitor":
+        from keras_gpufix.analysis import OscillationDetector
+
+        monkeypatch.setattr(OscillationDetector, "update", _broken)
+    elif name == "ProfilerTrigger":
+        from keras_gpufix import profiling
+
+        monkeypatch.setattr(profiling, "step_marker", _broken)
+    else:
+        from keras_gpufix.callbacks import retracing_monitor
+
+        monkeypatch.setattr(retracing_monitor.RetracingMonitor, "_trace_total", _broken)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_a_failure_inside_any_callback_is_one_warning_at_the_users_line(
+        name, tmp_path, monkeypatch):
+    callback = make(name, tmp_path)
+    if name == "ProfilerTrigger":  # a trace due at step 2, so its hooks mark steps
+        callback = kg.ProfilerTrigger(str(tmp_path / "trigger"), trigger=2, steps=2,
+                                      analyze=False, verbose=0)
+    _inject(name, monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = tiny_model().fit(dataset(), epochs=2, verbose=0, callbacks=[callback])
+    assert len(history.history["loss"]) == 2  # fit went on
+    ours = [w for w in caught if issubclass(w.category, GpufixWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "RuntimeError: injected" in str(ours[0].message)
+    assert "training continues" in str(ours[0].message)
+    assert ours[0].filename == __file__  # the fit(...) line, not our base class
+    assert callback.errors and all("injected" in e for e in callback.errors)

@@ -303,7 +303,7 @@ def _two_speaker_manifest(folder):
         samples = 0.1 * rng.standard_normal(int(16000 * (0.3 + 0.1 * i)))
         write_wav(os.path.join(folder, rel), samples, 16000,
                   sample_format="float32" if i == 6 else "pcm16")
-        text = f"clip {'abc'[i % 3] * (i + 1)}"
+        text = f"clip {'abd'[i % 3] * (i + 1)}"
         item = {"audio_filepath": rel, "text": text, "speaker": speaker,
                 "language": "en" if i < 3 else "fr", "duration": 0.3 + 0.1 * i}
         lines.append(__import__("json").dumps(item))
@@ -323,7 +323,7 @@ def _two_speaker_manifest(folder):
 
 
 def _tokenize(text):
-    return [ord(c) % 50 for c in text]  # id 0 included when ord(c) is 50, 100, ...
+    return [ord(c) % 50 for c in text]  # 'd' (100) is id 0: it must reach the batch too
 
 
 def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
@@ -336,7 +336,7 @@ def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
     assert [(s["line"], s["reason"][:25]) for s in report["skipped"]] == [
         (4, "manifest line has no `aud"), (8, "NaN or infinite samples i")]
     for builder in (cached, plain):
-        seen = {}
+        seen, zeros = {}, 0
         for batch in builder.build(batch_size=2, num_buckets=2, seed=1, as_dict=True):
             assert set(batch) == {"id", "tokens", "tokens_len", "features", "features_len",
                                   "speaker", "language"}
@@ -344,12 +344,14 @@ def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
                 item = expected[uid.decode()]
                 n, frames = batch["tokens_len"][i], batch["features_len"][i]
                 assert batch["tokens"][i, :n].numpy().tolist() == _tokenize(item["text"])
+                zeros += _tokenize(item["text"]).count(0)
                 assert not batch["tokens"][i, n:].numpy().any()
                 assert report["speakers"][batch["speaker"][i]] == item["speaker"]
                 assert report["languages"][batch["language"][i]] == item["language"]
                 assert frames == AUDIO.num_frames(int(16000 * item["duration"]))
                 seen[uid.decode()] = batch["features"][i, :frames].numpy()
         assert seen.keys() == expected.keys()
+        assert zeros == 3 + 6  # c2 and c5 carry 'd' (id 0) inside their tokens
         if builder is cached:
             from_cache = seen
     for uid, features in seen.items():

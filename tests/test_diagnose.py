@@ -10,6 +10,8 @@ import pytest
 
 from keras_gpufix.cli import main
 from keras_gpufix.diagnose import rank_causes, scan_script
+from keras_gpufix.diagnose.what_if import (Cycles, format_what_if, input_rate, replay_rate,
+                                           what_if)
 
 SLOW_INPUT = """\
 import time
@@ -97,6 +99,12 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     traces = [e for e in result["evidence"] if e["source"] == "XProf"]
     assert traces and traces[0]["value"] >= 20.0 and "input-bound" in traces[0]["text"]
     assert result["fits"][0]["stopped_by_diagnose"] is True
+    # what-if: the input alone is the bound; the step alone (model.train_function
+    # replayed on one cached batch) is far faster, and the model was restored
+    assert result["what_if"] == result["fits"][0]["what_if"]
+    assert result["what_if"]["bound"] == "input" and result["what_if"]["method"] == "replay"
+    assert result["what_if"]["step_batches_per_s"] > 3 * result["what_if"]["input_batches_per_s"]
+    assert result["what_if"]["speedup_if_input_free"] > 2
     scan = [(f["trap"], f["line"]) for f in result["scan"]]
     assert ("py_function_in_map", 17) in scan
     assert result["fixes"][0]["verdict"] == "input_bound"
@@ -129,6 +137,7 @@ def test_healthy_script_keeps_its_exit_code(tmp_path):
     assert fit["monitor"]["input_wait"] < 0.2
     assert result["evidence"] and "compute-bound" in result["evidence"][0]["text"]
     assert result["scan"] == [] and result["fixes"] == []
+    assert result["what_if"]["bound"] == "step"  # cached input: the step is the bound
 
 
 def test_text_report_and_failing_script(tmp_path):
@@ -205,3 +214,52 @@ def test_rank_orders_causes_by_measured_cost():
     assert rank_causes(fits, [])[0] == "healthy"
     fits[0]["model"] = {"run_eagerly": True}
     assert rank_causes(fits, [])[0] == "eager_step"
+
+
+def _cycles(cycle_s, between_s, n=10):
+    cycles = Cycles(skip=2)
+    for _ in range(n + 2):
+        cycles.add(cycle_s, between_s)
+    return cycles
+
+
+def test_what_if_figures():
+    cycles = Cycles(skip=2)
+    for cycle in (9.0, 9.0, 0.1, 0.1):  # the first two of each epoch are left out
+        cycles.add(cycle, 0.01)
+    cycles.epoch()
+    cycles.add(7.0, 0.01)
+    assert cycles.cycle_s == [0.1, 0.1]
+    # input-bound: 100 ms cycles, a 5 ms step and 10 ms between: 15 ms with input free
+    result = what_if(_cycles(0.1, 0.01), input_per_s=10.0, step_per_s=200.0)
+    assert result["speedup_if_input_free"] == pytest.approx(0.1 / 0.015)
+    assert result["observed_batches_per_s"] == pytest.approx(10.0)
+    assert result["bound"] == "input" and result["method"] == "replay" and result["cycles"] == 10
+    text = format_what_if(result)
+    assert text.startswith("what-if: input supplies 10.0 batches/s, the step consumes 200.0")
+    assert "the run would be 6.67x faster" in text
+    # compute-bound, and the step ran slower in the run than alone (cores shared with input)
+    result = what_if(_cycles(0.03, 0.0), input_per_s=500.0, step_per_s=50.0)
+    assert result["bound"] == "step" and result["speedup_if_input_free"] == pytest.approx(1.5)
+    assert "the step is the bound" in format_what_if(result)
+    assert "competes with the step" in format_what_if(result)
+    # a step that cannot be replayed: all time outside the input counts as the step
+    result = what_if(_cycles(0.1, 0.04), input_per_s=12.0, step_per_s=None)
+    assert result["method"] == "in_run" and result["step_batches_per_s"] == pytest.approx(25.0)
+    assert result["speedup_if_input_free"] == pytest.approx(2.5)
+    assert what_if(Cycles(), 10.0, 10.0) is None
+
+
+def test_input_rate_and_replay_rate_leave_the_state_alone():
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.range(40).batch(4)
+    it = iter(ds)
+    assert int(next(it)[0]) == 0
+    assert input_rate(ds, seconds=0.5) > 0
+    assert int(next(it)[0]) == 4  # the user's iterator was not consumed
+    assert input_rate(ds.take(1)) is None
+    v = tf.Variable(1.0)
+    step = tf.function(lambda: v.assign_add(1.0))
+    assert replay_rate(step, [v], batches_per_call=2, seconds=0.2) > 0
+    assert float(v.numpy()) == 1.0

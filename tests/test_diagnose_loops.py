@@ -9,6 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "custom_loop.py")
+WHAT_IF = {"slow_input": [], "eager": [], "function": []}  # the modes whose what-if is checked
 
 
 def _diagnose(mode, steps=30):
@@ -16,7 +17,8 @@ def _diagnose(mode, steps=30):
     env["PYTHONPATH"] = ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
-         "--steps", str(steps), "--", "python", SCRIPT, mode],
+         "--steps", str(steps), *WHAT_IF.get(mode, ["--no-what-if"]),
+         "--", "python", SCRIPT, mode],
         capture_output=True, text=True, env=env, timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -48,6 +50,12 @@ def test_custom_loop_named_right(mode, verdict):
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "slow_input":  # the time in next() of the loop's iterator
         assert loop["phases"]["input_share"] > 0.5
+        # what-if: the step function replayed alone is far faster than the input
+        what_if = result["what_if"]
+        assert what_if["bound"] == "input" and what_if["method"] == "replay"
+        assert what_if["speedup_if_input_free"] > 2
+    if mode == "eager":  # no function to replay: the step as measured in the run
+        assert result["what_if"]["method"] == "in_run"
 
 
 def test_steps_stops_a_healthy_tf_function_loop():
@@ -62,3 +70,5 @@ def test_steps_stops_a_healthy_tf_function_loop():
     # 12 cycles after the first step was seen; the monitor's warm-up drops 5
     assert loop["monitor"]["step_time"]["count"] == 12 - 5
     assert loop["epochs"] == 1
+    assert result["what_if"]["method"] == "replay"  # the observed tf.function, replayed
+    assert result["what_if"]["step_batches_per_s"] > 0 and result["what_if"]["cycles"] > 0

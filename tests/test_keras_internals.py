@@ -10,11 +10,13 @@ import tensorflow as tf
 from keras_gpufix import keras_internals
 from keras_gpufix.exceptions import GpufixWarning
 from keras_gpufix.keras_internals import (
+    callback_model,
     concrete_functions,
     cross_device_ops_name,
     flatten_layers,
     function_jit_compile,
     in_multi_worker_mode,
+    input_datasets,
     closure_cell,
     overrides_train_step,
     set_symbolic_build,
@@ -74,6 +76,51 @@ def test_function_jit_compile_reads_the_argument(monkeypatch):
     assert len(messages) == 1 and "function_spec.jit_compile" in messages[0]
 
 
+def test_callback_model_is_the_model_fit_set():
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(callback_model(self))
+
+    probe = Probe()
+    assert callback_model(probe) is None  # before fit
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), batch_size=2, epochs=1, verbose=0,
+              callbacks=[probe])
+    assert seen == [model, model]
+
+
+def test_callback_model_falls_back_to_the_property_with_one_warning(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+
+    class Moved:  # a Keras whose Callback keeps the model elsewhere
+        model = "the model"
+
+    results, messages = _twice(lambda: callback_model(Moved()))
+    assert results == ["the model", "the model"]
+    assert len(messages) == 1 and "Callback._model" in messages[0]
+
+
+def test_input_datasets_walks_a_pipeline():
+    source = tf.data.Dataset.range(8)
+    mapped = source.map(lambda x: x + 1)
+    pipeline = mapped.batch(2).prefetch(1)
+    assert input_datasets(source) == []
+    assert input_datasets(mapped) == [source]
+    (batched,) = input_datasets(pipeline)
+    assert input_datasets(batched) == [mapped]
+    assert input_datasets(tf.data.Dataset.zip((source, mapped))) == [source, mapped]
+
+
+def test_input_datasets_of_an_unknown_object_warns_once(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    results, messages = _twice(lambda: input_datasets(object()))
+    assert results == [[], []]
+    assert len(messages) == 1 and "tf.data.Dataset._inputs" in messages[0]
+
+
 def test_flatten_layers_walks_nested_models():
     inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="deep")])
     outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1, name="top")])
@@ -115,10 +162,11 @@ def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypat
     monkeypatch.setattr(type(tf.function(lambda: 0)), "_list_all_concrete_functions",
                         lambda self: (_ for _ in ()).throw(AttributeError("gone")))
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    with pytest.warns(GpufixWarning, match="not where it was on Keras"):
+    with pytest.warns(GpufixWarning, match="not where it was on Keras") as caught:
         report = kg.compile_model(model, "sgd", "mse", mixed_precision=None,
                                   steps_per_execution=1,
                                   sample_batch=(np.zeros((4, 3)), np.zeros((4, 1))))
+    assert caught[0].filename == __file__  # the user's compile_model line
     assert report.verified is False and report.jit_compile is True
     assert "not verified (the traced step could not be read" in report.reason
 

@@ -1,7 +1,7 @@
 """What every keras_gpufix callback shares: it never breaks `fit`.
 
 - `guarded` wraps a hook so an internal error becomes one `GpufixWarning`
-  (per hook and error type) and training goes on. Keras lets an exception
+  (per callback and error type, at the user's line) and training goes on. Keras lets an exception
   raised in a callback propagate out of `fit`, which skips `on_train_end` of
   every callback (a profiler another callback started is then left running).
 - `GuardedCallback.siblings(cls)` finds our other callbacks in the running
@@ -12,12 +12,11 @@
 
 import functools
 import os
-import warnings
 import weakref
 
 import keras
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 
 __all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
 
@@ -39,7 +38,13 @@ def guarded(hook):
 
 
 class GuardedCallback(keras.callbacks.Callback):
-    """Base class: failure-safe hooks and sibling lookup."""
+    """Base class: failure-safe hooks and sibling lookup.
+
+    `errors` keeps the first `MAX_ERRORS` failures (hook, type, message);
+    each error type is warned once.
+    """
+
+    MAX_ERRORS = 100
 
     def __init__(self):
         super().__init__()
@@ -47,17 +52,13 @@ class GuardedCallback(keras.callbacks.Callback):
         self.errors = []
 
     def _report_failure(self, where, exc):
-        self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
-        key = (where, type(exc))
-        if key in self._failures:
+        if len(self.errors) < self.MAX_ERRORS:
+            self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        if type(exc) in self._failures:
             return
-        self._failures.add(key)
-        warnings.warn(
-            f"{type(self).__name__}.{where} failed and was skipped "
-            f"({type(exc).__name__}: {exc}); training continues.",
-            GpufixWarning,
-            stacklevel=2,
-        )
+        self._failures.add(type(exc))
+        warn(f"{type(self).__name__}.{where} failed and was skipped "
+             f"({type(exc).__name__}: {exc}); training continues.")
 
     def _activate(self):
         _ACTIVE.add(self)
@@ -101,12 +102,8 @@ class ScalarWriter:
         except ImportError:
             self._disabled = True
             self._pending = []
-            warnings.warn(
-                "TensorBoard scalars need TensorFlow (`pip install tensorflow`); "
-                f"nothing is written to {self.path}.",
-                GpufixWarning,
-                stacklevel=2,
-            )
+            warn("TensorBoard scalars need TensorFlow (`pip install tensorflow`); "
+                 f"nothing is written to {self.path}.")
             return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.path)

@@ -1,6 +1,7 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
 from keras_gpufix.analysis import FIXES
+from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
 __all__ = ["rank_causes", "format_report", "healthy_evidence", "trace_evidence"]
@@ -181,6 +182,8 @@ def format_report(result):
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]
+    if result.get("what_if"):
+        lines.append(format_what_if(result["what_if"]))
     if result["fixes"]:
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:

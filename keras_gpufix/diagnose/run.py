@@ -18,6 +18,8 @@ from keras_gpufix import __version__
 from keras_gpufix.diagnose.loop_patch import LoopPatch
 from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
 from keras_gpufix.diagnose.scan import scan_script
+from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
+                                           replay_rate, what_if)
 from keras_gpufix.exceptions import GpufixWarning
 
 __all__ = ["environment", "run_diagnosis"]
@@ -102,10 +104,11 @@ def _stop_after(steps):
 class FitPatch:
     """Context manager: every `keras.Model.fit` gets the diagnostic callbacks."""
 
-    def __init__(self, steps=None, log_dir=None, trace=True, verbose=1):
+    def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
         self.steps = steps
         self.log_dir = log_dir
         self.trace = trace
+        self.what_if = what_if
         self.verbose = verbose
         self.fits = []
         self.notes = []
@@ -219,14 +222,28 @@ class FitPatch:
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         stop = _stop_after(self.steps) if self.steps else None
-        arguments["callbacks"] = user + ours + ([stop] if stop else [])
+        cycles = Cycles()
+        arguments["callbacks"] = user + ours + [cycle_callback(cycles)] + ([stop] if stop else [])
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
-        return bound, mine, stop, info
+        return bound, mine, stop, info, (x if dataset else None, cycles)
+
+    def fit_what_if(self, model, dataset, cycles):
+        """The what-if of one fit (`what_if.py`), or a dict with the reason it was not measured."""
+        if dataset is None:
+            return {"reason": "the input is not a tf.data.Dataset"}
+        try:
+            input_per_s = input_rate(dataset)
+            call, variables, per_call = fit_replay(model, dataset)
+            result = what_if(cycles, input_per_s, replay_rate(call, variables, per_call))
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
+        return result or {"reason": "no steady cycles were timed"}
 
     def _fit(self, original, model, args, kwargs):
         try:
-            bound, mine, stop, info = self._prepare(original, model, args, kwargs)
+            bound, mine, stop, info, (dataset, cycles) = self._prepare(original, model, args,
+                                                                        kwargs)
         except Exception as exc:  # never break the user's fit
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
@@ -235,7 +252,7 @@ class FitPatch:
         self.fits.append(entry)
         t0 = time.perf_counter()
         try:
-            return original(*bound.args, **bound.kwargs)
+            history = original(*bound.args, **bound.kwargs)
         except BaseException as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             raise
@@ -253,6 +270,10 @@ class FitPatch:
             # cycle; freed only at interpreter exit, an iterator with a
             # py_function in flight deadlocks there (TF 2.21). Free it now.
             gc.collect()
+        if self.what_if:
+            entry["what_if"] = self.fit_what_if(model, dataset, cycles)
+            gc.collect()
+        return history
 
 
 _QUIET_NOTE = ("TensorFlow's C++ INFO and WARNING logs were hidden (TF_CPP_MIN_LOG_LEVEL=2); "
@@ -302,7 +323,13 @@ def _jsonable(value):
     return str(value)
 
 
-def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
+def _main_what_if(fits):
+    """The what-if of the run that took longest, or None when no run has one."""
+    runs = sorted(fits, key=lambda f: -(f.get("wall_s") or 0))
+    return next((f["what_if"] for f in runs if f.get("what_if")), None)
+
+
+def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
@@ -313,13 +340,17 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         log_dir: where profiler traces go. Defaults to a new folder under
             the system temp dir.
         trace: take XProf traces (ProfilerTrigger). Defaults to True.
+        what_if: after each run, measure the input alone and the step
+            alone (`what_if.py`, a few seconds). Defaults to True.
         verbose: the monitors print their events (1) or not (0).
 
     Returns:
         A JSON-ready dict: `command`, `exit_code` (the script's),
         `verdict`, `evidence` (of the verdict), `ranking`, `fixes`
         (ranked), `scan`, `environment`, `fits` (one per `fit`: the
-        monitors' reports), `traces` (XProf evidence), `log_dir`, `notes`.
+        monitors' reports), `what_if` (of the longest run: `input_batches_per_s`,
+        `step_batches_per_s`, `speedup_if_input_free`, ...), `traces`
+        (XProf evidence), `log_dir`, `notes`.
 
     Raises:
         ValueError: when the command names no script that exists.
@@ -340,7 +371,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch, \
+        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
+                      verbose=verbose) as patch, \
                 LoopPatch(patch):
             try:
                 if kind == "module":
@@ -376,6 +408,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,
+        "what_if": _main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
         "notes": patch.notes + ([_QUIET_NOTE] if quiet else []),

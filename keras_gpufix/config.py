@@ -350,8 +350,8 @@ def _data_class(name):
 
 
 def _threshold_keys():
-    from keras_gpufix.analysis import OscillationDetector
-    return [k for k in _sub_keys(OscillationDetector) if k not in ("window", "warmup", "min_windows")]
+    from keras_gpufix.analysis import THRESHOLDS
+    return sorted(THRESHOLDS)
 
 
 def _section(cls, raw, prefix, doc, problems):

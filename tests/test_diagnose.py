@@ -263,3 +263,65 @@ def test_input_rate_and_replay_rate_leave_the_state_alone():
     step = tf.function(lambda: v.assign_add(1.0))
     assert replay_rate(step, [v], batches_per_call=2, seconds=0.2) > 0
     assert float(v.numpy()) == 1.0
+
+
+def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""\
+        import numpy as np
+        import helpers
+        from pkg.viz import plot_batch
+        from pkg import decode
+
+        ds = helpers.make_dataset()
+        for epoch in range(2):
+            for x, y in ds:
+                loss = helpers.train_step(x, y)
+                helpers.log_loss(loss)
+            plot_batch(x)
+        for x, y in ds:
+            print(decode.greedy(x))
+        """))
+    (tmp_path / "helpers.py").write_text(textwrap.dedent("""\
+        import tensorflow as tf
+
+        def make_dataset():
+            ds = tf.data.Dataset.from_tensor_slices([1.0, 2.0])
+            return ds.map(lambda x: tf.numpy_function(abs, [x], tf.float32)).batch(2)
+
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = x * y
+            return tape.gradient(loss, [x])
+
+        def log_loss(loss):
+            for value in [loss]:
+                print(value.numpy())
+        """))
+    (tmp_path / "pkg" / "viz.py").write_text(textwrap.dedent("""\
+        def plot_batch(x):
+            for row in x:
+                print(row.numpy())
+        """))
+    (tmp_path / "pkg" / "decode.py").write_text(textwrap.dedent("""\
+        def greedy(x):
+            return [t.numpy() for t in x]
+        """))
+    scan = scan_script(tmp_path / "train.py")
+    found = {(os.path.relpath(f["file"], tmp_path), f["line"], f["trap"]): f["training_path"]
+             for f in scan}
+    assert found == {
+        ("helpers.py", 5, "py_function_in_map"): True,
+        ("helpers.py", 5, "no_prefetch"): True,
+        ("helpers.py", 14, "numpy_in_loop"): True,  # called once per step by the loop
+        (os.path.join("pkg", "viz.py"), 3, "numpy_in_loop"): False,  # once per epoch
+        (os.path.join("pkg", "decode.py"), 2, "numpy_in_loop"): False,  # inference only
+    }
+    fits = [{"index": 1, "monitor": {"input_wait": 0.0, "events": [],
+                                     "step_time": {"count": 20, "p50_ms": 5.0, "p95_ms": 6.0}}}]
+    verdict, _, fixes = rank_causes(fits, scan)
+    assert verdict == "healthy"
+    where = [w for fix in fixes for w in fix["where"]]
+    assert any("helpers.py:14" in w for w in where)
+    assert not any("viz.py" in w or "decode.py" in w for w in where)

@@ -173,7 +173,7 @@ class GPUOscillationMonitor(TimedCallback):
                 self._emit(event)
 
     def _log_judgement(self, step):
-        _, evidence, _ = self.detector.last_judgement
+        evidence = self.detector.last_judgement["evidence"]
         self._writer.add("oscillation/cv", evidence["cv"], step)
         self._writer.add("oscillation/median_ms", evidence["median_ms"], step)
         self._writer.add("oscillation/input_wait", evidence.get("input_wait"), step)

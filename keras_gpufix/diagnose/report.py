@@ -1,6 +1,6 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
-from keras_gpufix.analysis import FIXES
+from keras_gpufix.analysis import FIXES, fix_for
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
@@ -104,7 +104,8 @@ def rank_causes(fits, scan=()):
 
     A cause is ranked by the share of time it measurably cost (input wait,
     recompile time, time lost to slow steps); static findings never make a
-    verdict, they point at the lines to change for it.
+    verdict, they point at the lines to change for it; findings off the
+    training path (`training_path` False) are never fixes.
 
     Returns:
         `verdict` (`healthy` when steps were timed and no cause was
@@ -124,12 +125,13 @@ def rank_causes(fits, scan=()):
         period = next((e.get("period") for f in fits
                        for e in (f.get("monitor") or {}).get("events", [])
                        if e["verdict"] == cause["verdict"]), None)
-        cause["fix"] = FIXES.get(cause["verdict"], "").format(period=period)
+        cause["fix"] = fix_for(cause["verdict"], period=period) if cause["verdict"] in FIXES else ""
     timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
     verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
     fixes, used = [], set()
     for cause in ranking:
-        where = [f for f in scan if f.get("verdict") == cause["verdict"]]
+        where = [f for f in scan if f.get("verdict") == cause["verdict"]
+                 and f.get("training_path", True)]
         used.update(id(f) for f in where)
         seen = []
         if cause["verdict"] == "eager_step":
@@ -138,8 +140,8 @@ def rank_causes(fits, scan=()):
         fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where]})
-    for f in scan:
-        if id(f) not in used and f.get("verdict") is not None:
+    for f in scan:  # code that training does not run is never a fix
+        if id(f) not in used and f.get("verdict") is not None and f.get("training_path", True):
             fixes.append({"verdict": f["verdict"], "fix": f["fix"],
                           "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
     for rank, fix in enumerate(fixes, start=1):
@@ -190,7 +192,9 @@ def format_report(result):
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines += [f"     {w}" for w in fix["where"]]
     lines.append(f"static scan: {len(result['scan'])} finding(s)")
-    lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}" for f in result["scan"]]
+    lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}"
+              + ("" if f.get("training_path", True) else " (not on the training path)")
+              for f in result["scan"]]
     env = result["environment"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"
     nvml = "available" if env["nvml"]["available"] else f"unavailable ({env['nvml']['reason']})"

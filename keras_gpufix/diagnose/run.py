@@ -60,13 +60,17 @@ def environment():
 
 
 def _instrumented(dataset, depth=64):
-    """Whether `dataset` or one of its inputs went through kg.data.instrument."""
+    """Whether `dataset` or one of its inputs (any branch) went through kg.data.instrument."""
+    from keras_gpufix.keras_internals import input_datasets
+
+    todo = [dataset]
     for _ in range(depth):
-        if dataset is None:
+        if not todo:
             return False
-        if getattr(dataset, "input_probe", None) is not None:
+        current = todo.pop(0)
+        if getattr(current, "input_probe", None) is not None:
             return True
-        dataset = getattr(dataset, "_input_dataset", None)
+        todo.extend(input_datasets(current))
     return False
 
 

@@ -4,12 +4,17 @@
 own loop (a `tf.GradientTape` step, as in Keras's "writing a training loop
 from scratch" guide) and returns the monitor's report. Kinds:
 
-| kind         | the loop                                              | truth          |
-|--------------|-------------------------------------------------------|----------------|
-| `function`   | tf.function step, cached in-memory input              | healthy        |
-| `eager`      | the same step run eagerly                             | (see diagnose) |
-| `between`    | tf.function step, 40 ms of work after every 5th step  | periodic_stall |
-| `slow_input` | tf.function step, a 15 ms `tf.numpy_function` per batch | input_bound  |
+| kind         | the loop                                                | truth          |
+|--------------|---------------------------------------------------------|----------------|
+| `function`   | tf.function step, cached in-memory input                | healthy        |
+| `eager`      | the same step run eagerly                               | (see diagnose) |
+| `between`    | tf.function step, 40 ms of work after every 5th step    | periodic_stall |
+| `slow_input` | tf.function step, a 15 ms `tf.numpy_function` per batch | input_bound    |
+
+Every step also sleeps `DEVICE_S` (8 ms), standing in for the accelerator's
+share of a real step: the tiny model alone takes well under a millisecond,
+where the fixed cost of `next()` on a `tf.data` iterator (and thread wake-ups
+on a loaded 2-core host) would be a large share of the cycle.
 
 Ways: `watch` (`for batch in kg.watch(ds, ...)`) and `callback_list`
 (Keras's `keras.callbacks.CallbackList`, hooks called by the loop, the
@@ -25,13 +30,17 @@ import tensorflow as tf
 import keras_gpufix as kg
 from keras_gpufix.data import instrument
 
-__all__ = ["TRUTH", "run_loop"]
+__all__ = ["TRUTH", "EVERY", "STALL_PHASE", "run_loop"]
 
 TRUTH = {"function": "healthy", "between": "periodic_stall", "slow_input": "input_bound"}
+# Where the every-5-steps work is found: kg.watch cannot see where the step
+# ends inside the loop body; CallbackList loops end it with on_train_batch_end.
+STALL_PHASE = {"watch": "loop_body", "callback_list": "between"}
 FEATURES = 16
 BATCH = 8
 BATCHES = 40  # per epoch; two epochs: shorter than the monitor's window
 EVERY = 5
+DEVICE_S = 0.008
 
 
 def _slow(x):
@@ -65,7 +74,14 @@ def _model_and_step(kind):
         optimizer.apply(grads, model.trainable_weights)
         return loss
 
-    return model, (train_step if kind == "eager" else tf.function(train_step))
+    step = train_step if kind == "eager" else tf.function(train_step)
+
+    def device_step(x, y):
+        loss = step(x, y)
+        time.sleep(DEVICE_S)
+        return loss
+
+    return model, step, device_step
 
 
 def _between(kind, step):
@@ -73,27 +89,36 @@ def _between(kind, step):
         time.sleep(0.04)  # a spectrogram written every 5th step
 
 
-def run_loop(kind, way, epochs=2, **monitor_args):
-    """Trains in a custom loop; returns the GPUOscillationMonitor's report."""
-    model, train_step = _model_and_step(kind)
-    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0, **monitor_args)
+def run_loop(kind, way, epochs=2, retracing=False):
+    """Trains in a custom loop.
+
+    Returns:
+        The GPUOscillationMonitor's report; with `retracing=True`, the pair
+        (that report, the report of a `RetracingMonitor(functions=[step])`).
+    """
+    model, step, train_step = _model_and_step(kind)
+    callbacks = [kg.GPUOscillationMonitor(nvml=False, verbose=0)]
+    if retracing:
+        callbacks.append(kg.RetracingMonitor(functions=[step], verbose=0))
     ds = dataset(kind, way)
     if way == "watch":
-        with kg.watch(ds, callbacks=[monitor], model=model) as watched:
+        with kg.watch(ds, callbacks=callbacks, model=model) as watched:
             for _ in range(epochs):
                 for step, (x, y) in enumerate(watched):
                     train_step(x, y)
                     _between(kind, step)
-        return watched.report()
-    callbacks = keras.callbacks.CallbackList([monitor], model=model)
-    callbacks.on_train_begin()
-    for epoch in range(epochs):
-        callbacks.on_epoch_begin(epoch)
-        for step, (x, y) in enumerate(ds):
-            callbacks.on_train_batch_begin(step)
-            loss = train_step(x, y)
-            callbacks.on_train_batch_end(step, {"loss": float(loss)})
-            _between(kind, step)
-        callbacks.on_epoch_end(epoch)
-    callbacks.on_train_end()
-    return monitor.report()
+        report = watched.report()
+    else:
+        hooks = keras.callbacks.CallbackList(callbacks, model=model)
+        hooks.on_train_begin()
+        for epoch in range(epochs):
+            hooks.on_epoch_begin(epoch)
+            for step, (x, y) in enumerate(ds):
+                hooks.on_train_batch_begin(step)
+                loss = train_step(x, y)
+                hooks.on_train_batch_end(step, {"loss": float(loss)})
+                _between(kind, step)
+            hooks.on_epoch_end(epoch)
+        hooks.on_train_end()
+        report = callbacks[0].report()
+    return (report, callbacks[1].report()) if retracing else report

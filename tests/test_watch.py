@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import keras_gpufix as kg
+from custom_loops import EVERY, STALL_PHASE, TRUTH, run_loop
 
 
 class Recorder(keras.callbacks.Callback):
@@ -138,3 +139,50 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
         (0.5, {"samples": 4, "shape": ((4, 2), (4,)), "split": False}),
         (0.25, {"samples": 3, "shape": ((3, 5, 2),), "split": False}),
     ]
+
+
+@pytest.mark.parametrize("kind", sorted(TRUTH))
+def test_custom_loops_are_named_right(kind):
+    report = run_loop(kind, "watch")
+    assert report["verdict"] == TRUTH[kind], report
+    if kind == "between":
+        event = report["events"][-1]
+        assert (event["phase"], event["period"]) == (STALL_PHASE["watch"], EVERY)
+    if kind == "slow_input":
+        assert report["input_wait"] > 0.5  # 15 ms inside next() against a ~1 ms step
+    else:
+        assert report["input_wait"] < 0.2
+
+
+def test_an_eager_step_is_reported_not_compiled_beside_a_compiled_one():
+    # kg.watch cannot see how the step runs; RetracingMonitor(functions=...) can.
+    compiled = {kind: run_loop(kind, "watch", retracing=True)[1]["compiled"]
+                for kind in ("function", "eager")}
+    assert compiled == {"function": True, "eager": False}
+
+
+def test_a_pydataset_and_a_generator_give_records_with_samples_and_waits():
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, index):
+            return np.zeros((5, 2), np.float32), np.zeros(5, np.float32)
+
+    timer = kg.StepTimer()
+    with kg.watch(Batches(), callbacks=[timer]) as watched:
+        for _ in range(2):
+            for _ in watched:
+                pass
+    records = timer.records()
+    assert [r.samples for r in records] == [5] * 12
+    assert all(r.input_wait is not None and not r.split for r in records)
+    assert [r.epoch_first for r in records] == ([True] + [False] * 5) * 2
+
+    timer = kg.StepTimer()
+    with kg.watch((np.zeros((3, 1)) for _ in range(4)), callbacks=[timer]) as watched:
+        for _ in range(2):  # a generator is one epoch; the second is empty
+            for _ in watched:
+                pass
+    assert [r.samples for r in timer.records()] == [3] * 4
+    assert watched.epoch == 2

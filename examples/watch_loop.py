@@ -3,7 +3,7 @@
     python examples/watch_loop.py MODE [--callback-list]
 
 MODE plants one fault: `cached` (input cached in memory: healthy),
-`slow_input` (a 10 ms `tf.numpy_function` per batch), `between` (50 ms of
+`slow_input` (a 40 ms `tf.numpy_function` per batch), `between` (50 ms of
 work after every 5th step, like writing a spectrogram image). The loop is
 watched with `kg.watch` (one changed line), or with `--callback-list` the
 monitor gets its hooks through `keras.callbacks.CallbackList`, Keras's own
@@ -24,23 +24,23 @@ CALLBACK_LIST = "--callback-list" in sys.argv[2:]
 
 
 def slow(x):
-    time.sleep(0.01)
+    time.sleep(0.04)
     return x
 
 
-xs = np.random.rand(320, 32).astype("float32")
-ds = tf.data.Dataset.from_tensor_slices((xs, xs[:, :1])).batch(8)
+xs = np.random.rand(40 * 32, 64).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, xs[:, :1])).batch(32)
 if MODE == "slow_input":
     ds = ds.map(lambda x, y: (tf.ensure_shape(tf.numpy_function(slow, [x], tf.float32),
-                                              [None, 32]), y))
+                                              [None, 64]), y))
 else:
     ds = ds.cache()
 if CALLBACK_LIST:
     ds = kg.data.instrument(ds)  # lets the monitor read the input wait from the dataset
 ds = ds.prefetch(2)
 
-model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
-                          keras.layers.Dense(1)])
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
 optimizer = keras.optimizers.Adam()
 loss_fn = keras.losses.MeanSquaredError()
 

@@ -9,7 +9,7 @@ from scratch" guide) and returns the monitor's report. Kinds:
 | `function`   | tf.function step, cached in-memory input                | healthy        |
 | `eager`      | the same step run eagerly                               | (see diagnose) |
 | `between`    | tf.function step, 40 ms of work after every 5th step    | periodic_stall |
-| `slow_input` | tf.function step, a 15 ms `tf.numpy_function` per batch | input_bound    |
+| `slow_input` | tf.function step, a 25 ms `tf.numpy_function` per batch | input_bound    |
 
 Every step also sleeps `DEVICE_S` (8 ms), standing in for the accelerator's
 share of a real step: the tiny model alone takes well under a millisecond,
@@ -44,7 +44,7 @@ DEVICE_S = 0.008
 
 
 def _slow(x):
-    time.sleep(0.015)
+    time.sleep(0.025)
     return x
 
 

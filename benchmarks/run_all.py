@@ -34,6 +34,8 @@ BENCHMARKS = {
     "slow_loader": ([], []),
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
+    "what_if": (["--quick"], []),
+    "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
 }
 
 

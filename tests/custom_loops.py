@@ -30,7 +30,7 @@ import tensorflow as tf
 import keras_gpufix as kg
 from keras_gpufix.data import instrument
 
-__all__ = ["TRUTH", "EVERY", "STALL_PHASE", "run_loop"]
+__all__ = ["TRUTH", "run_loop", "check_named_right", "compiled_by_kind"]
 
 TRUTH = {"function": "healthy", "between": "periodic_stall", "slow_input": "input_bound"}
 # Where the every-5-steps work is found: kg.watch cannot see where the step
@@ -122,3 +122,22 @@ def run_loop(kind, way, epochs=2, retracing=False):
         hooks.on_train_end()
         report = callbacks[0].report()
     return (report, callbacks[1].report()) if retracing else report
+
+
+def check_named_right(kind, way):
+    """Asserts the monitor names the planted fault of `kind` watched `way`."""
+    report = run_loop(kind, way)
+    assert report["verdict"] == TRUTH[kind], report
+    if kind == "between":
+        event = report["events"][-1]
+        assert (event["phase"], event["period"]) == (STALL_PHASE[way], EVERY)
+    if kind == "slow_input":
+        assert report["input_wait"] > 0.4  # (25 - 9) ms of every 25 ms
+    else:
+        assert report["input_wait"] < 0.2
+
+
+def compiled_by_kind(way):
+    """RetracingMonitor(functions=[step])'s `compiled`, tf.function vs eager step."""
+    return {kind: run_loop(kind, way, retracing=True)[1]["compiled"]
+            for kind in ("function", "eager")}

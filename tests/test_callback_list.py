@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
-from custom_loops import EVERY, STALL_PHASE, TRUTH, run_loop
+from custom_loops import TRUTH, check_named_right, compiled_by_kind
 from keras_gpufix.data import instrument
 
 
@@ -55,18 +55,8 @@ def test_probe_follows_one_iterator_across_epochs_in_fit():
 def test_custom_loops_are_named_right(kind):
     # Keras's pattern fetches the batch before on_train_batch_begin: the
     # input wait lies before the hook and must still be found.
-    report = run_loop(kind, "callback_list")
-    assert report["verdict"] == TRUTH[kind], report
-    if kind == "between":
-        event = report["events"][-1]
-        assert (event["phase"], event["period"]) == (STALL_PHASE["callback_list"], EVERY)
-    if kind == "slow_input":
-        assert report["input_wait"] > 0.4
-    else:
-        assert report["input_wait"] < 0.2
+    check_named_right(kind, "callback_list")
 
 
 def test_an_eager_step_is_reported_not_compiled_beside_a_compiled_one():
-    compiled = {kind: run_loop(kind, "callback_list", retracing=True)[1]["compiled"]
-                for kind in ("function", "eager")}
-    assert compiled == {"function": True, "eager": False}
+    assert compiled_by_kind("callback_list") == {"function": True, "eager": False}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_gpufix as kg
-from custom_loops import EVERY, STALL_PHASE, TRUTH, run_loop
+from custom_loops import TRUTH, check_named_right, compiled_by_kind
 
 
 class Recorder(keras.callbacks.Callback):
@@ -146,22 +146,12 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
 
 @pytest.mark.parametrize("kind", sorted(TRUTH))
 def test_custom_loops_are_named_right(kind):
-    report = run_loop(kind, "watch")
-    assert report["verdict"] == TRUTH[kind], report
-    if kind == "between":
-        event = report["events"][-1]
-        assert (event["phase"], event["period"]) == (STALL_PHASE["watch"], EVERY)
-    if kind == "slow_input":
-        assert report["input_wait"] > 0.4  # (25 - 9) ms of every 25 ms in next()
-    else:
-        assert report["input_wait"] < 0.2
+    check_named_right(kind, "watch")
 
 
 def test_an_eager_step_is_reported_not_compiled_beside_a_compiled_one():
     # kg.watch cannot see how the step runs; RetracingMonitor(functions=...) can.
-    compiled = {kind: run_loop(kind, "watch", retracing=True)[1]["compiled"]
-                for kind in ("function", "eager")}
-    assert compiled == {"function": True, "eager": False}
+    assert compiled_by_kind("watch") == {"function": True, "eager": False}
 
 
 def test_a_pydataset_and_a_generator_give_records_with_samples_and_waits():

@@ -35,6 +35,7 @@ BENCHMARKS = {
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
     "what_if": (["--quick"], []),
+    "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
 }
 
 

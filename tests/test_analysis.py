@@ -428,3 +428,16 @@ def test_fix_texts_keep_their_format_fields():
     assert THRESHOLDS["cost_share"] == 0.10 and THRESHOLDS["input_wait_share"] == 0.20
     with pytest.raises(ValueError, match="verdict"):
         fix_for("slow")
+
+
+def test_docs_quote_the_one_table_and_thresholds():
+    from pathlib import Path
+
+    from keras_gpufix.analysis.verdicts import PHASE_FIXES
+
+    doc = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
+    rows = [f"| `{v}` | {FIXES[v]} |" for v in VERDICTS]
+    rows += [f"| `{p}` | {text} |" for p, text in PHASE_FIXES.items()]
+    rows += [f"| `{k}` | {v} |" for k, v in THRESHOLDS.items()]
+    missing = [row for row in rows if row not in doc]
+    assert not missing, f"docs/monitoring.md is out of date with analysis/verdicts.py: {missing}"

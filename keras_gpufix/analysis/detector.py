@@ -109,7 +109,7 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     cycle = phase["input_wait"] + phase["step"] + phase["between"]
     total = float(np.dot(cycle, n))
     med = float(np.median(cycle))
-    slow = slow_mask(cycle, med, th["slow_factor"], th["min_slow_ms"])
+    slow = slow_mask(cycle, med, th["slow_factor"], th["min_slow_ms"], spread=False)
     excess = np.where(slow, cycle - med, 0.0)
     lost = float(np.dot(excess, n))
     lost_share = lost / total if total > 0 else 0.0
@@ -179,8 +179,13 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             return _judgement("input_bound", ev, phase="input_wait", cost_share=1.0 - util)
         if wait_share is None or wait_share < th["input_wait_share"]:
             return _judgement("dispatch_bound", ev, phase="step", cost_share=1.0 - util)
-    if lost_share >= th["irregular_share"] and lost * 1e3 >= 5 * th["min_lost_ms"]:
-        return _judgement("irregular_stall", ev, phase=where, cost_share=lost_share)
+    stalls = slow_mask(cycle, med, th["stall_factor"], th["min_slow_ms"])
+    stalled = float(np.dot(np.where(stalls, cycle - med, 0.0), n))
+    ev["stall_time_share"] = stalled / total if total > 0 else 0.0
+    if (ev["stall_time_share"] >= th["irregular_share"]
+            and stalled * 1e3 >= 5 * th["min_lost_ms"]):
+        return _judgement("irregular_stall", ev, phase=where,
+                          cost_share=ev["stall_time_share"])
     if baseline_ms:
         growth = med * 1e3 / baseline_ms - 1.0
         ev["growth"] = growth

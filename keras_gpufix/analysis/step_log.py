@@ -97,8 +97,8 @@ class StepLog:
         self.records_added = 0
         self.steps = 0
         self._sums = dict.fromkeys(self._SUMS, 0.0)
-        self._known = dict.fromkeys(("input_wait", "samples", "audio_seconds",
-                                     "real_frames"), True)
+        self._known = dict.fromkeys(("samples", "audio_seconds", "real_frames"), True)
+        self._waited_cycle = 0.0  # cycle time of the records whose wait was measured
         self._sum_sq = 0.0
         self._max = 0.0
         self._max_steps = 0
@@ -116,6 +116,8 @@ class StepLog:
                 self._known[name] = False
             else:
                 self._sums[name] += value
+        if record.input_wait is not None:
+            self._waited_cycle += record.cycle
         per = record.cycle / n
         self._sum_sq += n * per * per
         self._max = max(self._max, per)
@@ -149,9 +151,10 @@ class StepLog:
             `p50_ms`, `p95_ms`, `p99_ms`, `max_ms`, `std_ms`, `cv`,
             `steps_per_s`, `samples_per_s`, `audio_seconds_per_s`,
             `real_frames_per_s` (None when a record lacked them),
-            `phases` (`input_wait`, `step`, `between` -> share of the cycle
-            time; `input_wait` None when not measured), `input_wait` (its
-            share) and `steps_per_record` (steps_per_execution as seen).
+            `phases` (`step`, `between`, `input_wait` -> share of the cycle
+            time; `input_wait` over the records where it was measured, None
+            when none was), `input_wait` (its share) and `steps_per_record`
+            (steps_per_execution as seen).
             With no records every figure but `count` is None. Percentiles
             are exact while the whole run fits in the ring, else from a
             histogram with 1 % wide bins.
@@ -170,10 +173,11 @@ class StepLog:
         def rate(name):
             return s[name] / total if self._known[name] and total > 0 else None
 
-        phases = {p: (s[p] / total if total > 0 else 0.0) for p in ("input_wait", "step",
-                                                                    "between")}
-        if not self._known["input_wait"]:
-            phases["input_wait"] = None
+        phases = {p: (s[p] / total if total > 0 else 0.0) for p in ("step", "between")}
+        # Over the records whose wait was measured (a record the probe could
+        # not map, e.g. overwritten in its ring, has none); None if none was.
+        phases["input_wait"] = (s["input_wait"] / self._waited_cycle
+                                if self._waited_cycle > 0 else None)
         return {
             "count": self.steps,
             "records": self.records_added,

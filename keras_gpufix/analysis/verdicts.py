@@ -16,7 +16,8 @@ Verdicts, in order of precedence (the detector tries them in this order):
 | `input_bound`     | input wait >= `input_wait_share` of the cycle, or low GPU   |
 |                   | utilisation on long steps                                   |
 | `dispatch_bound`  | low GPU utilisation on short steps, input ready             |
-| `irregular_stall` | slow steps without a period cost >= `irregular_share`       |
+| `irregular_stall` | steps slower than `stall_factor` x the median, without a    |
+|                   | period, cost >= `irregular_share`                           |
 | `degrading`       | the median cycle grew well above the first window's         |
 | `healthy`         | steps were measured and none of the above holds             |
 | `unknown`         | too few steps (or none) were measured to judge              |
@@ -60,10 +61,14 @@ THRESHOLDS = {
     # Cost rule: share of the cycle time lost to slow steps (their excess
     # over the median) that makes a periodic_stall or recompiling.
     "cost_share": 0.10,
+    # Slow steps without a period are stalls only when they are long (a
+    # loaded host makes many steps 1.3x-1.7x slower: that is noise, not a
+    # stall) and cost irregular_share of the time.
+    "stall_factor": 2.0,
     "irregular_share": 0.15,
     # A window must lose at least this much before a stall is reported
     # (a host hiccup in a window of 1 ms steps is not worth a verdict).
-    "min_lost_ms": 40.0,
+    "min_lost_ms": 20.0,
     # Share of the cycle spent waiting for input (XProf's "highly
     # input-bound" threshold).
     "input_wait_share": 0.20,
@@ -174,7 +179,7 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
 
 
 def slow_mask(times, median: float = None, factor: float = None,
-              min_ms: float = None) -> np.ndarray:
+              min_ms: float = None, spread: bool = True) -> np.ndarray:
     """THE slow-step rule: which of `times` (seconds per step) are slow.
 
     A step is slow when it is slower than `factor` x the median, by at
@@ -187,6 +192,10 @@ def slow_mask(times, median: float = None, factor: float = None,
         median: the reference; defaults to the median of `times`.
         factor: defaults to `THRESHOLDS["slow_factor"]`.
         min_ms: defaults to `THRESHOLDS["min_slow_ms"]`.
+        spread: apply the spread condition. Defaults to True. The detector
+            leaves it out where a period must also be found: a period, not
+            the spread, then tells a schedule from noise (frequent slow
+            steps, every 3rd, widen the spread themselves).
 
     Returns:
         A boolean array, True for a slow step.
@@ -197,8 +206,10 @@ def slow_mask(times, median: float = None, factor: float = None,
     med = float(np.median(t)) if median is None else float(median)
     factor = THRESHOLDS["slow_factor"] if factor is None else factor
     min_ms = THRESHOLDS["min_slow_ms"] if min_ms is None else min_ms
-    spread = 1.4826 * float(np.median(np.abs(t - med)))
-    limit = max(factor * med, med + min_ms / 1e3, med + THRESHOLDS["spread_factor"] * spread)
+    limit = max(factor * med, med + min_ms / 1e3)
+    if spread:
+        mad = 1.4826 * float(np.median(np.abs(t - med)))
+        limit = max(limit, med + THRESHOLDS["spread_factor"] * mad)
     return t > limit
 
 

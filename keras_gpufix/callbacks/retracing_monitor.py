@@ -22,8 +22,9 @@ compile and is never priced as one, however slow. When more than
 again more than `max_new_shapes` times after its first compile, the verdict
 is `recompiling` and one warning per cause names the shapes and the fix.
 
-Steps are timed, and shapes read every quarter second and at epoch end, by an
-inner `StepTimer`; per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
+Steps are timed, and shapes read every quarter second and at epoch end, by the
+shared step stream (`callbacks/_stream.py`, one clock and one probe read per hook for all
+our callbacks); per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
 `logs` dict; results are in `report()`.
 """
 
@@ -34,7 +35,7 @@ from collections import deque
 import numpy as np
 
 from keras_gpufix.analysis import FIXES
-from keras_gpufix.callbacks.step_timer import TimedCallback
+from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
 from keras_gpufix.output import emit
@@ -148,6 +149,7 @@ class RetracingMonitor(TimedCallback):
         self._fit_t1 = None
         self._global = 0
         self._trace_deltas = {}  # hook index -> new traces, only hooks that traced
+        self._hooks_read = 0
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
@@ -228,7 +230,7 @@ class RetracingMonitor(TimedCallback):
             return
         traces = self._trace_total()
         if traces != self._traces:
-            self._trace_deltas[len(self.timer.durations) - 1] = traces - self._traces
+            self._trace_deltas[self.stream.hooks - 1] = traces - self._traces
             self._traces = traces
 
     def _end(self):
@@ -242,21 +244,19 @@ class RetracingMonitor(TimedCallback):
 
     # -- internals -------------------------------------------------------
 
-    def _read_hooks(self, start, stop):
-        """Judges the hooks the timer has read."""
-        timer = self.timer
-        hooks = range(start, stop)
-        if timer.input_probe is None and _NO_PROBE not in self.notes:
+    def _on_records(self, records):
+        """Judges the stream's records."""
+        if self.stream.input_probe is None and _NO_PROBE not in self.notes:
             self.notes.append(_NO_PROBE)
             if not self._told_no_probe:
                 emit(_NO_PROBE, self.verbose)
             self._told_no_probe = True
         batch_normal = []
-        for i in hooks:
-            seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
+        for record in records:
             # Time spent waiting for the batch is the input's, not a compile.
-            seconds -= min(seconds, timer.input_waits[i] or 0.0)
-            new_traces = self._trace_deltas.pop(i, 0)
+            seconds, count, key = record.step, record.steps, record.shape
+            new_traces = self._trace_deltas.pop(self._hooks_read, 0)
+            self._hooks_read += 1
             self._global += count
             new_shape = key is not None and key not in self._seen
             if new_shape:
@@ -268,7 +268,7 @@ class RetracingMonitor(TimedCallback):
                                      "compiled_before": key in self._compiled_shapes})
                 if key is not None and self._functions:
                     self._compiled_shapes.add(key)
-            elif not timer.epoch_first[i]:
+            elif not record.epoch_first:
                 batch_normal.append(seconds / count)
         if batch_normal:
             self._normal.extend(batch_normal)

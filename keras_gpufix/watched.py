@@ -48,6 +48,8 @@ from keras_gpufix.exceptions import warn
 
 __all__ = ["watch", "Watched"]
 
+_END = object()
+
 
 def watch(iterable, callbacks=None, model=None) -> "Watched":
     """Wraps the iterable of a custom training loop so it is monitored.
@@ -239,11 +241,13 @@ class _Epoch:
         try:
             element = next(self.iterator)
         except StopIteration:
+            element = _END
+        if element is _END:  # outside the handler: its traceback holds the iterator
             watched._carry += time.perf_counter() - start
             if watched._open is self:
                 watched._open = None
             self.end()
-            raise
+            raise StopIteration
         wait = time.perf_counter() - start
         self.batch += 1
         watched.steps += 1

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
@@ -179,3 +180,28 @@ def test_a_pydataset_and_a_generator_give_records_with_samples_and_waits():
                 pass
     assert [r.samples for r in timer.records()] == [3] * 4
     assert watched.epoch == 2
+
+
+def test_the_report_is_readable_in_the_loop_and_a_short_run_is_judged_at_its_end():
+    def slow_batches(n):  # 10 ms in next() against a 2 ms loop body
+        for _ in range(n):
+            time.sleep(0.01)
+            yield np.zeros((4, 2))
+
+    mid = []
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)  # window 96 > 40 steps
+    with kg.watch(slow_batches(40), callbacks=[monitor]) as watched:
+        for step, _ in enumerate(watched):
+            time.sleep(0.002)
+            if step == 35:
+                mid.append(watched.report())
+    assert mid[0]["verdict"] == "input_bound"
+    assert 0 < mid[0]["step_time"]["count"] < watched.report()["step_time"]["count"]
+    assert watched.report()["verdict"] == "input_bound"
+    assert watched.report()["input_wait"] > 0.5
+
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    with kg.watch(slow_batches(10), callbacks=[monitor]) as watched:  # 5 steps after warmup
+        for _ in watched:
+            pass
+    assert watched.report()["verdict"] == "unknown"

@@ -55,6 +55,13 @@ def _period(excess, threshold, min_spikes=3):
     return int(lags[lag]), float(acf[lag])
 
 
+def _in_step(excess, period):
+    """The positions in step with `period`: the offset holding the most excess."""
+    offsets = np.arange(excess.size) % period
+    best = int(np.argmax(np.bincount(offsets, weights=excess, minlength=period)))
+    return offsets == best
+
+
 def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
     return {"verdict": verdict, "phase": phase, "period": period,
             "cost_share": cost_share, "evidence": evidence}
@@ -157,20 +164,27 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         ev["signals"].append("gpu_util")
         util = ev["gpu_util"] = float(np.mean(utils))
 
-    # periodic_stall: the excess recurs with a period and costs >= cost_share.
+    # periodic_stall: the excess recurs with a period and the recurring part
+    # alone (the slow cycles in step with the period) costs >= cost_share.
     if lost_share >= th["cost_share"] and lost * 1e3 >= th["min_lost_ms"]:
-        series = [("cycle", excess)] + [
-            (p, np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0)) for p, x in phase.items()]
-        for source, x in series:
+        phase_excess = {p: np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0)
+                        for p, x in phase.items()}
+        for source, x in [("cycle", excess)] + list(phase_excess.items()):
             period, acf = _period(x, th["acf_threshold"])
-            if period is not None:
-                stall_phase = where if source == "cycle" else source
-                if stall_phase == "step" and not split and not new_shape.any():
-                    # A fixed-shape step does not cost more every k steps; work
-                    # on a schedule in an unsplit loop body does.
-                    stall_phase = "loop_body"
-                ev.update(period=period, autocorrelation=acf, period_from=source)
-                return _judgement("periodic_stall", ev, period, stall_phase, lost_share)
+            if period is None:
+                continue
+            on = _in_step(x, period)
+            share = float(np.dot(excess[on], n[on])) / total if total > 0 else 0.0
+            if share < th["cost_share"]:
+                continue  # noise that lines up by chance costs little in step
+            stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
+            if stall_phase == "step" and not split and not new_shape.any():
+                # A fixed-shape step does not cost more every k steps; work
+                # on a schedule in an unsplit loop body does.
+                stall_phase = "loop_body"
+            ev.update(period=period, autocorrelation=acf, period_from=source,
+                      periodic_time_share=share)
+            return _judgement("periodic_stall", ev, period, stall_phase, share)
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)

@@ -189,7 +189,7 @@ def test_the_trio_reads_the_clock_and_the_probe_once_per_hook(monkeypatch):
     assert cursor.calls < 1200 / 8  # in batches, not per hook
     assert timer.stream is monitor.stream is retracing.stream
     assert timer.summary()["count"] == 1200 and timer.summary()["input_wait"] > 0
-    assert monitor.report()["step_time"]["count"] == 1200 - 5
+    assert monitor.report()["step_time"]["count"] == 1200 - 5 - 2  # warmup, 2 epoch starts
     assert retracing.report()["steps"] == 1200 and retracing.report()["new_shapes"] == 1
 
 

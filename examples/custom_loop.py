@@ -30,8 +30,8 @@ ds = ds.batch(8)
 if MODE != "slow_input":
     ds = ds.cache()
 ds = ds.prefetch(2)
-model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
-                          keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
 opt = keras.optimizers.Adam()
 loss_fn = keras.losses.MeanSquaredError()
 

@@ -228,6 +228,9 @@ def test_rank_orders_causes_by_measured_cost():
     fits[0]["monitor"]["input_wait"] = 0.0
     del fits[0]["retracing"]
     assert rank_causes(fits, [])[0] == "healthy"
+    fits[0]["monitor"]["verdict"] = "unknown"  # timed, but too few steps for the monitor
+    assert rank_causes(fits, [])[0] == "unknown"
+    del fits[0]["monitor"]["verdict"]
     fits[0]["model"] = {"run_eagerly": True}
     assert rank_causes(fits, [])[0] == "eager_step"
     eager = [{"trap": "run_eagerly", "file": "t.py", "line": 7, "why": "w", "fix": "f",

@@ -68,7 +68,7 @@ def test_custom_loop_named_right(mode, verdict):
 
 
 def test_steps_stops_a_healthy_tf_function_loop():
-    proc, result = _diagnose("function", steps=12)
+    proc, result = _diagnose("function", steps=14)
     assert proc.returncode == 3
     assert result["verdict"] == "healthy"  # cached input, compiled step
     # diagnose set TensorFlow's C++ log level for the run and says how to see the logs
@@ -76,8 +76,8 @@ def test_steps_stops_a_healthy_tf_function_loop():
     assert "done" in proc.stdout  # the script ran on after its loop ended
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
-    # 12 cycles after the first step was seen; the monitor's warm-up drops 5
-    assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    # 14 cycles after the first step was seen; the monitor's warm-up drops 5
+    assert loop["monitor"]["step_time"]["count"] == 14 - 5
     assert loop["epochs"] == 1
     assert result["what_if"]["method"] == "replay"  # the observed tf.function, replayed
     assert result["what_if"]["step_batches_per_s"] > 0 and result["what_if"]["cycles"] > 0
@@ -90,5 +90,7 @@ def test_steps_stops_a_loop_that_calls_next_itself():
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
     assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    # 7 timed steps are too few to judge: unknown, never healthy
+    assert result["verdict"] == "unknown" and "too few to judge" in result["evidence"][0]["text"]
     note = next(n for n in result["notes"] if "its own next() call" in n)
     assert f"custom_loop.py:{_line('= next(batches)')}" in note

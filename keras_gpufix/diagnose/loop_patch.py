@@ -44,6 +44,15 @@ def _library_prefixes():
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (keras, tensorflow, keras_gpufix))
 
 
+def _samples(element):
+    """The batch's leading dimension (its first tensor's), or None."""
+    import tensorflow as tf
+
+    first = next(iter(tf.nest.flatten(element)), None)
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and shape.rank and shape[0] is not None else None
+
+
 def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
@@ -53,6 +62,8 @@ class _Loop:
 
     def __init__(self, patch):
         import keras
+
+        from keras_gpufix.callbacks._stream import stream_of
 
         self.patch = patch
         self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop", retracing=False)
@@ -70,6 +81,7 @@ class _Loop:
         self.current = None
         self.t0 = time.perf_counter()
         self.callbacks.on_train_begin()
+        self.stream = stream_of(self.callbacks)  # gets each step's input wait (time in next())
 
     def open_epoch(self, iterator):
         if self.current is not None and self.current is not iterator:
@@ -164,9 +176,12 @@ class _WatchedIterator:
         self.returned = time.perf_counter()
         self.in_step = patch.step_s
         if self.training:
-            patch.loop.wait_s += self.returned - t0
+            loop = patch.loop
+            loop.wait_s += self.returned - t0
             self.batch = 0 if self.batch is None else self.batch + 1
-            patch.loop.callbacks.on_train_batch_begin(self.batch)
+            if loop.stream is not None:
+                loop.stream.supply(self.returned - t0, samples=_samples(element), split=False)
+            loop.callbacks.on_train_batch_begin(self.batch)
         return element
 
     next = __next__
@@ -208,8 +223,6 @@ class LoopPatch:
     def __enter__(self):
         import tensorflow as tf
 
-        import keras_gpufix as kg
-        from keras_gpufix.diagnose.run import _instrumented
 
         library = _library_prefixes()
         patch = self
@@ -227,8 +240,8 @@ class LoopPatch:
                 if (patch.fits_patch._depth or caller.startswith(library)
                         or not tf.executing_eagerly()):
                     return original(dataset)
-                observed = dataset if _instrumented(dataset) else kg.data.instrument(dataset)
-                return _WatchedIterator(patch, original(observed), dataset)
+                # the input wait is the time in next(), handed to the step stream: no probe
+                return _WatchedIterator(patch, original(dataset), dataset)
             return __iter__
 
         def make_gradient(original):

@@ -145,8 +145,7 @@ def rank_causes(fits, scan=()):
         `file:line` of the matching scan findings).
     """
     ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
-    timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
-    verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
+    verdict = ranking[0]["verdict"] if ranking else "healthy" if _judged(fits) else "unknown"
     fixes, used = [], set()
     for cause in ranking:
         where = [f for f in scan if f.get("verdict") == cause["verdict"]
@@ -170,15 +169,27 @@ def rank_causes(fits, scan=()):
     return verdict, ranking, fixes
 
 
+def _judged(fits):
+    """The runs whose steps were timed and numerous enough for the monitor to judge."""
+    return [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")
+            and (f.get("monitor") or {}).get("verdict") != "unknown"]
+
+
 def healthy_evidence(fits):
-    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen."""
+    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged."""
     out = []
-    if not any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits):
+    counts = [((f.get("monitor") or {}).get("step_time") or {}).get("count") or 0 for f in fits]
+    if not any(counts):
         loops = ", ".join(_label(f) for f in fits) or "no model.fit call"
         return [{"source": "diagnose", "figure": "steps", "value": 0,
                  "text": f"the script ran but no training step was seen ({loops}; no gradient "
                          "step between iterations of a tf.data dataset): nothing was measured, "
                          "so nothing can be judged"}]
+    if not _judged(fits):
+        return [{"source": "diagnose", "figure": "steps", "value": max(counts),
+                 "text": f"{_label(f)}: {n} steps timed after the warm-up, too few to judge "
+                         f"(at least {THRESHOLDS['min_judge_steps']} are needed): run longer "
+                         "(a larger --steps)"} for f, n in zip(fits, counts) if n]
     for fit in fits:
         monitor = fit.get("monitor") or {}
         st = monitor.get("step_time") or {}

@@ -299,6 +299,12 @@ def _library_dirs():
     return tuple(os.path.abspath(d) + os.sep for d in dirs)
 
 
+def _shown(path):
+    """`path` relative to the working directory when it lies under it, else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.pardir) else relative
+
+
 def _parse(path):
     """(tree or None, source lines, syntax-error finding or None)."""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -306,7 +312,8 @@ def _parse(path):
     try:
         return ast.parse(source, filename=path), source.splitlines(), None
     except SyntaxError as exc:
-        return None, [], {"trap": "syntax_error", "file": path, "line": exc.lineno, "code": "",
+        return None, [], {"trap": "syntax_error", "file": _shown(path), "line": exc.lineno,
+                          "code": "",
                           "detail": str(exc.msg), "why": "the script does not parse", "fix": "",
                           "verdict": None, "training_path": False}
 
@@ -382,7 +389,8 @@ def scan_script(path):
 
     Returns:
         A list of findings, the script's first, each file's sorted by line,
-        each a dict with `trap` (a key of `TRAPS`), `file`, `line`, `code`
+        each a dict with `trap` (a key of `TRAPS`), `file` (relative to the
+        working directory when under it), `line`, `code`
         (the source line), `detail`, `why`, `fix`, `verdict` (the measured
         cause it would produce) and `training_path` (False for code that
         training does not run: such a finding is never ranked as a fix).
@@ -426,7 +434,7 @@ def scan_script(path):
             if f["trap"] == "numpy_in_loop":  # costs per step only inside the step or its loop
                 on_path = on_path and ((index, f["function"]) in per_step or any(
                     id(loop) in training_loops for loop in f["loops"]))
-            out.append({"trap": f["trap"], "file": current, "line": f["line"], "code": code,
+            out.append({"trap": f["trap"], "file": _shown(current), "line": f["line"], "code": code,
                         "detail": f["detail"], "why": why, "fix": fix, "verdict": verdict,
                         "training_path": on_path})
     return out

@@ -216,5 +216,6 @@ def format_what_if(result):
     return (f"what-if: the step consumes {y:.1f} batches/s{how}, input supplies {x:.1f} "
             f"batches/s: the step is the bound (the input could feed a step {x / y:.1f}x "
             f"faster); with input free the run would be {gain}"
-            + (" (the input competes with the step for the host)" if z >= 1.05 else "")
+            + (" (the input competes with the step for the host)"
+               if z >= 1.05 and result.get("method") == "replay" else "")
             + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")

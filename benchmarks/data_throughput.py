@@ -133,6 +133,7 @@ def run_setting(name, config, corpus, utterances, args, workdir):
     rounds = []
     for r in range(args.rounds):
         cache_dir = os.path.join(workdir, f"cache_{name}_{r}")
+        shutil.rmtree(cache_dir, ignore_errors=True)
         limit_batched_s, limit_single_s = compute_limit(utterances, config, args.batch_size)
 
         start = time.perf_counter()

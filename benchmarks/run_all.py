@@ -3,6 +3,7 @@
     python benchmarks/run_all.py            # quick settings (a few minutes on 2 cores)
     python benchmarks/run_all.py --full     # the sizes README quotes as "full"
     python benchmarks/run_all.py end_to_end compile_speed   # some of them
+    python benchmarks/run_all.py --summary  # only rewrite SUMMARY.md from the files
 
 Runs each benchmark listed in `BENCHMARKS` as its own process with
 `--out benchmarks/results/<name>.json` (its `--quick` setting unless
@@ -33,6 +34,8 @@ BENCHMARKS = {
     "slow_loader": ([], []),
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
+    "what_if": (["--quick"], []),
+    "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
 }
 
 
@@ -60,11 +63,13 @@ def main(argv=None) -> int:
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     parser.add_argument("--full", action="store_true", help="full sizes instead of --quick")
+    parser.add_argument("--summary", action="store_true",
+                        help="run nothing: rewrite SUMMARY.md from the figures files")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
-    names = args.names or list(BENCHMARKS)
+    names = [] if args.summary else args.names or list(BENCHMARKS)
     failed = []
     for name in names:
         quick, full = BENCHMARKS[name]

@@ -5,7 +5,8 @@
 MODE: `function` (a tf.function step: healthy), `eager` (the GradientTape
 step runs eagerly), `between` (work between steps every 5 steps),
 `slow_input` (a numpy_function in the input), `never_trains` (only iterates
-the dataset). Exits with code 3 so a caller can check the code is kept.
+the dataset), `next` (calls `next()` on the iterator itself). Exits with
+code 3 so a caller can check the code is kept.
 """
 
 import sys, time
@@ -29,8 +30,8 @@ ds = ds.batch(8)
 if MODE != "slow_input":
     ds = ds.cache()
 ds = ds.prefetch(2)
-model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
-                          keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1)])
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(1024, activation="relu"),
+                          keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
 opt = keras.optimizers.Adam()
 loss_fn = keras.losses.MeanSquaredError()
 
@@ -49,6 +50,14 @@ if MODE == "never_trains":
     for x, y in ds:
         total += float(tf.reduce_sum(x))
     print("sum", total)
+    sys.exit(3)
+
+if MODE == "next":
+    batches = iter(ds.repeat())
+    for i in range(200):
+        x, y = next(batches)
+        loss = step(x, y)
+    print("done")
     sys.exit(3)
 
 for epoch in range(3):

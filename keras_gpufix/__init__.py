@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_config": "keras_gpufix.config",
     "from_config": "keras_gpufix.config",
     "GpufixWarning": "keras_gpufix.exceptions",
+    "watch": "keras_gpufix.watched",
 }
 _SUBMODULES = ("analysis", "callbacks", "data", "cli", "config", "profiling")
 

@@ -99,23 +99,16 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
 def cache_build(corpus, cache_dir=None, config=None, verbose=1):
     """Builds the feature cache of `corpus` now (progress bar with `verbose`).
 
+    `SpeechDatasetBuilder.prepare` checks, before computing anything, that
+    the folder is writable and its disk has room for the estimated entry
+    (one-line `OSError` otherwise).
+
     Returns:
         `cache_info` plus `build` (`"hit"` if it was already there, else
         `"miss"`) and `seconds` (time to open or build it).
     """
-    from keras_gpufix.data.audio import resampled_length
-    from keras_gpufix.data.cache import FeatureCache
-
     builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=verbose)
     _need_cache_dir(cache_dir)
-    cache = builder.cache_entry()
-    if not cache.verify(full=False):
-        cache.check_writable()
-        audio = builder.audio
-        frames = [audio.num_frames(resampled_length(u.info.frames, u.info.sample_rate,
-                                                    audio.sample_rate))
-                  for u in builder.utterances]
-        cache.check_space(FeatureCache.estimate_bytes(frames, audio.num_features))
     t0 = time.perf_counter()
     builder.prepare()
     seconds = time.perf_counter() - t0

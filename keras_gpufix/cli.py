@@ -78,7 +78,7 @@ def build_parser():
         "diagnose", help="run a training script with the monitors and name the cause",
         description="Runs the script unchanged (like python -m cProfile); every model.fit "
                     "gets the monitors. Exits with the script's exit code.",
-        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] -- python train.py ARGS")
+        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] -- python train.py ARGS")
     p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
@@ -87,6 +87,8 @@ def build_parser():
     p.add_argument("--log-dir", metavar="DIR", help="where profiler traces go "
                    "(default: a new temp folder)")
     p.add_argument("--no-trace", action="store_true", help="take no XProf trace")
+    p.add_argument("--no-what-if", action="store_true",
+                   help="skip the what-if (input alone vs step alone, a few seconds per run)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS")
 
     p = sub.add_parser("bench-data", help="input-pipeline throughput alone, over a grid")
@@ -156,7 +158,8 @@ def _diagnose(args, sub):
         sub.error("the script to run is required: keras-gpufix diagnose -- python train.py ARGS")
     try:
         result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
-                               trace=not args.no_trace, verbose=0 if args.json else 1)
+                               trace=not args.no_trace,
+                               what_if=not args.no_what_if, verbose=0 if args.json else 1)
     except ValueError as exc:
         sub.error(str(exc))
     if args.json:

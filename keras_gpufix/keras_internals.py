@@ -13,10 +13,9 @@ A function that finds the structure changed returns its "unknown" value
 
 import functools
 import types
-import warnings
 from collections import deque
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 
 __all__ = [
     "callback_model",
@@ -50,12 +49,10 @@ def _off(what: str, exc: BaseException) -> None:
         tf_version = tf.__version__
     except ImportError:
         tf_version = "not installed"
-    warnings.warn(
+    warn(
         f"keras_gpufix: {what} is not where it was on Keras {keras.__version__} / "
         f"TensorFlow {tf_version} (checked on {CHECKED_ON}): "
-        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'.",
-        GpufixWarning,
-        stacklevel=3,
+        f"{type(exc).__name__}: {exc}. The result that needs it says 'not verified'."
     )
 
 

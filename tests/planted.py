@@ -4,6 +4,12 @@
 (x, y) batches: "healthy" (tensors in memory), "slow" (a `tf.py_function`
 sleeping on every batch: input-bound) or "periodic" (sleeping on every k-th
 batch: a periodic stall).
+
+`StepWork` and `SleepEvery` plant time in the other two phases of the cycle
+through callbacks: `StepWork` listed BEFORE our callbacks sleeps inside the
+step's span (a heavier step, optionally heavier every k-th step), and
+`SleepEvery` listed AFTER them sleeps between steps (a checkpoint-like
+callback). Sleeping makes the planted times independent of the machine.
 """
 
 import time
@@ -34,6 +40,38 @@ def planted_dataset(kind, batches=240, batch_size=16, k=7, sleep=0.02, seed=0):
 
         ds = ds.enumerate().map(slow_map)
     return instrument(ds).prefetch(2)
+
+
+class StepWork(keras.callbacks.Callback):
+    """Adds `seconds` to every step (and `extra` more on every `every`-th).
+
+    List it before the keras_gpufix callbacks: its `on_train_batch_end` then
+    runs inside the span they time as the step.
+    """
+
+    def __init__(self, seconds, every=None, extra=0.0):
+        super().__init__()
+        self.seconds, self.every, self.extra = seconds, every, extra
+
+    def on_train_batch_end(self, batch, logs=None):
+        slow = self.every and batch % self.every == 0
+        time.sleep(self.seconds + (self.extra if slow else 0.0))
+
+
+class SleepEvery(keras.callbacks.Callback):
+    """Sleeps `seconds` after every `k`-th step (a checkpoint-like callback).
+
+    List it after the keras_gpufix callbacks: the sleep then lies between
+    steps.
+    """
+
+    def __init__(self, k, seconds):
+        super().__init__()
+        self.k, self.seconds = k, seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch % self.k == 0:
+            time.sleep(self.seconds)
 
 
 def tiny_model(jit_compile=False, steps_per_execution=1):

@@ -5,7 +5,20 @@ import sys
 import numpy as np
 import pytest
 
-from keras_gpufix.analysis import FIXES, VERDICTS, OscillationDetector, summarize_step_times
+from keras_gpufix.analysis import (
+    FIXES,
+    THRESHOLDS,
+    VERDICTS,
+    OscillationDetector,
+    StepLog,
+    StepRecord,
+    fix_for,
+    judge,
+    rank_causes,
+    recompile_cost,
+    slow_mask,
+    summarize_step_times,
+)
 
 
 def run(detector, times, **signal_series):
@@ -123,14 +136,36 @@ def test_low_gpu_util_long_steps_without_wait_signal_is_input_bound():
     assert [e["verdict"] for e in events] == ["input_bound"]
 
 
-def test_spikes_at_new_shapes_are_recompiling():
+def test_new_shapes_that_keep_compiling_are_recompiling():
     times = noisy(400)
     new = np.zeros(400, bool)
-    new[[50, 90, 130, 170, 210, 250]] = True
+    new[5::12] = True  # a new shape every 12 steps, for good: 33 shapes
     times[new] = 0.3
-    events = run(OscillationDetector(), times, new_shape=new)
+    events = run(OscillationDetector(jit=True), times, new_shape=new)
     assert events[0]["verdict"] == "recompiling"
     assert events[0]["evidence"]["slow_steps_at_new_shapes"] >= 1
+    assert events[0]["cost_share"] >= 0.10
+
+
+def test_new_shapes_are_not_priced_without_xla_or_when_jit_is_unknown():
+    times = noisy(400)
+    new = np.zeros(400, bool)
+    new[5::12] = True
+    times[new] = 0.3
+    for jit in (False, None):
+        verdicts = {e["verdict"] for e in run(OscillationDetector(jit=jit), times,
+                                              new_shape=new)}
+        assert "recompiling" not in verdicts
+
+
+def test_each_bucket_compiling_once_in_the_first_epoch_is_not_recompiling():
+    times = noisy(600)
+    new = np.zeros(600, bool)
+    new[[6, 9, 13, 20, 31, 44, 50, 77, 90]] = True  # 9 bucket shapes, then none
+    times[new] = 1.5  # each XLA compile is long
+    det = OscillationDetector(jit=True)
+    events = run(det, times, new_shape=new)
+    assert "recompiling" not in {e["verdict"] for e in events}
 
 
 def test_warmup_steps_are_ignored():
@@ -190,10 +225,11 @@ def test_every_verdict_has_a_fix():
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"window": 4}, "window"), ({"hop": 0}, "hop"), ({"warmup": -1}, "warmup"),
-    ({"min_windows": 0}, "min_windows"), ({"spike_factor": 1.0}, "spike_factor"),
+    ({"min_windows": 0}, "min_windows"), ({"slow_factor": 1.0}, "slow_factor"),
+    ({"spike_factor": 2.0}, "spike_factor"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
-    with pytest.raises(ValueError, match=f"`{name}`"):
+    with pytest.raises(ValueError, match=name):
         OscillationDetector(**kwargs)
 
 
@@ -212,24 +248,42 @@ def test_analysis_and_package_import_without_tensorflow_or_keras():
     assert out.stdout.strip() == "[]"
 
 
+def records(times, **fields):
+    """StepRecords with `times` as the step phase and per-step `fields` arrays."""
+    return [StepRecord(index=i, steps=1, input_wait=None, step=float(t), between=0.0,
+                       **{k: (v[i].item() if hasattr(v[i], "item") else v[i])
+                          for k, v in fields.items()})
+            for i, t in enumerate(times)]
+
+
 def test_short_run_with_new_shapes_is_judged_at_finish():
-    det = OscillationDetector()  # window 96: never full in this run
+    det = OscillationDetector(jit=True)  # window 96: never full in this run
     times = noisy(60)
     new = np.zeros(60, bool)
     new[[10, 20, 30, 40]] = True
     times[new] = 0.4
-    assert run(det, times, new_shape=new) == []
+    for r in records(times, new_shape=new, epoch=np.ones(60, int)):  # after the first epoch
+        assert det.update(r) is None
     event = det.finish()
-    assert event["verdict"] == "recompiling"  # direct evidence: one judgement suffices
+    assert event["verdict"] == "recompiling"
     assert det.finish() is None  # nothing new to judge
 
 
-def test_finish_does_not_alarm_on_a_short_healthy_run():
+def test_a_short_run_is_judged_at_its_end():
     det = OscillationDetector()
     times = noisy(60)
-    times[::5] = 0.08  # a stall pattern, but seen by one judgement only
+    times[::5] = 0.08
     run(det, times)
-    assert det.finish() is None
+    assert det.finish()["verdict"] == "periodic_stall"  # one judgement suffices at the end
+    healthy = OscillationDetector()
+    run(healthy, noisy(60))
+    assert healthy.finish() is None and healthy.dominant_verdict() == "healthy"
+    waiting = OscillationDetector()
+    run(waiting, noisy(40), input_wait=np.full(40, 0.0042))  # 42% input wait
+    assert waiting.finish()["verdict"] == "input_bound"
+    tiny = OscillationDetector()
+    run(tiny, noisy(10))  # 5 steps after warmup: too few to judge
+    assert tiny.finish() is None and tiny.dominant_verdict() == "unknown"
 
 
 def test_period_found_in_input_waits_when_host_noise_hides_it_in_step_times():
@@ -243,7 +297,7 @@ def test_period_found_in_input_waits_when_host_noise_hides_it_in_step_times():
     events = run(OscillationDetector(), times, input_wait=waits)
     assert events[0]["verdict"] == "periodic_stall"
     assert events[0]["period"] == 9
-    assert events[0]["evidence"]["period_from"] in ("step_time", "input_wait")
+    assert events[0]["evidence"]["period_from"] in ("cycle", "input_wait")
     det = OscillationDetector()
     run(det, times, input_wait=waits)
     assert det.dominant_verdict() == "periodic_stall"
@@ -252,3 +306,138 @@ def test_period_found_in_input_waits_when_host_noise_hides_it_in_step_times():
 def test_submillisecond_drift_is_not_degrading():
     times = np.linspace(0.0008, 0.0016, 600)  # doubles, but by 0.8 ms
     assert run(OscillationDetector(), times) == []
+
+
+def cycles(n, step=0.010, between=0.0, wait=0.0, seed=0, **fields):
+    """StepRecords of a steady loop (5% noise on the step)."""
+    rng = np.random.default_rng(seed)
+    steps = step * (1 + 0.05 * rng.standard_normal(n)).clip(0.5, None)
+    return [StepRecord(index=i, steps=1, input_wait=wait, step=float(s), between=between,
+                       **fields) for i, s in enumerate(steps)]
+
+
+@pytest.mark.parametrize("k", [3, 6, 11, 20])
+def test_work_between_steps_is_a_periodic_stall_in_the_between_phase(k):
+    rs = cycles(400, seed=k)
+    for i in range(0, 400, k):
+        rs[i] = rs[i]._replace(between=0.030)  # a callback sleeping 3x the step every k steps
+    det = OscillationDetector()
+    events = [e for e in (det.update(r) for r in rs) if e]
+    assert events[0]["verdict"] == "periodic_stall"
+    assert events[0]["phase"] == "between" and events[0]["period"] == k
+    assert events[0]["fix"].startswith(f"work between steps every {k} steps costs")
+    assert "callback, logging or checkpointing" in events[0]["fix"]
+
+
+def test_one_and_a_half_times_the_median_every_3_steps_costs_enough():
+    rs = cycles(400)
+    for i in range(0, 400, 3):
+        rs[i] = rs[i]._replace(step=rs[i].step * 1.5)  # 14% of the time, 1.5x the median
+    judgement = judge(rs[-96:])
+    assert judgement["verdict"] == "periodic_stall" and judgement["period"] == 3
+    assert 0.10 <= judgement["cost_share"] <= 0.2
+    small = cycles(400)
+    for i in range(0, 400, 20):
+        small[i] = small[i]._replace(step=small[i].step * 1.5)  # 2.4% of the time
+    assert judge(small[-96:])["verdict"] == "healthy"
+
+
+def test_periodic_excess_of_an_unsplit_loop_body_is_work_in_the_loop_body():
+    rs = cycles(200, split=False)
+    for i in range(0, 200, 5):
+        rs[i] = rs[i]._replace(step=0.02)
+    judgement = judge(rs[-96:])
+    assert judgement["phase"] == "loop_body"
+    assert fix_for("periodic_stall", phase="loop_body", period=5,
+                   share=0.18).startswith("work in the loop body every 5 steps costs 18%")
+
+
+def test_judge_has_no_side_effects():
+    det = OscillationDetector(window=16, warmup=0)
+    for r in cycles(40):
+        det.update(r)
+    state = (det.judgements, len(det.events), det.last_judgement, det.log.summary())
+    assert det.judge()["verdict"] == "healthy"
+    assert (det.judgements, len(det.events), det.last_judgement, det.log.summary()) == state
+
+
+def test_step_log_is_bounded_and_sums_the_whole_run():
+    log = StepLog(window=8)
+    for i in range(1000):
+        log.add(StepRecord(i * 2, 2, 0.002, 0.016, 0.002, samples=64, audio_seconds=128.0,
+                           real_frames=10000))
+    assert len(log.records()) == 8 and log.records()[0].index == 1984
+    s = log.summary()
+    assert s["count"] == 2000 and s["records"] == 1000
+    assert s["total_s"] == pytest.approx(20.0)
+    assert s["mean_ms"] == pytest.approx(10.0)
+    assert s["p50_ms"] == pytest.approx(10.0, rel=0.01)  # from the histogram
+    assert s["samples_per_s"] == pytest.approx(3200.0)
+    assert s["audio_seconds_per_s"] == pytest.approx(6400.0)
+    assert s["real_frames_per_s"] == pytest.approx(500000.0)
+    assert s["phases"] == pytest.approx({"input_wait": 0.1, "step": 0.8, "between": 0.1})
+    assert s["steps_per_record"] == 2
+
+
+def test_step_log_percentiles_are_exact_while_the_run_fits():
+    log = StepLog(window=8)
+    for i, t in enumerate([0.010, 0.020, 0.030, 0.040]):
+        log.add(StepRecord(i, 1, None, t, 0.0))
+    s = log.summary()
+    assert s["p95_ms"] == pytest.approx(38.5) and s["max_ms"] == pytest.approx(40.0)
+    assert s["input_wait"] is None and s["samples_per_s"] is None
+    assert StepLog().summary()["count"] == 0
+    with pytest.raises(ValueError, match="`window`"):
+        StepLog(window=1)
+
+
+def test_the_one_slow_step_rule():
+    t = np.full(20, 0.010)
+    t[5] = 0.0126  # 1.26x: slow
+    t[6] = 0.0124  # 1.24x: not
+    assert list(np.nonzero(slow_mask(t))[0]) == [5]
+    tiny = np.full(20, 0.0005)
+    tiny[3] = 0.0015  # 3x but only 1 ms: jitter
+    assert not slow_mask(tiny).any()
+
+
+def test_recompile_pricing():
+    assert recompile_cost(0.5, 0.01, new_shape=True, jit=True) == pytest.approx(0.49)
+    assert recompile_cost(0.5, 0.01, new_shape=True, jit=False) == 0.0
+    assert recompile_cost(0.5, 0.01, new_shape=True, jit=None) == 0.0  # not verified
+    assert recompile_cost(0.5, 0.01) == 0.0  # a slow step of unknown shape is no compile
+    assert recompile_cost(0.5, 0.01, traces=1) == pytest.approx(0.49)
+    assert recompile_cost(0.5, 0.01, new_shape=True, jit=True, compiled_before=True) == 0.0
+    assert recompile_cost(0.5, 0.01, steps=4, traces=1) == pytest.approx(0.46)
+
+
+def test_rank_causes_orders_by_cost_and_fills_the_fix():
+    ranking = rank_causes([("input_bound", 0.3, {}), ("periodic_stall", 0.18,
+                                                     {"period": 6, "phase": "between"}),
+                           ("input_bound", 0.42, {}), ("healthy", 1.0, {})])
+    assert [c["verdict"] for c in ranking] == ["input_bound", "periodic_stall"]
+    assert ranking[0]["score"] == pytest.approx(0.42)
+    assert ranking[1]["fix"].startswith("work between steps every 6 steps costs 18% of the run")
+    eager = rank_causes([("eager_step", 0.8, {"where": "train.py:12"})])[0]["fix"]
+    assert eager.endswith("at train.py:12")
+
+
+def test_fix_texts_keep_their_format_fields():
+    assert "every 7 steps" in FIXES["periodic_stall"].format(period=7)
+    assert fix_for("eager_step").endswith("at ?")
+    assert THRESHOLDS["cost_share"] == 0.10 and THRESHOLDS["input_wait_share"] == 0.20
+    with pytest.raises(ValueError, match="verdict"):
+        fix_for("slow")
+
+
+def test_docs_quote_the_one_table_and_thresholds():
+    from pathlib import Path
+
+    from keras_gpufix.analysis.verdicts import PHASE_FIXES
+
+    doc = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
+    rows = [f"| `{v}` | {FIXES[v]} |" for v in VERDICTS]
+    rows += [f"| `{p}` | {text} |" for p, text in PHASE_FIXES.items()]
+    rows += [f"| `{k}` | {v} |" for k, v in THRESHOLDS.items()]
+    missing = [row for row in rows if row not in doc]
+    assert not missing, f"docs/monitoring.md is out of date with analysis/verdicts.py: {missing}"

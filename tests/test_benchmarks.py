@@ -54,5 +54,10 @@ def test_run_all_runs_each_with_out_and_writes_the_summary(run_all, tmp_path, mo
     assert "| `ratio_fast_over_slow` | 2.0 |" in summary and "## bad" not in summary
     assert run_all.main(["good", "--full"]) == 0
     assert "| `ratio_fast_over_slow` | 3.0 |" in (results / "SUMMARY.md").read_text()
+    (results / "SUMMARY.md").unlink()
+    capsys.readouterr()
+    assert run_all.main(["--summary"]) == 0  # runs nothing, tabulates the files
+    assert "== good" not in capsys.readouterr().out
+    assert "| `ratio_fast_over_slow` | 3.0 |" in (results / "SUMMARY.md").read_text()
     with pytest.raises(SystemExit):
         run_all.main(["nope"])

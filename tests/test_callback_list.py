@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
+from custom_loops import TRUTH, check_named_right, compiled_by_kind
 from keras_gpufix.data import instrument
 
 
@@ -33,8 +34,8 @@ def test_probe_follows_a_new_iterator_per_epoch_after_a_break():
         callbacks.on_epoch_end(epoch)
     callbacks.on_train_end()
     assert probed.input_probe.produced() > len(taken)  # batches were discarded
-    assert timer.shapes == taken
-    assert timer.batch_sizes == [rows for ((rows, _),) in taken]
+    assert [r.shape for r in timer.records()] == taken
+    assert [r.samples for r in timer.records()] == [rows for ((rows, _),) in taken]
 
 
 def test_probe_follows_one_iterator_across_epochs_in_fit():
@@ -47,4 +48,15 @@ def test_probe_follows_one_iterator_across_epochs_in_fit():
     model.compile("sgd", "mse")
     timer = kg.StepTimer()
     model.fit(ds, epochs=3, steps_per_epoch=10, verbose=0, callbacks=[timer])
-    assert timer.batch_sizes == [g % 40 % 7 + 1 for g in range(30)]
+    assert [r.samples for r in timer.records()] == [g % 40 % 7 + 1 for g in range(30)]
+
+
+@pytest.mark.parametrize("kind", sorted(TRUTH))
+def test_custom_loops_are_named_right(kind):
+    # Keras's pattern fetches the batch before on_train_batch_begin: the
+    # input wait lies before the hook and must still be found.
+    check_named_right(kind, "callback_list")
+
+
+def test_an_eager_step_is_reported_not_compiled_beside_a_compiled_one():
+    assert compiled_by_kind("callback_list") == {"function": True, "eager": False}

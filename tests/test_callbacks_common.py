@@ -46,10 +46,10 @@ def test_two_fits_with_steps_per_execution_and_tensorboard(name, tmp_path):
 
 def _step_timer(timer, tmp_path):
     # state reset per fit: one fit's 2 x 16 hooks of 3 steps, each timed
-    assert timer.counts == [3] * 32
+    assert [r.steps for r in timer.records()] == [3] * 32
     summary = timer.summary()
     assert summary["count"] == 96 and summary["mean_ms"] > 0
-    assert summary["steps_per_hook"] == 3
+    assert summary["steps_per_record"] == 3
     assert summary["samples_per_s"] > 0  # batch size read from the instrumented batches
 
 
@@ -88,7 +88,7 @@ def _broken(*args, **kwargs):
 def _inject(name, monkeypatch):
     """Breaks one thing each callback relies on, inside its hooks."""
     if name == "StepTimer":
-        import keras_gpufix.callbacks.step_timer as module
+        import keras_gpufix.callbacks._stream as module
 
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=_broken,
                                                                   time=_broken))

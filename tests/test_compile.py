@@ -5,6 +5,8 @@ Multi-replica behaviour is in tests/test_distribute.py (subprocesses).
 
 import math
 import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -85,6 +87,7 @@ def test_op_xla_cannot_compile_falls_back_to_graph_and_names_it():
         report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
                                   steps_per_execution=1, sample_batch=(x[:16], y[:16]))
     assert "numpy_features" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the user's line, not ours
     assert report.jit_compile is False and report.verified
     assert "PyFunc" in report.fallback_reason
     assert report.xla_devices == ()
@@ -94,9 +97,10 @@ def test_op_xla_cannot_compile_falls_back_to_graph_and_names_it():
 
 
 def test_run_eagerly_cannot_use_xla_and_says_so():
-    with pytest.warns(GpufixWarning, match="run_eagerly"):
+    with pytest.warns(GpufixWarning, match="run_eagerly") as caught:
         report = kg.compile_model(small_model(), "adam", "mse", mixed_precision=None,
                                   steps_per_execution=1, run_eagerly=True)
+    assert caught[0].filename == __file__
     assert report.jit_compile is False and "run_eagerly" in report.fallback_reason
 
 
@@ -224,8 +228,9 @@ def test_choose_steps_keeps_eight_executions_per_epoch(epoch_steps, expected):
 
 def test_steps_per_execution_auto_without_sample_batch_warns():
     model = small_model()
-    with pytest.warns(GpufixWarning, match="sample_batch"):
+    with pytest.warns(GpufixWarning, match="none was given, so steps_per_execution=1") as caught:
         report = kg.compile_model(model, "adam", "mse", mixed_precision=None)
+    assert caught[0].filename == __file__
     assert report.steps_per_execution == 1 == model.steps_per_execution
     assert report.calibration is None and not report.verified
 
@@ -267,9 +272,10 @@ def test_policy_set_after_building_warns_with_the_fix():
 
 
 def test_explicit_mismatch_warns():
-    with pytest.warns(GpufixWarning, match="built after"):
+    with pytest.warns(GpufixWarning, match="built after") as caught:
         kg.compile_model(small_model(), "adam", "mse", mixed_precision="mixed_float16",
                          steps_per_execution=1)
+    assert caught[0].filename == __file__
 
 
 def test_float16_gets_loss_scaling_exactly_once():
@@ -310,6 +316,20 @@ def _fake_gpu(monkeypatch, capability):
     monkeypatch.setattr(tf.config.experimental, "get_device_details",
                         lambda device: {"compute_capability": capability,
                                         "device_name": "Fake GPU"})
+
+
+def test_hardware_verdicts_import_no_tensorflow():
+    """`kg.validate` asks hardware.precision_support with a device dict: no TF needed."""
+    code = (
+        "import sys; from keras_gpufix.compile import hardware; "
+        "info = {'gpus': [{'name': 'A100', 'compute_capability': [8, 0]}], "
+        "'cpu_bf16': False, 'cpu_bf16_flags': []}; "
+        "print(hardware.precision_support('mixed_bfloat16', info)[0], "
+        "sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True []"
 
 
 @pytest.mark.parametrize("capability, expected", [

@@ -23,7 +23,7 @@ distribute:
   mode: default
 monitor:
   window: 32
-  thresholds: {spike_factor: 3.0}
+  thresholds: {slow_factor: 3.0}
   profiling: {trigger: [oscillation, 20], steps: 5}
 """
 
@@ -38,7 +38,7 @@ def test_load_good_config(tmp_path):
     cfg = load_config(write(tmp_path, GOOD))
     assert cfg.data.batch_size == 32
     assert cfg.training.epochs == 2
-    assert cfg.monitor.thresholds == {"spike_factor": 3.0}
+    assert cfg.monitor.thresholds == {"slow_factor": 3.0}
     assert cfg.monitor.profiling.trigger == ["oscillation", 20]
     assert cfg.lines["data.batch_size"] == 3
     assert check_config(cfg, CPU) == []
@@ -65,12 +65,12 @@ def test_wrong_type_names_expected_type(tmp_path):
 
 
 def test_nested_unknown_keys(tmp_path):
-    path = write(tmp_path, "monitor:\n  thresholds: {spike_factr: 3}\n"
+    path = write(tmp_path, "monitor:\n  thresholds: {slow_factr: 3}\n"
                            "  profiling: {stepz: 3}\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
     keys = {p["key"]: p["suggestion"] for p in info.value.problems}
-    assert keys == {"monitor.thresholds.spike_factr": "spike_factor",
+    assert keys == {"monitor.thresholds.slow_factr": "slow_factor",
                     "monitor.profiling.stepz": "steps"}
 
 
@@ -233,7 +233,7 @@ monitor:
   window: 16
   warmup: 2
   min_windows: 3
-  thresholds: {{spike_factor: 4.0}}
+  thresholds: {{slow_factor: 4.0}}
   log_dir: logs
   profiling: {{trigger: [slow_step, 7], steps: 2, max_traces: 1, analyze: false,
               cooldown: 5, slow_factor: 4.0, min_slow_ms: 1.5, warmup: 3}}
@@ -271,7 +271,7 @@ def test_every_documented_value_reaches_its_object(tmp_path, policy, prefetch, k
     by_type = {type(c): c for c in setup.callbacks}
     monitor = by_type[kg.GPUOscillationMonitor]
     assert (monitor.window, monitor.warmup, monitor.min_windows, monitor.thresholds) == (
-        16, 2, 3, {"spike_factor": 4.0})
+        16, 2, 3, {"slow_factor": 4.0})
     assert by_type[kg.RetracingMonitor].max_new_shapes == 4
     logs = str(tmp_path / "logs")
     assert monitor.log_dir == logs

@@ -1,5 +1,6 @@
 """diagnose on planted-fault scripts (subprocesses: it runs a script like cProfile)."""
 
+import glob
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 
 from keras_gpufix.cli import main
 from keras_gpufix.diagnose import rank_causes, scan_script
+from keras_gpufix.diagnose.what_if import (Cycles, format_what_if, input_rate, replay_rate,
+                                           what_if)
 
 SLOW_INPUT = """\
 import time
@@ -86,6 +89,17 @@ def diagnose(tmp_path, source, *args, steps=30, trace=True):
     return proc, json.loads(lines[-1]), lines
 
 
+def _scalar_tags(folder):
+    """The scalar tags written under `folder` (any TensorBoard run in it)."""
+    import tensorflow as tf
+
+    tags = set()
+    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    return tags
+
+
 def test_slow_py_function_input_is_input_bound(tmp_path):
     proc, result, lines = diagnose(tmp_path, SLOW_INPUT, steps=30)
     assert proc.returncode == 0 and result["exit_code"] == 0
@@ -97,6 +111,16 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     traces = [e for e in result["evidence"] if e["source"] == "XProf"]
     assert traces and traces[0]["value"] >= 20.0 and "input-bound" in traces[0]["text"]
     assert result["fits"][0]["stopped_by_diagnose"] is True
+    # what-if: the input alone is the bound; the step alone (model.train_function
+    # replayed on one cached batch) is far faster, and the model was restored
+    assert result["what_if"] == result["fits"][0]["what_if"]
+    assert result["what_if"]["bound"] == "input" and result["what_if"]["method"] == "replay"
+    assert result["what_if"]["step_batches_per_s"] > 3 * result["what_if"]["input_batches_per_s"]
+    assert result["what_if"]["speedup_if_input_free"] > 2
+    # TensorBoard scalars per step (the step timer) and per judgement (the monitor)
+    tags = _scalar_tags(tmp_path / "logs" / "fit_1")
+    assert {"step_timer/step_ms", "step_timer/epoch_mean_ms"} <= tags
+    assert any(t.startswith("oscillation/") for t in tags)
     scan = [(f["trap"], f["line"]) for f in result["scan"]]
     assert ("py_function_in_map", 17) in scan
     assert result["fixes"][0]["verdict"] == "input_bound"
@@ -129,6 +153,7 @@ def test_healthy_script_keeps_its_exit_code(tmp_path):
     assert fit["monitor"]["input_wait"] < 0.2
     assert result["evidence"] and "compute-bound" in result["evidence"][0]["text"]
     assert result["scan"] == [] and result["fixes"] == []
+    assert result["what_if"]["bound"] == "step"  # cached input: the step is the bound
 
 
 def test_text_report_and_failing_script(tmp_path):
@@ -203,5 +228,129 @@ def test_rank_orders_causes_by_measured_cost():
     fits[0]["monitor"]["input_wait"] = 0.0
     del fits[0]["retracing"]
     assert rank_causes(fits, [])[0] == "healthy"
+    fits[0]["monitor"]["verdict"] = "unknown"  # timed, but too few steps for the monitor
+    assert rank_causes(fits, [])[0] == "unknown"
+    del fits[0]["monitor"]["verdict"]
     fits[0]["model"] = {"run_eagerly": True}
     assert rank_causes(fits, [])[0] == "eager_step"
+    eager = [{"trap": "run_eagerly", "file": "t.py", "line": 7, "why": "w", "fix": "f",
+              "verdict": "eager_step", "training_path": True}]
+    verdict, ranking, fixes = rank_causes(fits, eager)
+    assert ranking[0]["fix"].endswith("at t.py:7")  # the verdict table's text, filled
+    assert fixes[0]["where"] == ["t.py:7: w; f"]
+
+
+def _cycles(cycle_s, between_s, n=10):
+    cycles = Cycles(skip=2)
+    for _ in range(n + 2):
+        cycles.add(cycle_s, between_s)
+    return cycles
+
+
+def test_what_if_figures():
+    cycles = Cycles(skip=2)
+    for cycle in (9.0, 9.0, 0.1, 0.1):  # the first two of each epoch are left out
+        cycles.add(cycle, 0.01)
+    cycles.epoch()
+    cycles.add(7.0, 0.01)
+    assert cycles.cycle_s == [0.1, 0.1]
+    # input-bound: 100 ms cycles, a 5 ms step and 10 ms between: 15 ms with input free
+    result = what_if(_cycles(0.1, 0.01), input_per_s=10.0, step_per_s=200.0)
+    assert result["speedup_if_input_free"] == pytest.approx(0.1 / 0.015)
+    assert result["observed_batches_per_s"] == pytest.approx(10.0)
+    assert result["bound"] == "input" and result["method"] == "replay" and result["cycles"] == 10
+    text = format_what_if(result)
+    assert text.startswith("what-if: input supplies 10.0 batches/s, the step consumes 200.0")
+    assert "the run would be 6.67x faster" in text
+    # compute-bound, and the step ran slower in the run than alone (cores shared with input)
+    result = what_if(_cycles(0.03, 0.0), input_per_s=500.0, step_per_s=50.0)
+    assert result["bound"] == "step" and result["speedup_if_input_free"] == pytest.approx(1.5)
+    assert "the step is the bound" in format_what_if(result)
+    assert "competes with the step" in format_what_if(result)
+    # a step that cannot be replayed: all time outside the input counts as the step
+    result = what_if(_cycles(0.1, 0.04), input_per_s=12.0, step_per_s=None)
+    assert result["method"] == "in_run" and result["step_batches_per_s"] == pytest.approx(25.0)
+    assert result["speedup_if_input_free"] == pytest.approx(2.5)
+    assert what_if(Cycles(), 10.0, 10.0) is None
+
+
+def test_input_rate_and_replay_rate_leave_the_state_alone():
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.range(40).batch(4)
+    it = iter(ds)
+    assert int(next(it)[0]) == 0
+    assert input_rate(ds, seconds=0.5) > 0
+    assert int(next(it)[0]) == 4  # the user's iterator was not consumed
+    assert input_rate(ds.take(1)) is None
+    v = tf.Variable(1.0)
+    step = tf.function(lambda: v.assign_add(1.0))
+    assert replay_rate(step, [v], batches_per_call=2, seconds=0.2) > 0
+    assert float(v.numpy()) == 1.0
+
+
+def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""\
+        import numpy as np
+        import helpers
+        from pkg.viz import plot_batch
+        from pkg import decode
+
+        ds = helpers.make_dataset()
+        for epoch in range(2):
+            for x, y in ds:
+                loss = helpers.train_step(x, y)
+                helpers.log_loss(loss)
+            plot_batch(x)
+        for x, y in ds:
+            print(decode.greedy(x))
+        """))
+    (tmp_path / "helpers.py").write_text(textwrap.dedent("""\
+        import tensorflow as tf
+
+        def make_dataset():
+            ds = tf.data.Dataset.from_tensor_slices([1.0, 2.0])
+            return ds.map(lambda x: tf.numpy_function(abs, [x], tf.float32)).batch(2)
+
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = x * y
+            return tape.gradient(loss, [x])
+
+        def log_loss(loss):
+            for value in [loss]:
+                print(value.numpy())
+        """))
+    (tmp_path / "pkg" / "viz.py").write_text(textwrap.dedent("""\
+        def plot_batch(x):
+            for row in x:
+                print(row.numpy())
+        """))
+    (tmp_path / "pkg" / "decode.py").write_text(textwrap.dedent("""\
+        def greedy(x):
+            return [t.numpy() for t in x]
+        """))
+    scan = scan_script(tmp_path / "train.py")
+    found = {(os.path.relpath(f["file"], tmp_path), f["line"], f["trap"]): f["training_path"]
+             for f in scan}
+    assert found == {
+        ("helpers.py", 5, "py_function_in_map"): True,
+        ("helpers.py", 5, "no_prefetch"): True,
+        ("helpers.py", 14, "numpy_in_loop"): True,  # called once per step by the loop
+        (os.path.join("pkg", "viz.py"), 3, "numpy_in_loop"): False,  # once per epoch
+        (os.path.join("pkg", "decode.py"), 2, "numpy_in_loop"): False,  # inference only
+    }
+    fits = [{"index": 1, "monitor": {"input_wait": 0.0, "events": [],
+                                     "step_time": {"count": 20, "p50_ms": 5.0, "p95_ms": 6.0}}}]
+    verdict, _, fixes = rank_causes(fits, scan)
+    assert verdict == "healthy"
+    where = [w for fix in fixes for w in fix["where"]]
+    assert any("helpers.py:14" in w for w in where)
+    assert not any("viz.py" in w or "decode.py" in w for w in where)
+    # the input was measured fine (0% wait, no what-if gain): its findings are no fix
+    assert not any("helpers.py:5" in w for w in where)
+    fits[0]["what_if"] = {"speedup_if_input_free": 1.5}  # the input competes for the cores
+    where = [w for fix in rank_causes(fits, scan)[2] for w in fix["where"]]
+    assert any("helpers.py:5" in w for w in where)

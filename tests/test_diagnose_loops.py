@@ -11,12 +11,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "custom_loop.py")
 
 
+def _line(text):
+    """The line number of `text` in the example script."""
+    with open(SCRIPT) as f:
+        return next(i for i, line in enumerate(f, start=1) if text in line)
+
+
+WHAT_IF = {"slow_input": [], "eager": [], "function": []}  # the modes whose what-if is checked
+
+
 def _diagnose(mode, steps=30):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     env["PYTHONPATH"] = ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
-         "--steps", str(steps), "--", "python", SCRIPT, mode],
+         "--steps", str(steps), *WHAT_IF.get(mode, ["--no-what-if"]),
+         "--", "python", SCRIPT, mode],
         capture_output=True, text=True, env=env, timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -41,17 +51,24 @@ def test_custom_loop_named_right(mode, verdict):
     assert loop["stopped_by_diagnose"] is True
     if mode == "eager":
         assert loop["step"]["eager"] is True
-        assert loop["step"]["eager_where"].endswith("custom_loop.py:40")
+        assert loop["step"]["eager_where"].endswith(f"custom_loop.py:{_line('tape.gradient')}")
         assert any(w.startswith(loop["step"]["eager_where"])
                    for w in result["fixes"][0]["where"])
+        assert result["fixes"][0]["fix"].endswith(f"at {loop['step']['eager_where']}")
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "slow_input":  # the time in next() of the loop's iterator
         assert loop["phases"]["input_share"] > 0.5
+        # what-if: the step function replayed alone is far faster than the input
+        what_if = result["what_if"]
+        assert what_if["bound"] == "input" and what_if["method"] == "replay"
+        assert what_if["speedup_if_input_free"] > 2
+    if mode == "eager":  # no function to replay: the step as measured in the run
+        assert result["what_if"]["method"] == "in_run"
 
 
 def test_steps_stops_a_healthy_tf_function_loop():
-    proc, result = _diagnose("function", steps=12)
+    proc, result = _diagnose("function", steps=14)
     assert proc.returncode == 3
     assert result["verdict"] == "healthy"  # cached input, compiled step
     # diagnose set TensorFlow's C++ log level for the run and says how to see the logs
@@ -59,6 +76,21 @@ def test_steps_stops_a_healthy_tf_function_loop():
     assert "done" in proc.stdout  # the script ran on after its loop ended
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
-    # 12 cycles after the first step was seen; the monitor's warm-up drops 5
-    assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    # 14 cycles after the first step was seen; the monitor's warm-up drops 5
+    assert loop["monitor"]["step_time"]["count"] == 14 - 5
     assert loop["epochs"] == 1
+    assert result["what_if"]["method"] == "replay"  # the observed tf.function, replayed
+    assert result["what_if"]["step_batches_per_s"] > 0 and result["what_if"]["cycles"] > 0
+
+
+def test_steps_stops_a_loop_that_calls_next_itself():
+    proc, result = _diagnose("next", steps=12)
+    assert proc.returncode == 0 and result["exit_code"] == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "done" not in proc.stdout
+    (loop,) = result["fits"]
+    assert loop["stopped_by_diagnose"] is True
+    assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    # 7 timed steps are too few to judge: unknown, never healthy
+    assert result["verdict"] == "unknown" and "too few to judge" in result["evidence"][0]["text"]
+    note = next(n for n in result["notes"] if "its own next() call" in n)
+    assert f"custom_loop.py:{_line('= next(batches)')}" in note

@@ -6,7 +6,7 @@ import pytest
 import keras_gpufix as kg
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
 from keras_gpufix.exceptions import GpufixWarning
-from planted import planted_dataset, tiny_model
+from planted import SleepEvery, StepWork, planted_dataset, tiny_model
 
 REPORT_KEYS = {"verdict", "fix", "events", "step_time", "input_wait", "gpu_util",
                "epoch_start_ms", "new_shapes", "errors"}
@@ -20,7 +20,7 @@ def fit(kind, monitor, epochs=1, **kwargs):
 
 
 def test_healthy_run_raises_no_alarm(capsys):
-    monitor = kg.GPUOscillationMonitor()
+    monitor = kg.GPUOscillationMonitor(nvml=False)
     report = fit("healthy", monitor)
     assert set(report) >= REPORT_KEYS
     assert report["verdict"] == "healthy" and report["events"] == []
@@ -32,7 +32,7 @@ def test_healthy_run_raises_no_alarm(capsys):
 
 
 def test_slow_input_is_input_bound_with_measured_wait():
-    report = fit("slow", kg.GPUOscillationMonitor(verbose=0), batches=160, sleep=0.01)
+    report = fit("slow", kg.GPUOscillationMonitor(verbose=0, nvml=False), batches=160, sleep=0.01)
     assert report["verdict"] == "input_bound"
     event = report["events"][0]
     assert set(event) >= EVENT_KEYS
@@ -43,9 +43,31 @@ def test_slow_input_is_input_bound_with_measured_wait():
 
 
 def test_periodic_stall_named_with_its_period():
-    report = fit("periodic", kg.GPUOscillationMonitor(verbose=0), k=7)
+    report = fit("periodic", kg.GPUOscillationMonitor(verbose=0, nvml=False), k=7)
     assert report["verdict"] == "periodic_stall"
     assert report["events"][0]["period"] == 7
+    assert report["events"][0]["phase"] == "input_wait"
+
+
+def test_work_between_steps_is_named_with_its_phase_and_cost():
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    tiny_model().fit(planted_dataset("healthy", batches=200), epochs=1, verbose=0,
+                     callbacks=[StepWork(0.004), monitor, SleepEvery(6, 0.012)])
+    report = monitor.report()
+    event = report["events"][0]
+    assert (report["verdict"], event["phase"], event["period"]) == ("periodic_stall",
+                                                                     "between", 6)
+    assert event["fix"].startswith("work between steps every 6 steps costs")
+    assert report["phases"]["between"] > 0.15  # 12 ms every 6 steps of about 4 ms
+    assert report["step_time"]["phases"]["between"] == report["phases"]["between"]
+
+
+def test_a_run_shorter_than_the_window_is_judged_at_its_end():
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)  # window 96
+    report = fit("slow", monitor, batches=40, sleep=0.01)
+    assert report["verdict"] == "input_bound" and report["input_wait"] > 0.4
+    tiny = kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    assert fit("healthy", tiny, batches=10)["verdict"] == "unknown"  # 4 steps after warmup
 
 
 def test_events_reach_on_detect_and_siblings():
@@ -63,7 +85,7 @@ def test_events_reach_on_detect_and_siblings():
         def on_oscillation(self, event):
             sibling_got.append(event["verdict"])
 
-    monitor = kg.GPUOscillationMonitor(verbose=0, on_detect=got.append)
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False, on_detect=got.append)
     tiny_model().fit(planted_dataset("periodic"), epochs=1, verbose=0,
                      callbacks=[monitor, Listener()])
     assert [e["verdict"] for e in got] == ["periodic_stall"]
@@ -77,7 +99,7 @@ def test_failing_on_detect_warns_once_and_training_finishes():
         calls.append(event)
         raise RuntimeError("boom")
 
-    monitor = kg.GPUOscillationMonitor(verbose=0, on_detect=broken)
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False, on_detect=broken)
     model = tiny_model()
     with pytest.warns(GpufixWarning, match="boom") as record:
         history = model.fit(planted_dataset("periodic", batches=400), epochs=2, verbose=0,
@@ -89,7 +111,7 @@ def test_failing_on_detect_warns_once_and_training_finishes():
 
 
 def test_internal_error_never_stops_fit(monkeypatch):
-    monitor = kg.GPUOscillationMonitor(verbose=0)
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)
 
     def broken_update(*args, **kwargs):
         raise ZeroDivisionError("detector bug")
@@ -119,7 +141,7 @@ def fake_pynvml(util=30, fail_after=None):
 
 def test_nvml_samples_become_evidence(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(util=30))
-    monitor = kg.GPUOscillationMonitor(verbose=0)
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=True)
     report = fit("slow", monitor, batches=160, sleep=0.01)
     assert report["gpu_util"] == pytest.approx(0.30)
     assert "gpu_util" in report["events"][0]["evidence"]["signals"]
@@ -128,7 +150,7 @@ def test_nvml_samples_become_evidence(monkeypatch):
 
 def test_nvml_failure_mid_run_warns_once_and_training_finishes(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(fail_after=3))
-    monitor = kg.GPUOscillationMonitor(verbose=0)
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=True)
     with pytest.warns(GpufixWarning, match="GPU_IS_LOST") as record:
         history = tiny_model().fit(planted_dataset("healthy", batches=60), epochs=2,
                                    verbose=0, callbacks=[monitor])

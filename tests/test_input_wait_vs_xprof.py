@@ -2,7 +2,7 @@
 
 Both look at the same steps of one `fit`: `ProfilerTrigger` traces steps
 [START, START + STEPS) with step markers and XProf reports the input share;
-the monitor's `StepTimer` has each step's measured input wait. Goal: within
+a `StepTimer` in the same fit has each step's record with its measured input wait. Goal: within
 15 percentage points on input-bound and healthy runs.
 """
 
@@ -15,15 +15,16 @@ START, STEPS = 40, 30
 
 
 def shares(kind, tmp_path, **kwargs):
-    monitor = kg.GPUOscillationMonitor(verbose=0)
+    timer = kg.StepTimer()
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)
     trigger = kg.ProfilerTrigger(str(tmp_path), trigger=START, steps=STEPS, verbose=0)
     tiny_model().fit(planted_dataset(kind, batches=100, **kwargs), epochs=1, verbose=0,
-                     callbacks=[monitor, trigger])
+                     callbacks=[timer, monitor, trigger])
     (trace,) = trigger.traces
-    timer = monitor.timer
-    hooks = [i for i, s in enumerate(timer.steps)
-             if trace["start_step"] <= s <= trace["end_step"]]
-    live = sum(timer.input_waits[i] for i in hooks) / sum(timer.durations[i] for i in hooks)
+    traced = [r for r in timer.records()
+              if trace["start_step"] <= r.index <= trace["end_step"]]
+    live = (sum(r.input_wait for r in traced)
+            / sum(r.input_wait + r.step for r in traced))
     return live * 100, trace["analysis"]
 
 

@@ -162,10 +162,11 @@ def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypat
     monkeypatch.setattr(type(tf.function(lambda: 0)), "_list_all_concrete_functions",
                         lambda self: (_ for _ in ()).throw(AttributeError("gone")))
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    with pytest.warns(GpufixWarning, match="not where it was on Keras"):
+    with pytest.warns(GpufixWarning, match="not where it was on Keras") as caught:
         report = kg.compile_model(model, "sgd", "mse", mixed_precision=None,
                                   steps_per_execution=1,
                                   sample_batch=(np.zeros((4, 3)), np.zeros((4, 1))))
+    assert caught[0].filename == __file__  # the user's compile_model line
     assert report.verified is False and report.jit_compile is True
     assert "not verified (the traced step could not be read" in report.reason
 

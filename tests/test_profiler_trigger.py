@@ -14,7 +14,7 @@ import tensorflow as tf
 import keras_gpufix as kg
 from keras_gpufix import profiling
 from keras_gpufix.exceptions import GpufixWarning
-from planted import FEATURES, planted_dataset, tiny_model
+from planted import planted_dataset, tiny_model
 
 
 def xplanes(log_dir):
@@ -84,22 +84,14 @@ def test_input_bound_run_is_traced_and_classified(input_bound_run):
     assert trigger.report()["traces"][0]["path"] == trace["path"]
 
 
-def compute_bound_model():
-    """Steps of ~10 ms of matmuls: scheduler jitter is small beside them."""
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1024),
-                              keras.layers.Dense(1024), keras.layers.Dense(1)])
-    model.compile("adam", "mse")
-    return model
-
-
 def test_healthy_run_with_oscillation_trigger_captures_nothing(tmp_path):
     # The monitor's part is played by Emit, so the run is healthy on any machine:
     # a healthy verdict every 10 steps must never start a trace.
     trigger = kg.ProfilerTrigger(str(tmp_path), verbose=0)
     healthy = {b: {"verdict": "healthy", "start_step": b - 9, "end_step": b}
                for b in range(9, 90, 10)}
-    compute_bound_model().fit(planted_dataset("healthy", batches=90, batch_size=64),
-                              epochs=1, verbose=0, callbacks=[trigger, Emit(trigger, healthy)])
+    tiny_model().fit(planted_dataset("healthy", batches=90), epochs=1, verbose=0,
+                     callbacks=[trigger, Emit(trigger, healthy)])
     assert trigger.traces == [] and trigger.skipped == []
     assert xplanes(tmp_path) == []
     assert trigger.report()["traces"] == []

@@ -1,24 +1,32 @@
 """GPUOscillationMonitor: names the cause of a slow or oscillating `fit`.
 
 One line is enough: `model.fit(..., callbacks=[kg.GPUOscillationMonitor()])`.
-It times every step (through a `StepTimer`), samples GPU utilisation with
-NVML in a background thread where `nvidia-ml-py` and a GPU exist, reads the
-input wait and batch shapes of a dataset that went through
-`kg.data.instrument`, and feeds them to `keras_gpufix.analysis
-.OscillationDetector`. Each event is printed once and kept in `events`.
+It is a member of the shared step stream (one clock read and one input-probe
+read per hook for all our callbacks in the `fit`), which gives it one
+`analysis.StepRecord` per hook with the cycle's three phases (`input_wait`,
+`step`, `between`); it samples GPU utilisation with NVML in a background
+thread where `nvidia-ml-py` and a GPU exist, and feeds the records to
+`keras_gpufix.analysis.OscillationDetector`, which judges by cost (the share
+of the cycle lost, by phase). Each event is printed once.
 
-Steps left out of the detector: the first `warmup` steps of a `fit`
-(compilation) and the first step of every epoch (iterator creation and
+Records left out of the judgement: the first `warmup` of a `fit`
+(compilation) and the first of every epoch (iterator creation and
 shuffle-buffer filling happen there; their mean is reported as
-`epoch_start_ms`). A hook that covers N steps (`steps_per_execution=N`)
-counts as one observation of its per-step time.
+`epoch_start_ms`). A record that covers N steps (`steps_per_execution=N`)
+counts as one observation of its per-step time. A run too short for the
+window is judged once at its end.
 
 Logged TensorBoard scalars (run `keras_gpufix` under `log_dir`):
 
 | tag                          | when          | value                            |
 |------------------------------|---------------|----------------------------------|
+| `oscillation/cycle_ms`       | each hook     | cycle time per step (ms)         |
+| `oscillation/input_wait_ms`  | each hook     | input wait per step (measured)   |
+| `oscillation/between_ms`     | each hook     | time between steps, per step     |
 | `oscillation/cv`             | each judgement| coefficient of variation         |
-| `oscillation/median_ms`      | each judgement| median step time                 |
+| `oscillation/median_ms`      | each judgement| median cycle time                |
+| `oscillation/slow_time_share`| each judgement| share of the window lost to slow |
+|                              |               | steps                            |
 | `oscillation/input_wait`     | each judgement| input-wait share (when measured) |
 | `oscillation/gpu_util`       | each judgement| mean GPU utilisation (NVML)      |
 | `oscillation/verdict`        | each event    | index into `analysis.VERDICTS`   |
@@ -27,13 +35,14 @@ Nothing is added to the Keras `logs` dict.
 """
 
 import sys
-import warnings
 
-from keras_gpufix.analysis import VERDICTS, OscillationDetector
+from keras_gpufix.analysis import FIXES, VERDICTS, OscillationDetector, fix_for
 from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter
-from keras_gpufix.callbacks.step_timer import TimedCallback
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.exceptions import warn
+from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler
+from keras_gpufix.output import emit
 
 __all__ = ["GPUOscillationMonitor"]
 
@@ -47,7 +56,8 @@ class GPUOscillationMonitor(TimedCallback):
         min_windows: consecutive judgements a verdict must hold before it
             is reported. Defaults to 2.
         thresholds: other `OscillationDetector` arguments by name
-            (`spike_factor`, `input_wait_threshold`, ...). Defaults to None.
+            (names of `keras_gpufix.analysis.THRESHOLDS`: `slow_factor`,
+            `cost_share`, `input_wait_share`, ...). Defaults to None.
         log_dir: directory for TensorBoard scalars. Defaults to None.
         on_detect: called with each event dict; an object with an
             `on_oscillation(event)` method (such as `kg.ProfilerTrigger`)
@@ -68,7 +78,7 @@ class GPUOscillationMonitor(TimedCallback):
 
     def __init__(self, window=96, warmup=5, min_windows=2, thresholds=None,
                  log_dir=None, on_detect=None, nvml=True, verbose=1):
-        super().__init__(warmup=warmup)
+        super().__init__()
         if on_detect is not None and not (
             callable(on_detect) or hasattr(on_detect, "on_oscillation")
         ):
@@ -87,19 +97,27 @@ class GPUOscillationMonitor(TimedCallback):
         self.detector = OscillationDetector(
             window=window, warmup=warmup, min_windows=min_windows, **self.thresholds
         )
-        self.events = []
         self._sampler = None
         self._writer = None
-        self._shapes_seen = set()
+        self._firsts = [0, 0.0]  # epoch-first records: count, seconds
         self._said_step_times_only = False
+
+    @property
+    def events(self):
+        """The events of the last (or current) `fit` (held by the detector)."""
+        return self.detector.events
 
     def _begin(self):
         self.detector.reset()
-        self.events = []
-        self._shapes_seen = set()
+        self._firsts = [0, 0.0]
+        model = callback_model(self)
+        jit = getattr(model, "jit_compile", None)
+        self.detector.jit = jit if isinstance(jit, bool) else None
+        self.detector.eager = bool(getattr(model, "run_eagerly", False))
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
+        self.stream.sampler = self._sampler
 
     def _start_sampler(self):
         self._sampler = None  # a stopped sampler keeps its samples for report()
@@ -115,9 +133,10 @@ class GPUOscillationMonitor(TimedCallback):
                 return
         if self.verbose and not self._said_step_times_only:
             self._said_step_times_only = True
-            print(f"GPUOscillationMonitor: GPU utilisation not sampled ({reason}); "
-                  "judging from step times" + (
-                      " and input wait." if "tensorflow" in sys.modules else "."))
+            emit(f"GPUOscillationMonitor: GPU utilisation not sampled ({reason}); "
+                 "judging from step times" + (
+                     " and input wait." if self.stream.input_probe is not None
+                     or "tensorflow" in sys.modules else "."), self.verbose)
 
     def _epoch_done(self):
         if self._writer is not None:
@@ -130,8 +149,7 @@ class GPUOscillationMonitor(TimedCallback):
         if self._sampler is not None:
             self._sampler.stop()
             if self._sampler.error is not None:
-                warnings.warn(f"NVML sampling stopped: {self._sampler.error}",
-                              GpufixWarning, stacklevel=2)
+                warn(f"NVML sampling stopped: {self._sampler.error}")
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -140,49 +158,45 @@ class GPUOscillationMonitor(TimedCallback):
             st = r["step_time"]
             if st["count"]:
                 wait = r["input_wait"]
-                print(f"GPUOscillationMonitor: verdict {r['verdict']}; "
-                      f"{st['count']} steps, median {st['p50_ms']:.1f} ms, "
-                      f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
-                      + ("" if wait is None else f", input wait {wait:.0%}")
-                      + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""))
+                emit(f"GPUOscillationMonitor: verdict {r['verdict']}; "
+                     f"{st['count']} steps, median {st['p50_ms']:.1f} ms, "
+                     f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
+                     + ("" if wait is None else f", input wait {wait:.0%}")
+                     + f", between steps {r['phases']['between']:.0%}"
+                     + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""),
+                     self.verbose)
 
-    def _read_hooks(self, start, stop):
-        """Feeds the hooks the timer has read to the detector."""
-        timer = self.timer
-        for i in range(start, stop):
-            shape = timer.shapes[i]
-            new_shape = shape is not None and shape not in self._shapes_seen
-            if shape is not None:
-                self._shapes_seen.add(shape)
-            if timer.epoch_first[i]:
-                continue
-            per_step = timer.durations[i] / timer.counts[i]
-            signals = {"step": timer.steps[i]}
-            if timer.input_waits[i] is not None:
-                signals["input_wait"] = timer.input_waits[i] / timer.counts[i]
-            if shape is not None:
-                signals["new_shape"] = new_shape
-            if self._sampler is not None:
-                signals["gpu_util"] = self._sampler.mean_between(
-                    timer.begins[i], timer.ends[i])
+    def _on_records(self, records):
+        """Feeds the stream's records to the detector."""
+        for record in records:
+            if record.epoch_first:
+                self._firsts[0] += 1
+                self._firsts[1] += record.cycle
             judged = self.detector.judgements
-            event = self.detector.update(per_step, **signals)
-            if self._writer is not None and self.detector.judgements != judged:
-                self._log_judgement(timer.steps[i])
+            event = self.detector.update(record)
+            if self._writer is not None:
+                step, per = record.index + record.steps - 1, 1e3 / record.steps
+                self._writer.add("oscillation/cycle_ms", record.cycle * per, step)
+                if record.input_wait is not None:
+                    self._writer.add("oscillation/input_wait_ms", record.input_wait * per, step)
+                self._writer.add("oscillation/between_ms", record.between * per, step)
+                if self.detector.judgements != judged:
+                    self._log_judgement(step)
             if event is not None:
                 self._emit(event)
 
     def _log_judgement(self, step):
-        _, evidence, _ = self.detector.last_judgement
+        evidence = self.detector.last_judgement["evidence"]
+        if "median_ms" not in evidence:  # too few records to judge
+            return
         self._writer.add("oscillation/cv", evidence["cv"], step)
         self._writer.add("oscillation/median_ms", evidence["median_ms"], step)
+        self._writer.add("oscillation/slow_time_share", evidence["slow_time_share"], step)
         self._writer.add("oscillation/input_wait", evidence.get("input_wait"), step)
         self._writer.add("oscillation/gpu_util", evidence.get("gpu_util"), step)
 
     def _emit(self, event):
-        self.events.append(event)
-        if self.verbose:
-            print(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}")
+        emit(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}", self.verbose)
         if self._writer is not None:
             self._writer.add("oscillation/verdict", VERDICTS.index(event["verdict"]),
                              event["end_step"])
@@ -197,42 +211,53 @@ class GPUOscillationMonitor(TimedCallback):
                 self._report_failure(f"on_detect({type(target).__name__})", exc)
 
     def report(self):
-        """The run's diagnosis as a dict.
+        """The run's diagnosis as a dict, readable at any time (no side effects).
 
         Returns:
-            `verdict` (dominant over the run, `healthy` when nothing was
-            found), `fix`, `events` (dicts with `verdict`, `start_step`,
-            `end_step`, `cv`, `period`, `evidence`, `fix`, `message`),
-            `step_time` (`summarize_step_times` of the steps after warmup),
-            `input_wait` (share of step time spent waiting for input, None
-            when not measured), `gpu_util` (mean, None without NVML),
-            `epoch_start_ms` (mean first step of an epoch), `new_shapes`
-            and `errors` (internal failures that were skipped).
+            `verdict` (dominant over the run; before any event, the judgement
+            of the current window; `healthy` when nothing was found,
+            `unknown` when too few steps were seen), `fix`, `phase` (where the
+            time goes), `events` (dicts with `verdict`, `phase`,
+            `start_step`, `end_step`, `cv`, `period`, `cost_share`,
+            `evidence`, `fix`, `message`), `step_time` (`StepLog.summary()`
+            of the records after warmup: per-step cycle figures,
+            `samples_per_s`, `phases`, `audio_seconds_per_s`,
+            `real_frames_per_s`), `phases` (share of the cycle per phase),
+            `input_wait` (share, None when not measured), `gpu_util` (mean,
+            None without NVML), `epoch_start_ms` (mean first step of an
+            epoch), `new_shapes` and `errors` (internal failures that were
+            skipped).
         """
-        from keras_gpufix.analysis import FIXES
-
-        timer = self.timer
         verdict = self.detector.dominant_verdict()
-        used = [i for i in range(min(timer.synced, len(timer.durations)))
-                if not timer.epoch_first[i]][self.warmup:]
-        waits = [timer.input_waits[i] for i in used]
-        total = sum(timer.durations[i] for i in used)
-        input_wait = (sum(waits) / total if used and total > 0
-                      and all(w is not None for w in waits) else None)
+        judgement = None
+        if not self.events:
+            judgement = self.detector.judge()
+            verdict = judgement["verdict"]
+        fixes = [e for e in self.events if e["verdict"] == verdict]
+        if fixes:
+            fix, phase = fixes[-1]["fix"], fixes[-1]["phase"]
+        elif judgement is not None and verdict not in ("healthy", "unknown"):
+            phase = judgement["phase"]
+            fix = fix_for(verdict, phase=phase, period=judgement["period"],
+                          share=judgement["cost_share"])
+        else:
+            fix, phase = FIXES[verdict], None
+        summary = self.detector.log.summary()
         gpu_util = None
-        if self._sampler is not None and timer.begins:
-            gpu_util = self._sampler.mean_between(timer.begins[0], timer.ends[-1])
-        firsts = [timer.durations[i] * 1e3 for i, f in enumerate(timer.epoch_first) if f]
-        shapes = {s for s in timer.shapes if s is not None}
-        fixes = [e["fix"] for e in self.events if e["verdict"] == verdict]
+        if self._sampler is not None:
+            gpu_util = self._sampler.mean_between(0.0, float("inf"))
+        count, seconds = self._firsts
         return {
             "verdict": verdict,
-            "fix": fixes[-1] if fixes else FIXES[verdict],
+            "fix": fix,
+            "phase": phase,
             "events": [dict(e) for e in self.events],
-            "step_time": timer.summary(),
-            "input_wait": input_wait,
+            "step_time": summary,
+            "phases": summary["phases"] or dict.fromkeys(("input_wait", "step", "between"), 0.0),
+            "input_wait": summary["input_wait"],
             "gpu_util": gpu_util,
-            "epoch_start_ms": sum(firsts) / len(firsts) if firsts else None,
-            "new_shapes": len(shapes),
-            "errors": list(self.errors) + list(timer.errors),
+            "epoch_start_ms": seconds / count * 1e3 if count else None,
+            "new_shapes": 0 if self.stream is None else self.stream.shapes_seen,
+            "errors": list(self.errors),
         }
+

@@ -13,15 +13,18 @@ Two ways a variable-length input makes training slow:
   it: they are read from a dataset that went through `kg.data.instrument`.
 
 A step that compiles (a new trace, or a new shape under XLA) costs its time
-minus the median step: that is the estimated recompile cost. A step that is
-not compiled (a plain Python function, `run_eagerly=True`, or a new shape
-without XLA) costs no compile and is never priced as one. When more than `max_new_shapes`
-new shapes were slow, or the step was traced more than `max_new_shapes`
-times, the verdict is `recompiling` and one warning per cause names the
-shapes and the fix.
+minus the median step: that is the estimated compile cost. The first compile
+of functions never compiled before is unavoidable (`compile_ms`); every later
+one is a recompile (`recompile_ms`). A step that is not compiled (a plain
+Python function, `run_eagerly=True`, or a new shape without XLA) costs no
+compile and is never priced as one, however slow. When more than
+`max_new_shapes` recompiles at new shapes were slow, or the step was traced
+again more than `max_new_shapes` times after its first compile, the verdict
+is `recompiling` and one warning per cause names the shapes and the fix.
 
-Steps are timed, and shapes read every quarter second and at epoch end, by an
-inner `StepTimer`; per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
+Steps are timed, and shapes read every quarter second and at epoch end, by the
+shared step stream (`callbacks/_stream.py`, one clock and one probe read per hook for all
+our callbacks); per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
 `logs` dict; results are in `report()`.
 """
 
@@ -32,7 +35,7 @@ from collections import deque
 import numpy as np
 
 from keras_gpufix.analysis import FIXES
-from keras_gpufix.callbacks.step_timer import TimedCallback
+from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
 from keras_gpufix.output import emit
@@ -76,8 +79,8 @@ class RetracingMonitor(TimedCallback):
         functions: the custom loop's step functions (`tf.function`s, or
             plain Python functions, which are reported as not compiled).
             Defaults to None: the functions inside `model.train_function`.
-        max_new_shapes: slow steps at new shapes (or traces) tolerated in
-            one `fit` before the verdict is `recompiling`. Defaults to 8
+        max_new_shapes: slow recompiles at new shapes (or retraces)
+            tolerated in one `fit` before the verdict is `recompiling`. Defaults to 8
             (`kg.data` with `num_buckets=8`).
         warn: warn once per cause (`shapes`, `traces`) when it is reached.
             Defaults to True.
@@ -139,12 +142,14 @@ class RetracingMonitor(TimedCallback):
         self._functions = {}
         self._compiled = None  # False: nothing is compiled; None: not verified
         self._jit = None
+        self._fresh = False
         self._baseline = 0
         self._traces = 0
         self._fit_t0 = time.time()
         self._fit_t1 = None
         self._global = 0
         self._trace_deltas = {}  # hook index -> new traces, only hooks that traced
+        self._hooks_read = 0
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
@@ -165,6 +170,8 @@ class RetracingMonitor(TimedCallback):
         if len(watched) != len(self._watched) or any(
                 a is not b for a, b in zip(watched, self._watched)):
             self._watched, self._compiled_shapes = watched, set()
+        # The functions' first compile is the compile, not a recompile.
+        self._fresh = self._baseline == 0 and not self._compiled_shapes
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
@@ -223,7 +230,7 @@ class RetracingMonitor(TimedCallback):
             return
         traces = self._trace_total()
         if traces != self._traces:
-            self._trace_deltas[len(self.timer.durations) - 1] = traces - self._traces
+            self._trace_deltas[self.stream.hooks - 1] = traces - self._traces
             self._traces = traces
 
     def _end(self):
@@ -237,21 +244,19 @@ class RetracingMonitor(TimedCallback):
 
     # -- internals -------------------------------------------------------
 
-    def _read_hooks(self, start, stop):
-        """Judges the hooks the timer has read."""
-        timer = self.timer
-        hooks = range(start, stop)
-        if timer.input_probe is None and _NO_PROBE not in self.notes:
+    def _on_records(self, records):
+        """Judges the stream's records."""
+        if self.stream.input_probe is None and _NO_PROBE not in self.notes:
             self.notes.append(_NO_PROBE)
             if not self._told_no_probe:
                 emit(_NO_PROBE, self.verbose)
             self._told_no_probe = True
         batch_normal = []
-        for i in hooks:
-            seconds, count, key = timer.durations[i], timer.counts[i], timer.shapes[i]
+        for record in records:
             # Time spent waiting for the batch is the input's, not a compile.
-            seconds -= min(seconds, timer.input_waits[i] or 0.0)
-            new_traces = self._trace_deltas.pop(i, 0)
+            seconds, count, key = record.step, record.steps, record.shape
+            new_traces = self._trace_deltas.pop(self._hooks_read, 0)
+            self._hooks_read += 1
             self._global += count
             new_shape = key is not None and key not in self._seen
             if new_shape:
@@ -263,7 +268,7 @@ class RetracingMonitor(TimedCallback):
                                      "compiled_before": key in self._compiled_shapes})
                 if key is not None and self._functions:
                     self._compiled_shapes.add(key)
-            elif not timer.epoch_first[i]:
+            elif not record.epoch_first:
                 batch_normal.append(seconds / count)
         if batch_normal:
             self._normal.extend(batch_normal)
@@ -289,15 +294,20 @@ class RetracingMonitor(TimedCallback):
                                          and not event["compiled_before"])
 
     def _priced(self):
-        """Events with `compiles`, `cost_ms` and `slow`, priced against the current median.
+        """Events with `compiles`, `first_compile`, `cost_ms` and `slow`.
 
-        A step that did not compile costs no compile: `cost_ms` 0.
+        Priced against the current median. A step that did not compile costs
+        no compile: `cost_ms` 0. The first compile of functions never
+        compiled before is `first_compile`: a cost, not a recompile.
         """
         median = self._median_ms()
         out = []
+        first = self._fresh
         for e in self._events:
             e = dict(e)
             e["compiles"] = self._compiles(e)
+            e["first_compile"] = first and e["compiles"]
+            first = first and not e["compiles"]
             if median is None:
                 # Every step so far was at a new shape or traced: nothing to
                 # compare with, so each whole step counts (an upper bound).
@@ -312,14 +322,20 @@ class RetracingMonitor(TimedCallback):
 
     def _causes(self, priced):
         causes = {}
-        slow_shapes = [e for e in priced
-                       if e["shape"] is not None and e["slow"] and e["compiles"]]
+        slow_shapes = [e for e in priced if e["shape"] is not None and e["slow"]
+                       and e["compiles"] and not e["first_compile"]]
         if len(slow_shapes) > self.max_new_shapes:
             causes["shapes"] = slow_shapes
-        new_traces = (self._traces - self._baseline) if self._functions else 0
-        if new_traces > self.max_new_shapes:
-            causes["traces"] = [e for e in priced if e["traces"]]
+        if self._retraces(priced) > self.max_new_shapes:
+            causes["traces"] = [e for e in priced if e["traces"] and not e["first_compile"]]
         return causes
+
+    def _retraces(self, priced):
+        """Traces in this fit after the functions' first compile."""
+        if not self._functions:
+            return 0
+        first = sum(e["traces"] for e in priced if e["first_compile"])
+        return self._traces - self._baseline - first
 
     def _judge(self):
         if not self.warn:
@@ -329,7 +345,7 @@ class RetracingMonitor(TimedCallback):
             if cause in self._warned:
                 continue
             self._warned.add(cause)
-            warn(self._message(cause, events))
+            warn(self._message(cause, events, priced))
 
     def _traced_shapes(self):
         """Function name -> the input shapes of each of its traces (custom loops)."""
@@ -342,8 +358,8 @@ class RetracingMonitor(TimedCallback):
                 out[name] = [_signature_shapes(c) for c in concretes]
         return out
 
-    def _message(self, cause, events):
-        cost = sum(e["cost_ms"] for e in events)
+    def _message(self, cause, events, priced):
+        cost = sum(e["cost_ms"] for e in events if not e["first_compile"])
         share = self._share(cost)
         if cause == "shapes":
             shapes = sorted(self._seen, key=self._seen.get)
@@ -360,8 +376,9 @@ class RetracingMonitor(TimedCallback):
             what = ", ".join(self._functions) + (" was" if len(self._functions) == 1 else " were")
         shapes = "".join(f" {name} was traced for {traces[-12:]}."
                          for name, traces in self._traced_shapes().items())
-        return (f"RetracingMonitor: {what} traced {traced} times in this fit "
-                f"(estimated cost {cost:.0f} ms, {share:.0%} of fit time so far).{shapes} "
+        return (f"RetracingMonitor: {what} traced {traced} times in this fit, "
+                f"{self._retraces(priced)} after the first compile (estimated cost "
+                f"{cost:.0f} ms, {share:.0%} of fit time so far).{shapes} "
                 "Feed tensors of fixed dtype and structure (no Python numbers or lists in "
                 f"the batch) and {FIXES['recompiling']}.")
 
@@ -380,20 +397,22 @@ class RetracingMonitor(TimedCallback):
             `functions`: name -> the input shapes of each trace),
             `shape_events` (step, steps, shape, traces, step_ms,
             compiled_before (the shape was compiled in an earlier fit of the
-            same functions), compiles, cost_ms, slow of each step at a new
-            shape or with a new trace),
+            same functions), compiles, first_compile, cost_ms, slow of each
+            step at a new shape or with a new trace),
             `spikes` (other slow steps: more than `spike_factor` x the
             median) and `spike_ms` (their time above it; never priced as
-            recompiles), `median_step_ms`, `steps`, `recompile_ms`
-            (estimated compile cost: time of the steps that compiled minus
-            the median step; 0 when nothing is compiled),
+            recompiles), `median_step_ms`, `steps`, `compile_ms` (the first
+            compile of functions never compiled before: unavoidable, not a
+            recompile), `recompile_ms` (estimated cost of the other steps
+            that compiled: their time minus the median step; 0 when nothing
+            is compiled),
             `recompile_share` (of fit wall time), `compiled` (False when
             the step runs eagerly, None when not verified), `jit_compile`,
             `verdict` (`recompiling` or `healthy`), `fix`, `notes`.
         """
         priced = self._priced()
         causes = self._causes(priced)
-        recompile_ms = sum(e["cost_ms"] for e in priced)
+        recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
         fix = FIXES["recompiling"] if causes else FIXES["healthy"]
         if "traces" in causes:
             fix = ("feed tensors of fixed dtype and structure (no Python numbers or lists "
@@ -416,6 +435,7 @@ class RetracingMonitor(TimedCallback):
             "spike_ms": self._spike_ms,
             "median_step_ms": self._median_ms(),
             "steps": self._global,
+            "compile_ms": sum(e["cost_ms"] for e in priced if e["first_compile"]),
             "recompile_ms": recompile_ms,
             "recompile_share": self._share(recompile_ms),
             "compiled": self._compiled,

@@ -24,11 +24,25 @@ whether a policy is fast here), `precision` (the dtype policy and the check
 of the built layers), `per_replica` (the per-replica XLA step and the
 multi-worker fixes), `verification` (whether XLA took, read from the traced
 step), `calibration` (the sample runner and `steps_per_execution`) and
-`entry` (`compile_model` and `CompileReport`).
+`entry` (`compile_model` and `CompileReport`). The names load on first use,
+so `keras_gpufix.compile.hardware` (what `kg.validate` needs) imports no
+TensorFlow until `device_info()` runs.
 """
 
-from keras_gpufix.compile.entry import CompileReport, compile_model
-from keras_gpufix.compile.hardware import device_info
-from keras_gpufix.compile.precision import enable_mixed_precision
+from keras_gpufix._lazy import lazy_getattr
 
-__all__ = ["CompileReport", "compile_model", "device_info", "enable_mixed_precision"]
+_EXPORTS = {
+    "CompileReport": "keras_gpufix.compile.entry",
+    "compile_model": "keras_gpufix.compile.entry",
+    "device_info": "keras_gpufix.compile.hardware",
+    "enable_mixed_precision": "keras_gpufix.compile.precision",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
+
+
+def __dir__():
+    return __all__

@@ -16,14 +16,13 @@ import inspect
 import math
 import statistics
 import time
-import warnings
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_gpufix.compile.per_replica import is_mirrored
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import closure_cell
 
 __all__ = [
@@ -143,7 +142,7 @@ def choose_steps(calibration: dict, strategy, epoch_steps: Optional[int] = None)
     return k
 
 
-def warn_steps(why: str, strategy, stacklevel: int) -> None:
+def warn_steps(why: str, strategy) -> None:
     """The one warning that `steps_per_execution` fell back to 1, and why."""
     known = (
         " Keras 3 puts strategy.run inside a tf.cond in its multi-step loop, "
@@ -151,11 +150,7 @@ def warn_steps(why: str, strategy, stacklevel: int) -> None:
         if is_mirrored(strategy) and strategy.num_replicas_in_sync > 1
         else ""
     )
-    warnings.warn(
-        f"compile_model: steps_per_execution=1 because {why}.{known}",
-        GpufixWarning,
-        stacklevel=stacklevel,
-    )
+    warn(f"compile_model: steps_per_execution=1 because {why}.{known}")
 
 
 def keep_train_function(model, function, built_for: int, k: int) -> None:

@@ -7,7 +7,6 @@ calibrate `steps_per_execution` (`calibration`), then one report.
 
 import dataclasses
 import logging
-import warnings
 from typing import Optional
 
 import keras
@@ -36,7 +35,7 @@ from keras_gpufix.compile.verification import (
     warn_fallback,
     xla_calls,
 )
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import symbolic_build
 
 __all__ = ["CompileReport", "compile_model"]
@@ -181,7 +180,7 @@ def compile_model(
     if jit_compile:
         fallback = static_jit_blocker(model, scope, strategy, compile_kwargs)
         if fallback:
-            warn_fallback(fallback, stacklevel=3)
+            warn_fallback(fallback)
     use_jit = bool(jit_compile) and fallback is None
 
     compile_kwargs.setdefault("auto_scale_loss", False)
@@ -219,16 +218,14 @@ def compile_model(
             f"steps_per_execution={steps_per_execution} was not verified (no "
             "sample_batch) and fails under this strategy in Keras "
             f"{keras.__version__}; pass sample_batch= to verify it",
-            strategy, stacklevel=3,
+            strategy,
         )
     elif steps_per_execution == "auto":
-        warnings.warn(
+        warn(
             "compile_model: steps_per_execution='auto' measures on a batch; "
             "none was given, so steps_per_execution=1. Pass "
             "sample_batch=(x, y) (a batch of the training size) to calibrate "
-            "it, or pass an int.",
-            GpufixWarning,
-            stacklevel=2,
+            "it, or pass an int."
         )
         reasons.append("steps_per_execution=1: not measured (no sample_batch)")
 
@@ -333,7 +330,7 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
             if run is None:
                 raise error  # fails without XLA too: not an XLA problem
             report.fallback_reason = reason
-            warn_fallback(reason, stacklevel=4)
+            warn_fallback(reason)
         calls = xla_calls(model)
         report.verified = calls is not None
         report.xla_devices = tuple(device for device, _ in calls or ())
@@ -345,7 +342,7 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
             warn_steps(
                 f"a train function with steps_per_execution={target} failed on "
                 f"the sample batch ({first_line(loop_error)})",
-                strategy, stacklevel=4,
+                strategy,
             )
         elif steps_per_execution == "auto":
             report.calibration = run.calibrate()

@@ -8,13 +8,12 @@ the check never changes a built layer: it warns with the fix.
 """
 
 import logging
-import warnings
 from typing import Optional, Tuple
 
 import keras
 
 from keras_gpufix.compile.hardware import auto_policy
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import flatten_layers
 
 __all__ = ["POLICIES", "check_precision", "enable_mixed_precision"]
@@ -102,15 +101,13 @@ def check_precision(model, optimizer, mixed_precision: Optional[str], compile_kw
         wanted = keras.DTypePolicy(target).compute_dtype
         off = [layer.name for layer in layers if layer.compute_dtype != wanted]
         if compute != wanted:
-            warnings.warn(
+            warn(
                 f"compile_model: mixed_precision={mixed_precision!r} wants "
                 f"{target} ({why}), but {len(off)} of {len(layers)} layers with "
                 f"weights compute in another dtype (e.g. {off[:3]}): a dtype "
                 "policy only applies to layers built after it is set. Call "
                 f"kg.enable_mixed_precision({target!r}) before building the "
-                "model, or pass mixed_precision=None to keep it as it is.",
-                GpufixWarning,
-                stacklevel=3,
+                "model, or pass mixed_precision=None to keep it as it is."
             )
         reasons.append(f"policy={policy}: model layers; wanted {target} ({why})")
     else:

@@ -8,10 +8,9 @@ really compiles, and the words for both.
 """
 
 import re
-import warnings
 from typing import List, Optional, Tuple
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import (
     concrete_functions,
     flatten_layers,
@@ -113,13 +112,9 @@ def describe_xla_error(model, exc: BaseException) -> str:
     return f"the XLA-compiled step failed: {first_line(exc)}{where}"
 
 
-def warn_fallback(reason: str, stacklevel: int) -> None:
+def warn_fallback(reason: str) -> None:
     """The one warning that XLA is off, and why."""
-    warnings.warn(
-        f"compile_model: XLA is off, training runs in graph mode: {reason}.",
-        GpufixWarning,
-        stacklevel=stacklevel,
-    )
+    warn(f"compile_model: XLA is off, training runs in graph mode: {reason}.")
 
 
 def jit_reason(report, requested: bool, strategy, sampled: bool) -> str:

@@ -20,8 +20,13 @@ known traps, and the environment is recorded (`environment`).
 measured time (`rank_causes`), `healthy` when none did. Every figure in it
 was measured in this run.
 
+After each run that timed steps, the what-if (`what_if`) measures how fast
+the input alone supplies batches and how fast the step alone consumes
+them, and says how much faster the run would be with the input free.
+
 The package holds one concern per module: `scan` (the static scan), `run`
-(the patching and the run) and `report` (the ranking and the text report).
+(the patching and the run), `loop_patch` (custom loops), `what_if` (input
+alone vs step alone) and `report` (the ranking and the text report).
 """
 
 from keras_gpufix.diagnose.report import format_report, rank_causes

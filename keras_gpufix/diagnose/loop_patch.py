@@ -14,9 +14,11 @@ An iterator becomes a training loop at the first `next()` after which a
 step was seen; from then on each `next()` closes one cycle and opens the
 next, and the monitors get the Keras hooks (`on_train_begin`,
 `on_epoch_begin/end`, `on_train_batch_begin/end`, `on_train_end`). With
-`steps=N` the iterator ends (`StopIteration`, like an exhausted dataset)
-after N training cycles, so a `for` loop stops cleanly; later epochs over
-the same dataset end at once. Iteration inside
+`steps=N` the iterator ends (`StepsReached`, a `StopIteration`, like an
+exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
+later epochs over the same dataset end at once. A loop that calls `next()`
+itself gets the exception: diagnose ends the script there, cleanly
+(`run_diagnosis` says where). Iteration inside
 `fit`, `evaluate` or `predict`, or inside a `tf.function`, is left alone.
 """
 
@@ -24,7 +26,13 @@ import os
 import sys
 import time
 
-__all__ = ["LoopPatch"]
+from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rate, what_if
+
+__all__ = ["LoopPatch", "StepsReached"]
+
+
+class StepsReached(StopIteration):
+    """`diagnose --steps N`: the custom loop ran its N steps."""
 
 
 def _library_prefixes():
@@ -34,6 +42,15 @@ def _library_prefixes():
     import keras_gpufix
 
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (keras, tensorflow, keras_gpufix))
+
+
+def _samples(element):
+    """The batch's leading dimension (its first tensor's), or None."""
+    import tensorflow as tf
+
+    first = next(iter(tf.nest.flatten(element)), None)
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and shape.rank and shape[0] is not None else None
 
 
 def _where(frame):
@@ -46,6 +63,8 @@ class _Loop:
     def __init__(self, patch):
         import keras
 
+        from keras_gpufix.callbacks._stream import stream_of
+
         self.patch = patch
         self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop", retracing=False)
         self.callbacks = keras.callbacks.CallbackList(
@@ -55,16 +74,22 @@ class _Loop:
                       "step": dict(patch.step_info)}
         patch.fits_patch.fits.append(self.entry)
         self.cycles = 0
+        self.clock = Cycles()
+        self.dataset = None  # the first training dataset, for the what-if
         self.wait_s = 0.0  # time in next() of the training iterators
         self.busy_s = 0.0  # from next() returning to the next call: step + between
         self.current = None
         self.t0 = time.perf_counter()
         self.callbacks.on_train_begin()
+        self.stream = stream_of(self.callbacks)  # gets each step's input wait (time in next())
 
     def open_epoch(self, iterator):
         if self.current is not None and self.current is not iterator:
             self.current.close()
         self.current = iterator
+        if self.dataset is None:
+            self.dataset = iterator.dataset
+        self.clock.epoch()
         self.callbacks.on_epoch_begin(self.entry["epochs"])
 
     def close_epoch(self, iterator):
@@ -89,14 +114,17 @@ class _Loop:
 class _WatchedIterator:
     """A dataset iterator whose `next()` calls delimit the loop's cycles."""
 
-    def __init__(self, patch, iterator, key):
+    def __init__(self, patch, iterator, dataset):
         self.patch = patch
         self.iterator = iterator
-        self.key = key  # the id of the dataset the script iterates
+        self.dataset = dataset  # the dataset the script iterates (before instrument)
+        self.key = id(dataset)
         self.mark = None  # the patch's step count at the last next()
         self.batch = None  # the open batch (hooks begun, not ended)
         self.training = False
+        self.called = None  # perf_counter when next() was last called
         self.returned = None  # perf_counter when next() last returned a batch
+        self.in_step = 0.0  # the patch's time in step functions when it returned
 
     def __iter__(self):
         return self
@@ -116,7 +144,7 @@ class _WatchedIterator:
     def __next__(self):
         patch = self.patch
         if patch.stopped and self.key in patch.trained_datasets:
-            raise StopIteration  # a later epoch of a loop --steps stopped
+            raise StepsReached(patch.steps)  # a later epoch of a loop --steps stopped
         if self.mark is not None and patch.step_calls > self.mark and not self.training:
             self.training = True
             patch.trained_datasets.add(self.key)
@@ -126,14 +154,18 @@ class _WatchedIterator:
             if self.batch is not None:
                 loop.callbacks.on_train_batch_end(self.batch)
                 loop.cycles += 1
-                loop.busy_s += time.perf_counter() - self.returned
+                now = time.perf_counter()
+                busy = now - self.returned
+                loop.busy_s += busy
+                step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
+                loop.clock.add(now - self.called, busy - step)
             if patch.steps and loop.cycles >= patch.steps:
                 patch.stopped = True
                 self.batch = None
                 self.close()
-                raise StopIteration
+                raise StepsReached(patch.steps)
         self.mark = patch.step_calls
-        t0 = time.perf_counter()
+        t0 = self.called = time.perf_counter()
         try:
             element = next(self.iterator)
         except StopIteration:
@@ -142,10 +174,14 @@ class _WatchedIterator:
                 self.close()
             raise
         self.returned = time.perf_counter()
+        self.in_step = patch.step_s
         if self.training:
-            patch.loop.wait_s += self.returned - t0
+            loop = patch.loop
+            loop.wait_s += self.returned - t0
             self.batch = 0 if self.batch is None else self.batch + 1
-            patch.loop.callbacks.on_train_batch_begin(self.batch)
+            if loop.stream is not None:
+                loop.stream.supply(self.returned - t0, samples=_samples(element), split=False)
+            loop.callbacks.on_train_batch_begin(self.batch)
         return element
 
     next = __next__
@@ -162,6 +198,8 @@ class LoopPatch:
     def __init__(self, fits_patch):
         self.fits_patch = fits_patch
         self.steps = fits_patch.steps
+        self.step_s = 0.0  # time inside calls of train functions
+        self.last_step = None  # (function, args, kwargs) of the last train-function call
         self.loop = None
         self.stopped = False
         self.trained_datasets = set()
@@ -185,8 +223,6 @@ class LoopPatch:
     def __enter__(self):
         import tensorflow as tf
 
-        import keras_gpufix as kg
-        from keras_gpufix.diagnose.run import _instrumented
 
         library = _library_prefixes()
         patch = self
@@ -204,10 +240,8 @@ class LoopPatch:
                 if (patch.fits_patch._depth or caller.startswith(library)
                         or not tf.executing_eagerly()):
                     return original(dataset)
-                key = id(dataset)
-                if not _instrumented(dataset):
-                    dataset = kg.data.instrument(dataset)
-                return _WatchedIterator(patch, original(dataset), key)
+                # the input wait is the time in next(), handed to the step stream: no probe
+                return _WatchedIterator(patch, original(dataset), dataset)
             return __iter__
 
         def make_gradient(original):
@@ -229,11 +263,14 @@ class LoopPatch:
                 if patch.fits_patch._depth or not tf.executing_eagerly():
                     return original(fn, *args, **kwargs)
                 patch._stack.append(fn)
+                t0 = time.perf_counter()
                 try:
                     return original(fn, *args, **kwargs)
                 finally:
                     patch._stack.pop()
                     if not patch._stack and id(fn) in patch._train_functions:
+                        patch.step_s += time.perf_counter() - t0
+                        patch.last_step = (fn, args, kwargs)
                         patch._step_function_called(fn)
             return __call__
 
@@ -257,4 +294,21 @@ class LoopPatch:
         self._saved.clear()
         if self.loop is not None:
             self.loop.finish()
+            if self.fits_patch.what_if:
+                self.loop.entry["what_if"] = self._what_if()
         return False
+
+    def _what_if(self):
+        """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""
+        loop = self.loop
+        try:
+            input_per_s = input_rate(loop.dataset)
+            step_per_s = None
+            if self.last_step is not None:  # replay the train tf.function
+                fn, args, kwargs = self.last_step
+                variables = list(fn.get_concrete_function(*args, **kwargs).variables)
+                step_per_s = replay_rate(lambda: fn(*args, **kwargs), variables)
+            result = what_if(loop.clock, input_per_s, step_per_s)
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
+        return result or {"reason": "no steady cycles were timed"}

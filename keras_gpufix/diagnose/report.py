@@ -1,6 +1,8 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
-from keras_gpufix.analysis import FIXES
+from keras_gpufix import analysis
+from keras_gpufix.analysis import THRESHOLDS
+from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
 __all__ = ["rank_causes", "format_report", "healthy_evidence", "trace_evidence"]
@@ -21,62 +23,65 @@ def _input_wait(fit):
     return (fit.get("phases") or {}).get("input_share") if wait is None else wait
 
 
-def _eager_cause(fit, label, wait):
+def _eager_cause(fit, label, wait, scan):
     """The `eager_step` candidate of one run (direct evidence), or None."""
     step = fit.get("step") or {}
     if step.get("eager"):
+        where = step.get("eager_where")
         text = (f"{label}: the gradient step ran eagerly (a GradientTape outside any "
-                f"tf.function, at {step.get('eager_where')})")
+                f"tf.function, at {where})")
     elif (fit.get("model") or {}).get("run_eagerly"):
+        where = next((f"{f['file']}:{f['line']}" for f in scan if f["trap"] == "run_eagerly"),
+                     "the model's compile (run_eagerly=True)")
         text = f"{label}: fit ran with run_eagerly=True: every op of the step ran from Python"
     else:
         return None
     share = 1.0 - (wait or 0.0)
-    return ("eager_step", share, [{"source": "diagnose", "figure": "step_share", "value": share,
-                                   "text": text}])
+    return ("eager_step", share, {"source": "diagnose", "figure": "step_share", "value": share,
+                                  "text": text, "where": where})
 
 
-def _fit_causes(fit):
-    """(verdict, score, evidence list) candidates measured in one run."""
+def _fit_causes(fit, scan):
+    """(verdict, cost share, evidence) candidates measured in one run."""
     out = []
     monitor = fit.get("monitor") or {}
     st = monitor.get("step_time") or {}
     label = _label(fit)
     wait = _input_wait(fit)
-    eager = _eager_cause(fit, label, wait) if st.get("count") else None
+    eager = _eager_cause(fit, label, wait, scan) if st.get("count") else None
     if eager:
         out.append(eager)
-    if wait is not None and wait >= 0.2:
-        out.append(("input_bound", wait, [{
+    if wait is not None and wait >= THRESHOLDS["input_wait_share"]:
+        out.append(("input_bound", wait, {
             "source": "GPUOscillationMonitor", "figure": "input_wait", "value": wait,
             "text": f"{label}: {_pct(wait)} of step time spent waiting for the next batch "
                     f"({st.get('count')} steps, median {st.get('p50_ms', 0):.1f} ms, "
-                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}]))
+                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}))
     retr = fit.get("retracing") or {}
     if retr.get("verdict") == "recompiling":
         share = retr.get("recompile_share") or 0.0
-        out.append(("recompiling", share, [{
+        out.append(("recompiling", share, {
             "source": "RetracingMonitor", "figure": "recompile_share", "value": share,
             "text": f"{label}: {retr.get('new_shapes')} distinct input shapes, "
                     f"{retr.get('recompile_ms') or 0:.0f} ms spent at new shapes "
                     f"({_pct(share)} of the run's wall time, median step "
                     f"{retr.get('median_step_ms') or 0:.1f} ms), "
-                    f"{retr.get('trace_count')} train-step traces"}]))
+                    f"{retr.get('trace_count')} train-step traces"}))
     for event in monitor.get("events") or []:
         verdict = event["verdict"]
-        if verdict == "healthy" or verdict in ("input_bound", "recompiling") and any(
-                c[0] == verdict for c in out):
+        if verdict in ("input_bound", "recompiling") and any(c[0] == verdict for c in out):
             continue
         ev = event.get("evidence") or {}
-        score = ev.get("slow_time_share") or ev.get("input_wait") or 0.1
-        out.append((verdict, score, [{
-            "source": "GPUOscillationMonitor", "figure": "event", "value": score,
-            "text": f"{label}: {event['message']}"}]))
+        share = event.get("cost_share") or ev.get("slow_time_share") or ev.get("input_wait") or 0.0
+        out.append((verdict, share, {
+            "source": "GPUOscillationMonitor", "figure": "event", "value": share,
+            "text": f"{label}: {event['message']}", "period": event.get("period"),
+            "phase": event.get("phase")}))
     for trace in (fit.get("profiler") or {}).get("traces", []):
         a = trace.get("analysis") or {}
         if a.get("classification") == "highly_input_bound":
             out.append(("input_bound", (a.get("input_percent") or 0) / 100,
-                        [_trace_item(fit, trace)]))
+                        _trace_item(fit, trace)))
     return out
 
 
@@ -98,12 +103,39 @@ def trace_evidence(fits):
             if "classification" in (trace.get("analysis") or {})]
 
 
+def _ruled_out(fits, ranking):
+    """Verdicts this run measured absent: their static findings are not ranked as fixes.
+
+    `input_bound` when every timed run waited less than the threshold for
+    input and no what-if found the input costing that share either (an
+    input competing for the cores reads 0% wait); `eager_step` when steps
+    were timed and none ran eagerly.
+    """
+    timed = [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
+    if not timed:
+        return set()
+    out = set()
+    limit = THRESHOLDS["input_wait_share"]
+    speedups = [(f.get("what_if") or {}).get("speedup_if_input_free") for f in timed]
+    if all(_input_wait(f) is not None and _input_wait(f) < limit for f in timed) and not any(
+            z and 1 - 1 / z >= limit for z in speedups):
+        out.add("input_bound")
+    if not any(c["verdict"] == "eager_step" for c in ranking):
+        out.add("eager_step")
+    return out
+
+
 def rank_causes(fits, scan=()):
     """Ranks the measured causes; returns (verdict, ranking, fixes).
 
-    A cause is ranked by the share of time it measurably cost (input wait,
-    recompile time, time lost to slow steps); static findings never make a
-    verdict, they point at the lines to change for it.
+    The causes measured in each run (input wait, recompile time, time lost
+    to slow steps, an eager step) are ranked by the share of time each cost
+    (`keras_gpufix.analysis.rank_causes`, with the one verdict table and
+    thresholds); static findings never make a verdict, they point at the
+    lines to change for it; findings off the training path
+    (`training_path` False) are never fixes, nor are findings of a cause
+    the run measured absent (`input_bound` with little input wait and no
+    what-if gain, `eager_step` with no eager step).
 
     Returns:
         `verdict` (`healthy` when steps were timed and no cause was
@@ -112,23 +144,12 @@ def rank_causes(fits, scan=()):
         `fixes` (ranked list of dicts `rank`, `verdict`, `fix`, `where`:
         `file:line` of the matching scan findings).
     """
-    merged = {}
-    for fit in fits:
-        for verdict, score, evidence in _fit_causes(fit):
-            slot = merged.setdefault(verdict, {"verdict": verdict, "score": 0.0, "evidence": []})
-            slot["score"] = max(slot["score"], float(score))
-            slot["evidence"].extend(evidence)
-    ranking = sorted(merged.values(), key=lambda c: -c["score"])
-    for cause in ranking:
-        period = next((e.get("period") for f in fits
-                       for e in (f.get("monitor") or {}).get("events", [])
-                       if e["verdict"] == cause["verdict"]), None)
-        cause["fix"] = FIXES.get(cause["verdict"], "").format(period=period)
-    timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
-    verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
+    ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
+    verdict = ranking[0]["verdict"] if ranking else "healthy" if _judged(fits) else "unknown"
     fixes, used = [], set()
     for cause in ranking:
-        where = [f for f in scan if f.get("verdict") == cause["verdict"]]
+        where = [f for f in scan if f.get("verdict") == cause["verdict"]
+                 and f.get("training_path", True)]
         used.update(id(f) for f in where)
         seen = []
         if cause["verdict"] == "eager_step":
@@ -137,8 +158,10 @@ def rank_causes(fits, scan=()):
         fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where]})
-    for f in scan:
-        if id(f) not in used and f.get("verdict") is not None:
+    ruled_out = _ruled_out(fits, ranking)
+    for f in scan:  # code that training does not run, or a cause measured absent, is no fix
+        if (id(f) not in used and f.get("verdict") is not None and f.get("training_path", True)
+                and f["verdict"] not in ruled_out):
             fixes.append({"verdict": f["verdict"], "fix": f["fix"],
                           "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
     for rank, fix in enumerate(fixes, start=1):
@@ -146,15 +169,27 @@ def rank_causes(fits, scan=()):
     return verdict, ranking, fixes
 
 
+def _judged(fits):
+    """The runs whose steps were timed and numerous enough for the monitor to judge."""
+    return [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")
+            and (f.get("monitor") or {}).get("verdict") != "unknown"]
+
+
 def healthy_evidence(fits):
-    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen."""
+    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged."""
     out = []
-    if not any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits):
+    counts = [((f.get("monitor") or {}).get("step_time") or {}).get("count") or 0 for f in fits]
+    if not any(counts):
         loops = ", ".join(_label(f) for f in fits) or "no model.fit call"
         return [{"source": "diagnose", "figure": "steps", "value": 0,
                  "text": f"the script ran but no training step was seen ({loops}; no gradient "
                          "step between iterations of a tf.data dataset): nothing was measured, "
                          "so nothing can be judged"}]
+    if not _judged(fits):
+        return [{"source": "diagnose", "figure": "steps", "value": max(counts),
+                 "text": f"{_label(f)}: {n} steps timed after the warm-up, too few to judge "
+                         f"(at least {THRESHOLDS['min_judge_steps']} are needed): run longer "
+                         "(a larger --steps)"} for f, n in zip(fits, counts) if n]
     for fit in fits:
         monitor = fit.get("monitor") or {}
         st = monitor.get("step_time") or {}
@@ -181,13 +216,17 @@ def format_report(result):
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]
+    if result.get("what_if"):
+        lines.append(format_what_if(result["what_if"]))
     if result["fixes"]:
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines += [f"     {w}" for w in fix["where"]]
     lines.append(f"static scan: {len(result['scan'])} finding(s)")
-    lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}" for f in result["scan"]]
+    lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}"
+              + ("" if f.get("training_path", True) else " (not on the training path)")
+              for f in result["scan"]]
     env = result["environment"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"
     nvml = "available" if env["nvml"]["available"] else f"unavailable ({env['nvml']['reason']})"
@@ -208,7 +247,9 @@ def format_report(result):
         if fit.get("error"):
             text += f"; ended by {fit['error']}"
         lines.append(text)
-    if result["traces"]:
-        lines.append(f"traces under {result['log_dir']}: tensorboard --logdir {result['log_dir']}")
+    if result["fits"]:
+        lines.append(f"TensorBoard (step times, oscillation scalars"
+                     f"{', traces' if result['traces'] else ''}): "
+                     f"tensorboard --logdir {result['log_dir']}")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

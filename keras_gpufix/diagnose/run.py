@@ -15,9 +15,11 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.diagnose.loop_patch import LoopPatch
+from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
 from keras_gpufix.diagnose.scan import scan_script
+from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
+                                           replay_rate, what_if)
 from keras_gpufix.exceptions import GpufixWarning
 
 __all__ = ["environment", "run_diagnosis"]
@@ -58,13 +60,17 @@ def environment():
 
 
 def _instrumented(dataset, depth=64):
-    """Whether `dataset` or one of its inputs went through kg.data.instrument."""
+    """Whether `dataset` or one of its inputs (any branch) went through kg.data.instrument."""
+    from keras_gpufix.keras_internals import input_datasets
+
+    todo = [dataset]
     for _ in range(depth):
-        if dataset is None:
+        if not todo:
             return False
-        if getattr(dataset, "input_probe", None) is not None:
+        current = todo.pop(0)
+        if getattr(current, "input_probe", None) is not None:
             return True
-        dataset = getattr(dataset, "_input_dataset", None)
+        todo.extend(input_datasets(current))
     return False
 
 
@@ -102,10 +108,11 @@ def _stop_after(steps):
 class FitPatch:
     """Context manager: every `keras.Model.fit` gets the diagnostic callbacks."""
 
-    def __init__(self, steps=None, log_dir=None, trace=True, verbose=1):
+    def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
         self.steps = steps
         self.log_dir = log_dir
         self.trace = trace
+        self.what_if = what_if
         self.verbose = verbose
         self.fits = []
         self.notes = []
@@ -150,14 +157,18 @@ class FitPatch:
 
         `total` is None when unknown.
         A monitor the user already passed is used instead of a new one.
+        The run's TensorBoard folder is `log_dir/<kind>_<n>`: the step timer's
+        per-step and per-epoch `step_timer/*` scalars, the monitor's
+        `oscillation/*` per judgement, and the traces.
         """
         import keras_gpufix as kg
 
         mine = {}
         warmup = 5
         verbose = self.verbose
+        run_dir = os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}")
         classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
-                   "profiler": "ProfilerTrigger"}
+                   "profiler": "ProfilerTrigger", "timer": "StepTimer"}
         if not retracing:
             del classes["retracing"]
         for key, name in classes.items():
@@ -172,14 +183,15 @@ class FitPatch:
                 continue
             if key == "monitor":
                 mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                verbose=verbose)
+                                log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
                 mine[key] = cls()
+            elif key == "timer":
+                mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
                 at = min(10, max(warmup, (total or 30) // 3))
                 steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}"),
-                                trigger=["oscillation", at], steps=steps, max_traces=2,
+                mine[key] = cls(run_dir, trigger=["oscillation", at], steps=steps, max_traces=2,
                                 verbose=verbose)
         return mine
 
@@ -187,6 +199,8 @@ class FitPatch:
     def collect(entry, mine):
         """Puts each monitor's report and the timed step count into `entry`."""
         for key, cb in mine.items():
+            if not hasattr(cb, "report"):  # the step timer only writes scalars
+                continue
             try:
                 entry[key] = cb.report()
             except Exception as exc:
@@ -219,14 +233,28 @@ class FitPatch:
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         stop = _stop_after(self.steps) if self.steps else None
-        arguments["callbacks"] = user + ours + ([stop] if stop else [])
+        cycles = Cycles()
+        arguments["callbacks"] = user + ours + [cycle_callback(cycles)] + ([stop] if stop else [])
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
-        return bound, mine, stop, info
+        return bound, mine, stop, info, (x if dataset else None, cycles)
+
+    def fit_what_if(self, model, dataset, cycles):
+        """The what-if of one fit (`what_if.py`), or a dict with the reason it was not measured."""
+        if dataset is None:
+            return {"reason": "the input is not a tf.data.Dataset"}
+        try:
+            input_per_s = input_rate(dataset)
+            call, variables, per_call = fit_replay(model, dataset)
+            result = what_if(cycles, input_per_s, replay_rate(call, variables, per_call))
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
+        return result or {"reason": "no steady cycles were timed"}
 
     def _fit(self, original, model, args, kwargs):
         try:
-            bound, mine, stop, info = self._prepare(original, model, args, kwargs)
+            bound, mine, stop, info, (dataset, cycles) = self._prepare(original, model, args,
+                                                                        kwargs)
         except Exception as exc:  # never break the user's fit
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
@@ -235,7 +263,7 @@ class FitPatch:
         self.fits.append(entry)
         t0 = time.perf_counter()
         try:
-            return original(*bound.args, **bound.kwargs)
+            history = original(*bound.args, **bound.kwargs)
         except BaseException as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             raise
@@ -253,6 +281,10 @@ class FitPatch:
             # cycle; freed only at interpreter exit, an iterator with a
             # py_function in flight deadlocks there (TF 2.21). Free it now.
             gc.collect()
+        if self.what_if:
+            entry["what_if"] = self.fit_what_if(model, dataset, cycles)
+            gc.collect()
+        return history
 
 
 _QUIET_NOTE = ("TensorFlow's C++ INFO and WARNING logs were hidden (TF_CPP_MIN_LOG_LEVEL=2); "
@@ -279,6 +311,19 @@ def _resolve(command):
     return "script", os.path.abspath(command[0]), command
 
 
+def _stopped_in_next(exc, steps):
+    """The note for a loop that called `next()` itself when --steps ended it."""
+    import keras_gpufix
+
+    ours = os.path.dirname(keras_gpufix.__file__) + os.sep
+    user = [f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith(ours) and f.filename != runpy.__file__]
+    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    return (f"--steps {steps} ended the loop inside its own next() call{where}: the script "
+            "stopped there (a `for` loop over the dataset would have ended cleanly and the "
+            "script run on)")
+
+
 def _exit_code(code):
     if code is None:
         return 0
@@ -302,7 +347,13 @@ def _jsonable(value):
     return str(value)
 
 
-def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
+def _main_what_if(fits):
+    """The what-if of the run that took longest, or None when no run has one."""
+    runs = sorted(fits, key=lambda f: -(f.get("wall_s") or 0))
+    return next((f["what_if"] for f in runs if f.get("what_if")), None)
+
+
+def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
@@ -313,13 +364,17 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         log_dir: where profiler traces go. Defaults to a new folder under
             the system temp dir.
         trace: take XProf traces (ProfilerTrigger). Defaults to True.
+        what_if: after each run, measure the input alone and the step
+            alone (`what_if.py`, a few seconds). Defaults to True.
         verbose: the monitors print their events (1) or not (0).
 
     Returns:
         A JSON-ready dict: `command`, `exit_code` (the script's),
         `verdict`, `evidence` (of the verdict), `ranking`, `fixes`
         (ranked), `scan`, `environment`, `fits` (one per `fit`: the
-        monitors' reports), `traces` (XProf evidence), `log_dir`, `notes`.
+        monitors' reports), `what_if` (of the longest run: `input_batches_per_s`,
+        `step_batches_per_s`, `speedup_if_input_free`, ...), `traces`
+        (XProf evidence), `log_dir`, `notes`.
 
     Raises:
         ValueError: when the command names no script that exists.
@@ -340,7 +395,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, verbose=verbose) as patch, \
+        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
+                      verbose=verbose) as patch, \
                 LoopPatch(patch):
             try:
                 if kind == "module":
@@ -352,9 +408,12 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
             except KeyboardInterrupt:
                 traceback.print_exc()
                 exit_code = 130
-            except BaseException:
-                traceback.print_exc()
-                exit_code = 1
+            except BaseException as exc:
+                if isinstance(exc, StepsReached) or isinstance(exc.__cause__, StepsReached):
+                    patch.notes.append(_stopped_in_next(exc, steps))
+                else:
+                    traceback.print_exc()
+                    exit_code = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
                 with contextlib.suppress(Exception):
@@ -376,6 +435,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, verbose=1):
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,
+        "what_if": _main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
         "notes": patch.notes + ([_QUIET_NOTE] if quiet else []),

@@ -1,0 +1,43 @@
+"""The brain of the monitors: step records, the bounded step log, the one
+slow-step rule, the cost-based detector and the one verdict table.
+
+Pure NumPy: imports neither TensorFlow nor Keras, so it is testable anywhere
+and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
+`kg.watch` and `keras-gpufix diagnose` are adapters that feed it.
+
+| module        | what it defines                                              |
+|---------------|--------------------------------------------------------------|
+| `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
+| `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_mask`,              |
+|               | `recompile_cost`, `rank_causes`, `fix_for`                   |
+| `detector`    | `judge` (no side effects), `OscillationDetector`             |
+"""
+
+from keras_gpufix.analysis.detector import OscillationDetector, judge
+from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
+from keras_gpufix.analysis.verdicts import (
+    FIXES,
+    PHASES,
+    THRESHOLDS,
+    VERDICTS,
+    fix_for,
+    rank_causes,
+    recompile_cost,
+    slow_mask,
+)
+
+__all__ = [
+    "FIXES",
+    "OscillationDetector",
+    "PHASES",
+    "StepLog",
+    "StepRecord",
+    "THRESHOLDS",
+    "VERDICTS",
+    "fix_for",
+    "judge",
+    "rank_causes",
+    "recompile_cost",
+    "slow_mask",
+    "summarize_step_times",
+]

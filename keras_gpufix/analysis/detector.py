@@ -1,0 +1,426 @@
+"""The cost-based detector: which cause costs the training cycle its time.
+
+`judge(records)` looks at a window of `StepRecord`s and has no side
+effects. It judges by cost: the share of the cycle time (`input_wait +
+step + between`) lost to slow steps (their excess over the median, by the
+one slow-step rule `verdicts.slow_mask`), the phase where that excess lies,
+and its period (autocorrelation of the excess). `OscillationDetector`
+feeds records into a bounded window, judges it every `hop` records and
+turns persistent verdicts into events.
+"""
+
+from collections import Counter, deque
+
+import numpy as np
+
+from keras_gpufix.analysis.step_log import StepLog, StepRecord
+from keras_gpufix.analysis.verdicts import (
+    PHASES,
+    THRESHOLDS,
+    fix_for,
+    recompile_cost,
+    slow_mask,
+)
+
+__all__ = ["judge", "OscillationDetector"]
+
+
+def _period(excess, threshold, min_spikes=3):
+    """Period (in steps) of an excess series by autocorrelation.
+
+    `excess` holds each slow step's time above the median (0 elsewhere), so
+    large stalls weigh more than small slow steps.
+
+    Returns:
+        `(period, autocorrelation)`; `period` is None when there is none.
+    """
+    n = excess.size
+    if np.count_nonzero(excess) < min_spikes:
+        return None, 0.0
+    x = excess - excess.mean()
+    denom = float(np.dot(x, x))
+    if denom == 0.0:
+        return None, 0.0
+    lags = np.arange(2, n // 2 + 1)
+    if not lags.size:
+        return None, 0.0
+    acf = np.array([np.dot(x[:-lag], x[lag:]) / denom for lag in lags])
+    best = int(np.argmax(acf))
+    # Prefer the fundamental: the smallest lag whose correlation is close to
+    # the best one (multiples of the period correlate too).
+    candidates = np.nonzero(acf >= max(threshold, 0.8 * acf[best]))[0]
+    if candidates.size == 0:
+        return None, float(acf[best])
+    lag = int(candidates[0])
+    return int(lags[lag]), float(acf[lag])
+
+
+def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
+    return {"verdict": verdict, "phase": phase, "period": period,
+            "cost_share": cost_share, "evidence": evidence}
+
+
+def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
+          shapes_seen=0) -> dict:
+    """Judges a window of step records; no side effects.
+
+    Args:
+        records: `StepRecord`s, oldest first (the first record of an epoch is
+            left out: iterator creation and shuffle-buffer filling happen
+            there).
+        thresholds: overrides of `THRESHOLDS` by name. Defaults to None.
+        baseline_ms: the first judged window's median cycle (for
+            `degrading`). Defaults to None (not judged).
+        jit: whether the step is XLA-compiled (new shapes then compile).
+        eager: the step is known to run eagerly (direct evidence).
+        shapes_seen: distinct input shapes seen in the run so far.
+
+    Returns:
+        A dict `verdict`, `phase` (where the time goes: `input_wait`,
+        `step`, `between`, `loop_body`, or None), `period`, `cost_share`
+        (share of the window's cycle time the cause cost) and `evidence`
+        (figures, and `signals`: the evidence used).
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    rs = [r for r in records if not r.epoch_first]
+    if len(rs) < th["min_judge_steps"]:
+        return _judgement("unknown", {"signals": [], "records": len(rs)})
+    # Steps that compiled (a new trace, or a new shape under XLA).
+    med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
+    costs = np.array([recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
+                                     new_shape=r.new_shape, jit=jit) for r in rs])
+    seen_shapes = any(r.new_shape or r.traces for r in rs)
+    kept = any(r.traces or (r.new_shape and r.epoch > 0) for r in rs) \
+        or shapes_seen > th["max_new_shapes"]
+    if costs.any() and not kept:
+        # A bounded set of shapes compiling once each in the first epoch is
+        # the price of warming up, not a stall: leave those steps out.
+        rs = [r for r, c in zip(rs, costs) if not c]
+        costs = np.zeros(len(rs))
+        if len(rs) < th["min_judge_steps"]:
+            return _judgement("unknown", {"signals": [], "records": len(rs)})
+    n = np.array([max(1, r.steps) for r in rs], np.float64)
+    waits_known = all(r.input_wait is not None for r in rs)
+    phase = {
+        "input_wait": np.array([r.input_wait or 0.0 for r in rs]) / n,
+        "step": np.array([r.step for r in rs]) / n,
+        "between": np.array([r.between for r in rs]) / n,
+    }
+    cycle = phase["input_wait"] + phase["step"] + phase["between"]
+    total = float(np.dot(cycle, n))
+    med = float(np.median(cycle))
+    slow = slow_mask(cycle, med, th["slow_factor"], th["min_slow_ms"], spread=False)
+    excess = np.where(slow, cycle - med, 0.0)
+    lost = float(np.dot(excess, n))
+    lost_share = lost / total if total > 0 else 0.0
+    mean = float(cycle.mean())
+    cv = float(cycle.std() / mean) if mean > 0 else 0.0
+    # Where the slow steps' excess lies, phase by phase.
+    phase_excess = {p: float(np.dot(np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0), n))
+                    for p, x in phase.items()}
+    where = max(PHASES, key=lambda p: phase_excess[p]) if slow.any() else None
+    ev = {
+        "signals": ["step_time"] + (["input_wait"] if waits_known else []),
+        "median_ms": med * 1e3,
+        "cv": cv,
+        "slow_steps": int(slow.sum()),
+        "slow_time_share": lost_share,
+        "phases": {p: float(np.dot(x, n)) / total if total > 0 else 0.0
+                   for p, x in phase.items()},
+        "slow_phase": where,
+    }
+    if not waits_known:
+        ev["phases"]["input_wait"] = None
+    split = all(r.split for r in rs)
+    new_shape = np.array([r.new_shape or r.traces > 0 for r in rs])
+    if seen_shapes:
+        ev["signals"].append("new_shape")
+        ev["new_shapes"] = int(sum(r.new_shape for r in rs))
+        share = float(costs.sum()) / total if total > 0 else 0.0
+        ev["recompile_ms"] = float(costs.sum()) * 1e3
+        ev["recompile_share"] = share
+        if share >= th["cost_share"]:
+            ev["slow_steps_at_new_shapes"] = int(np.sum(slow & new_shape))
+            return _judgement("recompiling", ev, phase="step", cost_share=share)
+
+    if eager:
+        ev["signals"].append("eager")
+        return _judgement("eager_step", ev, phase="step",
+                          cost_share=ev["phases"]["step"])
+
+    wait_share = ev["phases"]["input_wait"]
+    if wait_share is not None:
+        ev["input_wait"] = wait_share
+    utils = [r.gpu_util for r in rs if r.gpu_util is not None]
+    util = None
+    if utils:
+        ev["signals"].append("gpu_util")
+        util = ev["gpu_util"] = float(np.mean(utils))
+
+    # periodic_stall: the excess recurs with a period and costs >= cost_share.
+    if lost_share >= th["cost_share"] and lost * 1e3 >= th["min_lost_ms"]:
+        series = [("cycle", excess)] + [
+            (p, np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0)) for p, x in phase.items()]
+        for source, x in series:
+            period, acf = _period(x, th["acf_threshold"])
+            if period is not None:
+                stall_phase = where if source == "cycle" else source
+                if stall_phase == "step" and not split and not new_shape.any():
+                    # A fixed-shape step does not cost more every k steps; work
+                    # on a schedule in an unsplit loop body does.
+                    stall_phase = "loop_body"
+                ev.update(period=period, autocorrelation=acf, period_from=source)
+                return _judgement("periodic_stall", ev, period, stall_phase, lost_share)
+
+    if wait_share is not None and wait_share >= th["input_wait_share"]:
+        return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
+    if util is not None and util < th["low_gpu_util"]:
+        if wait_share is None and med * 1e3 >= th["short_step_ms"]:
+            return _judgement("input_bound", ev, phase="input_wait", cost_share=1.0 - util)
+        if wait_share is None or wait_share < th["input_wait_share"]:
+            return _judgement("dispatch_bound", ev, phase="step", cost_share=1.0 - util)
+    stalls = slow_mask(cycle, med, th["stall_factor"], th["min_slow_ms"])
+    stalled = float(np.dot(np.where(stalls, cycle - med, 0.0), n))
+    ev["stall_time_share"] = stalled / total if total > 0 else 0.0
+    if (ev["stall_time_share"] >= th["irregular_share"]
+            and stalled * 1e3 >= 5 * th["min_lost_ms"]):
+        return _judgement("irregular_stall", ev, phase=where,
+                          cost_share=ev["stall_time_share"])
+    if baseline_ms:
+        growth = med * 1e3 / baseline_ms - 1.0
+        ev["growth"] = growth
+        if (growth >= th["growth_threshold"] and med * 1e3 - baseline_ms >= th["min_slow_ms"]
+                and not slow.any()):
+            return _judgement("degrading", ev, phase=None,
+                              cost_share=1.0 - baseline_ms / (med * 1e3))
+    return _judgement("healthy", ev)
+
+
+class OscillationDetector:
+    """Finds stalling, starved or recompiling training from step records.
+
+    Records are kept in a window of `window` records; every `hop` records
+    (once the window is full) the window is judged with `judge`. A verdict
+    other than `healthy` becomes an event only after it held for
+    `min_windows` consecutive judgements (`recompiling` and `eager_step`,
+    direct evidence, at once); consecutive judgements with the same verdict
+    extend one event. After a problem, a `healthy` judgement emits one
+    `healthy` event (recovery). `finish()` judges a run shorter than the
+    window at its end.
+
+    Args:
+        window: records per judged window. Defaults to 96 (long enough to
+            see four periods of a stall every 20 steps).
+        hop: records between judgements. Defaults to `window // 4`.
+        warmup: records ignored at the start (compilation, first batches).
+            Defaults to 5.
+        min_windows: consecutive judgements a verdict must hold before it is
+            reported. Defaults to 2.
+        jit: whether the step is XLA-compiled (new shapes compile).
+            Defaults to None (not known: new shapes are not priced).
+        eager: the step runs eagerly. Defaults to False.
+        **thresholds: overrides of `keras_gpufix.analysis.THRESHOLDS`
+            (`slow_factor`, `cost_share`, `input_wait_share`, ...).
+
+    Attributes:
+        log: the `StepLog` of the records after warmup (the run's summary).
+        events: the events so far (at most `MAX_EVENTS`).
+
+    Example:
+
+    >>> det = OscillationDetector(window=32, warmup=0)
+    >>> events = [det.update(0.3 if i % 5 == 0 else 0.01) for i in range(200)]
+    >>> [e["verdict"] for e in events if e]
+    ['periodic_stall']
+    """
+
+    MAX_EVENTS = 100
+
+    def __init__(self, window=96, hop=None, warmup=5, min_windows=2, jit=None, eager=False,
+                 **thresholds):
+        unknown = set(thresholds) - set(THRESHOLDS)
+        if unknown:
+            raise ValueError(f"Unknown thresholds {sorted(unknown)}; expected some of "
+                             f"{sorted(THRESHOLDS)}")
+        if window < 8:
+            raise ValueError(f"`window` must be >= 8. Received: window={window}")
+        hop = window // 4 if hop is None else hop
+        if not 1 <= hop <= window:
+            raise ValueError(
+                f"`hop` must be in [1, window]. Received: hop={hop}, window={window}"
+            )
+        if warmup < 0:
+            raise ValueError(f"`warmup` must be >= 0. Received: warmup={warmup}")
+        if min_windows < 1:
+            raise ValueError(
+                f"`min_windows` must be >= 1. Received: min_windows={min_windows}"
+            )
+        factor = thresholds.get("slow_factor", THRESHOLDS["slow_factor"])
+        if factor <= 1.0:
+            raise ValueError(f"`slow_factor` must be > 1. Received: slow_factor={factor}")
+        self.window = window
+        self.hop = hop
+        self.warmup = warmup
+        self.min_windows = min_windows
+        self.jit = jit
+        self.eager = eager
+        self.thresholds = dict(thresholds)
+        self.log = StepLog(window)
+        self.reset()
+
+    def reset(self):
+        """Forgets every record and event."""
+        self._seen = 0
+        self._since_judgement = 0
+        self._ring = deque(maxlen=self.window)
+        self._streak = (None, 0)
+        self._current = None
+        self._shapes = set()
+        self.log.reset()
+        self.events = []
+        self.judgements = 0
+        self.last_judgement = None
+        self._baseline_ms = None
+
+    def update(self, record, **signals):
+        """Adds one record; returns a new event (dict) or None.
+
+        Args:
+            record: a `StepRecord`, or a step's wall time in seconds with
+                `**signals` (`input_wait` s, `gpu_util` 0..1, `new_shape`
+                bool, `step` int, `between` s): that form builds the record.
+
+        Returns:
+            None, or an event dict: `verdict`, `phase`, `start_step`,
+            `end_step`, `cv`, `period`, `cost_share`, `evidence`, `fix`
+            and `message` (one line for people).
+        """
+        if not isinstance(record, StepRecord):
+            record = self._record(record, signals)
+        elif signals:
+            raise ValueError("Pass signals inside the StepRecord, not as keywords.")
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return None
+        if record.shape is not None:
+            if len(self._shapes) <= 4 * THRESHOLDS["max_new_shapes"]:
+                self._shapes.add(record.shape)
+        elif record.new_shape:
+            self._shapes.add(("#", self._seen))
+        self._ring.append(record)
+        self.log.add(record)
+        self._since_judgement += 1
+        if len(self._ring) < self.window or self._since_judgement < self.hop:
+            return None
+        return self._judge_now(self.min_windows)
+
+    def _record(self, step_time, signals):
+        unknown = set(signals) - {"input_wait", "gpu_util", "new_shape", "step", "between"}
+        if unknown:
+            raise ValueError(f"Unknown signals {sorted(unknown)}; expected "
+                             "input_wait, gpu_util, new_shape, step, between")
+        wait = signals.get("input_wait")
+        index = signals.get("step")
+        return StepRecord(
+            index=self._seen if index is None else int(index), steps=1, input_wait=wait,
+            step=max(0.0, float(step_time) - (wait or 0.0)),
+            between=float(signals.get("between", 0.0)), gpu_util=signals.get("gpu_util"),
+            new_shape=bool(signals.get("new_shape", False)))
+
+    def judge(self) -> dict:
+        """`judge` of the current window (no side effects)."""
+        return judge(self._ring, self.thresholds, self._baseline_ms, self.jit, self.eager,
+                     len(self._shapes))
+
+    def finish(self):
+        """Judges the records not judged yet at the end of a run.
+
+        A run shorter than a window, or the tail after the last judgement,
+        is judged once over what the window holds (at least
+        `min_judge_steps` records). A run never judged before reports its
+        verdict at once (`min_windows` does not apply). Returns a new event
+        or None, like `update`.
+        """
+        min_steps = self.thresholds.get("min_judge_steps", THRESHOLDS["min_judge_steps"])
+        if self._since_judgement == 0 or len(self._ring) < min_steps:
+            return None
+        return self._judge_now(1 if self.judgements == 0 else self.min_windows)
+
+    def _judge_now(self, min_windows):
+        self._since_judgement = 0
+        self.judgements += 1
+        judgement = self.judge()
+        if self._baseline_ms is None and judgement["verdict"] != "unknown":
+            self._baseline_ms = judgement["evidence"]["median_ms"]
+        self.last_judgement = judgement
+        return self._consider(judgement, min_windows)
+
+    def _consider(self, judgement, min_windows):
+        verdict = judgement["verdict"]
+        if verdict == "unknown":
+            return None
+        start, end = self._ring[0].index, self._ring[-1].index + self._ring[-1].steps - 1
+        last, count = self._streak
+        self._streak = (verdict, count + 1 if verdict == last else 1)
+        current = self._current
+        if current is not None and current["verdict"] == verdict:
+            current["end_step"] = end
+            return None
+        if verdict == "healthy":
+            if current is None or current["verdict"] == "healthy":
+                return None
+        elif self._streak[1] < (1 if verdict in ("recompiling", "eager_step") else min_windows):
+            return None
+        event = _event(judgement, start, end)
+        self._current = event
+        if len(self.events) < self.MAX_EVENTS:
+            self.events.append(event)
+        return event
+
+    def dominant_verdict(self) -> str:
+        """The verdict that covered the most steps: `healthy` if none was
+        found, `unknown` when nothing was judged."""
+        steps = Counter()
+        for e in self.events:
+            if e["verdict"] != "healthy":
+                steps[e["verdict"]] += e["end_step"] - e["start_step"] + 1
+        if steps:
+            return steps.most_common(1)[0][0]
+        judged = self.last_judgement is not None and self.last_judgement["verdict"] != "unknown"
+        return "healthy" if judged else "unknown"
+
+
+def _event(judgement, start, end):
+    verdict, ev = judgement["verdict"], judgement["evidence"]
+    period, phase, share = judgement["period"], judgement["phase"], judgement["cost_share"]
+    return {
+        "verdict": verdict,
+        "phase": phase,
+        "start_step": start,
+        "end_step": end,
+        "cv": ev.get("cv"),
+        "period": period,
+        "cost_share": share,
+        "evidence": ev,
+        "fix": fix_for(verdict, phase=phase, period=period, share=share),
+        "message": _message(verdict, start, ev, period, phase, share),
+    }
+
+
+def _message(verdict, start, ev, period, phase, share):
+    parts = [f"from step {start}: {verdict}", f"median {ev['median_ms']:.1f} ms",
+             f"cv {ev['cv']:.2f}"]
+    if period:
+        where = {"input_wait": "input wait", "step": "the step", "between": "between steps",
+                 "loop_body": "the loop body"}.get(phase, phase)
+        parts.append(f"slow every {period} steps in {where} ({share:.0%} of time lost)")
+    if ev.get("input_wait") is not None:
+        parts.append(f"input wait {ev['input_wait']:.0%}")
+    if "gpu_util" in ev:
+        parts.append(f"GPU util {ev['gpu_util']:.0%}")
+    if "slow_steps_at_new_shapes" in ev:
+        parts.append(f"{ev['slow_steps_at_new_shapes']} of {ev['slow_steps']} "
+                     f"slow steps at new input shapes ({ev['recompile_share']:.0%} of time)")
+    parts.append("evidence: " + "+".join(ev["signals"]))
+    return "; ".join(parts)
+

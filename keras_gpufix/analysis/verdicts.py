@@ -1,0 +1,273 @@
+"""The one verdict table, the one set of thresholds, the one slow-step rule.
+
+Nothing outside this module defines a verdict, a fix text, a threshold, what
+makes a step slow or what a recompile costs: the detector, the callbacks,
+`kg.watch` and `keras-gpufix diagnose` all read them from here, and
+`docs/monitoring.md` quotes them.
+
+Verdicts, in order of precedence (the detector tries them in this order):
+
+| verdict           | evidence                                                    |
+|-------------------|-------------------------------------------------------------|
+| `recompiling`     | steps at new input shapes (or new traces) that compiled cost|
+|                   | >= `cost_share` of the time, and shapes keep coming         |
+| `eager_step`      | the gradient step runs eagerly (direct evidence)            |
+| `periodic_stall`  | slow steps recur with a period and cost >= `cost_share`     |
+| `input_bound`     | input wait >= `input_wait_share` of the cycle, or low GPU   |
+|                   | utilisation on long steps                                   |
+| `dispatch_bound`  | low GPU utilisation on short steps, input ready             |
+| `irregular_stall` | steps slower than `stall_factor` x the median, without a    |
+|                   | period, cost >= `irregular_share`                           |
+| `degrading`       | the median cycle grew well above the first window's         |
+| `healthy`         | steps were measured and none of the above holds             |
+| `unknown`         | too few steps (or none) were measured to judge              |
+"""
+
+import numpy as np
+
+__all__ = [
+    "VERDICTS",
+    "FIXES",
+    "PHASES",
+    "PHASE_FIXES",
+    "THRESHOLDS",
+    "fix_for",
+    "slow_mask",
+    "recompile_cost",
+    "rank_causes",
+]
+
+VERDICTS = (
+    "recompiling",
+    "eager_step",
+    "periodic_stall",
+    "input_bound",
+    "dispatch_bound",
+    "irregular_stall",
+    "degrading",
+    "healthy",
+    "unknown",
+)
+
+#: The three phases of one training cycle, in the order they happen.
+PHASES = ("input_wait", "step", "between")
+
+THRESHOLDS = {
+    # The slow-step rule: slower than slow_factor x the median cycle, by at
+    # least min_slow_ms, and by spread_factor robust standard deviations.
+    "slow_factor": 1.25,
+    "min_slow_ms": 2.0,
+    "spread_factor": 4.0,
+    # Cost rule: share of the cycle time lost to slow steps (their excess
+    # over the median) that makes a periodic_stall or recompiling.
+    "cost_share": 0.10,
+    # Slow steps without a period are stalls only when they are long (a
+    # loaded host makes many steps 1.3x-1.7x slower: that is noise, not a
+    # stall) and cost irregular_share of the time.
+    "stall_factor": 2.0,
+    "irregular_share": 0.15,
+    # A window must lose at least this much before a stall is reported
+    # (a host hiccup in a window of 1 ms steps is not worth a verdict).
+    "min_lost_ms": 20.0,
+    # Share of the cycle spent waiting for input (XProf's "highly
+    # input-bound" threshold).
+    "input_wait_share": 0.20,
+    "low_gpu_util": 0.5,
+    "short_step_ms": 10.0,
+    "acf_threshold": 0.5,
+    "growth_threshold": 0.5,
+    # Distinct input shapes that compile once each without being a problem
+    # (kg.data with num_buckets=8 and its partial batches, twice over).
+    "max_new_shapes": 16,
+    # Fewest steps (after warmup) a judgement is made on.
+    "min_judge_steps": 8,
+}
+
+PHASE_FIXES = {
+    "input_wait": (
+        "the input pipeline stalls every {period} batches and that costs {share} of the "
+        "run: look for a slow element on that schedule (a py_function, a cache or "
+        "shuffle buffer refilling, a slow file) and move it off the step path"
+    ),
+    "step": (
+        "the step itself is slow every {period} steps and that costs {share} of the "
+        "run: look for work on that schedule inside the step (a metric or summary "
+        "written every k steps, garbage collection)"
+    ),
+    "between": (
+        "work between steps every {period} steps costs {share} of the run: a "
+        "callback, logging or checkpointing on that schedule; run it less often "
+        "or move it off the step path"
+    ),
+    "loop_body": (
+        "work in the loop body every {period} steps costs {share} of the run "
+        "(logging, plots, checkpoints or host syncs on that schedule); run it less "
+        "often or move it off the step path"
+    ),
+}
+
+FIXES = {
+    "recompiling": (
+        "bound the number of input shapes: bucket by length with "
+        "`pad_to_bucket_boundary` (kg.data `num_buckets`) or pad to a multiple"
+    ),
+    "eager_step": (
+        "the training step runs eagerly (a GradientTape outside any tf.function, or fit "
+        "with run_eagerly=True): wrap the step in tf.function(jit_compile=True) or use "
+        "kg.compile_model(model, ...) (fit), at {where}"
+    ),
+    "periodic_stall": (
+        "something runs every {period} steps: look for work on that schedule "
+        "(a py_function or slow element in the input pipeline, checkpoints, "
+        "logging, garbage collection) and move it off the step path"
+    ),
+    "input_bound": (
+        "the step waits for data: move decoding/features into TF ops or a "
+        "feature cache (kg.data.SpeechDatasetBuilder(cache_dir=...)), raise "
+        "map parallelism to AUTOTUNE and prefetch"
+    ),
+    "dispatch_bound": (
+        "steps are too short for per-step dispatch: raise steps_per_execution "
+        "(kg.compile_model(steps_per_execution='auto')) or the batch size"
+    ),
+    "irregular_stall": (
+        "occasional long steps: capture a trace of one "
+        "(kg.ProfilerTrigger(trigger='slow_step')) to see what runs then"
+    ),
+    "degrading": (
+        "step time keeps growing: look for state that accumulates per step "
+        "(Python lists of tensors, retracing, unbounded caches) or throttling"
+    ),
+    "healthy": "nothing to fix",
+    "unknown": (
+        "no training step was seen (no model.fit, no gradient step between iterations of "
+        "a tf.data dataset): nothing was measured, so nothing can be judged"
+    ),
+}
+
+
+class _Fields(dict):
+    def __missing__(self, key):
+        return "?"
+
+
+def fix_for(verdict: str, phase: str = None, **fields) -> str:
+    """The fix text of `verdict`, its `{fields}` filled in.
+
+    Args:
+        verdict: a name in `VERDICTS`.
+        phase: for `periodic_stall`, the phase where the time goes
+            (`input_wait`, `step`, `between`, or `loop_body` for an unsplit
+            custom-loop span); selects the phase's text from `PHASE_FIXES`.
+            `FIXES` itself only uses `{period}` and `{where}`.
+        **fields: `period`, `share` (a fraction, printed as a percentage),
+            `where`, ...; a missing one prints as `?`.
+
+    Raises:
+        ValueError: for a name not in `VERDICTS`.
+    """
+    if verdict not in FIXES:
+        raise ValueError(f"`verdict` must be one of {VERDICTS}. Received: verdict={verdict!r}")
+    text = PHASE_FIXES[phase] if verdict == "periodic_stall" and phase in PHASE_FIXES \
+        else FIXES[verdict]
+    values = _Fields({k: v for k, v in fields.items() if v is not None})
+    if isinstance(values.get("share"), float):
+        values["share"] = f"{values['share']:.0%}"
+    if phase is not None:
+        values.setdefault("phase", phase.replace("_", " "))
+    return text.format_map(values)
+
+
+def slow_mask(times, median: float = None, factor: float = None,
+              min_ms: float = None, spread: bool = True) -> np.ndarray:
+    """THE slow-step rule: which of `times` (seconds per step) are slow.
+
+    A step is slow when it is slower than `factor` x the median, by at
+    least `min_ms`, and by `THRESHOLDS["spread_factor"]` robust standard
+    deviations (1.4826 x median absolute deviation) of `times`, so OS jitter
+    on short steps and a noisy neighbour are not slow steps.
+
+    Args:
+        times: seconds per step (1-D).
+        median: the reference; defaults to the median of `times`.
+        factor: defaults to `THRESHOLDS["slow_factor"]`.
+        min_ms: defaults to `THRESHOLDS["min_slow_ms"]`.
+        spread: apply the spread condition. Defaults to True. The detector
+            leaves it out where a period must also be found: a period, not
+            the spread, then tells a schedule from noise (frequent slow
+            steps, every 3rd, widen the spread themselves).
+
+    Returns:
+        A boolean array, True for a slow step.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    if not t.size:
+        return np.zeros(0, bool)
+    med = float(np.median(t)) if median is None else float(median)
+    factor = THRESHOLDS["slow_factor"] if factor is None else factor
+    min_ms = THRESHOLDS["min_slow_ms"] if min_ms is None else min_ms
+    limit = max(factor * med, med + min_ms / 1e3)
+    if spread:
+        mad = 1.4826 * float(np.median(np.abs(t - med)))
+        limit = max(limit, med + THRESHOLDS["spread_factor"] * mad)
+    return t > limit
+
+
+def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: int = 0,
+                   new_shape: bool = False, jit=None, compiled_before: bool = False) -> float:
+    """THE recompile pricing: seconds a step spent compiling (estimated).
+
+    A step compiled when it traced its function again (`traces > 0`) or met
+    a new input shape under XLA (`jit is True`) that was not compiled in an
+    earlier fit. It then costs its time above the median step; any other
+    step costs no compile (an eager step, a new shape without XLA, or a
+    slow step whose shape is unknown: without `kg.data.instrument` slow
+    steps are never priced as recompiles).
+
+    Args:
+        step_s: the step's time, without its input wait (seconds, for all
+            its `steps`).
+        median_s: the median time of one step (seconds).
+        steps: steps the record covers (`steps_per_execution`).
+        traces: new traces during the step.
+        new_shape: the step met an input shape never seen before.
+        jit: whether the step is XLA-compiled (None: not known).
+        compiled_before: the shape was compiled in an earlier fit.
+    """
+    compiled = traces > 0 or (new_shape and jit is True and not compiled_before)
+    if not compiled:
+        return 0.0
+    return max(0.0, float(step_s) - float(median_s) * steps)
+
+
+def rank_causes(causes) -> list:
+    """Ranks measured causes by the share of time each cost, best first.
+
+    Args:
+        causes: iterable of `(verdict, cost_share, evidence)` (evidence a
+            dict; its `period`, `phase`, `share`, `where` fill the fix).
+            One verdict seen several times keeps its largest share.
+
+    Returns:
+        A list of dicts `verdict`, `score` (share of time, 0..1),
+        `evidence` (list of the evidence dicts), `fix`. `healthy` and
+        `unknown` are never ranked as causes.
+    """
+    merged = {}
+    for verdict, share, evidence in causes:
+        if verdict in ("healthy", "unknown"):
+            continue
+        if verdict not in FIXES:
+            raise ValueError(f"Unknown verdict {verdict!r}; expected one of {VERDICTS}")
+        slot = merged.setdefault(verdict, {"verdict": verdict, "score": 0.0, "evidence": []})
+        slot["score"] = max(slot["score"], float(share or 0.0))
+        slot["evidence"].append(dict(evidence or {}))
+    ranking = sorted(merged.values(),
+                     key=lambda c: (-c["score"], VERDICTS.index(c["verdict"])))
+    for cause in ranking:
+        best = next((e for e in cause["evidence"] if e.get("period") or e.get("phase")),
+                    cause["evidence"][0] if cause["evidence"] else {})
+        fields = {k: best.get(k) for k in ("period", "where")}
+        fields["share"] = cause["score"]
+        cause["fix"] = fix_for(cause["verdict"], phase=best.get("phase"), **fields)
+    return ranking

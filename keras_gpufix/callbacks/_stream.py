@@ -1,0 +1,348 @@
+"""The shared step stream: one measurement per hook for all our callbacks.
+
+All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
+`StepStream`. The clock is read once per hook (`time.perf_counter`; wall
+times come from one offset taken when the stream opens): at the begin hook
+of the last member and the end hook of the first (the leader), so the span
+holds the step and not our own hooks. Work that callbacks listed before ours
+do in `on_train_batch_end` counts in the step: list keras_gpufix callbacks
+first. The stream reads
+the input probe of a dataset that went through `kg.data.instrument`
+(batched: every `SYNC_SECONDS`, before validation, at epoch end and at the
+end of training; each hook once), turns every hook into one
+`analysis.StepRecord` with its three phases and hands the records to every
+member (`_on_records`), in order. So the recommended trio costs what one
+monitor costs.
+
+Phases of a hook (a step, or N steps with `steps_per_execution=N`):
+
+- `between`: the gap from the previous end hook to this begin hook (other
+  callbacks, logging, checkpoints, evaluation);
+- `input_wait`: the probe's wait, measured from the cycle's start (the
+  previous end hook), so it is right whether the batch is fetched inside
+  the hook (`fit`) or before it (a `CallbackList` loop); a wait that ends
+  before the begin hook lies in the gap and is taken from `between`, one
+  that ends after it is taken from the step. A custom-loop wrapper
+  (`kg.watch`) measures the wait itself and hands it over with `supply()`
+  before the begin hook; the probe is then not read;
+- `step`: the rest of begin -> end.
+"""
+
+import time
+
+from keras_gpufix.analysis import StepLog, StepRecord
+from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.keras_internals import callback_model
+
+__all__ = ["StepStream", "TimedCallback", "stream_of"]
+
+_OPEN = {}  # id(model) -> the StepStream of the running fit on that model
+
+
+class StepStream:
+    """The step records of one running `fit` or loop, measured once.
+
+    Attributes:
+        log: a `StepLog` of every record of the run (window 96).
+        hooks: end hooks recorded so far.
+        last: `(index, steps, span_s, gap_s)` of the latest end hook, read
+            right at that hook (for callbacks that act on the next step).
+        input_probe: the `InputProbe` being read, or None.
+    """
+
+    # Reading the probe costs about half a millisecond while fit runs, so it
+    # happens at most every SYNC_SECONDS (<= 0.2 % of the time), after at
+    # least SYNC_MIN_HOOKS hooks, and at least every SYNC_MAX_HOOKS (well
+    # inside the probe's ring of 4096 batches).
+    SYNC_SECONDS = 0.25
+    SYNC_MIN_HOOKS = 8
+    SYNC_MAX_HOOKS = 1024
+    # Distinct input shapes remembered for `new_shape` (bounded memory).
+    MAX_SHAPES = 4096
+
+    def __init__(self, key):
+        self.key = key
+        self.members = []
+        self.leader = None
+        self.log = StepLog(96)
+        self.batch_size = None
+        self.sampler = None
+        self.hooks = 0
+        self.last = None
+        self._offset = time.time() - time.perf_counter()
+        self._cursor = None
+        self._supplied = None
+        self._watched = False
+        self._pending = []
+        self._last_sync = None
+        self._last_end = None
+        self._begin = None
+        self._first = 0
+        self._global = 0
+        self._epoch = -1
+        self._new_epoch = True
+        self._shapes = set()
+        self._closed = False
+
+    # -- membership ------------------------------------------------------
+
+    @classmethod
+    def join(cls, callback):
+        """The stream of `callback`'s running fit (opened by the first joiner)."""
+        key = id(callback_model(callback))
+        stream = _OPEN.get(key)
+        if stream is None or stream._closed or callback in stream.members:
+            stream = _OPEN[key] = cls(key)
+        stream.members.append(callback)
+        if stream.leader is None:
+            stream.leader = callback
+            stream._open()
+        size = getattr(callback, "batch_size", None)
+        if stream.batch_size is None and size is not None:
+            stream.batch_size = size
+        return stream
+
+    def _open(self):
+        import sys
+
+        if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
+            from keras_gpufix.data.input_probe import InputCursor
+
+            self._cursor = InputCursor()
+            self._cursor.start()
+
+    @property
+    def input_probe(self):
+        return None if self._cursor is None else self._cursor.probe
+
+    # -- the custom-loop wrapper's call ------------------------------------
+
+    def supply(self, input_wait, samples=None, shape=None, split=False, audio_seconds=None,
+               real_frames=None):
+        """Hands over the next step's measured input wait (custom loops).
+
+        Called between `next()` returning the batch and
+        `on_train_batch_begin`. The stream then never reads the probe.
+
+        Args:
+            input_wait: seconds spent in `next()`.
+            samples: the batch's leading dimension, or None.
+            shape: a hashable key of the batch's shapes, or None.
+            split: whether begin -> end holds only the step (False: the
+                whole loop body). Defaults to False.
+            audio_seconds: seconds of audio in the batch, or None.
+            real_frames: unpadded feature frames in the batch, or None.
+        """
+        self._watched = True
+        self._cursor = None
+        self._supplied = (float(input_wait), samples, shape, bool(split), audio_seconds,
+                          real_frames)
+
+    # -- hooks (only the leader's act) -------------------------------------
+
+    def epoch_begin(self, member):
+        if member is not self.leader:
+            return
+        self._new_epoch = True
+        self._epoch += 1
+        if self._cursor is not None:
+            self._cursor.epoch_begin()
+
+    def batch_begin(self, member, batch):
+        # The last member's begin and the first member's end frame the step
+        # tightly: our own hooks fall in `between`, not in the step.
+        if member is not self.members[-1]:
+            return
+        self._first = batch
+        self._begin = time.perf_counter()
+
+    def batch_end(self, member, batch):
+        if member is not self.leader or self._begin is None:
+            return
+        now = time.perf_counter()
+        begin, self._begin = self._begin, None
+        steps = max(1, batch - self._first + 1)
+        gap = 0.0 if self._last_end is None else begin - self._last_end
+        self._last_end = now
+        self._pending.append((self._global, steps, begin, now - begin, gap, self._epoch,
+                              self._new_epoch, self._supplied))
+        self.last = (self._global, steps, now - begin, gap)
+        self._global += steps
+        self._supplied = None
+        self._new_epoch = False
+        self.hooks += 1
+        if self._last_sync is None:
+            self._last_sync = begin
+        pending = len(self._pending)
+        if pending >= self.SYNC_MAX_HOOKS or (
+                pending >= self.SYNC_MIN_HOOKS and now - self._last_sync >= self.SYNC_SECONDS):
+            self.sync(member)
+
+    def epoch_end(self, member):
+        self.sync(member)
+
+    def train_end(self, member):
+        if member is self.leader:
+            self.sync(member)
+            self._closed = True
+            if _OPEN.get(self.key) is self:
+                del _OPEN[self.key]
+
+    # -- records -----------------------------------------------------------
+
+    def sync(self, member=None):
+        """Reads the probe for the hooks not read yet and hands out their records."""
+        if member is not None and member is not self.leader:
+            return
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        self._last_sync = pending[-1][2] + pending[-1][3]
+        waits = rows = [None] * len(pending)
+        if self._cursor is not None:
+            off = self._offset
+            waits, rows = self._cursor.take(
+                [p[2] - p[4] + off for p in pending],   # each cycle's start
+                [p[2] + p[3] + off for p in pending],
+                [p[1] for p in pending])
+        probe = self.input_probe
+        records = []
+        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row in zip(
+                pending, waits, rows):
+            split, audio, frames = True, None, None
+            samples = None if self.batch_size is None else self.batch_size * steps
+            shape = None
+            if supplied is not None:
+                wait, sampled, shape, split, audio, frames = supplied
+                samples = sampled if sampled is not None else samples
+            elif row is not None:
+                shape = probe.shape_key(row)
+                size = probe.batch_size(shape)
+                samples = size * steps if size else samples
+            if wait is None:
+                input_wait, step, between = None, span, gap
+            elif supplied is not None or wait <= gap:
+                input_wait, step, between = wait, span, max(0.0, gap - wait)
+            else:
+                input_wait, step, between = wait - gap, span - (wait - gap), gap
+            new_shape = False
+            if shape is not None and shape not in self._shapes:
+                new_shape = True
+                if len(self._shapes) < self.MAX_SHAPES:
+                    self._shapes.add(shape)
+            util = None
+            if self.sampler is not None:
+                util = self.sampler.mean_between(begin + self._offset,
+                                                 begin + span + self._offset)
+            records.append(StepRecord(
+                index=index, steps=steps, input_wait=input_wait, step=step, between=between,
+                samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
+                new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
+                split=split))
+        for record in records:
+            self.log.add(record)
+        for callback in self.members:
+            callback._take_records(records)
+
+    @property
+    def shapes_seen(self):
+        """Distinct input shapes seen (at most `MAX_SHAPES`)."""
+        return len(self._shapes)
+
+
+def stream_of(callbacks):
+    """The `StepStream` our callbacks in `callbacks` joined, or None.
+
+    Args:
+        callbacks: a list of callbacks or a `keras.callbacks.CallbackList`,
+            after `on_train_begin` was fired.
+    """
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        stream = getattr(callback, "stream", None)
+        if isinstance(stream, StepStream) and not stream._closed:
+            return stream
+    return None
+
+
+class TimedCallback(GuardedCallback):
+    """Base of our callbacks that observe steps through the shared stream.
+
+    Subclasses implement the parts they need:
+
+    - `_begin()` / `_end()`: at the start / end of each run (after joining
+      the stream; after the stream's last records were handed out);
+    - `_after_hook()`: after each end hook (a step, or N steps);
+    - `_on_records(records)`: new `StepRecord`s, in order (every quarter
+      second, before validation, at epoch end and at the end of training);
+    - `_epoch_done()`: at epoch end, after `_on_records`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.stream = None
+
+    def _begin(self):
+        pass
+
+    def _end(self):
+        pass
+
+    def _after_hook(self):
+        pass
+
+    def _on_records(self, records):
+        pass
+
+    def _epoch_done(self):
+        pass
+
+    def _take_records(self, records):
+        try:
+            self._on_records(records)
+        except Exception as exc:  # a monitor must never stop training
+            self._report_failure("_on_records", exc)
+
+    @guarded
+    def on_train_begin(self, logs=None):
+        self.stream = None
+        self._activate()
+        self.stream = StepStream.join(self)
+        self._begin()
+
+    # After a failed on_train_begin (warned once) the hooks do nothing.
+
+    @guarded
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.stream is not None:
+            self.stream.epoch_begin(self)
+
+    @guarded
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.stream is not None:
+            self.stream.batch_begin(self, batch)
+
+    @guarded
+    def on_train_batch_end(self, batch, logs=None):
+        if self.stream is not None:
+            self.stream.batch_end(self, batch)
+            self._after_hook()
+
+    @guarded
+    def on_test_begin(self, logs=None):
+        # Validation runs before on_epoch_end: read training's input first,
+        # so an instrumented validation set is never taken for it.
+        if self.stream is not None:
+            self.stream.sync(self)
+
+    @guarded
+    def on_epoch_end(self, epoch, logs=None):
+        if self.stream is not None:
+            self.stream.epoch_end(self)
+            self._epoch_done()
+
+    @guarded
+    def on_train_end(self, logs=None):
+        self._deactivate()
+        if self.stream is not None:
+            self.stream.train_end(self)
+            self._end()

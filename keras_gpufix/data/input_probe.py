@@ -24,6 +24,11 @@ first element of a new iterator), so the cursor re-anchors at the first
 step of an epoch: batches that the previous epoch's iterator had already
 prefetched and that were discarded with it (a loop that stopped early, a
 `break`) are skipped instead of shifting every later step by their count.
+A dataset repeated after `instrument` restarts the index every pass; once
+the cursor sees that inside an epoch it never re-anchors (one iterator goes
+on, as `fit` with `steps_per_epoch` does). Not told apart: a pass exactly as
+long as an epoch plus the batches prefetched at its end, before any pass
+ended inside an epoch.
 """
 
 import threading

@@ -840,7 +840,7 @@ def from_config(cfg) -> Setup:
         kg.RetracingMonitor(max_new_shapes=d.num_buckets + 1),
     ]
     if log_dir is not None:  # per-step and per-epoch step_timer/* scalars for TensorBoard
-        callbacks.append(kg.StepTimer(log_dir=log_dir, warmup=m.warmup))
+        callbacks.append(kg.StepTimer(log_dir=log_dir))  # every step, compiles included
     if m.profiling is not False and log_dir is not None:
         callbacks.append(kg.ProfilerTrigger(log_dir, **dataclasses.asdict(m.profiling)))
     return Setup(cfg, strategy, policy, builder, build_kwargs, compile_kwargs, callbacks)

@@ -93,8 +93,9 @@ def run_loop(kind, way, epochs=2, retracing=False):
     """Trains in a custom loop.
 
     Returns:
-        The GPUOscillationMonitor's report; with `retracing=True`, the pair
-        (that report, the report of a `RetracingMonitor(functions=[step])`).
+        The GPUOscillationMonitor's report plus `steady_input_wait`; with
+        `retracing=True`, the pair (that report, the report of a
+        `RetracingMonitor(functions=[step])`).
     """
     model, step, train_step = _model_and_step(kind)
     callbacks = [kg.GPUOscillationMonitor(nvml=False, verbose=0)]
@@ -107,7 +108,6 @@ def run_loop(kind, way, epochs=2, retracing=False):
                 for step, (x, y) in enumerate(watched):
                     train_step(x, y)
                     _between(kind, step)
-        report = watched.report()
     else:
         hooks = keras.callbacks.CallbackList(callbacks, model=model)
         hooks.on_train_begin()
@@ -120,8 +120,20 @@ def run_loop(kind, way, epochs=2, retracing=False):
                 _between(kind, step)
             hooks.on_epoch_end(epoch)
         hooks.on_train_end()
-        report = callbacks[0].report()
+    report = callbacks[0].report()
+    report["steady_input_wait"] = _steady_input_wait(callbacks[0].detector.log.records())
     return (report, callbacks[1].report()) if retracing else report
+
+
+def _steady_input_wait(records):
+    """Input-wait share of the steps the detector judges (epoch starts apart).
+
+    An epoch's first step also carries the release of the previous epoch's
+    exhausted iterator (0.2-0.95 s on the loaded test host), which the
+    run's overall share counts.
+    """
+    steady = [r for r in records if not r.epoch_first]
+    return sum(r.input_wait for r in steady) / sum(r.cycle for r in steady)
 
 
 def check_named_right(kind, way):
@@ -132,9 +144,9 @@ def check_named_right(kind, way):
         event = report["events"][-1]
         assert (event["phase"], event["period"]) == (STALL_PHASE[way], EVERY)
     if kind == "slow_input":
-        assert report["input_wait"] > 0.4  # (25 - 9) ms of every 25 ms
+        assert report["steady_input_wait"] > 0.4  # (25 - 9) ms of every 25 ms
     else:
-        assert report["input_wait"] < 0.2
+        assert report["steady_input_wait"] < 0.2
 
 
 def compiled_by_kind(way):

@@ -51,6 +51,21 @@ def test_probe_follows_one_iterator_across_epochs_in_fit():
     assert [r.samples for r in timer.records()] == [g % 40 % 7 + 1 for g in range(30)]
 
 
+@pytest.mark.parametrize("passes", [5, 9, 20])
+def test_probe_follows_fit_over_a_dataset_repeated_after_instrument(passes):
+    # Every pass of repeat() restarts the per-iterator index: those starts
+    # are not new iterators (the builder's datasets are repeated so).
+    xy = tf.data.Dataset.range(passes).map(
+        lambda i: (tf.zeros([i % 7 + 1, 3]), tf.zeros([i % 7 + 1, 1])))
+    ds = instrument(xy).repeat().prefetch(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    timer = kg.StepTimer()
+    model.fit(ds, epochs=3, steps_per_epoch=8, verbose=0, callbacks=[timer])
+    assert [r.samples for r in timer.records()] == [g % passes % 7 + 1 for g in range(24)]
+    assert all(r.input_wait is not None for r in timer.records())
+
+
 @pytest.mark.parametrize("kind", sorted(TRUTH))
 def test_custom_loops_are_named_right(kind):
     # Keras's pattern fetches the batch before on_train_batch_begin: the

@@ -205,3 +205,17 @@ def test_the_report_is_readable_in_the_loop_and_a_short_run_is_judged_at_its_end
         for _ in watched:
             pass
     assert watched.report()["verdict"] == "unknown"
+
+
+def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
+    from keras_gpufix import watched as watched_module
+
+    class Broken:
+        def supply(self, wait, **facts):
+            raise RuntimeError("stream gone")
+
+    monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Broken())
+    with pytest.warns(kg.GpufixWarning, match="could not hand step 1 to the monitors") as caught:
+        with kg.watch(batches(4), callbacks=[Recorder()]) as watched:
+            assert sum(1 for _ in watched) == 4
+    assert len([w for w in caught if issubclass(w.category, kg.GpufixWarning)]) == 1

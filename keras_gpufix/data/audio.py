@@ -248,9 +248,9 @@ def _magnitude(waveform, config, dtype=tf.float32):
     """`|STFT| ** power`, float32 `(..., frames, n_fft // 2 + 1)` (librosa's stft).
 
     `dtype=tf.float64` windows and transforms in double precision, as
-    librosa does: float32 FFT rounding is ~1e-3 relative in bins 100 dB
-    below a frame's peak, which the mel filterbank's sums average out but
-    a linear spectrogram keeps.
+    librosa does: float32 FFT rounding reaches ~1e-3 relative error in
+    bins far below a frame's peak, which the mel filterbank's sums average
+    out but a linear spectrogram keeps.
     """
     if config.center:
         pad = config.n_fft // 2

@@ -24,9 +24,15 @@ first element of a new iterator), so the cursor re-anchors at the first
 step of an epoch: batches that the previous epoch's iterator had already
 prefetched and that were discarded with it (a loop that stopped early, a
 `break`) are skipped instead of shifting every later step by their count.
+A dataset repeated after `instrument` restarts the index every pass; once
+the cursor sees that inside an epoch it never re-anchors (one iterator goes
+on, as `fit` with `steps_per_epoch` does). Not told apart: a pass exactly as
+long as an epoch plus the batches prefetched at its end, before any pass
+ended inside an epoch.
 """
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -190,28 +196,40 @@ class InputCursor:
         self.probe = None
         self._baseline = {}
         self._next = 0
-        self._anchor = False
+        self._anchor = None
+        self._repeats = False
+        self._epoch_first = 0
 
     def start(self):
         self.probe = None
-        self._anchor = False
+        self._anchor = None
+        self._repeats = False
         self._baseline = {id(p): (p, p.produced()) for p in InputProbe.all()}
 
     def epoch_begin(self):
-        self._anchor = True
+        self._anchor = time.time()
 
     def _reanchor(self):
-        """At an epoch's first read: start at its iterator's first element.
+        """At an epoch's first read: skip what a discarded iterator prefetched.
 
-        A new iterator's first element is the last iterator start produced
-        since the last element taken (the batches before it were prefetched
-        by a discarded iterator). No start there: the iterator goes on from
-        the previous epoch (`fit` with `steps_per_epoch`).
+        A new iterator's first element (index 0) is made after the epoch
+        began, and a discarded iterator's batches before it. So the cursor
+        moves to the first start made after the epoch began when every
+        batch before it was made earlier. It never moves once a start was
+        seen inside an epoch: the dataset is repeated after `instrument`
+        (every pass restarts the index), and `fit` goes on with one
+        iterator (`steps_per_epoch`).
         """
-        self._anchor = False
-        starts = self.probe.iterator_starts(self._next, self.probe.produced())
-        if len(starts):
-            self._next = int(starts[-1])
+        began, self._anchor = self._anchor, None
+        if not self._repeats:
+            stop = self.probe.produced()
+            starts = self.probe.iterator_starts(self._next, stop)
+            if len(starts):
+                ready, _ = self.probe.read(self._next, stop)
+                made = np.nonzero(ready >= began)[0]
+                if len(made) and self._next + made[0] in starts:
+                    self._next += int(made[0])
+        self._epoch_first = self._next
 
     def _pick(self):
         best, advance = None, 0
@@ -235,9 +253,11 @@ class InputCursor:
         n = len(counts)
         if self.probe is None and self._pick() is None:
             return [None] * n, [None] * n
-        if self._anchor:
+        if self._anchor is not None:
             self._reanchor()
         total = int(sum(counts))
+        inside = self.probe.iterator_starts(self._next, self._next + total)
+        self._repeats = self._repeats or bool(np.any(inside != self._epoch_first))
         ready, shapes = self.probe.read(self._next, self._next + total)
         self._next += total
         begins, ends = np.asarray(begins, np.float64), np.asarray(ends, np.float64)

@@ -11,9 +11,11 @@ While the script runs, three TensorFlow entry points are wrapped:
 |                             | step                                                   |
 
 An iterator becomes a training loop at the first `next()` after which a
-step was seen; from then on each `next()` closes one cycle and opens the
-next, and the monitors get the Keras hooks (`on_train_begin`,
-`on_epoch_begin/end`, `on_train_batch_begin/end`, `on_train_end`). With
+step was seen; from then on its batches come through `kg.watch` (each
+training iterator is one of its epochs), which fires the monitors' Keras
+hooks (`on_train_begin`, `on_epoch_begin/end`, `on_train_batch_begin/end`,
+`on_train_end`) and hands the time in `next()` to the step stream as the
+input wait. With
 `steps=N` the iterator ends (`StepsReached`, a `StopIteration`, like an
 exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
 later epochs over the same dataset end at once. A loop that calls `next()`
@@ -44,31 +46,44 @@ def _library_prefixes():
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (keras, tensorflow, keras_gpufix))
 
 
-def _samples(element):
-    """The batch's leading dimension (its first tensor's), or None."""
-    import tensorflow as tf
-
-    first = next(iter(tf.nest.flatten(element)), None)
-    shape = getattr(first, "shape", None)
-    return int(shape[0]) if shape is not None and shape.rank and shape[0] is not None else None
-
-
 def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+class _Current:
+    """What `kg.watch` iterates: each epoch, the iterator the script already holds.
+
+    Its iterator ends (`StopIteration`) once `--steps` was reached, inside
+    watch's epoch, so watch closes the step and the epoch itself.
+    """
+
+    def __init__(self, patch):
+        self.patch = patch
+        self.iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.patch.stopped:
+            raise StopIteration
+        return next(self.iterator)
+
+
 class _Loop:
-    """One custom-loop run: its monitors and the hooks they get."""
+    """One custom-loop run: its monitors, driven through `kg.watch`."""
 
     def __init__(self, patch):
         import keras
 
-        from keras_gpufix.callbacks._stream import stream_of
+        from keras_gpufix.watched import Watched
 
         self.patch = patch
         self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop", retracing=False)
-        self.callbacks = keras.callbacks.CallbackList(
-            list(self.mine.values()), model=keras.Sequential(name="custom_loop"))
+        self.source = _Current(patch)
+        # ProfilerTrigger weak-refs its model: a placeholder stands for the user's
+        self.watched = Watched(self.source, callbacks=list(self.mine.values()),
+                               model=keras.Sequential(name="custom_loop"))
         self.entry = {"index": len(patch.fits_patch.fits) + 1, "kind": "loop",
                       "x": "tf.data.Dataset (iterated by the script)", "epochs": 0,
                       "step": dict(patch.step_info)}
@@ -78,30 +93,19 @@ class _Loop:
         self.dataset = None  # the first training dataset, for the what-if
         self.wait_s = 0.0  # time in next() of the training iterators
         self.busy_s = 0.0  # from next() returning to the next call: step + between
-        self.current = None
         self.t0 = time.perf_counter()
-        self.callbacks.on_train_begin()
-        self.stream = stream_of(self.callbacks)  # gets each step's input wait (time in next())
 
     def open_epoch(self, iterator):
-        if self.current is not None and self.current is not iterator:
-            self.current.close()
-        self.current = iterator
+        """`iterator` trains from now on: a new epoch of the watched loop."""
         if self.dataset is None:
             self.dataset = iterator.dataset
         self.clock.epoch()
-        self.callbacks.on_epoch_begin(self.entry["epochs"])
-
-    def close_epoch(self, iterator):
-        self.callbacks.on_epoch_end(self.entry["epochs"])
-        self.entry["epochs"] += 1
-        if self.current is iterator:
-            self.current = None
+        self.source.iterator = iterator.iterator
+        return iter(self.watched)  # ends the previous epoch, if open
 
     def finish(self):
-        if self.current is not None:
-            self.current.close()
-        self.callbacks.on_train_end()
+        self.watched.close()
+        self.entry["epochs"] = self.watched.epoch
         self.entry["wall_s"] = time.perf_counter() - self.t0
         self.entry["stopped_by_diagnose"] = self.patch.stopped
         self.entry["step"] = dict(self.patch.step_info)
@@ -117,11 +121,11 @@ class _WatchedIterator:
     def __init__(self, patch, iterator, dataset):
         self.patch = patch
         self.iterator = iterator
-        self.dataset = dataset  # the dataset the script iterates (before instrument)
+        self.dataset = dataset
         self.key = id(dataset)
         self.mark = None  # the patch's step count at the last next()
-        self.batch = None  # the open batch (hooks begun, not ended)
-        self.training = False
+        self.epoch = None  # watch's epoch iterator, once this iterator trains
+        self.open = False  # a batch was handed out and its cycle not yet timed
         self.called = None  # perf_counter when next() was last called
         self.returned = None  # perf_counter when next() last returned a batch
         self.in_step = 0.0  # the patch's time in step functions when it returned
@@ -132,56 +136,40 @@ class _WatchedIterator:
     def __getattr__(self, name):  # element_spec, get_next, ...
         return getattr(self.iterator, name)
 
-    def close(self):
-        loop = self.patch.loop
-        if self.batch is not None:
-            loop.callbacks.on_train_batch_end(self.batch)
-            self.batch = None
-        if self.training:
-            self.training = False
-            loop.close_epoch(self)
-
     def __next__(self):
         patch = self.patch
         if patch.stopped and self.key in patch.trained_datasets:
             raise StepsReached(patch.steps)  # a later epoch of a loop --steps stopped
-        if self.mark is not None and patch.step_calls > self.mark and not self.training:
-            self.training = True
+        if self.mark is not None and patch.step_calls > self.mark and self.epoch is None:
             patch.trained_datasets.add(self.key)
-            patch.start_loop().open_epoch(self)
-        if self.training:
-            loop = patch.loop
-            if self.batch is not None:
-                loop.callbacks.on_train_batch_end(self.batch)
-                loop.cycles += 1
-                now = time.perf_counter()
-                busy = now - self.returned
-                loop.busy_s += busy
-                step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
-                loop.clock.add(now - self.called, busy - step)
+            self.epoch = patch.start_loop().open_epoch(self)
+        if self.epoch is None:
+            self.mark = patch.step_calls
+            return next(self.iterator)
+        loop = patch.loop
+        now = time.perf_counter()
+        if self.open:
+            self.open = False
+            loop.cycles += 1
+            busy = now - self.returned
+            loop.busy_s += busy
+            step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
+            loop.clock.add(now - self.called, busy - step)
             if patch.steps and loop.cycles >= patch.steps:
-                patch.stopped = True
-                self.batch = None
-                self.close()
-                raise StepsReached(patch.steps)
+                patch.stopped = True  # the source ends: watch closes the step and epoch
         self.mark = patch.step_calls
-        t0 = self.called = time.perf_counter()
+        self.called = now
         try:
-            element = next(self.iterator)
+            element = next(self.epoch)
         except StopIteration:
-            if self.training:
-                self.batch = None
-                self.close()
+            self.epoch = None
+            if patch.stopped:
+                raise StepsReached(patch.steps) from None
             raise
         self.returned = time.perf_counter()
         self.in_step = patch.step_s
-        if self.training:
-            loop = patch.loop
-            loop.wait_s += self.returned - t0
-            self.batch = 0 if self.batch is None else self.batch + 1
-            if loop.stream is not None:
-                loop.stream.supply(self.returned - t0, samples=_samples(element), split=False)
-            loop.callbacks.on_train_batch_begin(self.batch)
+        loop.wait_s += self.returned - now
+        self.open = True
         return element
 
     next = __next__

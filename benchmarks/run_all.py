@@ -34,6 +34,7 @@ BENCHMARKS = {
     "slow_loader": ([], []),
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
+    "what_if": (["--quick"], []),
 }
 
 

@@ -5,7 +5,8 @@
 MODE: `function` (a tf.function step: healthy), `eager` (the GradientTape
 step runs eagerly), `between` (work between steps every 5 steps),
 `slow_input` (a numpy_function in the input), `never_trains` (only iterates
-the dataset). Exits with code 3 so a caller can check the code is kept.
+the dataset), `next` (calls `next()` on the iterator itself). Exits with
+code 3 so a caller can check the code is kept.
 """
 
 import sys, time
@@ -49,6 +50,14 @@ if MODE == "never_trains":
     for x, y in ds:
         total += float(tf.reduce_sum(x))
     print("sum", total)
+    sys.exit(3)
+
+if MODE == "next":
+    batches = iter(ds.repeat())
+    for i in range(200):
+        x, y = next(batches)
+        loss = step(x, y)
+    print("done")
     sys.exit(3)
 
 for epoch in range(3):

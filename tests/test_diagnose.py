@@ -1,5 +1,6 @@
 """diagnose on planted-fault scripts (subprocesses: it runs a script like cProfile)."""
 
+import glob
 import json
 import os
 import subprocess
@@ -89,6 +90,17 @@ def diagnose(tmp_path, source, *args, steps=30, trace=True):
     return proc, json.loads(lines[-1]), lines
 
 
+def _scalar_tags(folder):
+    """The scalar tags written under `folder` (any TensorBoard run in it)."""
+    import tensorflow as tf
+
+    tags = set()
+    for path in glob.glob(os.path.join(folder, "**", "events.out.tfevents.*"), recursive=True):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    return tags
+
+
 def test_slow_py_function_input_is_input_bound(tmp_path):
     proc, result, lines = diagnose(tmp_path, SLOW_INPUT, steps=30)
     assert proc.returncode == 0 and result["exit_code"] == 0
@@ -106,6 +118,10 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     assert result["what_if"]["bound"] == "input" and result["what_if"]["method"] == "replay"
     assert result["what_if"]["step_batches_per_s"] > 3 * result["what_if"]["input_batches_per_s"]
     assert result["what_if"]["speedup_if_input_free"] > 2
+    # TensorBoard scalars per step (the step timer) and per judgement (the monitor)
+    tags = _scalar_tags(tmp_path / "logs" / "fit_1")
+    assert {"step_timer/step_ms", "step_timer/epoch_mean_ms"} <= tags
+    assert any(t.startswith("oscillation/") for t in tags)
     scan = [(f["trap"], f["line"]) for f in result["scan"]]
     assert ("py_function_in_map", 17) in scan
     assert result["fixes"][0]["verdict"] == "input_bound"
@@ -215,6 +231,11 @@ def test_rank_orders_causes_by_measured_cost():
     assert rank_causes(fits, [])[0] == "healthy"
     fits[0]["model"] = {"run_eagerly": True}
     assert rank_causes(fits, [])[0] == "eager_step"
+    eager = [{"trap": "run_eagerly", "file": "t.py", "line": 7, "why": "w", "fix": "f",
+              "verdict": "eager_step", "training_path": True}]
+    verdict, ranking, fixes = rank_causes(fits, eager)
+    assert ranking[0]["fix"].endswith("at t.py:7")  # the verdict table's text, filled
+    assert fixes[0]["where"] == ["t.py:7: w; f"]
 
 
 def _cycles(cycle_s, between_s, n=10):

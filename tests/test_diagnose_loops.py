@@ -9,6 +9,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "custom_loop.py")
+
+
+def _line(text):
+    """The line number of `text` in the example script."""
+    with open(SCRIPT) as f:
+        return next(i for i, line in enumerate(f, start=1) if text in line)
+
+
 WHAT_IF = {"slow_input": [], "eager": [], "function": []}  # the modes whose what-if is checked
 
 
@@ -43,9 +51,10 @@ def test_custom_loop_named_right(mode, verdict):
     assert loop["stopped_by_diagnose"] is True
     if mode == "eager":
         assert loop["step"]["eager"] is True
-        assert loop["step"]["eager_where"].endswith("custom_loop.py:40")
+        assert loop["step"]["eager_where"].endswith(f"custom_loop.py:{_line('tape.gradient')}")
         assert any(w.startswith(loop["step"]["eager_where"])
                    for w in result["fixes"][0]["where"])
+        assert result["fixes"][0]["fix"].endswith(f"at {loop['step']['eager_where']}")
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "slow_input":  # the time in next() of the loop's iterator
@@ -72,3 +81,14 @@ def test_steps_stops_a_healthy_tf_function_loop():
     assert loop["epochs"] == 1
     assert result["what_if"]["method"] == "replay"  # the observed tf.function, replayed
     assert result["what_if"]["step_batches_per_s"] > 0 and result["what_if"]["cycles"] > 0
+
+
+def test_steps_stops_a_loop_that_calls_next_itself():
+    proc, result = _diagnose("next", steps=12)
+    assert proc.returncode == 0 and result["exit_code"] == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "done" not in proc.stdout
+    (loop,) = result["fits"]
+    assert loop["stopped_by_diagnose"] is True
+    assert loop["monitor"]["step_time"]["count"] == 12 - 5
+    note = next(n for n in result["notes"] if "its own next() call" in n)
+    assert f"custom_loop.py:{_line('= next(batches)')}" in note

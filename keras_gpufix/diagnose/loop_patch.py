@@ -14,9 +14,11 @@ An iterator becomes a training loop at the first `next()` after which a
 step was seen; from then on each `next()` closes one cycle and opens the
 next, and the monitors get the Keras hooks (`on_train_begin`,
 `on_epoch_begin/end`, `on_train_batch_begin/end`, `on_train_end`). With
-`steps=N` the iterator ends (`StopIteration`, like an exhausted dataset)
-after N training cycles, so a `for` loop stops cleanly; later epochs over
-the same dataset end at once. Iteration inside
+`steps=N` the iterator ends (`StepsReached`, a `StopIteration`, like an
+exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
+later epochs over the same dataset end at once. A loop that calls `next()`
+itself gets the exception: diagnose ends the script there, cleanly
+(`run_diagnosis` says where). Iteration inside
 `fit`, `evaluate` or `predict`, or inside a `tf.function`, is left alone.
 """
 
@@ -26,7 +28,11 @@ import time
 
 from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rate, what_if
 
-__all__ = ["LoopPatch"]
+__all__ = ["LoopPatch", "StepsReached"]
+
+
+class StepsReached(StopIteration):
+    """`diagnose --steps N`: the custom loop ran its N steps."""
 
 
 def _library_prefixes():
@@ -126,7 +132,7 @@ class _WatchedIterator:
     def __next__(self):
         patch = self.patch
         if patch.stopped and self.key in patch.trained_datasets:
-            raise StopIteration  # a later epoch of a loop --steps stopped
+            raise StepsReached(patch.steps)  # a later epoch of a loop --steps stopped
         if self.mark is not None and patch.step_calls > self.mark and not self.training:
             self.training = True
             patch.trained_datasets.add(self.key)
@@ -145,7 +151,7 @@ class _WatchedIterator:
                 patch.stopped = True
                 self.batch = None
                 self.close()
-                raise StopIteration
+                raise StepsReached(patch.steps)
         self.mark = patch.step_calls
         t0 = self.called = time.perf_counter()
         try:

@@ -1,6 +1,7 @@
 """The report: rank the measured causes and print the diagnosis for people."""
 
-from keras_gpufix.analysis import FIXES, fix_for
+from keras_gpufix import analysis
+from keras_gpufix.analysis import THRESHOLDS
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
@@ -22,62 +23,65 @@ def _input_wait(fit):
     return (fit.get("phases") or {}).get("input_share") if wait is None else wait
 
 
-def _eager_cause(fit, label, wait):
+def _eager_cause(fit, label, wait, scan):
     """The `eager_step` candidate of one run (direct evidence), or None."""
     step = fit.get("step") or {}
     if step.get("eager"):
+        where = step.get("eager_where")
         text = (f"{label}: the gradient step ran eagerly (a GradientTape outside any "
-                f"tf.function, at {step.get('eager_where')})")
+                f"tf.function, at {where})")
     elif (fit.get("model") or {}).get("run_eagerly"):
+        where = next((f"{f['file']}:{f['line']}" for f in scan if f["trap"] == "run_eagerly"),
+                     "the model's compile (run_eagerly=True)")
         text = f"{label}: fit ran with run_eagerly=True: every op of the step ran from Python"
     else:
         return None
     share = 1.0 - (wait or 0.0)
-    return ("eager_step", share, [{"source": "diagnose", "figure": "step_share", "value": share,
-                                   "text": text}])
+    return ("eager_step", share, {"source": "diagnose", "figure": "step_share", "value": share,
+                                  "text": text, "where": where})
 
 
-def _fit_causes(fit):
-    """(verdict, score, evidence list) candidates measured in one run."""
+def _fit_causes(fit, scan):
+    """(verdict, cost share, evidence) candidates measured in one run."""
     out = []
     monitor = fit.get("monitor") or {}
     st = monitor.get("step_time") or {}
     label = _label(fit)
     wait = _input_wait(fit)
-    eager = _eager_cause(fit, label, wait) if st.get("count") else None
+    eager = _eager_cause(fit, label, wait, scan) if st.get("count") else None
     if eager:
         out.append(eager)
-    if wait is not None and wait >= 0.2:
-        out.append(("input_bound", wait, [{
+    if wait is not None and wait >= THRESHOLDS["input_wait_share"]:
+        out.append(("input_bound", wait, {
             "source": "GPUOscillationMonitor", "figure": "input_wait", "value": wait,
             "text": f"{label}: {_pct(wait)} of step time spent waiting for the next batch "
                     f"({st.get('count')} steps, median {st.get('p50_ms', 0):.1f} ms, "
-                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}]))
+                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}))
     retr = fit.get("retracing") or {}
     if retr.get("verdict") == "recompiling":
         share = retr.get("recompile_share") or 0.0
-        out.append(("recompiling", share, [{
+        out.append(("recompiling", share, {
             "source": "RetracingMonitor", "figure": "recompile_share", "value": share,
             "text": f"{label}: {retr.get('new_shapes')} distinct input shapes, "
                     f"{retr.get('recompile_ms') or 0:.0f} ms spent at new shapes "
                     f"({_pct(share)} of the run's wall time, median step "
                     f"{retr.get('median_step_ms') or 0:.1f} ms), "
-                    f"{retr.get('trace_count')} train-step traces"}]))
+                    f"{retr.get('trace_count')} train-step traces"}))
     for event in monitor.get("events") or []:
         verdict = event["verdict"]
-        if verdict == "healthy" or verdict in ("input_bound", "recompiling") and any(
-                c[0] == verdict for c in out):
+        if verdict in ("input_bound", "recompiling") and any(c[0] == verdict for c in out):
             continue
         ev = event.get("evidence") or {}
-        score = ev.get("slow_time_share") or ev.get("input_wait") or 0.1
-        out.append((verdict, score, [{
-            "source": "GPUOscillationMonitor", "figure": "event", "value": score,
-            "text": f"{label}: {event['message']}"}]))
+        share = event.get("cost_share") or ev.get("slow_time_share") or ev.get("input_wait") or 0.0
+        out.append((verdict, share, {
+            "source": "GPUOscillationMonitor", "figure": "event", "value": share,
+            "text": f"{label}: {event['message']}", "period": event.get("period"),
+            "phase": event.get("phase")}))
     for trace in (fit.get("profiler") or {}).get("traces", []):
         a = trace.get("analysis") or {}
         if a.get("classification") == "highly_input_bound":
             out.append(("input_bound", (a.get("input_percent") or 0) / 100,
-                        [_trace_item(fit, trace)]))
+                        _trace_item(fit, trace)))
     return out
 
 
@@ -102,10 +106,12 @@ def trace_evidence(fits):
 def rank_causes(fits, scan=()):
     """Ranks the measured causes; returns (verdict, ranking, fixes).
 
-    A cause is ranked by the share of time it measurably cost (input wait,
-    recompile time, time lost to slow steps); static findings never make a
-    verdict, they point at the lines to change for it; findings off the
-    training path (`training_path` False) are never fixes.
+    The causes measured in each run (input wait, recompile time, time lost
+    to slow steps, an eager step) are ranked by the share of time each cost
+    (`keras_gpufix.analysis.rank_causes`, with the one verdict table and
+    thresholds); static findings never make a verdict, they point at the
+    lines to change for it; findings off the training path
+    (`training_path` False) are never fixes.
 
     Returns:
         `verdict` (`healthy` when steps were timed and no cause was
@@ -114,18 +120,7 @@ def rank_causes(fits, scan=()):
         `fixes` (ranked list of dicts `rank`, `verdict`, `fix`, `where`:
         `file:line` of the matching scan findings).
     """
-    merged = {}
-    for fit in fits:
-        for verdict, score, evidence in _fit_causes(fit):
-            slot = merged.setdefault(verdict, {"verdict": verdict, "score": 0.0, "evidence": []})
-            slot["score"] = max(slot["score"], float(score))
-            slot["evidence"].extend(evidence)
-    ranking = sorted(merged.values(), key=lambda c: -c["score"])
-    for cause in ranking:
-        period = next((e.get("period") for f in fits
-                       for e in (f.get("monitor") or {}).get("events", [])
-                       if e["verdict"] == cause["verdict"]), None)
-        cause["fix"] = fix_for(cause["verdict"], period=period) if cause["verdict"] in FIXES else ""
+    ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
     timed = any(((f.get("monitor") or {}).get("step_time") or {}).get("count") for f in fits)
     verdict = ranking[0]["verdict"] if ranking else "healthy" if timed else "unknown"
     fixes, used = [], set()
@@ -215,7 +210,9 @@ def format_report(result):
         if fit.get("error"):
             text += f"; ended by {fit['error']}"
         lines.append(text)
-    if result["traces"]:
-        lines.append(f"traces under {result['log_dir']}: tensorboard --logdir {result['log_dir']}")
+    if result["fits"]:
+        lines.append(f"TensorBoard (step times, oscillation scalars"
+                     f"{', traces' if result['traces'] else ''}): "
+                     f"tensorboard --logdir {result['log_dir']}")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.diagnose.loop_patch import LoopPatch
+from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
@@ -157,14 +157,18 @@ class FitPatch:
 
         `total` is None when unknown.
         A monitor the user already passed is used instead of a new one.
+        The run's TensorBoard folder is `log_dir/<kind>_<n>`: the step timer's
+        per-step and per-epoch `step_timer/*` scalars, the monitor's
+        `oscillation/*` per judgement, and the traces.
         """
         import keras_gpufix as kg
 
         mine = {}
         warmup = 5
         verbose = self.verbose
+        run_dir = os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}")
         classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
-                   "profiler": "ProfilerTrigger"}
+                   "profiler": "ProfilerTrigger", "timer": "StepTimer"}
         if not retracing:
             del classes["retracing"]
         for key, name in classes.items():
@@ -179,14 +183,15 @@ class FitPatch:
                 continue
             if key == "monitor":
                 mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                verbose=verbose)
+                                log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
                 mine[key] = cls()
+            elif key == "timer":
+                mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
                 at = min(10, max(warmup, (total or 30) // 3))
                 steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}"),
-                                trigger=["oscillation", at], steps=steps, max_traces=2,
+                mine[key] = cls(run_dir, trigger=["oscillation", at], steps=steps, max_traces=2,
                                 verbose=verbose)
         return mine
 
@@ -194,6 +199,8 @@ class FitPatch:
     def collect(entry, mine):
         """Puts each monitor's report and the timed step count into `entry`."""
         for key, cb in mine.items():
+            if not hasattr(cb, "report"):  # the step timer only writes scalars
+                continue
             try:
                 entry[key] = cb.report()
             except Exception as exc:
@@ -304,6 +311,19 @@ def _resolve(command):
     return "script", os.path.abspath(command[0]), command
 
 
+def _stopped_in_next(exc, steps):
+    """The note for a loop that called `next()` itself when --steps ended it."""
+    import keras_gpufix
+
+    ours = os.path.dirname(keras_gpufix.__file__) + os.sep
+    user = [f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith(ours) and f.filename != runpy.__file__]
+    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    return (f"--steps {steps} ended the loop inside its own next() call{where}: the script "
+            "stopped there (a `for` loop over the dataset would have ended cleanly and the "
+            "script run on)")
+
+
 def _exit_code(code):
     if code is None:
         return 0
@@ -388,9 +408,12 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
             except KeyboardInterrupt:
                 traceback.print_exc()
                 exit_code = 130
-            except BaseException:
-                traceback.print_exc()
-                exit_code = 1
+            except BaseException as exc:
+                if isinstance(exc, StepsReached) or isinstance(exc.__cause__, StepsReached):
+                    patch.notes.append(_stopped_in_next(exc, steps))
+                else:
+                    traceback.print_exc()
+                    exit_code = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
                 with contextlib.suppress(Exception):

@@ -140,8 +140,9 @@ def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
     path = clean.cache_entry().feature_path(3)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 4)
-    with pytest.warns(GpufixWarning, match="feature file 3 has"):
+    with pytest.warns(GpufixWarning, match="feature file 3 has") as caught:
         again = _prepared(corpus, cache_dir)
+    assert caught[0].filename == __file__  # the user's line, not the cache's
     assert again.report["cache"] == "miss"
     for a, b in zip(expected, _features(again)):
         np.testing.assert_array_equal(a, b)

@@ -35,11 +35,11 @@ The builder is the input path a TTS/ASR team would want as the default:
 | `padding_efficiency`      | real / padded mel frames over an epoch             |
 | `text_padding_efficiency` | real / padded text ids over an epoch               |
 | `distinct_shapes`         | distinct `(batch, text, frames)` shapes per epoch  |
+| `prefetch_to_device`      | the device `build` prefetches to; None when not asked or ignored under a strategy |
 """
 
 import dataclasses
 import os
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -51,7 +51,7 @@ from keras_gpufix.data.cache import FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit, progress
 
 __all__ = ["SpeechDatasetBuilder"]
@@ -188,6 +188,7 @@ class SpeechDatasetBuilder:
             "padding_efficiency": None,
             "text_padding_efficiency": None,
             "distinct_shapes": None,
+            "prefetch_to_device": None,
         }
         if skipped:
             listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}" for s in skipped[:3])
@@ -435,13 +436,13 @@ class SpeechDatasetBuilder:
         # input "ran out of data" at the end of the first epoch.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))
         if prefetch_to_device is not None and tf.distribute.has_strategy():
-            warnings.warn(
+            warn(
                 f"`prefetch_to_device={prefetch_to_device!r}` is ignored inside a "
                 "distribution strategy scope: Keras distributes the dataset and fetches "
-                "batches to each replica itself. Build without prefetch_to_device.",
-                GpufixWarning, stacklevel=2,
+                "batches to each replica itself. Build without prefetch_to_device."
             )
             prefetch_to_device = None
+        self.report["prefetch_to_device"] = prefetch_to_device
         dataset = instrument(dataset)
         probe = dataset.input_probe
         if prefetch_to_device is not None:

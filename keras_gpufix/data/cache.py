@@ -38,11 +38,11 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 
 import tensorflow as tf
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
+from keras_gpufix.output import emit
 
 try:
     import fcntl
@@ -76,8 +76,7 @@ class _Lock:
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if self.verbose:
-                print(f"Waiting for another process building the cache ({self.path})")
+            emit(f"Waiting for another process building the cache ({self.path})", self.verbose)
             fcntl.flock(self.file, fcntl.LOCK_EX)
         return self
 
@@ -158,11 +157,7 @@ class FeatureCache:
         """The manifest of a complete, intact entry, or None."""
         manifest, problem = self._check()
         if problem is not None and os.path.exists(self.path):
-            warnings.warn(
-                f"The feature cache at {self.path} is damaged ({problem}); it will be rebuilt.",
-                GpufixWarning,
-                stacklevel=3,
-            )
+            warn(f"The feature cache at {self.path} is damaged ({problem}); it will be rebuilt.")
         return manifest
 
     def _check(self):

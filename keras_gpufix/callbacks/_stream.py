@@ -29,6 +29,7 @@ Phases of a hook (a step, or N steps with `steps_per_execution=N`):
 """
 
 import time
+import weakref
 
 from keras_gpufix.analysis import StepLog, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
@@ -36,7 +37,11 @@ from keras_gpufix.keras_internals import callback_model
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
-_OPEN = {}  # id(model) -> the StepStream of the running fit on that model
+# id(model) -> the StepStream of the running fit on that model. Weak: its
+# members hold it while they run; a fit that ended by an exception (no
+# on_train_end) must not keep its callbacks alive (a dropped ProfilerTrigger
+# stops its trace when it is collected).
+_OPEN = weakref.WeakValueDictionary()
 
 
 class StepStream:

@@ -306,7 +306,10 @@ class SpeechDatasetBuilder:
         return self
 
     def _write_features(self, paths):
-        """Computes, serialises, writes and fingerprints features in parallel.
+        """Computes, serialises and fingerprints features in parallel; writes
+        them here, in the calling thread (after an error or Ctrl-C no
+        parallel writer can put a file back into the temporary folder that
+        the cache removes).
 
         Features that are not finite (float samples so large that the
         spectrum overflows; NaN/inf samples are already bad input at scan
@@ -314,33 +317,35 @@ class SpeechDatasetBuilder:
         committed and its temporary folder is removed.
         """
         compute = self._compute_features()
-        paths = tf.constant(paths)
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
-        def write(index):
+        def serialize(index):
             mel = compute(index)
             data = tf.io.serialize_tensor(mel)
-            with tf.control_dependencies([tf.io.write_file(paths[index], data)]):
-                return (index, tf.shape(mel)[0], tf.strings.length(data),
-                        FeatureCache.digest(data), tf.reduce_all(tf.math.is_finite(mel)))
+            return (index, tf.shape(mel)[0], data, FeatureCache.digest(data),
+                    tf.reduce_all(tf.math.is_finite(mel)))
 
         count = len(self.utterances)
-        written = tf.data.Dataset.range(count).map(
-            write, num_parallel_calls=AUTOTUNE, deterministic=False
+        serialized = tf.data.Dataset.range(count).map(
+            serialize, num_parallel_calls=AUTOTUNE, deterministic=False
         ).prefetch(AUTOTUNE)
         emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
              self.verbose)
         update = progress(count, "utterance", self.verbose)
-        for done, (*record, finite) in enumerate(written.as_numpy_iterator(), start=1):
+        for done, (index, frames, data, digest, finite) in enumerate(
+            serialized.as_numpy_iterator(), start=1
+        ):
             if not finite:
-                utterance = self.utterances[record[0]]
+                utterance = self.utterances[index]
                 raise ValueError(
                     f"The features of {utterance.path} (line {utterance.line}, id "
                     f"{utterance.id!r}) are not finite (NaN or inf): its samples overflow the "
                     "spectrum. Re-export the file with samples in [-1, 1] or remove it; "
                     "nothing was written to the cache."
                 )
-            yield tuple(record)
+            with open(paths[index], "wb") as f:
+                f.write(data)
+            yield index, frames, len(data), digest
             update(done)
 
     def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,

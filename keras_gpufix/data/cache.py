@@ -113,12 +113,6 @@ def writable_problem(path) -> "str | None":
     return None
 
 
-def _disk_full(exc) -> bool:
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return isinstance(exc, tf.errors.OpError) and "No space left on device" in str(exc)
-
-
 def _mib(size) -> str:
     return f"{size / 2**20:.1f} MiB"
 
@@ -267,7 +261,9 @@ class FeatureCache:
                 frames, size, digest)`, called once, only on a miss: it
                 writes each utterance's serialised features to
                 `paths[index]` (in a temporary folder) and yields, in any
-                order, the frames, the file size and `digest(data)`.
+                order, the frames, the file size and `digest(data)`. It
+                writes in the calling thread only: once it raised (disk
+                full, Ctrl-C), nothing writes into the folder being removed.
 
             needed_bytes: the entry's estimated size (`estimate_bytes`);
                 checked against the free disk space before building.
@@ -293,7 +289,7 @@ class FeatureCache:
             if manifest is not None:
                 return manifest, "hit"
             self._remove_leftovers()
-            manifest = self._build(write_features)
+            manifest = self._build(write_features, needed_bytes)
         return manifest, "miss"
 
     def _remove_leftovers(self):
@@ -304,16 +300,17 @@ class FeatureCache:
         if os.path.exists(self.path):
             self.remove(self.cache_dir, self.name, drop_lock=False)  # we hold that lock
 
-    def _build(self, write_features):
+    def _build(self, write_features, needed_bytes):
         tmp = tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=self.cache_dir)
         try:
             return self._build_in(tmp, write_features)
         except BaseException as exc:  # Ctrl-C included: nothing half-written stays
             shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(exc):
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self.cache_dir).free
+                needs = "" if needed_bytes is None else f"; the entry needs about {_mib(needed_bytes)}"
                 raise OSError(f"The disk holding the feature cache {self.cache_dir} is full "
-                              f"({_mib(free)} free); the partial entry was removed. "
+                              f"({_mib(free)} free{needs}); the partial entry was removed. "
                               "Free some space or pass another `cache_dir`.") from None
             raise
 

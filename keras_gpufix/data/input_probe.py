@@ -80,14 +80,15 @@ class InputProbe:
             s.shape.rank if isinstance(s, tf.TensorSpec) and s.shape.rank is not None else None
             for s in specs
         ]
-        width = max(1, sum(r for r in self.ranks if r))
+        # A shape row holds every ranked tensor's dimensions, then (with
+        # `frames`) the batch's real frames: one table, one read.
+        width = max(1, sum(r for r in self.ranks if r)) + (frames is not None)
         table = tf.lookup.experimental.MutableHashTable
         with tf.init_scope():
             self._count = table(tf.int64, tf.int64, default_value=0)
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
             self._local = table(tf.int64, tf.int64, default_value=-1)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
-            self._frames = None if frames is None else table(tf.int64, tf.int64, default_value=-1)
         self._keys = {}
         with _LOCK:
             _PROBES.add(self)
@@ -104,6 +105,9 @@ class InputProbe:
             for t, r in zip(tf.nest.flatten(element), self.ranks) if r
         ]
         shape = tf.concat(dims, 0) if dims else tf.zeros([1], tf.int32)
+        if self.frames is not None:
+            real = tf.reduce_sum(tf.cast(self.frames(element), tf.int64))
+            shape = tf.concat([shape, tf.reshape(tf.cast(real, tf.int32), [1])], 0)
         zero = tf.constant([0], tf.int64)
         index = self._count.lookup(zero)  # the map is sequential: no race
         counted = self._count.insert(zero, index + 1)
@@ -113,11 +117,7 @@ class InputProbe:
         ready = self._ready.insert(slot, tf.reshape(now, [1]))
         shapes = self._shapes.insert(slot, tf.reshape(shape, [1, -1]))
         first = self._local.insert(slot, tf.reshape(local, [1]))
-        written = [ready, shapes, first]
-        if self._frames is not None:
-            real = tf.reduce_sum(tf.cast(self.frames(element), tf.int64))
-            written.append(self._frames.insert(slot, tf.reshape(real, [1])))
-        with tf.control_dependencies(written):
+        with tf.control_dependencies([ready, shapes, first]):
             return tf.nest.map_structure(tf.identity, element)
 
     def produced(self):
@@ -142,10 +142,9 @@ class InputProbe:
         shapes = self._shapes.lookup(slots).numpy().reshape(len(idx), -1)
         ready = np.where(valid, ready, np.nan)
         shapes = np.where(valid[:, None], shapes, -1)
-        frames = None
-        if self._frames is not None:
-            frames = np.where(valid, self._frames.lookup(slots).numpy(), -1)
-        return ready, shapes, frames
+        if self.frames is None:
+            return ready, shapes, None
+        return ready, shapes[:, :-1], shapes[:, -1].astype(np.int64)
 
     def iterator_starts(self, start, stop):
         """Indices in [start, stop) of elements that began a new iterator."""

@@ -186,8 +186,9 @@ class MonitorConfig:
     warmup: int = _spec(5, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
     min_windows: int = _spec(2, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
                              _int_from_str)
-    thresholds: dict = _spec({}, "a mapping of OscillationDetector arguments",
-                             lambda v: isinstance(v, dict))
+    thresholds: dict = _spec({}, "a mapping of OscillationDetector arguments to numbers",
+                             lambda v: isinstance(v, dict)
+                             and all(_is_number(x) for x in v.values()))
     log_dir: str = _spec("logs", "a path (string) or null", _opt_str)
     profiling: Any = _spec(ProfilingConfig, "a mapping of ProfilerTrigger arguments or false",
                            lambda v: v is None or v is False or isinstance(v, dict))
@@ -354,6 +355,31 @@ def _threshold_keys():
     return sorted(THRESHOLDS)
 
 
+def _detector(monitor, thresholds):
+    from keras_gpufix.analysis import OscillationDetector
+
+    return OscillationDetector(window=monitor.window, warmup=monitor.warmup,
+                               min_windows=monitor.min_windows, **thresholds)
+
+
+def _profiler_trigger(profiling):
+    from keras_gpufix.callbacks import ProfilerTrigger
+
+    return ProfilerTrigger("logs", verbose=0, **dataclasses.asdict(profiling))
+
+
+def _owner_check(key, what, make, doc, problems):
+    """Adds an `invalid_value` problem when `make()`, the object `key`
+    configures built from the loaded values, rejects them: the object's own
+    rule decides, so `load_config` accepts exactly what it accepts."""
+    try:
+        make()
+    except (TypeError, ValueError) as exc:
+        problems.append(_problem(
+            "invalid_value", key, doc.line(key), doc.source,
+            f"`{key}` is not {what}: {exc}"))
+
+
 def _section(cls, raw, prefix, doc, problems):
     """Builds a section dataclass from `raw`; bad entries keep their default."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -412,16 +438,20 @@ def _build(doc):
         values = getattr(data, key)
         _nested(values, f"data.{key}", _sub_keys(owner), doc, problems)
         known = {k: v for k, v in values.items() if k in _sub_keys(owner)}
-        try:
-            owner(**known)
-        except (TypeError, ValueError) as exc:
-            problems.append(_problem(
-                "invalid_value", f"data.{key}", doc.line(f"data.{key}"), doc.source,
-                f"`data.{key}` is not a valid {cls_name}: {exc}"))
+        _owner_check(f"data.{key}", f"a valid {cls_name}", lambda: owner(**known), doc,
+                     problems)
     _nested(monitor.thresholds, "monitor.thresholds", _threshold_keys(), doc, problems)
+    if monitor.thresholds:
+        known = {k: v for k, v in monitor.thresholds.items() if k in _threshold_keys()}
+        _owner_check("monitor.thresholds", "accepted by OscillationDetector",
+                     lambda: _detector(monitor, known), doc, problems)
     if monitor.profiling is None or isinstance(monitor.profiling, dict):
+        given = bool(monitor.profiling)
         monitor.profiling = _section(ProfilingConfig, monitor.profiling or {},
                                      "monitor.profiling", doc, problems)
+        if given:
+            _owner_check("monitor.profiling", "accepted by ProfilerTrigger",
+                         lambda: _profiler_trigger(monitor.profiling), doc, problems)
     lines = {path: doc.line(path) for path in doc.nodes}
     return Config(source=doc.source, lines=lines, **sections), _in_line_order(problems)
 

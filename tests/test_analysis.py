@@ -441,3 +441,19 @@ def test_docs_quote_the_one_table_and_thresholds():
     rows += [f"| `{k}` | {v} |" for k, v in THRESHOLDS.items()]
     missing = [row for row in rows if row not in doc]
     assert not missing, f"docs/monitoring.md is out of date with analysis/verdicts.py: {missing}"
+
+
+def test_is_recompiling_only_when_compiles_keep_coming_and_cost():
+    from keras_gpufix.analysis import is_recompiling
+
+    # 8 buckets compiled once each in the first epoch: warm-up, whatever it cost
+    assert is_recompiling(9.0, 10.0, shapes=8) == (False, pytest.approx(0.9))
+    # a new shape after the first epoch, a retrace, or too many shapes: compiles keep coming
+    assert is_recompiling(2.0, 10.0, late_compiles=1, shapes=8)[0]
+    assert is_recompiling(2.0, 10.0, retraces=1)[0]
+    assert is_recompiling(2.0, 10.0, shapes=THRESHOLDS["max_new_shapes"] + 1)[0]
+    # ... but only when they cost at least cost_share of the time
+    assert not is_recompiling(0.5, 10.0, late_compiles=3)[0]
+    assert is_recompiling(0.5, 10.0, late_compiles=3, cost_share=0.05)[0]
+    assert not is_recompiling(2.0, 10.0, shapes=5, max_new_shapes=4, cost_share=0.5)[0]
+    assert is_recompiling(0.0, 0.0, retraces=2) == (False, 0.0)

@@ -175,6 +175,9 @@ def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(cor
     assert "leftovers (1, from interrupted or failed builds" in out
     skipped = [line for line in out.splitlines() if line.startswith("skipped ")]
     assert len(skipped) == 1 and "empty" in skipped[0] and ".wav" in skipped[0]
+    assert main(["cache", "build", corpus, "--cache-dir", str(cache), "--json"]) == 0
+    [entry] = last_json(capsys.readouterr().out)["skipped"]
+    assert entry["path"].endswith(".wav") and entry["path"] in skipped[0] and entry["reason"]
     assert main(["cache", "clear", corpus, "--cache-dir", str(cache), "--json"]) == 0
     cleared = last_json(capsys.readouterr().out)
     assert ".features-0123.tmp-abc" in cleared["removed"] and cleared["freed_bytes"] >= 4096
@@ -197,6 +200,7 @@ def test_cache_build_disk_full_exits_2_with_one_line_and_nothing_left(corpus, tm
     assert main(["cache", "build", corpus, "--cache-dir", str(cache)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert str(cache) in err[-1] and "is full" in err[-1] and "Traceback" not in "".join(err)
+    assert "the entry needs about" in err[-1]  # the estimate made before building
     assert FeatureCache.leftovers(str(cache)) == [] and FeatureCache.entries(str(cache)) == []
 
 
@@ -206,6 +210,24 @@ def test_cache_build_in_a_file_exits_2_naming_the_folder(corpus, tmp_path, capsy
     assert main(["cache", "build", corpus, "--cache-dir", str(blocker / "cache")]) == 2
     err = capsys.readouterr().err
     assert "cannot be written" in err and "a_file is a file, not a directory" in err
+
+
+def test_read_only_cache_folder_exits_2_with_the_reason_validate_gives(corpus, tmp_path, capsys):
+    from fs_faults import read_only_folder
+
+    with read_only_folder(tmp_path / "ro") as ro:
+        cache = os.path.join(ro, "cache")
+        assert main(["cache", "build", corpus, "--cache-dir", cache]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        reason = re.search(r"cannot be written \((.+?)\)\. ", err[-1])
+        assert reason and cache in err[-1] and ro in reason.group(1), err
+        config = tmp_path / "c.yaml"
+        config.write_text(f"data:\n  cache_dir: {cache}\n")
+        assert main(["validate", str(config), "--json"]) == 1
+        problems = last_json(capsys.readouterr().out)["problems"]
+        assert [p["kind"] for p in problems] == ["cache_dir_not_writable"]
+        assert f"{cache} cannot be written ({reason.group(1)})" in problems[0]["message"]
+        assert os.listdir(ro) == []
 
 
 def test_ctrl_c_during_cache_build_is_one_line_exit_130(corpus, tmp_path, capsys, monkeypatch):

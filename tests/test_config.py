@@ -219,16 +219,28 @@ def test_values_the_builder_cannot_honour_are_refused(tmp_path, text, key, fixed
     assert getattr(getattr(load_config(path), section), name) == fixed
 
 
-# Every value the YAML documents, and where from_config must deliver it.
-DOCUMENTED = """\
+# One value that is not the default for EVERY key load_config accepts, and where
+# from_config must deliver it (`setup` -> what the object holds). A key added to a
+# section without a row here fails test_every_key_has_a_round_trip_row.
+EVERY_KEY = """\
 data:
+  corpus: corpus
+  audio: {{n_mels: 40, max_seconds: 5.0}}
+  text: {{unknown: oov}}
   batch_size: 12
   num_buckets: 3
+  cache_dir: cache
+  on_bad_input: raise
   prefetch: {prefetch}
+  service: grpc://localhost:5050
 training:
   jit_compile: false
   mixed_precision: {policy}
   steps_per_execution: 4
+  epochs: 7
+distribute:
+  mode: one_device
+  devices: ["/cpu:0"]
 monitor:
   window: 16
   warmup: 2
@@ -236,8 +248,78 @@ monitor:
   thresholds: {{slow_factor: 4.0}}
   log_dir: logs
   profiling: {{trigger: [slow_step, 7], steps: 2, max_traces: 1, analyze: false,
-              cooldown: 5, slow_factor: 4.0, min_slow_ms: 1.5, warmup: 3}}
+              cooldown: 5, slow_factor: 4.0, min_slow_ms: 1.5, warmup: 3,
+              analysis_timeout: 0.5}}
 """
+
+
+def _callback(setup, name):
+    import keras_gpufix as kg
+
+    (callback,) = [c for c in setup.callbacks if type(c) is getattr(kg, name)]
+    return callback
+
+
+def _trigger(name):
+    return lambda setup, tmp: getattr(_callback(setup, "ProfilerTrigger"), name)
+
+
+REACHES = {
+    "data.corpus": (lambda s, tmp: (s.builder.corpus.source, len(s.builder.utterances)),
+                    lambda tmp: (str(tmp / "corpus" / "metadata.csv"), 4)),
+    "data.audio": (lambda s, tmp: (s.builder.audio.n_mels, s.builder.audio.max_seconds),
+                   (40, 5.0)),
+    "data.text": (lambda s, tmp: s.builder.text.unknown, "oov"),
+    "data.batch_size": (lambda s, tmp: s.build_kwargs["batch_size"], 12),
+    "data.num_buckets": (lambda s, tmp: (s.build_kwargs["num_buckets"],
+                                         _callback(s, "RetracingMonitor").max_new_shapes),
+                         (3, 4)),
+    "data.cache_dir": (lambda s, tmp: s.builder.cache_dir, lambda tmp: str(tmp / "cache")),
+    "data.on_bad_input": (lambda s, tmp: s.builder.on_bad_input, "raise"),
+    "data.prefetch": None,  # per parametrization, below
+    "data.service": (lambda s, tmp: s.build_kwargs["service"], "grpc://localhost:5050"),
+    "training.jit_compile": (lambda s, tmp: s.compile_kwargs["jit_compile"], False),
+    "training.mixed_precision": None,  # per parametrization, below
+    "training.steps_per_execution": (lambda s, tmp: s.compile_kwargs["steps_per_execution"], 4),
+    "training.epochs": (lambda s, tmp: s.config.training.epochs, 7),  # fit's, not an object's
+    "distribute.mode": (lambda s, tmp: type(s.strategy).__name__, "OneDeviceStrategy"),
+    "distribute.devices": (lambda s, tmp: s.strategy.extended.worker_devices[0].lower(),
+                           "/job:localhost/replica:0/task:0/device:cpu:0"),
+    "monitor.window": (lambda s, tmp: _callback(s, "GPUOscillationMonitor").window, 16),
+    "monitor.warmup": (lambda s, tmp: _callback(s, "GPUOscillationMonitor").warmup, 2),
+    "monitor.min_windows": (lambda s, tmp: _callback(s, "GPUOscillationMonitor").min_windows, 3),
+    "monitor.thresholds": (lambda s, tmp: _callback(s, "GPUOscillationMonitor").thresholds,
+                           {"slow_factor": 4.0}),
+    "monitor.log_dir": (lambda s, tmp: {_callback(s, name).log_dir for name in (
+        "GPUOscillationMonitor", "StepTimer", "ProfilerTrigger")}, lambda tmp: {str(tmp / "logs")}),
+    "monitor.profiling.trigger": (_trigger("trigger"), ["slow_step", 7]),
+    "monitor.profiling.steps": (_trigger("steps"), 2),
+    "monitor.profiling.max_traces": (_trigger("max_traces"), 1),
+    "monitor.profiling.analyze": (_trigger("analyze"), False),
+    "monitor.profiling.cooldown": (_trigger("cooldown"), 5),
+    "monitor.profiling.slow_factor": (_trigger("slow_factor"), 4.0),
+    "monitor.profiling.min_slow_ms": (_trigger("min_slow_ms"), 1.5),
+    "monitor.profiling.warmup": (_trigger("warmup"), 3),
+    "monitor.profiling.analysis_timeout": (_trigger("analysis_timeout"), 0.5),
+}
+
+
+def _every_key():
+    from keras_gpufix.config import _SECTIONS, ProfilingConfig
+
+    keys = {f"{name}.{f.name}" for name, cls in _SECTIONS.items()
+            for f in dataclasses.fields(cls)} - {"monitor.profiling"}
+    return keys | {f"monitor.profiling.{f.name}" for f in dataclasses.fields(ProfilingConfig)}
+
+
+def test_every_key_has_a_round_trip_row():
+    import yaml
+
+    assert set(REACHES) == _every_key()
+    written = yaml.safe_load(EVERY_KEY.format(prefetch="auto", policy="auto"))
+    paths = {f"{s}.{k}" for s, keys in written.items() for k in keys} - {"monitor.profiling"}
+    assert paths | {f"monitor.profiling.{k}" for k in written["monitor"]["profiling"]} == (
+        _every_key())
 
 
 @pytest.mark.parametrize("policy, prefetch, keras_policy", [
@@ -249,40 +331,30 @@ monitor:
     ("mixed_bfloat16", "auto", "mixed_bfloat16"),
     ("mixed_float16", "auto", "mixed_float16"),
 ])
-def test_every_documented_value_reaches_its_object(tmp_path, policy, prefetch, keras_policy):
+def test_every_value_load_config_accepts_reaches_its_object(tmp_path, policy, prefetch,
+                                                             keras_policy):
     import keras
 
     import keras_gpufix as kg
     from keras_gpufix.config import from_config
 
-    path = write(tmp_path, DOCUMENTED.format(policy=policy, prefetch=prefetch))
+    kg.data.make_synthetic_corpus(tmp_path / "corpus", 4, max_seconds=1.5)
+    path = write(tmp_path, EVERY_KEY.format(policy=policy, prefetch=prefetch))
     try:
         setup = from_config(load_config(path))
-        if keras_policy is not None:
-            assert keras.config.dtype_policy().name == keras_policy
-        assert setup.compile_kwargs == {"jit_compile": False, "mixed_precision": setup.policy,
-                                        "steps_per_execution": 4}
+        policy_set = keras.config.dtype_policy().name
     finally:
         keras.config.set_dtype_policy("float32")
-    expected = {"batch_size": 12, "num_buckets": 3}
-    if prefetch != "auto":
-        expected["prefetch_to_device"] = prefetch
-    assert setup.build_kwargs == expected
-    by_type = {type(c): c for c in setup.callbacks}
-    monitor = by_type[kg.GPUOscillationMonitor]
-    assert (monitor.window, monitor.warmup, monitor.min_windows, monitor.thresholds) == (
-        16, 2, 3, {"slow_factor": 4.0})
-    assert by_type[kg.RetracingMonitor].max_new_shapes == 4
-    logs = str(tmp_path / "logs")
-    assert monitor.log_dir == logs
-    trigger = by_type[kg.ProfilerTrigger]
-    assert trigger.log_dir == logs
-    assert by_type[kg.StepTimer].log_dir == logs  # per-step scalars in TensorBoard
-    assert {name: getattr(trigger, name) for name in (
-        "trigger", "steps", "max_traces", "analyze", "cooldown", "slow_factor",
-        "min_slow_ms", "warmup")} == {
-        "trigger": ["slow_step", 7], "steps": 2, "max_traces": 1, "analyze": False,
-        "cooldown": 5, "slow_factor": 4.0, "min_slow_ms": 1.5, "warmup": 3}
+    if keras_policy is not None:
+        assert policy_set == keras_policy == setup.policy
+    assert setup.compile_kwargs["mixed_precision"] == setup.policy
+    assert setup.build_kwargs.get("prefetch_to_device", "auto") == prefetch
+    for key, reach in REACHES.items():
+        if reach is None:
+            continue
+        got, expected = reach
+        expected = expected(tmp_path) if callable(expected) else expected
+        assert got(setup, tmp_path) == expected, key
 
 
 def test_sections_follow_the_signatures_they_feed():
@@ -292,22 +364,127 @@ def test_sections_follow_the_signatures_they_feed():
     from keras_gpufix.config import (DataConfig, DistributeConfig, MonitorConfig,
                                      ProfilingConfig, TrainingConfig)
 
-    def params(cls):
-        return set(inspect.signature(cls).parameters)
+    def params(*owners):
+        return {name: p.default for owner in owners
+                for name, p in inspect.signature(owner).parameters.items()}
 
-    profiling = {f.name for f in dataclasses.fields(ProfilingConfig)}
-    assert profiling == params(kg.ProfilerTrigger) - {"log_dir", "verbose"}
-    monitor = {f.name for f in dataclasses.fields(MonitorConfig)} - {"profiling"}
-    assert monitor == params(kg.GPUOscillationMonitor) - {"on_detect", "nvml", "verbose"}
-    # data / training / distribute keys are arguments of what they feed (prefetch is
-    # build's prefetch_to_device, "auto" its default; epochs goes to fit)
-    data = {f.name for f in dataclasses.fields(DataConfig)} - {"prefetch"}
-    assert data <= params(kg.data.SpeechDatasetBuilder) | params(
-        kg.data.SpeechDatasetBuilder.build)
-    assert "prefetch_to_device" in params(kg.data.SpeechDatasetBuilder.build)
-    training = {f.name for f in dataclasses.fields(TrainingConfig)} - {"epochs"}
-    assert training <= params(kg.compile_model)
-    assert {f.name for f in dataclasses.fields(DistributeConfig)} <= params(kg.setup_strategy)
+    def defaults(cls, leave=()):
+        return {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(cls) if f.name not in leave}
+
+    # the same names AND the same defaults as the signature each section feeds
+    trigger = params(kg.ProfilerTrigger)
+    assert defaults(ProfilingConfig) == {
+        k: v for k, v in trigger.items() if k not in ("log_dir", "verbose")}
+    monitor = params(kg.GPUOscillationMonitor)
+    # thresholds {} is the monitor's None; log_dir "logs" is the config's choice
+    assert defaults(MonitorConfig, ("profiling", "thresholds", "log_dir")) == {
+        k: v for k, v in monitor.items()
+        if k not in ("on_detect", "nvml", "verbose", "thresholds", "log_dir")}
+    assert {"thresholds", "log_dir"} <= set(monitor)
+    training = params(kg.compile_model)
+    assert defaults(TrainingConfig, ("epochs",)) == {
+        k: training[k] for k in ("jit_compile", "mixed_precision", "steps_per_execution")}
+    assert defaults(DistributeConfig) == {
+        k: v for k, v in params(kg.setup_strategy).items() if k != "memory_growth"}
+    # data: builder + build arguments; prefetch is build's prefetch_to_device ("auto": None),
+    # audio/text are mappings of AudioConfig/TextConfig ({}: their defaults)
+    data = params(kg.data.SpeechDatasetBuilder, kg.data.SpeechDatasetBuilder.build)
+    assert "prefetch_to_device" in data
+    assert set(defaults(DataConfig)) - {"prefetch"} <= set(data)
+    assert {k: v for k, v in defaults(DataConfig).items()
+            if k in ("num_buckets", "cache_dir", "service")} == {
+        k: data[k] for k in ("num_buckets", "cache_dir", "service")}
+
+
+# What `keras-gpufix validate` says and what from_config does agree on every value
+# docs/cli.md documents: accepted -> no schema problem and from_config builds it;
+# refused -> the problem names the key and from_config raises the same ConfigError.
+DOCUMENTED = [
+    ("data:\n  batch_size: 8\n", True),
+    ("data:\n  num_buckets: 1\n", True),
+    ("data:\n  num_buckets: 0\n", False),
+    ("data:\n  num_buckets: null\n", False),
+    ("data:\n  prefetch: auto\n", True),
+    ("data:\n  prefetch: /cpu:0\n", True),
+    ("data:\n  prefetch: false\n", False),
+    ("data:\n  prefetch: 4\n", False),
+    ("data:\n  on_bad_input: skip\n", True),
+    ("data:\n  on_bad_input: ignore\n", False),
+    ("data:\n  service: grpc://localhost:5050\n", True),
+    ("data:\n  audio: {n_mels: 40}\n", True),
+    ("data:\n  audio: {n_mels: -1}\n", False),
+    ("data:\n  text: {unknown: oov}\n", True),
+    ("data:\n  text: {unknown: raise}\n", False),
+    ("training:\n  jit_compile: false\n", True),
+    ("training:\n  mixed_precision: auto\n", True),
+    ("training:\n  mixed_precision: false\n", True),
+    ("training:\n  mixed_precision: float32\n", True),
+    ("training:\n  mixed_precision: bfloat16\n", True),
+    ("training:\n  mixed_precision: mixed_bfloat16\n", True),
+    ("training:\n  mixed_precision: float16\n", True),
+    ("training:\n  mixed_precision: mixed_float16\n", True),
+    ("training:\n  mixed_precision: half\n", False),
+    ("training:\n  steps_per_execution: 1\n", True),
+    ("training:\n  steps_per_execution: 0\n", False),
+    ("training:\n  epochs: 3\n", True),
+    ("distribute:\n  mode: default\n", True),
+    ("distribute:\n  mode: one_device\n", True),
+    ("distribute:\n  mode: mirrored\n", True),
+    ("distribute:\n  mode: sharded\n", False),
+    ("monitor:\n  window: 8\n", True),
+    ("monitor:\n  window: 4\n", False),
+    ("monitor:\n  warmup: 0\n", True),
+    ("monitor:\n  min_windows: 1\n", True),
+    ("monitor:\n  min_windows: 0\n", False),
+    ("monitor:\n  thresholds: {slow_factor: 2.0}\n", True),
+    ("monitor:\n  thresholds: {slow_factor: 0.5}\n", False),
+    ("monitor:\n  thresholds: {slow_factor: fast}\n", False),
+    ("monitor:\n  log_dir: null\n", True),
+    ("monitor:\n  profiling: false\n", True),
+    ("monitor:\n  profiling: {trigger: [oscillation, slow_step, 0]}\n", True),
+    ("monitor:\n  profiling: {trigger: sometimes}\n", False),
+    ("monitor:\n  profiling: {trigger: -3}\n", False),
+    ("monitor:\n  profiling: {slow_factor: 1.0}\n", False),
+    ("monitor:\n  profiling: {analysis_timeout: 0}\n", True),
+    ("monitor:\n  profiling: {analysis_timeout: -1}\n", False),
+]
+
+
+@pytest.mark.parametrize("text, accepted", DOCUMENTED)
+def test_validate_and_from_config_agree(tmp_path, text, accepted):
+    import keras
+
+    from keras_gpufix.config import from_config
+
+    path = write(tmp_path, text)
+    result = validate_config(path, environment=CPU)
+    schema = [p for p in result["problems"]
+              if p["kind"] in ("wrong_type", "invalid_value", "unknown_key")]
+    try:
+        if accepted:
+            assert schema == []
+            from_config(path)
+        else:
+            section, key = text.split(":")[0], text.split("\n")[1].split(":")[0].strip()
+            (problem,) = schema  # on the key written (or one of its entries)
+            assert problem["key"].startswith(f"{section}.{key}") and problem["line"] == 2
+            assert result["exit_code"] == 1
+            with pytest.raises(ConfigError) as info:
+                from_config(path)
+            assert info.value.problems == schema
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_docs_table_lists_every_key():
+    docs = os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")
+    with open(docs, encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("### Every documented value"):]
+    table = table[:table.index("\n## ")]
+    missing = [key for key in _every_key() if f"`{key}`" not in table]
+    assert missing == []
 
 
 def test_builder_kwargs_from_config(tmp_path):

@@ -40,6 +40,13 @@ def _epoch(dataset):
     return [tuple(t.numpy() for t in tf.nest.flatten(batch)) for batch in dataset]
 
 
+def _frames(utterance):
+    """Feature frames of an utterance, from its WAV header (public facts only)."""
+    samples = audio_lib.resampled_length(utterance.info.frames, utterance.info.sample_rate,
+                                         AUDIO.sample_rate)
+    return AUDIO.num_frames(samples)
+
+
 def _by_utterance(batches):
     """(text ids, mel) of every utterance of an epoch, keyed by its text ids."""
     out = {}
@@ -68,7 +75,8 @@ def test_elements_report_and_bounded_shapes(cached):
     shapes = {(ids.shape, mel.shape) for ids, _, mel, _ in batches}
     assert len(shapes) == report["distinct_shapes"] <= 3 + 1
     assert len(batches) == report["batches_per_epoch"] == dataset.cardinality().numpy()
-    assert sorted(np.concatenate([b[3] for b in batches])) == sorted(cached._frames)
+    assert sorted(np.concatenate([b[3] for b in batches])) == sorted(
+        _frames(u) for u in cached.utterances)  # every utterance once, at its header's length
     real = sum(b[3].sum() for b in batches)
     padded = sum(b[2].shape[0] * b[2].shape[1] for b in batches)
     assert report["padding_efficiency"] == pytest.approx(real / padded, abs=1e-4)
@@ -99,11 +107,13 @@ def test_handled_kinds_are_converted(cached):
     other = cached.utterances[by_id["bad_other_rate"]]
     assert other.info.sample_rate == 8000
     samples = audio_lib.resampled_length(other.info.frames, 8000, 16000)
-    assert cached._frames[by_id["bad_other_rate"]] == AUDIO.num_frames(samples)
-    features = cached.prepare()._read_features()
+    entry = cached.prepare().cache_entry()
+    frames = entry.open()["frames"]  # what the cache build recorded
+    assert frames[by_id["bad_other_rate"]] == AUDIO.num_frames(samples) == _frames(other)
     for kind in HANDLED:
-        mel = features(by_id[f"bad_{kind}"]).numpy()
-        assert mel.shape == (cached._frames[by_id[f"bad_{kind}"]], 40)
+        index = by_id[f"bad_{kind}"]
+        mel = entry.read(index)
+        assert mel.shape == (frames[index], 40) == (_frames(cached.utterances[index]), 40)
         assert np.isfinite(mel).all() and mel.max() > np.log(AUDIO.log_floor) + 5
 
 
@@ -204,15 +214,18 @@ def test_fit_under_the_default_strategy(cached):
     assert np.isfinite(history.history["loss"]).all()
 
 
-def test_prefetch_to_device_is_last_and_ignored_under_a_strategy(cached):
+def test_prefetch_to_device_is_reported_and_ignored_under_a_strategy(cached):
     dataset = cached.build(4, 2, prefetch_to_device="/cpu:0")
-    assert type(dataset._input_dataset).__name__ == "_CopyToDeviceDataset"
+    assert cached.report["prefetch_to_device"] == "/cpu:0"
     assert len(_epoch(dataset)) == cached.report["batches_per_epoch"]
+    cached.build(4, 2)
+    assert cached.report["prefetch_to_device"] is None
 
     with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
-        with pytest.warns(GpufixWarning, match="prefetch_to_device"):
-            plain = cached.build(4, 2, prefetch_to_device="/cpu:0")
-    assert type(plain._input_dataset).__name__ != "_CopyToDeviceDataset"
+        with pytest.warns(GpufixWarning, match="prefetch_to_device") as caught:
+            cached.build(4, 2, prefetch_to_device="/cpu:0")
+    assert cached.report["prefetch_to_device"] is None
+    assert caught[0].filename == __file__  # the build(...) line above
 
 
 MIRRORED = textwrap.dedent(

@@ -2,6 +2,8 @@ import errno
 import glob
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,15 +17,19 @@ import tensorflow as tf
 
 from keras_gpufix.data.audio import AudioConfig
 from keras_gpufix.data.builder import SpeechDatasetBuilder
-from keras_gpufix.data.cache import FeatureCache
+from keras_gpufix.data.cache import FeatureCache, writable_problem
 from keras_gpufix.data.synthetic import make_synthetic_corpus
 from keras_gpufix.exceptions import GpufixWarning
+from fs_faults import read_only_folder, tmpfs
 
 AUDIO = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# TensorFlow's own (absl) log lines, printed at import whatever TF_CPP_MIN_LOG_LEVEL says
+TF_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl)")
 
 # Builds the cache of argv[1] into argv[2], slowed to `argv[3]` s per
 # utterance so that a test can kill it halfway; prints the cache status.
+# With argv[4] "cli": through `keras-gpufix cache build` instead.
 SCRIPT = textwrap.dedent(
     """
     import sys, time
@@ -46,6 +52,10 @@ SCRIPT = textwrap.dedent(
         return delayed
 
     SpeechDatasetBuilder._compute_features = slow
+    if sys.argv[4:] == ["cli"]:
+        from keras_gpufix.cli import main
+
+        raise SystemExit(main(["cache", "build", sys.argv[1], "--cache-dir", sys.argv[2]]))
     audio = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
     builder = SpeechDatasetBuilder(sys.argv[1], audio=audio, cache_dir=sys.argv[2], verbose=0)
     builder.prepare()
@@ -54,9 +64,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _spawn(corpus, cache_dir, delay):
+def _spawn(corpus, cache_dir, delay, *way):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, corpus, cache_dir, str(delay)],
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, corpus, cache_dir, str(delay), *way],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 
@@ -130,8 +140,9 @@ def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
     path = clean.cache_entry().feature_path(3)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 4)
-    with pytest.warns(GpufixWarning, match="feature file 3 has"):
+    with pytest.warns(GpufixWarning, match="feature file 3 has") as caught:
         again = _prepared(corpus, cache_dir)
+    assert caught[0].filename == __file__  # the user's line, not the cache's
     assert again.report["cache"] == "miss"
     for a, b in zip(expected, _features(again)):
         np.testing.assert_array_equal(a, b)
@@ -282,3 +293,85 @@ def test_remove_lists_and_deletes_entries_and_leftovers(corpus, tmp_path):
     for name in FeatureCache.entries(cache_dir) + FeatureCache.leftovers(cache_dir):
         FeatureCache.remove(cache_dir, name)
     assert os.listdir(cache_dir) == []
+
+
+def _needed_bytes(corpus, tmp_path):
+    """The estimate `prepare()` checks: from a reference build's frames."""
+    reference = _prepared(corpus, str(tmp_path / "reference"))
+    return FeatureCache.estimate_bytes(reference.cache_entry().open()["frames"], AUDIO.num_features)
+
+
+def test_disk_full_on_a_real_small_disk_is_one_line_and_gives_the_space_back(corpus, tmp_path):
+    needed = _needed_bytes(corpus, tmp_path)
+    # room for the estimate, not for the 4 KiB a tmpfs page costs each small feature file
+    with tmpfs(tmp_path / "disk", needed + 4096) as disk:
+        with pytest.raises(OSError) as info:
+            _prepared(corpus, disk)
+        message = str(info.value)
+        assert "\n" not in message and f"feature cache {disk} is full" in message
+        assert f"needs about {needed / 2**20:.1f} MiB" in message and "removed" in message
+        assert FeatureCache.leftovers(disk) == [] and FeatureCache.entries(disk) == []
+        assert shutil.disk_usage(disk).used < 8192  # the partial entry's space is free again
+
+
+def test_too_little_space_on_a_real_small_disk_is_refused_before_anything_is_written(corpus,
+                                                                                    tmp_path):
+    needed = _needed_bytes(corpus, tmp_path)
+    with tmpfs(tmp_path / "disk", needed // 2) as disk:
+        free = shutil.disk_usage(disk).free
+        with pytest.raises(OSError) as info:
+            _prepared(corpus, disk)
+        assert str(info.value).startswith(
+            f"Not enough disk space for the feature cache in {disk}: "
+            f"needs about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free.")
+        assert os.listdir(disk) == []
+
+
+def test_disk_full_mid_build_is_one_line_and_leaves_nothing(corpus, tmp_path, monkeypatch):
+    feature_path = FeatureCache.feature_path
+
+    def onto_a_full_disk(self, index, root=None):  # the builder's real writes; the 2nd on: ENOSPC
+        return feature_path(self, index, root) if index == 0 or root is None else "/dev/full"
+
+    monkeypatch.setattr(FeatureCache, "feature_path", onto_a_full_disk)
+    cache_dir = str(tmp_path / "cache")
+    with pytest.raises(OSError) as info:
+        _prepared(corpus, cache_dir)
+    message = str(info.value)
+    assert "\n" not in message and f"feature cache {cache_dir} is full" in message
+    assert "needs about" in message and "Traceback" not in message
+    assert FeatureCache.leftovers(cache_dir) == [] and FeatureCache.entries(cache_dir) == []
+
+
+def test_read_only_cache_folder_is_refused_with_the_validate_reason(corpus, tmp_path):
+    with read_only_folder(tmp_path / "ro") as ro:
+        cache_dir = os.path.join(ro, "cache")
+        why = writable_problem(cache_dir)
+        assert why is not None and ro in why
+        with pytest.raises(OSError) as info:
+            _prepared(corpus, cache_dir)
+        assert str(info.value).startswith(f"The cache folder {cache_dir} cannot be written ({why}).")
+        assert os.listdir(ro) == []
+
+
+def test_ctrl_c_during_a_real_cache_build_is_one_line_exit_130_and_leaves_nothing(corpus,
+                                                                                 tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    process = _spawn(corpus, cache_dir, 0.5, "cli")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.tensor")):
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr[-2000:]
+    ours = [line for line in stderr.splitlines() if not TF_LOG_LINE.match(line)]
+    assert ours == ["keras-gpufix: interrupted; nothing half-written: the cache entry was not committed"]
+    assert FeatureCache.leftovers(cache_dir) == [] and FeatureCache.entries(cache_dir) == []

@@ -150,8 +150,10 @@ def test_real_world_metadata_keeps_every_utterance(tmp_path, encode):
 def test_extra_columns_are_read_and_named_once(tmp_path):
     path, ids = _metadata_variant(
         tmp_path, lambda lines: "\n".join(line + "|spk|x" for line in lines).encode("utf-8"))
-    with pytest.warns(GpufixWarning, match=r"3 line\(s\) have more than three .*lines 1, 2, 3\)"):
+    with pytest.warns(GpufixWarning,
+                      match=r"3 line\(s\) have more than three .*lines 1, 2, 3\)") as caught:
         corpus = Corpus.from_ljspeech(path)
+    assert caught[0].filename == __file__
     kept, _ = corpus.scan()
     assert [u.id for u in kept] == ids and all(u.text.strip() and "spk" not in u.text for u in kept)
 

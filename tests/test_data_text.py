@@ -114,3 +114,15 @@ def test_characters_through_encode_transcripts():
 def test_tokenizer_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TextConfig(**kwargs)
+
+
+def test_text_functions_pass_the_shared_layer_checks():
+    import numpy as np
+    from layer_checks import check_config_round_trip, check_dataset_function
+
+    config = TextConfig(vocabulary=DEFAULT_VOCABULARY, unknown="oov", max_tokens=50)
+    check_config_round_trip(config)  # the path of the YAML `data.text` and the cache fingerprint
+    examples = [np.array(t, dtype=object) for t in ("Mr. Smith, 42", "ok", "a#b")]
+    eager = check_dataset_function(lambda t: encode_text(t[None], config).flat_values, examples)
+    batch = encode_text([str(x) for x in examples], config).to_list()
+    assert [ids.tolist() for ids in eager] == batch  # one at a time == the batch

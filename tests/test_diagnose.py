@@ -43,7 +43,8 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-lengths = np.tile(np.arange(10, 250, 20), 3)  # 12 distinct lengths, each seen 3 times
+# 20 distinct lengths (more than THRESHOLDS["max_new_shapes"]), each seen twice
+lengths = np.tile(np.arange(10, 250, 12), 2)
 
 def pad(n):
     return tf.ones([n, 4]), tf.ones([1])
@@ -135,7 +136,7 @@ def test_variable_lengths_under_jit_are_recompiling(tmp_path):
     assert proc.returncode == 0
     assert result["verdict"] == "recompiling"
     retracing = result["fits"][0]["retracing"]
-    assert retracing["new_shapes"] == 12
+    assert retracing["new_shapes"] == 20
     top = result["evidence"][0]
     assert top["source"] == "RetracingMonitor" and top["value"] == retracing["recompile_share"]
     assert f"{retracing['new_shapes']} distinct input shapes" in top["text"]
@@ -354,3 +355,31 @@ def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_pa
     fits[0]["what_if"] = {"speedup_if_input_free": 1.5}  # the input competes for the cores
     where = [w for fix in rank_causes(fits, scan)[2] for w in fix["where"]]
     assert any("helpers.py:5" in w for w in where)
+
+
+def test_a_diagnose_note_points_at_the_scripts_fit_line(tmp_path, monkeypatch):
+    import warnings
+
+    from keras_gpufix.diagnose import run
+    from keras_gpufix.exceptions import GpufixWarning
+
+    script = tmp_path / "tiny.py"
+    script.write_text(textwrap.dedent("""\
+        import numpy as np
+        import keras
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.fit(np.ones((16, 4)), np.ones((16, 1)), epochs=1, verbose=0)
+        """))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(run.FitPatch, "_prepare", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run.run_diagnosis([str(script)], trace=False, what_if=False, verbose=0)
+    assert result["exit_code"] == 0  # the fit ran without the monitors
+    (note,) = [w for w in caught if issubclass(w.category, GpufixWarning)]
+    assert "could not attach the monitors (RuntimeError: injected)" in str(note.message)
+    assert (note.filename, note.lineno) == (str(script), 5)  # the script's fit(...) line

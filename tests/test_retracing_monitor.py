@@ -46,7 +46,7 @@ def test_seven_lengths_under_jit_cost_seven_compiles():
     # One bucket per length, padded to the longest in the batch: 7 shapes.
     ds = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False))
     monitor = kg.RetracingMonitor(max_new_shapes=4, verbose=0)
-    with pytest.warns(GpufixWarning, match=r"steps at new input shapes were slow") as caught:
+    with pytest.warns(GpufixWarning, match=r"steps compiled at new input shapes") as caught:
         seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
     report = monitor.report()
     assert report["new_shapes"] >= 7
@@ -219,7 +219,7 @@ def test_custom_loop_traces_of_the_users_function_are_counted_and_named():
 def test_custom_loop_under_xla_prices_new_shapes_without_retracing():
     train_step = tf.function(step_function(), jit_compile=True, reduce_retracing=True)
     monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=4, verbose=0)
-    with pytest.warns(GpufixWarning, match=r"steps at new input shapes were slow"):
+    with pytest.warns(GpufixWarning, match=r"steps compiled at new input shapes"):
         custom_loop(train_step, instrument(length_batches()), [monitor], epochs=2)
     report = monitor.report()
     assert report["jit_compile"] is True
@@ -306,3 +306,39 @@ def test_without_instrumentation_slow_steps_are_not_priced_as_recompiles(jit_com
     assert report["compile_ms"] > 0  # the fit's one compile, at its first step
     assert [e["first_compile"] for e in report["shape_events"]] == [True]
     assert report["verdict"] == "healthy"
+
+
+def test_buckets_compiled_once_in_the_first_epoch_are_not_recompiling():
+    # Issue 10: the fix for recompiling applied (a bounded set of shapes) compiles
+    # each bucket once in the first epoch; that is warm-up, however much it cost.
+    ds = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False))
+    monitor = kg.RetracingMonitor(verbose=0)  # THRESHOLDS["max_new_shapes"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seq_model(jit_compile=True).fit(ds, epochs=3, verbose=0, callbacks=[monitor])
+    assert [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)] == []
+    report = monitor.report()
+    compiled = [e for e in report["shape_events"] if e["compiles"]]
+    assert len(compiled) == 7 and {e["epoch"] for e in compiled} == {0}
+    assert report["recompile_ms"] > 0 and report["retraces"] == 0
+    assert report["verdict"] == "healthy"
+
+
+def test_new_shapes_after_the_first_epoch_are_recompiling():
+    rng = np.random.default_rng(2)
+    epochs = iter(range(100))
+
+    def batches():  # each epoch its own lengths: compiles keep coming
+        lengths = (5, 9) if next(epochs) == 0 else (13, 17, 21)
+        for n in lengths * 3:
+            x = rng.random((BATCH, n, 4), dtype=np.float32)
+            yield x, x.mean(axis=(1, 2))[:, None]
+
+    ds = instrument(tf.data.Dataset.from_generator(batches, output_signature=(
+        tf.TensorSpec([BATCH, None, 4], tf.float32), tf.TensorSpec([BATCH, 1], tf.float32))))
+    monitor = kg.RetracingMonitor(verbose=0)
+    with pytest.warns(GpufixWarning, match=r"3 after the first epoch"):
+        seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["new_shapes"] == 5 and report["verdict"] == "recompiling"
+    assert sorted(e["epoch"] for e in report["shape_events"] if e["compiles"]) == [0, 0, 1, 1, 1]

@@ -9,7 +9,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |---------------|--------------------------------------------------------------|
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_mask`,              |
-|               | `recompile_cost`, `rank_causes`, `fix_for`                   |
+|               | `recompile_cost`, `step_compiled`, `is_recompiling`,         |
+|               | `rank_causes`, `fix_for`                                     |
 | `detector`    | `judge` (no side effects), `OscillationDetector`             |
 """
 
@@ -22,9 +23,11 @@ from keras_gpufix.analysis.verdicts import (
     TOO_FEW_STEPS,
     VERDICTS,
     fix_for,
+    is_recompiling,
     rank_causes,
     recompile_cost,
     slow_mask,
+    step_compiled,
 )
 
 __all__ = [
@@ -37,9 +40,11 @@ __all__ = [
     "TOO_FEW_STEPS",
     "VERDICTS",
     "fix_for",
+    "is_recompiling",
     "judge",
     "rank_causes",
     "recompile_cost",
     "slow_mask",
+    "step_compiled",
     "summarize_step_times",
 ]

@@ -35,6 +35,8 @@ __all__ = [
     "fix_for",
     "slow_mask",
     "recompile_cost",
+    "step_compiled",
+    "is_recompiling",
     "rank_causes",
 ]
 
@@ -241,10 +243,50 @@ def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: in
         jit: whether the step is XLA-compiled (None: not known).
         compiled_before: the shape was compiled in an earlier fit.
     """
-    compiled = traces > 0 or (new_shape and jit is True and not compiled_before)
-    if not compiled:
+    if not step_compiled(traces=traces, new_shape=new_shape, jit=jit,
+                         compiled_before=compiled_before):
         return 0.0
     return max(0.0, float(step_s) - float(median_s) * steps)
+
+
+def step_compiled(*, traces: int = 0, new_shape: bool = False, jit=None,
+                  compiled_before: bool = False) -> bool:
+    """Whether a step compiled: it traced again, or met a new input shape
+    under XLA (`jit is True`) not compiled in an earlier fit. The arguments
+    are those of `recompile_cost`."""
+    return traces > 0 or (new_shape and jit is True and not compiled_before)
+
+
+def is_recompiling(compile_s: float, total_s: float, *, retraces: int = 0,
+                   late_compiles: int = 0, shapes: int = 0, max_new_shapes: int = None,
+                   cost_share: float = None) -> tuple:
+    """THE recompiling rule: new shapes (or traces) keep costing compile time.
+
+    Compiles that stop (a bounded set of shapes compiled once each in the
+    first epoch: the fix for `recompiling` applied) are warm-up, never
+    `recompiling`, whatever they cost. Compiles keep coming when the step
+    was traced again after its first compile, a new shape compiled after
+    the first epoch, or more than `max_new_shapes` distinct shapes were
+    seen; then the run is `recompiling` when the compiles (priced by
+    `recompile_cost`) cost at least `cost_share` of the time.
+
+    Args:
+        compile_s: seconds the compiling steps cost (sum of `recompile_cost`).
+        total_s: the time they are a share of (cycle time, or fit time).
+        retraces: traces after the function's first compile.
+        late_compiles: steps that compiled a new shape after the first epoch.
+        shapes: distinct input shapes seen.
+        max_new_shapes: defaults to `THRESHOLDS["max_new_shapes"]`.
+        cost_share: defaults to `THRESHOLDS["cost_share"]`.
+
+    Returns:
+        `(verdict_is_recompiling, share)`, share = compile_s / total_s.
+    """
+    max_new_shapes = THRESHOLDS["max_new_shapes"] if max_new_shapes is None else max_new_shapes
+    cost_share = THRESHOLDS["cost_share"] if cost_share is None else cost_share
+    share = float(compile_s) / float(total_s) if total_s > 0 else 0.0
+    kept = retraces > 0 or late_compiles > 0 or shapes > max_new_shapes
+    return bool(kept and share >= cost_share), share
 
 
 def rank_causes(causes) -> list:

@@ -13,14 +13,18 @@ Two ways a variable-length input makes training slow:
   it: they are read from a dataset that went through `kg.data.instrument`.
 
 A step that compiles (a new trace, or a new shape under XLA) costs its time
-minus the median step: that is the estimated compile cost. The first compile
+minus the median step: that is the estimated compile cost
+(`keras_gpufix.analysis.recompile_cost`, the one pricing). The first compile
 of functions never compiled before is unavoidable (`compile_ms`); every later
 one is a recompile (`recompile_ms`). A step that is not compiled (a plain
 Python function, `run_eagerly=True`, or a new shape without XLA) costs no
-compile and is never priced as one, however slow. When more than
-`max_new_shapes` recompiles at new shapes were slow, or the step was traced
-again more than `max_new_shapes` times after its first compile, the verdict
-is `recompiling` and one warning per cause names the shapes and the fix.
+compile and is never priced as one, however slow. The verdict is the one
+rule, `keras_gpufix.analysis.is_recompiling`: `recompiling` when compiles keep
+coming (a retrace after the first compile, a new shape compiled after the
+first epoch, or more than `max_new_shapes` shapes) and cost at least
+`THRESHOLDS["cost_share"]` of the fit time; a bounded set of buckets compiled
+once each in the first epoch is warm-up. Then one warning names the shapes
+(or the traces) and the fix.
 
 Steps are timed, and shapes read every quarter second and at epoch end, by the
 shared step stream (`callbacks/_stream.py`, one clock and one probe read per hook for all
@@ -34,7 +38,14 @@ from collections import deque
 
 import numpy as np
 
-from keras_gpufix.analysis import FIXES
+from keras_gpufix.analysis import (
+    FIXES,
+    THRESHOLDS,
+    is_recompiling,
+    recompile_cost,
+    slow_mask,
+    step_compiled,
+)
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
@@ -79,15 +90,16 @@ class RetracingMonitor(TimedCallback):
         functions: the custom loop's step functions (`tf.function`s, or
             plain Python functions, which are reported as not compiled).
             Defaults to None: the functions inside `model.train_function`.
-        max_new_shapes: slow recompiles at new shapes (or retraces)
-            tolerated in one `fit` before the verdict is `recompiling`. Defaults to 8
-            (`kg.data` with `num_buckets=8`).
-        warn: warn once per cause (`shapes`, `traces`) when it is reached.
-            Defaults to True.
-        spike_factor: a step slower than this x the median step is a spike.
-            Defaults to 3.0.
-        min_spike_ms: ... and slower than the median by at least this.
-            Defaults to 2.0.
+        max_new_shapes: distinct input shapes that may compile once each
+            without the run being `recompiling`. Defaults to None:
+            `THRESHOLDS["max_new_shapes"]` (16: `kg.data` with
+            `num_buckets=8` and its partial batches).
+        warn: warn once when the verdict becomes `recompiling`. Defaults
+            to True.
+        spike_factor: the slow-step rule's factor (`analysis.slow_mask`)
+            for `spikes`. Defaults to 3.0.
+        min_spike_ms: ... and its minimum excess over the median. Defaults
+            to 2.0.
         verbose: 0 silent, 1 prints a one-line summary at the end of `fit`
             and, once, that shapes are not visible. Defaults to 1.
 
@@ -108,7 +120,7 @@ class RetracingMonitor(TimedCallback):
 
     MEDIAN_WINDOW = 256
 
-    def __init__(self, functions=None, max_new_shapes=8, warn=True, spike_factor=3.0,
+    def __init__(self, functions=None, max_new_shapes=None, warn=True, spike_factor=3.0,
                  min_spike_ms=2.0, verbose=1):
         super().__init__()
         if functions is not None:
@@ -121,6 +133,8 @@ class RetracingMonitor(TimedCallback):
                                  f"functions={functions!r}")
             functions = list(functions)
         self.functions = functions
+        if max_new_shapes is None:
+            max_new_shapes = THRESHOLDS["max_new_shapes"]
         if not isinstance(max_new_shapes, (int, np.integer)) or max_new_shapes < 1:
             raise ValueError("`max_new_shapes` must be an integer >= 1. "
                              f"Received: max_new_shapes={max_new_shapes!r}")
@@ -156,7 +170,8 @@ class RetracingMonitor(TimedCallback):
         self._normal = deque(maxlen=self.MEDIAN_WINDOW)
         self._spikes = 0
         self._spike_ms = 0.0
-        self._warned = set()
+        self._epoch = 0
+        self._warned = False
         self.notes = []
 
     def _begin(self):
@@ -257,6 +272,8 @@ class RetracingMonitor(TimedCallback):
             seconds, count, key = record.step, record.steps, record.shape
             new_traces = self._trace_deltas.pop(self._hooks_read, 0)
             self._hooks_read += 1
+            if record.epoch_first and self._global:
+                self._epoch += 1
             self._global += count
             new_shape = key is not None and key not in self._seen
             if new_shape:
@@ -264,71 +281,64 @@ class RetracingMonitor(TimedCallback):
             if new_shape or new_traces:
                 self._events.append({"step": self._global - count, "steps": count,
                                      "shape": key, "traces": new_traces,
-                                     "step_ms": seconds * 1e3,
+                                     "step_ms": seconds * 1e3, "epoch": self._epoch,
                                      "compiled_before": key in self._compiled_shapes})
                 if key is not None and self._functions:
                     self._compiled_shapes.add(key)
             elif not record.epoch_first:
                 batch_normal.append(seconds / count)
         if batch_normal:
-            self._normal.extend(batch_normal)
-            median = float(np.median(self._normal))
-            for step_s in batch_normal:
-                if self._is_spike(step_s, median):
-                    self._spikes += 1
-                    self._spike_ms += (step_s - median) * 1e3
+            self._count_spikes(batch_normal)
         self._judge()
 
     def _median_ms(self):
         return float(np.median(self._normal)) * 1e3 if self._normal else None
 
-    def _is_spike(self, step_s, median_s):
-        return (step_s > self.spike_factor * median_s
-                and (step_s - median_s) * 1e3 > self.min_spike_ms)
+    def _slow(self, per_step_s):
+        """The slow-step rule (`analysis.slow_mask`) for these per-step
+        times, against the window of normal steps and its median."""
+        window = np.fromiter(self._normal, float, len(self._normal))
+        times = np.concatenate([window, np.asarray(per_step_s, float)])
+        mask = slow_mask(times, float(np.median(times if not window.size else window)),
+                         factor=self.spike_factor, min_ms=self.min_spike_ms)
+        return mask[window.size:]
 
-    def _compiles(self, event):
-        """Whether the event's step compiled: a new trace, or a new shape under XLA."""
-        if self._compiled is False:
-            return False
-        return bool(event["traces"]) or (event["shape"] is not None and self._jit is True
-                                         and not event["compiled_before"])
+    def _count_spikes(self, per_step_s):
+        """Counts the slow steps among normal steps (never priced as compiles)."""
+        slow = self._slow(per_step_s)
+        self._normal.extend(per_step_s)
+        median = float(np.median(self._normal))
+        excess = np.asarray(per_step_s, float)[slow] - median
+        self._spikes += int(slow.sum())
+        self._spike_ms += float(np.maximum(excess, 0.0).sum()) * 1e3
 
     def _priced(self):
         """Events with `compiles`, `first_compile`, `cost_ms` and `slow`.
 
-        Priced against the current median. A step that did not compile costs
-        no compile: `cost_ms` 0. The first compile of functions never
+        Priced by `analysis.recompile_cost` against the current median (with
+        no normal step yet, each whole step counts: an upper bound). A step
+        that did not compile costs 0. The first compile of functions never
         compiled before is `first_compile`: a cost, not a recompile.
         """
-        median = self._median_ms()
+        median_ms = self._median_ms()
+        jit = self._jit if self._compiled is not False else False
+        slow = (self._slow([e["step_ms"] / e["steps"] / 1e3 for e in self._events])
+                if median_ms is not None else [True] * len(self._events))
         out = []
         first = self._fresh
-        for e in self._events:
+        for e, is_slow in zip(self._events, slow):
             e = dict(e)
-            e["compiles"] = self._compiles(e)
+            how = {"traces": e["traces"] if self._compiled is not False else 0,
+                   "new_shape": e["shape"] is not None, "jit": jit,
+                   "compiled_before": e["compiled_before"]}
+            e["compiles"] = step_compiled(**how)
+            e["cost_ms"] = recompile_cost(e["step_ms"] / 1e3, (median_ms or 0.0) / 1e3,
+                                          e["steps"], **how) * 1e3
+            e["slow"] = bool(is_slow)
             e["first_compile"] = first and e["compiles"]
             first = first and not e["compiles"]
-            if median is None:
-                # Every step so far was at a new shape or traced: nothing to
-                # compare with, so each whole step counts (an upper bound).
-                e["cost_ms"], e["slow"] = e["step_ms"], True
-            else:
-                e["cost_ms"] = max(0.0, e["step_ms"] - median * e["steps"])
-                e["slow"] = self._is_spike(e["step_ms"] / e["steps"] / 1e3, median / 1e3)
-            if not e["compiles"]:
-                e["cost_ms"] = 0.0
             out.append(e)
         return out
-
-    def _causes(self, priced):
-        causes = {}
-        slow_shapes = [e for e in priced if e["shape"] is not None and e["slow"]
-                       and e["compiles"] and not e["first_compile"]]
-        if len(slow_shapes) > self.max_new_shapes:
-            causes["shapes"] = slow_shapes
-        if self._retraces(priced) > self.max_new_shapes:
-            causes["traces"] = [e for e in priced if e["traces"] and not e["first_compile"]]
-        return causes
 
     def _retraces(self, priced):
         """Traces in this fit after the functions' first compile."""
@@ -337,15 +347,24 @@ class RetracingMonitor(TimedCallback):
         first = sum(e["traces"] for e in priced if e["first_compile"])
         return self._traces - self._baseline - first
 
+    def _verdict(self, priced):
+        """The one recompiling rule (`analysis.is_recompiling`) on this fit."""
+        recompiles = [e for e in priced if e["compiles"] and not e["first_compile"]]
+        late = sum(1 for e in recompiles if e["shape"] is not None and e["epoch"] > 0)
+        elapsed = (self._fit_t1 or time.time()) - self._fit_t0
+        recompiling, _ = is_recompiling(
+            sum(e["cost_ms"] for e in recompiles) / 1e3, elapsed,
+            retraces=self._retraces(priced), late_compiles=late, shapes=len(self._seen),
+            max_new_shapes=self.max_new_shapes)
+        return "recompiling" if recompiling else "healthy"
+
     def _judge(self):
-        if not self.warn:
+        if not self.warn or self._warned:
             return
         priced = self._priced()
-        for cause, events in self._causes(priced).items():
-            if cause in self._warned:
-                continue
-            self._warned.add(cause)
-            warn(self._message(cause, events, priced))
+        if self._verdict(priced) == "recompiling":
+            self._warned = True
+            warn(self._message(priced))
 
     def _traced_shapes(self):
         """Function name -> the input shapes of each of its traces (custom loops)."""
@@ -358,29 +377,35 @@ class RetracingMonitor(TimedCallback):
                 out[name] = [_signature_shapes(c) for c in concretes]
         return out
 
-    def _message(self, cause, events, priced):
-        cost = sum(e["cost_ms"] for e in events if not e["first_compile"])
-        share = self._share(cost)
-        if cause == "shapes":
+    def _message(self, priced):
+        recompiles = [e for e in priced if e["compiles"] and not e["first_compile"]]
+        cost = sum(e["cost_ms"] for e in recompiles)
+        head = (f"RetracingMonitor: recompiles cost an estimated {cost:.0f} ms, "
+                f"{self._share(cost):.0%} of fit time so far, and keep coming.")
+        parts = [head]
+        at_shapes = [e for e in recompiles if e["shape"] is not None and not e["traces"]]
+        if at_shapes:
             shapes = sorted(self._seen, key=self._seen.get)
             listed = ", ".join(str(s) for s in shapes[:12])
             more = f" and {len(shapes) - 12} more" if len(shapes) > 12 else ""
-            return (f"RetracingMonitor: {len(events)} steps at new input shapes were slow "
-                    f"(jit_compile={self._jit}): an estimated {cost:.0f} ms of recompilation, "
-                    f"{share:.0%} of fit time so far. Shapes seen: {listed}{more}. "
-                    f"Fix: {FIXES['recompiling']}.")
-        traced = self._traces - self._baseline
-        if self.functions is None:
-            what = "the train step was"
-        else:
-            what = ", ".join(self._functions) + (" was" if len(self._functions) == 1 else " were")
-        shapes = "".join(f" {name} was traced for {traces[-12:]}."
-                         for name, traces in self._traced_shapes().items())
-        return (f"RetracingMonitor: {what} traced {traced} times in this fit, "
-                f"{self._retraces(priced)} after the first compile (estimated cost "
-                f"{cost:.0f} ms, {share:.0%} of fit time so far).{shapes} "
-                "Feed tensors of fixed dtype and structure (no Python numbers or lists in "
-                f"the batch) and {FIXES['recompiling']}.")
+            late = sum(1 for e in at_shapes if e["epoch"] > 0)
+            parts.append(f"{len(at_shapes)} steps compiled at new input shapes "
+                         f"(jit_compile={self._jit}), {late} after the first epoch. "
+                         f"Shapes seen: {listed}{more}.")
+        retraces = self._retraces(priced)
+        if retraces:
+            if self.functions is None:
+                what = "The train step was"
+            else:
+                what = ", ".join(self._functions) + (" was" if len(self._functions) == 1
+                                                      else " were")
+            shapes = "".join(f" {name} was traced for {traces[-12:]}."
+                             for name, traces in self._traced_shapes().items())
+            parts.append(f"{what} traced {self._traces - self._baseline} times in this fit, "
+                         f"{retraces} after the first compile.{shapes} Feed tensors of fixed "
+                         "dtype and structure (no Python numbers or lists in the batch).")
+        parts.append(f"Fix: {FIXES['recompiling']}.")
+        return " ".join(parts)
 
     def _share(self, cost_ms):
         elapsed = (self._fit_t1 or time.time()) - self._fit_t0
@@ -395,10 +420,10 @@ class RetracingMonitor(TimedCallback):
             `shapes` (distinct input shape keys, as lists, in order seen),
             `new_shapes` (their number), `traced_shapes` (with
             `functions`: name -> the input shapes of each trace),
-            `shape_events` (step, steps, shape, traces, step_ms,
-            compiled_before (the shape was compiled in an earlier fit of the
-            same functions), compiles, first_compile, cost_ms, slow of each
-            step at a new shape or with a new trace),
+            `shape_events` (step, steps, shape, traces, step_ms, epoch (of
+            the fit, 0-based), compiled_before (the shape was compiled in an
+            earlier fit of the same functions), compiles, first_compile,
+            cost_ms, slow of each step at a new shape or with a new trace),
             `spikes` (other slow steps: more than `spike_factor` x the
             median) and `spike_ms` (their time above it; never priced as
             recompiles), `median_step_ms`, `steps`, `compile_ms` (the first
@@ -408,13 +433,15 @@ class RetracingMonitor(TimedCallback):
             is compiled),
             `recompile_share` (of fit wall time), `compiled` (False when
             the step runs eagerly, None when not verified), `jit_compile`,
-            `verdict` (`recompiling` or `healthy`), `fix`, `notes`.
+            `retraces` (traces after the first compile), `verdict`
+            (`recompiling` or `healthy`, by `analysis.is_recompiling`),
+            `fix`, `notes`.
         """
         priced = self._priced()
-        causes = self._causes(priced)
+        verdict = self._verdict(priced)
         recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
-        fix = FIXES["recompiling"] if causes else FIXES["healthy"]
-        if "traces" in causes:
+        fix = FIXES[verdict]
+        if verdict == "recompiling" and self._retraces(priced):
             fix = ("feed tensors of fixed dtype and structure (no Python numbers or lists "
                    "in the batch); " + fix)
         notes = list(self.notes)
@@ -440,7 +467,8 @@ class RetracingMonitor(TimedCallback):
             "recompile_share": self._share(recompile_ms),
             "compiled": self._compiled,
             "jit_compile": self._jit,
-            "verdict": "recompiling" if causes else "healthy",
+            "retraces": self._retraces(priced),
+            "verdict": verdict,
             "fix": fix,
             "notes": notes,
         }

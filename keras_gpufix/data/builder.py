@@ -37,11 +37,11 @@ The builder is the input path a TTS/ASR team would want as the default:
 | `padding_efficiency`      | real / padded mel frames over an epoch             |
 | `text_padding_efficiency` | real / padded text ids over an epoch               |
 | `distinct_shapes`         | distinct `(batch, text, frames)` shapes per epoch  |
+| `prefetch_to_device`      | the device `build` prefetches to; None when not asked or ignored under a strategy |
 """
 
 import dataclasses
 import os
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -53,7 +53,7 @@ from keras_gpufix.data.cache import FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit, progress
 
 __all__ = ["SpeechDatasetBuilder"]
@@ -190,6 +190,7 @@ class SpeechDatasetBuilder:
             "padding_efficiency": None,
             "text_padding_efficiency": None,
             "distinct_shapes": None,
+            "prefetch_to_device": None,
         }
         if skipped:
             listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}" for s in skipped[:3])
@@ -307,7 +308,10 @@ class SpeechDatasetBuilder:
         return self
 
     def _write_features(self, paths):
-        """Computes, serialises, writes and fingerprints features in parallel.
+        """Computes, serialises and fingerprints features in parallel; writes
+        them here, in the calling thread (after an error or Ctrl-C no
+        parallel writer can put a file back into the temporary folder that
+        the cache removes).
 
         Features that are not finite (float samples so large that the
         spectrum overflows; NaN/inf samples are already bad input at scan
@@ -315,33 +319,35 @@ class SpeechDatasetBuilder:
         committed and its temporary folder is removed.
         """
         compute = self._compute_features()
-        paths = tf.constant(paths)
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
-        def write(index):
+        def serialize(index):
             mel = compute(index)
             data = tf.io.serialize_tensor(mel)
-            with tf.control_dependencies([tf.io.write_file(paths[index], data)]):
-                return (index, tf.shape(mel)[0], tf.strings.length(data),
-                        FeatureCache.digest(data), tf.reduce_all(tf.math.is_finite(mel)))
+            return (index, tf.shape(mel)[0], data, FeatureCache.digest(data),
+                    tf.reduce_all(tf.math.is_finite(mel)))
 
         count = len(self.utterances)
-        written = tf.data.Dataset.range(count).map(
-            write, num_parallel_calls=AUTOTUNE, deterministic=False
+        serialized = tf.data.Dataset.range(count).map(
+            serialize, num_parallel_calls=AUTOTUNE, deterministic=False
         ).prefetch(AUTOTUNE)
         emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
              self.verbose)
         update = progress(count, "utterance", self.verbose)
-        for done, (*record, finite) in enumerate(written.as_numpy_iterator(), start=1):
+        for done, (index, frames, data, digest, finite) in enumerate(
+            serialized.as_numpy_iterator(), start=1
+        ):
             if not finite:
-                utterance = self.utterances[record[0]]
+                utterance = self.utterances[index]
                 raise ValueError(
                     f"The features of {utterance.path} (line {utterance.line}, id "
                     f"{utterance.id!r}) are not finite (NaN or inf): its samples overflow the "
                     "spectrum. Re-export the file with samples in [-1, 1] or remove it; "
                     "nothing was written to the cache."
                 )
-            yield tuple(record)
+            with open(paths[index], "wb") as f:
+                f.write(data)
+            yield index, frames, len(data), digest
             update(done)
 
     def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,
@@ -432,13 +438,13 @@ class SpeechDatasetBuilder:
         # input "ran out of data" at the end of the first epoch.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))
         if prefetch_to_device is not None and tf.distribute.has_strategy():
-            warnings.warn(
+            warn(
                 f"`prefetch_to_device={prefetch_to_device!r}` is ignored inside a "
                 "distribution strategy scope: Keras distributes the dataset and fetches "
-                "batches to each replica itself. Build without prefetch_to_device.",
-                GpufixWarning, stacklevel=2,
+                "batches to each replica itself. Build without prefetch_to_device."
             )
             prefetch_to_device = None
+        self.report["prefetch_to_device"] = prefetch_to_device
         dataset = instrument(dataset, frames=self._feature_lengths(as_dict),
                              frames_per_second=self.audio.frames_per_second)
         probe = dataset.input_probe

@@ -38,11 +38,11 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 
 import tensorflow as tf
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
+from keras_gpufix.output import emit
 
 try:
     import fcntl
@@ -76,8 +76,7 @@ class _Lock:
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if self.verbose:
-                print(f"Waiting for another process building the cache ({self.path})")
+            emit(f"Waiting for another process building the cache ({self.path})", self.verbose)
             fcntl.flock(self.file, fcntl.LOCK_EX)
         return self
 
@@ -112,12 +111,6 @@ def writable_problem(path) -> "str | None":
     except OSError as exc:
         return f"cannot write in {probe}: {exc.strerror or exc}"
     return None
-
-
-def _disk_full(exc) -> bool:
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return isinstance(exc, tf.errors.OpError) and "No space left on device" in str(exc)
 
 
 def _mib(size) -> str:
@@ -164,11 +157,7 @@ class FeatureCache:
         """The manifest of a complete, intact entry, or None."""
         manifest, problem = self._check()
         if problem is not None and os.path.exists(self.path):
-            warnings.warn(
-                f"The feature cache at {self.path} is damaged ({problem}); it will be rebuilt.",
-                GpufixWarning,
-                stacklevel=3,
-            )
+            warn(f"The feature cache at {self.path} is damaged ({problem}); it will be rebuilt.")
         return manifest
 
     def _check(self):
@@ -272,7 +261,9 @@ class FeatureCache:
                 frames, size, digest)`, called once, only on a miss: it
                 writes each utterance's serialised features to
                 `paths[index]` (in a temporary folder) and yields, in any
-                order, the frames, the file size and `digest(data)`.
+                order, the frames, the file size and `digest(data)`. It
+                writes in the calling thread only: once it raised (disk
+                full, Ctrl-C), nothing writes into the folder being removed.
 
             needed_bytes: the entry's estimated size (`estimate_bytes`);
                 checked against the free disk space before building.
@@ -298,7 +289,7 @@ class FeatureCache:
             if manifest is not None:
                 return manifest, "hit"
             self._remove_leftovers()
-            manifest = self._build(write_features)
+            manifest = self._build(write_features, needed_bytes)
         return manifest, "miss"
 
     def _remove_leftovers(self):
@@ -309,16 +300,17 @@ class FeatureCache:
         if os.path.exists(self.path):
             self.remove(self.cache_dir, self.name, drop_lock=False)  # we hold that lock
 
-    def _build(self, write_features):
+    def _build(self, write_features, needed_bytes):
         tmp = tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=self.cache_dir)
         try:
             return self._build_in(tmp, write_features)
         except BaseException as exc:  # Ctrl-C included: nothing half-written stays
             shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(exc):
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self.cache_dir).free
+                needs = "" if needed_bytes is None else f"; the entry needs about {_mib(needed_bytes)}"
                 raise OSError(f"The disk holding the feature cache {self.cache_dir} is full "
-                              f"({_mib(free)} free); the partial entry was removed. "
+                              f"({_mib(free)} free{needs}); the partial entry was removed. "
                               "Free some space or pass another `cache_dir`.") from None
             raise
 

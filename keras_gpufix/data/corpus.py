@@ -39,11 +39,10 @@ import hashlib
 import json
 import os
 import struct
-import warnings
 
 import numpy as np
 
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import warn
 
 __all__ = ["Corpus", "Utterance", "WavInfo", "bad_input_error", "read_wav_header", "FORMAT_CODES"]
 
@@ -337,12 +336,10 @@ class Corpus:
             record(fields[0], text, number)
         if extra:
             listed = ", ".join(map(str, extra[:_LISTED])) + (" ..." if len(extra) > _LISTED else "")
-            warnings.warn(
+            warn(
                 f"{metadata}: {len(extra)} line(s) have more than three `|` columns "
                 f"(lines {listed}); only id|text|normalized_text were read and the "
-                "rest of each line was ignored.",
-                GpufixWarning,
-                stacklevel=2,
+                "rest of each line was ignored."
             )
         return cls(records, metadata, name=os.path.basename(os.path.normpath(path)))
 

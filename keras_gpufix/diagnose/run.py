@@ -20,7 +20,7 @@ from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_ev
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
                                            replay_rate, what_if)
-from keras_gpufix.exceptions import GpufixWarning
+from keras_gpufix.exceptions import GpufixWarning, warn
 
 __all__ = ["environment", "run_diagnosis"]
 
@@ -150,7 +150,7 @@ class FitPatch:
     def _note(self, message):
         if message not in self.notes:
             self.notes.append(message)
-            warnings.warn(f"keras-gpufix diagnose: {message}", GpufixWarning, stacklevel=3)
+            warn(f"keras-gpufix diagnose: {message}")  # at the script's fit line
 
     def monitors(self, total, kind, user=(), retracing=True):
         """Our callbacks for one run (`kind` "fit" or "loop") of `total` steps, by report key.

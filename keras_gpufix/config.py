@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from keras_gpufix.distribute import STRATEGY_MODES
+from keras_gpufix.distribute import STRATEGY_MODES, resolve_strategy_mode
 
 __all__ = [
     "Config",
@@ -362,6 +362,12 @@ def _detector(monitor, thresholds):
                                min_windows=monitor.min_windows, **thresholds)
 
 
+def _device_specs(names):
+    import tensorflow as tf
+
+    return [tf.DeviceSpec.from_string(name) for name in names]
+
+
 def _profiler_trigger(profiling):
     from keras_gpufix.callbacks import ProfilerTrigger
 
@@ -445,6 +451,17 @@ def _build(doc):
         known = {k: v for k, v in monitor.thresholds.items() if k in _threshold_keys()}
         _owner_check("monitor.thresholds", "accepted by OscillationDetector",
                      lambda: _detector(monitor, known), doc, problems)
+    distribute = sections["distribute"]
+    if distribute.devices:
+        _owner_check("distribute.devices", "a list of TensorFlow device names",
+                     lambda: _device_specs(distribute.devices), doc, problems)
+        _owner_check("distribute.devices", f"usable with mode {distribute.mode!r}",
+                     lambda: resolve_strategy_mode(distribute.mode,
+                                                   device_count=len(distribute.devices),
+                                                   devices_given=True), doc, problems)
+    if data.prefetch != "auto":
+        _owner_check("data.prefetch", "a TensorFlow device name",
+                     lambda: _device_specs([data.prefetch]), doc, problems)
     if monitor.profiling is None or isinstance(monitor.profiling, dict):
         given = bool(monitor.profiling)
         monitor.profiling = _section(ProfilingConfig, monitor.profiling or {},
@@ -505,15 +522,18 @@ def load_config(path) -> Config:
 
 def _replicas(distribute, info):
     """Replicas the distribute section gives on this machine (distribute's rule)."""
-    from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
+    from keras_gpufix.distribute import tf_config_cluster
 
     try:
         cluster = tf_config_cluster() if distribute.mode in ("auto", "multi_worker") else None
     except ValueError:  # setup_strategy names the bad TF_CONFIG itself
         cluster = None
     count = len(distribute.devices) if distribute.devices else len(info["gpus"])
-    mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
-                                    devices_given=bool(distribute.devices), cluster=cluster)
+    try:
+        mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
+                                        devices_given=bool(distribute.devices), cluster=cluster)
+    except ValueError:  # devices the mode cannot use: already an invalid_value problem
+        return 1
     if mode in ("default", "one_device"):
         return 1
     return max(1, count) * (sum(cluster.values()) if cluster else 1)

@@ -407,6 +407,7 @@ DOCUMENTED = [
     ("data:\n  num_buckets: null\n", False),
     ("data:\n  prefetch: auto\n", True),
     ("data:\n  prefetch: /cpu:0\n", True),
+    ("data:\n  prefetch: /nonsense\n", False),
     ("data:\n  prefetch: false\n", False),
     ("data:\n  prefetch: 4\n", False),
     ("data:\n  on_bad_input: skip\n", True),
@@ -432,6 +433,11 @@ DOCUMENTED = [
     ("distribute:\n  mode: one_device\n", True),
     ("distribute:\n  mode: mirrored\n", True),
     ("distribute:\n  mode: sharded\n", False),
+    ("distribute:\n  mode: mirrored\n  devices: [/cpu:0]\n", True),
+    ("distribute:\n  devices: [cpu0]\n", False),
+    ("distribute:\n  mode: one_device\n  devices: [/cpu:0]\n", True),
+    ("distribute:\n  mode: one_device\n  devices: [/cpu:0, /cpu:1]\n", False),
+    ("distribute:\n  mode: default\n  devices: [/cpu:0]\n", False),
     ("monitor:\n  window: 8\n", True),
     ("monitor:\n  window: 4\n", False),
     ("monitor:\n  warmup: 0\n", True),
@@ -466,9 +472,11 @@ def test_validate_and_from_config_agree(tmp_path, text, accepted):
             assert schema == []
             from_config(path)
         else:
-            section, key = text.split(":")[0], text.split("\n")[1].split(":")[0].strip()
-            (problem,) = schema  # on the key written (or one of its entries)
-            assert problem["key"].startswith(f"{section}.{key}") and problem["line"] == 2
+            lines = text.splitlines()  # the refused value is on the last line
+            section, key = lines[0].rstrip(":"), lines[-1].split(":")[0].strip()
+            (problem,) = schema  # on that key (or one of its entries)
+            assert problem["key"].startswith(f"{section}.{key}")
+            assert problem["line"] == len(lines)
             assert result["exit_code"] == 1
             with pytest.raises(ConfigError) as info:
                 from_config(path)

@@ -35,6 +35,7 @@ and under `kg.watch` alike; other datasets leave them None.
 """
 
 import time
+import weakref
 
 from keras_gpufix.analysis import StepLog, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
@@ -42,7 +43,11 @@ from keras_gpufix.keras_internals import callback_model
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
-_OPEN = {}  # id(model) -> the StepStream of the running fit on that model
+# id(model) -> the StepStream of the running fit on that model. Weak: its
+# members hold it while they run; a fit that ended by an exception (no
+# on_train_end) must not keep its callbacks alive (a dropped ProfilerTrigger
+# stops its trace when it is collected).
+_OPEN = weakref.WeakValueDictionary()
 
 
 class StepStream:

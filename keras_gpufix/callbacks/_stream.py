@@ -24,8 +24,14 @@ Phases of a hook (a step, or N steps with `steps_per_execution=N`):
   before the begin hook lies in the gap and is taken from `between`, one
   that ends after it is taken from the step. A custom-loop wrapper
   (`kg.watch`) measures the wait itself and hands it over with `supply()`
-  before the begin hook; the probe is then not read;
+  before the begin hook; the probe's wait is then not used;
 - `step`: the rest of begin -> end.
+
+Speech throughput: a dataset instrumented with its feature lengths
+(`kg.data.instrument(..., frames=, frames_per_second=)`, as the `kg.data`
+builder does) gives each record its real (unpadded) frames and seconds of
+audio, read with the rest of the probe (no extra read per step), in `fit`
+and under `kg.watch` alike; other datasets leave them None.
 """
 
 import time
@@ -77,7 +83,6 @@ class StepStream:
         self._offset = time.time() - time.perf_counter()
         self._cursor = None
         self._supplied = None
-        self._watched = False
         self._pending = []
         self._last_sync = None
         self._last_end = None
@@ -126,12 +131,13 @@ class StepStream:
 
     # -- the custom-loop wrapper's call ------------------------------------
 
-    def supply(self, input_wait, samples=None, shape=None, split=False, audio_seconds=None,
-               real_frames=None):
+    def supply(self, input_wait, samples=None, shape=None, split=False):
         """Hands over the next step's measured input wait (custom loops).
 
         Called between `next()` returning the batch and
-        `on_train_batch_begin`. The stream then never reads the probe.
+        `on_train_batch_begin`. The supplied facts replace the probe's wait,
+        batch size and shape; real frames and audio seconds still come from
+        the probe of an instrumented dataset.
 
         Args:
             input_wait: seconds spent in `next()`.
@@ -139,13 +145,8 @@ class StepStream:
             shape: a hashable key of the batch's shapes, or None.
             split: whether begin -> end holds only the step (False: the
                 whole loop body). Defaults to False.
-            audio_seconds: seconds of audio in the batch, or None.
-            real_frames: unpadded feature frames in the batch, or None.
         """
-        self._watched = True
-        self._cursor = None
-        self._supplied = (float(input_wait), samples, shape, bool(split), audio_seconds,
-                          real_frames)
+        self._supplied = (float(input_wait), samples, shape, bool(split))
 
     # -- hooks (only the leader's act) -------------------------------------
 
@@ -207,22 +208,24 @@ class StepStream:
         if not pending:
             return
         self._last_sync = pending[-1][2] + pending[-1][3]
-        waits = rows = [None] * len(pending)
+        waits = rows = reals = [None] * len(pending)
         if self._cursor is not None:
             off = self._offset
-            waits, rows = self._cursor.take(
+            waits, rows, reals = self._cursor.take(
                 [p[2] - p[4] + off for p in pending],   # each cycle's start
                 [p[2] + p[3] + off for p in pending],
                 [p[1] for p in pending])
         probe = self.input_probe
+        per_second = None if probe is None else probe.frames_per_second
         records = []
-        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row in zip(
-                pending, waits, rows):
-            split, audio, frames = True, None, None
+        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row, frames in zip(
+                pending, waits, rows, reals):
+            split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
+            audio = None if frames is None or per_second is None else frames / per_second
             if supplied is not None:
-                wait, sampled, shape, split, audio, frames = supplied
+                wait, sampled, shape, split = supplied
                 samples = sampled if sampled is not None else samples
             elif row is not None:
                 shape = probe.shape_key(row)

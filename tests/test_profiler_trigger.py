@@ -183,29 +183,36 @@ def test_slow_step_is_timed_by_the_shared_stream_and_judged_by_the_one_rule(
         clock["reads"] += 1
         return clock["now"]
 
-    # Only the stream's clock is faked: a step slow on it alone must fire the trigger.
+    def slow_stop(save=True):  # saving a trace takes a while: our own time, not a stall
+        clock["now"] += 1.0
+        return stop(save)
+
+    # Only the stream's clock is faked: a cycle slow on it alone must fire the trigger.
     monkeypatch.setattr(stream_module, "time",
                         types.SimpleNamespace(perf_counter=perf_counter, time=lambda: 1e9))
+    stop = profiling.stop_trace
+    monkeypatch.setattr(profiling, "stop_trace", slow_stop)
     timer = kg.StepTimer()
     trigger = kg.ProfilerTrigger(str(tmp_path), trigger="slow_step", steps=2, warmup=5,
-                                 analyze=False, verbose=0)
+                                 cooldown=5, analyze=False, verbose=0)
     hooks = keras.callbacks.CallbackList([timer, trigger], model=tiny_model())
     hooks.on_train_begin()
     hooks.on_epoch_begin(0)
     for i in range(60):
         hooks.on_train_batch_begin(i)
-        # step 20: 2.9x the median, under slow_factor=3 (the one rule's limit: 30 ms)
-        clock["now"] += {20: 0.029, 40: 0.5}.get(i, 0.010)
+        # step 20: 2.9x the median cycle, under slow_factor=3 (the rule's limit: 33 ms)
+        clock["now"] += {20: 0.031, 45: 0.5}.get(i, 0.010)
         hooks.on_train_batch_end(i, {})
-        clock["now"] += 0.001
+        clock["now"] += 0.4 if i == 30 else 0.001  # a callback stalls after step 30
     hooks.on_epoch_end(0)
     hooks.on_train_end()
     assert trigger.stream is timer.stream
     assert clock["reads"] == 2 * 60 + 1  # begin + end per step, and the stream's offset
-    assert slow_limit([0.010] * 16, factor=3.0, min_ms=5.0) == pytest.approx(0.030)
-    (trace,) = trigger.traces
-    assert trace["reason"] == "slow step 40: 500.0 ms against a median of 10.0 ms"
-    assert (trace["start_step"], trace["end_step"]) == (41, 42)
+    assert slow_limit([0.011] * 16, factor=3.0, min_ms=5.0) == pytest.approx(0.033)
+    assert [(t["start_step"], t["end_step"], t["reason"]) for t in trigger.traces] == [
+        (32, 33, "slow step 31: 410.0 ms against a median of 11.0 ms"),  # between steps
+        (46, 47, "slow step 45: 501.0 ms against a median of 11.0 ms"),  # in the step
+    ]  # step 34, after the 1 s of saving the first trace, fired nothing
 
 
 def test_tensorboard_profile_batch_in_the_same_list(tmp_path, monkeypatch):

@@ -6,9 +6,10 @@ A trace is armed by a trigger and starts at the next step:
 |------------------|-------------------------------------------------------------|
 | `"oscillation"`  | `GPUOscillationMonitor` reports a verdict other than        |
 |                  | `healthy` (wired by `on_detect=`, or found in the same list)|
-| `"slow_step"`    | a step is slow by the one slow-step rule                    |
+| `"slow_step"`    | a cycle (a step and the host time before it: input, other   |
+|                  | callbacks) is slow by the one slow-step rule                |
 |                  | (`analysis.slow_limit`, `slow_factor` x the median of the   |
-|                  | recent steps)                                               |
+|                  | recent cycles)                                              |
 | `int` / `[int]`  | the training reaches that global step (0-based, across      |
 |                  | epochs)                                                     |
 
@@ -91,15 +92,17 @@ class ProfilerTrigger(TimedCallback):
             Defaults to True.
         cooldown: steps after a trace before the next may start. Defaults
             to 100.
-        slow_factor: the slow-step rule's factor for `"slow_step"`: a step
-            slower than this x the median of the last 64 normal steps (and
+        slow_factor: the slow-step rule's factor for `"slow_step"`: a
+            cycle (the step and the host time since the previous one)
+            slower than this x the median of the last 64 normal cycles (and
             by 4 robust standard deviations, `analysis.slow_limit`) fires
             it. Defaults to 3.0 (a trace is dear: the monitors' 1.25 would
             fire on noise).
         min_slow_ms: ... and by at least this many ms (scheduler jitter on
             short steps is not worth a trace). Defaults to 5.0.
         warmup: steps at the start of each `fit` that never fire
-            `"slow_step"` (compilation). Defaults to 10.
+            `"slow_step"` (compilation); neither do the first step of an
+            epoch and the step after a trace (saving it). Defaults to 10.
         analysis_timeout: seconds the end of `fit` waits, in all, for
             XProf analyses still running; later ones land in `traces` and
             `report()` when they finish. Defaults to 5.0.
@@ -174,7 +177,7 @@ class ProfilerTrigger(TimedCallback):
         self._normal = 0
         self._threshold = None
         self._median = None
-        self._new_epoch = True
+        self._skip = True  # the next cycle holds an epoch start or our own work
         self._next_at = list(self._at_steps)
 
     def _warn_once(self, key, message):
@@ -204,7 +207,7 @@ class ProfilerTrigger(TimedCallback):
 
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
-        self._new_epoch = True
+        self._skip = True
         super().on_epoch_begin(epoch, logs)
 
     @guarded
@@ -228,17 +231,18 @@ class ProfilerTrigger(TimedCallback):
         if self.stream.hooks == self._hooks:
             return  # the stream timed no step (its begin hook was missed)
         self._hooks = self.stream.hooks
-        index, count, span, _ = self.stream.last
+        index, count, span, gap = self.stream.last
         self._global = index + count
+        skip, self._skip = self._skip, False
         if self._marker is not None:
             marker, self._marker = self._marker, None
             marker.__exit__(None, None, None)
         if self._current is not None:
             if self._global - self._current["start_step"] >= self.steps:
                 self._stop(self._global - 1)
-        elif "slow_step" in self._kinds:
-            self._watch(span / count)
-        self._new_epoch = False
+                self._skip = True  # saving the trace lies in the next cycle
+        elif "slow_step" in self._kinds and not skip:
+            self._watch((span + gap) / count)
         if self._pending:
             self._collect(wait=False)
 
@@ -262,8 +266,9 @@ class ProfilerTrigger(TimedCallback):
 
     def _watch(self, step_time):
         """Slow-step trigger: the one slow-step rule (`analysis.slow_limit`)
-        over the last `MEDIAN_WINDOW` normal steps, renewed every 16."""
-        if self._global > self.warmup and not self._new_epoch:
+        on the cycle (the step and the host time before it), against the
+        last `MEDIAN_WINDOW` normal cycles, renewed every 16."""
+        if self._global > self.warmup:
             if self._threshold is not None and step_time > self._threshold:
                 self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
                           f"a median of {self._median * 1e3:.1f} ms")

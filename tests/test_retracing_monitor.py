@@ -250,6 +250,23 @@ def test_custom_loop_eager_step_is_never_priced_as_a_recompile():
     assert any(n.startswith("train_step is not a tf.function") for n in report["notes"])
 
 
+def test_under_kg_watch_shapes_come_from_the_loop_without_instrument(capsys):
+    # kg.watch hands each batch's shapes to the stream: no kg.data.instrument needed,
+    # and no "input shapes are not visible" note.
+    train_step = tf.function(step_function(), jit_compile=True, reduce_retracing=True)
+    monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GpufixWarning)
+        with kg.watch(length_batches(), callbacks=[monitor]) as watched:
+            for x, y in watched:
+                train_step(x, y)
+    report = monitor.report()
+    assert report["new_shapes"] == 7
+    assert sorted(s[0][1] for s in report["shapes"]) == list(LENGTHS)
+    assert not any("kg.data.instrument" in n for n in report["notes"])
+    assert "input shapes are not visible" not in capsys.readouterr().out
+
+
 def test_custom_loop_without_functions_says_how_to_count():
     train_step = tf.function(step_function())
     monitor = kg.RetracingMonitor(verbose=0)

@@ -595,8 +595,9 @@ def check_config(cfg: Config, environment=None):
 
     Checks what really costs GPU time, on this machine: `on_bad_input`
     unset for a corpus that has bad files, a batch size the replicas cannot
-    share, a mixed-precision policy the device does not run fast, a
-    `cache_dir` that cannot be written, a corpus that does not exist.
+    share, a mixed-precision policy the device does not run fast, a GPU
+    this machine does not have, a `cache_dir` that cannot be written, a
+    corpus that does not exist.
 
     Args:
         cfg: a `Config`.
@@ -644,6 +645,15 @@ def check_config(cfg: Config, environment=None):
         add("mixed_precision_unsupported", "training.mixed_precision",
             f"`training.mixed_precision` is {t.mixed_precision!r} but {reason}; "
             "`auto` picks what this device runs fast", "auto")
+    for key, names, fix_value in (
+            ("distribute.devices", cfg.distribute.devices or [], dataclasses.MISSING),
+            ("data.prefetch", [] if d.prefetch == "auto" else [d.prefetch], "auto")):
+        missing = [n for n in names if _gpu_index(n) is not None
+                   and _gpu_index(n) >= len(info["gpus"])]
+        if missing:
+            add("device_missing", key,
+                f"`{key}` names {', '.join(missing)} but this machine has "
+                f"{len(info['gpus'])} GPU(s)", fix_value)
     cache = cfg.path(d.cache_dir)
     if cache is not None:
         from keras_gpufix.data.cache import writable_problem  # the builder's own check
@@ -655,6 +665,12 @@ def check_config(cfg: Config, environment=None):
                 f"`data.cache_dir` {cache} cannot be written ({why})",
                 *([default] if writable_problem(default) is None else []))
     return problems
+
+
+def _gpu_index(name):
+    """The GPU number of a device name (`/gpu:1`, `/device:GPU:1`, ...), else None."""
+    match = re.search(r"(?:^|/)(?:device:)?gpu:(\d+)$", name, re.IGNORECASE)
+    return int(match.group(1)) if match else None
 
 
 def _bad_inputs(corpus, max_seconds):

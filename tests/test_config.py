@@ -90,6 +90,9 @@ def test_yaml_syntax_error_is_unusable(tmp_path):
      "training.mixed_precision"),
     ("data:\n  cache_dir: {file}/cache\n", "cache_dir_not_writable", "data.cache_dir"),
     ("data:\n  corpus: no/such/corpus\n", "corpus_missing", "data.corpus"),
+    ("data:\n  prefetch: /gpu:0\n", "device_missing", "data.prefetch"),
+    ("distribute:\n  mode: mirrored\n  devices: [/gpu:0, /device:GPU:1]\n", "device_missing",
+     "distribute.devices"),
 ])
 def test_each_trap_is_found(tmp_path, text, kind, key):
     blocker = tmp_path / "a_file"
@@ -98,6 +101,18 @@ def test_each_trap_is_found(tmp_path, text, kind, key):
     problems = validate_config(path, environment=CPU)["problems"]
     assert [(p["kind"], p["key"]) for p in problems] == [(kind, key)]
     assert problems[0]["line"] is not None
+
+
+def test_a_gpu_the_machine_lacks_is_found_and_prefetch_is_fixed(tmp_path):
+    one_gpu = {"gpus": [{"name": "A100", "compute_capability": [8, 0]}], "cpu_bf16": False,
+               "cpu_bf16_flags": []}
+    path = write(tmp_path, "data:\n  prefetch: /gpu:1\ndistribute:\n  devices: [/gpu:0]\n")
+    (problem,) = validate_config(path, environment=one_gpu)["problems"]
+    assert (problem["kind"], problem["key"], problem["line"]) == ("device_missing",
+                                                                  "data.prefetch", 2)
+    assert "names /gpu:1 but this machine has 1 GPU(s)" in problem["message"]
+    assert validate_config(path, fix=True, environment=one_gpu)["exit_code"] == 0
+    assert load_config(path).data.prefetch == "auto"
 
 
 def test_bfloat16_needs_hardware_support():

@@ -1,3 +1,5 @@
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -177,3 +179,16 @@ def test_batches_without_lengths_give_none_not_zero():
     summary = timer.summary()
     assert summary["samples_per_s"] > 0
     assert summary["real_frames_per_s"] is None and summary["audio_seconds_per_s"] is None
+
+
+def test_watch_over_an_iterator_made_before_the_run_gives_none_not_a_shifted_count(builder):
+    iterator = iter(builder.build(batch_size=3, num_buckets=2, seed=0).repeat())
+    next(iterator)  # read before the loop is watched: the probe's order is not the loop's
+    timer = kg.StepTimer()
+    with kg.watch((batch for batch in iterator), callbacks=[timer]) as watched:
+        for step, _ in enumerate(watched):
+            if step == 5:
+                time.sleep(0.2)  # the prefetch refills: every step has a recorded batch
+                break
+    assert timer.summary()["count"] == 6 and timer.summary()["samples_per_s"] > 0
+    assert timer.summary()["real_frames_per_s"] is None

@@ -31,7 +31,9 @@ Speech throughput: a dataset instrumented with its feature lengths
 (`kg.data.instrument(..., frames=, frames_per_second=)`, as the `kg.data`
 builder does) gives each record its real (unpadded) frames and seconds of
 audio, read with the rest of the probe (no extra read per step), in `fit`
-and under `kg.watch` alike; other datasets leave them None.
+and under `kg.watch` alike (when watch iterates the dataset itself; over
+an iterator or a generator it calls `drop_probe()`); other datasets leave
+them None.
 """
 
 import time
@@ -147,6 +149,15 @@ class StepStream:
                 whole loop body). Defaults to False.
         """
         self._supplied = (float(input_wait), samples, shape, bool(split))
+
+    def drop_probe(self):
+        """Stops reading the input probe (custom loops).
+
+        For a loop whose batches need not be the probe's, in order (an
+        iterator created before the run, a generator): the steps cannot be
+        matched to the batches the probe recorded.
+        """
+        self._cursor = None
 
     # -- hooks (only the leader's act) -------------------------------------
 

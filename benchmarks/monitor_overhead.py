@@ -3,8 +3,11 @@
     python benchmarks/monitor_overhead.py [--rounds 11] [--steps 300] [--hidden 512]
         [--quick] [--out PATH]
 
-One compiled model, one in-memory instrumented dataset; each round fits one
-epoch in each of three ways, in rotating order:
+One compiled model, one in-memory instrumented dataset whose batches carry
+a lengths column that the probe counts as real frames, as the `kg.data`
+builder's do (so the monitors also compute `real_frames_per_s` and
+`audio_seconds_per_s`); each round fits one epoch in each of three ways, in
+rotating order:
 
 - `none`: no callbacks, verbose=0. Keras then never waits for a step's
   results on the host (nothing reads the logs);
@@ -76,9 +79,11 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     x = rng.random((args.steps * args.batch_size, 128), dtype=np.float32)
     y = x[:, :1]
+    lengths = rng.integers(100, 1000, len(x)).astype(np.int32)
     ds = kg.data.instrument(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).cache()
-    ).prefetch(tf.data.AUTOTUNE)
+        tf.data.Dataset.from_tensor_slices((x, y, lengths)).batch(args.batch_size).cache(),
+        frames=lambda batch: batch[2], frames_per_second=22050 / 256,
+    ).map(lambda x, y, lengths: (x, y)).prefetch(tf.data.AUTOTUNE)
     model = keras.Sequential([
         keras.Input((128,)),
         keras.layers.Dense(args.hidden, activation="relu"),
@@ -100,7 +105,7 @@ def main(argv=None):
                              clocked(kg.RetracingMonitor(verbose=0), spent)],
     }
     spent = [0.0]
-    hook_share, hook_us = [], []
+    hook_share, hook_us, counted = [], [], []
 
     def run(way):
         spent[0] = 0.0
@@ -111,6 +116,8 @@ def main(argv=None):
         if way == "monitors":
             hook_share.append(spent[0] / elapsed)
             hook_us.append(spent[0] / args.steps * 1e6)
+            summary = callbacks[0].summary()
+            counted.append(summary["real_frames_per_s"] * summary["total_s"])
         return args.steps / elapsed
 
     vs_sync, vs_none = [], []
@@ -128,6 +135,8 @@ def main(argv=None):
     print(f"median over {args.rounds} rounds of {args.steps} steps: monitors/sync "
           f"{statistics.median(vs_sync):.3f} (goal >= 0.98), monitors/none "
           f"{statistics.median(vs_none):.3f}")
+    print(f"real frames counted by the monitors per epoch: {statistics.median(counted):.0f} "
+          f"(the lengths column sums to {int(lengths.sum())})")
     share = statistics.median(hook_share)
     print(f"time inside the three callbacks' hooks: {statistics.median(hook_us):.1f} us/step, "
           f"{share:.2%} of fit wall time (goal <= 2%) -> the hooks allow a ratio of "

@@ -347,6 +347,8 @@ def main(argv=None):
         "loss": [round(v, 4) for v in history.history.get("loss", [])],
         "fit_seconds": round(seconds, 1),
         "samples_per_s": summary.get("samples_per_s"),
+        "audio_seconds_per_s": summary.get("audio_seconds_per_s"),
+        "real_frames_per_s": summary.get("real_frames_per_s"),
         "verdict": verdict["verdict"],
         "input_wait": verdict["input_wait"],
         "retracing": {k: retracing.report().get(k) for k in ("trace_count", "recompile_ms")},

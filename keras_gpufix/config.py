@@ -29,7 +29,12 @@ monitor:
 ```
 
 - `load_config(path)` parses and type-checks; every error names the key,
-  its line, the expected type and the closest valid key.
+  its line, the expected type and the closest valid key. A value is also
+  checked by the object it configures where that has a rule (`AudioConfig`,
+  `TextConfig`, `OscillationDetector`, `ProfilerTrigger`, device names).
+- Each section's keys are arguments of what it feeds; their defaults are
+  read from that signature (`ProfilerTrigger`, `GPUOscillationMonitor`,
+  `compile_model`, `setup_strategy`, `SpeechDatasetBuilder`), not repeated.
 - `validate_config(path, fix=False)` also checks the performance traps
   (`check_config`) and, with `fix=True`, rewrites the file in place
   (atomically, the original kept as `<file>.bak`) with each change listed.
@@ -40,6 +45,8 @@ monitor:
 
 import dataclasses
 import difflib
+import functools
+import importlib
 import inspect
 import json
 import os
@@ -50,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from keras_gpufix.distribute import STRATEGY_MODES
+from keras_gpufix.distribute import STRATEGY_MODES, resolve_strategy_mode
 
 __all__ = [
     "Config",
@@ -75,13 +82,40 @@ _POLICY_NAMES = {False: "float32", "bfloat16": "mixed_bfloat16", "float16": "mix
 
 def _spec(default, expected, valid, coerce=None):
     """A dataclass field with its YAML check: `expected` in words, `valid(v)`,
-    and `coerce(v)` -> a corrected value or None (what `--fix` writes)."""
+    and `coerce(v)` -> a corrected value or None (what `--fix` writes).
+    A callable `default` is a factory (`_fed`: the fed signature's default)."""
     meta = {"expected": expected, "valid": valid, "coerce": coerce}
     if callable(default):
         return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(owner):
+    module, _, path = owner.partition(":")
+    target = importlib.import_module(module)
+    for name in path.split("."):
+        target = getattr(target, name)
+    return inspect.signature(target).parameters
+
+
+def _fed(owner):
+    """Defaults owned by the signature a section feeds: `_fed(owner)(name)`
+    is a default factory returning parameter `name`'s default of `owner`
+    (`"module:qualname"`, imported when a section is made, not at import)."""
+    def default(name):
+        return lambda: _parameters(owner)[name].default
+    return default
+
+
+_BUILDER = _fed("keras_gpufix.data.builder:SpeechDatasetBuilder")
+_BUILD = _fed("keras_gpufix.data.builder:SpeechDatasetBuilder.build")
+_COMPILE = _fed("keras_gpufix.compile.entry:compile_model")
+_STRATEGY = _fed("keras_gpufix.distribute:setup_strategy")
+_MONITOR = _fed("keras_gpufix.callbacks.gpu_oscillation_monitor:GPUOscillationMonitor")
+_TRIGGER = _fed("keras_gpufix.callbacks.profiler_trigger:ProfilerTrigger")
 
 
 def _is_int(v):
@@ -118,17 +152,18 @@ class DataConfig:
     batch_size: int = _spec(32, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
                             _int_from_str)
     num_buckets: int = _spec(
-        8, "an integer >= 1 (no bucketing is not supported: with unbounded lengths every new "
-        "padded length is a new XLA compile)", lambda v: _is_int(v) and v >= 1,
-        lambda v: 8 if v is None or v == 0 else _int_from_str(v))
-    cache_dir: str = _spec(None, "a path (string) or null", _opt_str)
+        _BUILD("num_buckets"), "an integer >= 1 (no bucketing is not supported: with unbounded "
+        "lengths every new padded length is a new XLA compile)", lambda v: _is_int(v) and v >= 1,
+        lambda v: _BUILD("num_buckets")() if v is None or v == 0 else _int_from_str(v))
+    cache_dir: str = _spec(_BUILDER("cache_dir"), "a path (string) or null", _opt_str)
     on_bad_input: str = _spec(None, '"skip", "raise" or null',
                               lambda v: v in (None, "skip", "raise"))
     prefetch: str = _spec(
         "auto", '"auto" (tf.data AUTOTUNE) or a device such as "/gpu:0" (prefetch_to_device)',
         lambda v: isinstance(v, str) and (v == "auto" or v.startswith("/")),
         lambda v: "auto" if v is not None else None)
-    service: str = _spec(None, 'a tf.data service address "grpc://host:port" or null',
+    service: str = _spec(_BUILD("service"),
+                         'a tf.data service address "grpc://host:port" or null',
                          lambda v: v is None or (isinstance(v, str) and "://" in v))
 
 
@@ -136,12 +171,13 @@ class DataConfig:
 class TrainingConfig:
     """The `training` section: arguments of `kg.compile_model` and `fit`."""
 
-    jit_compile: bool = _spec(True, "true or false", lambda v: isinstance(v, bool),
-                              _bool_from_str)
-    mixed_precision: str = _spec("auto", " | ".join(_POLICIES) + " or false",
+    jit_compile: bool = _spec(_COMPILE("jit_compile"), "true or false",
+                              lambda v: isinstance(v, bool), _bool_from_str)
+    mixed_precision: str = _spec(_COMPILE("mixed_precision"),
+                                 " | ".join(_POLICIES) + " or false",
                                  lambda v: v is False or v in _POLICIES)
     steps_per_execution: Any = _spec(
-        "auto", '"auto" or an integer >= 1',
+        _COMPILE("steps_per_execution"), '"auto" or an integer >= 1',
         lambda v: v == "auto" or (_is_int(v) and v >= 1), _int_from_str)
     epochs: int = _spec(1, "an integer >= 1", lambda v: _is_int(v) and v >= 1, _int_from_str)
 
@@ -150,8 +186,10 @@ class TrainingConfig:
 class DistributeConfig:
     """The `distribute` section: arguments of `kg.setup_strategy`."""
 
-    mode: str = _spec("auto", " | ".join(STRATEGY_MODES), lambda v: v in STRATEGY_MODES)
-    devices: list = _spec(None, 'a list of device names (["/gpu:0", "/gpu:1"]) or null',
+    mode: str = _spec(_STRATEGY("mode"), " | ".join(STRATEGY_MODES),
+                      lambda v: v in STRATEGY_MODES)
+    devices: list = _spec(_STRATEGY("devices"),
+                          'a list of device names (["/gpu:0", "/gpu:1"]) or null',
                           lambda v: v is None or (isinstance(v, list) and v
                                                   and all(isinstance(d, str) for d in v)))
 
@@ -160,20 +198,26 @@ class DistributeConfig:
 class ProfilingConfig:
     """`monitor.profiling`: arguments of `kg.ProfilerTrigger` (`false` disables it)."""
 
-    trigger: Any = _spec("oscillation",
+    trigger: Any = _spec(_TRIGGER("trigger"),
                          '"oscillation", "slow_step", a step number or a list of these',
                          lambda v: isinstance(v, str) or _is_int(v)
                          or (isinstance(v, list) and v
                              and all(_is_int(s) or isinstance(s, str) for s in v)))
-    steps: int = _spec(10, "an integer >= 1", lambda v: _is_int(v) and v >= 1, _int_from_str)
-    max_traces: int = _spec(3, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
-                            _int_from_str)
-    analyze: bool = _spec(True, "true or false", lambda v: isinstance(v, bool), _bool_from_str)
-    cooldown: int = _spec(100, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
-    slow_factor: float = _spec(3.0, "a number > 1", lambda v: _is_number(v) and v > 1)
-    min_slow_ms: float = _spec(5.0, "a number >= 0", lambda v: _is_number(v) and v >= 0)
-    warmup: int = _spec(10, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
-    analysis_timeout: float = _spec(5.0, "a number of seconds >= 0",
+    steps: int = _spec(_TRIGGER("steps"), "an integer >= 1", lambda v: _is_int(v) and v >= 1,
+                       _int_from_str)
+    max_traces: int = _spec(_TRIGGER("max_traces"), "an integer >= 1",
+                            lambda v: _is_int(v) and v >= 1, _int_from_str)
+    analyze: bool = _spec(_TRIGGER("analyze"), "true or false", lambda v: isinstance(v, bool),
+                          _bool_from_str)
+    cooldown: int = _spec(_TRIGGER("cooldown"), "an integer >= 0",
+                          lambda v: _is_int(v) and v >= 0, _int_from_str)
+    slow_factor: float = _spec(_TRIGGER("slow_factor"), "a number > 1",
+                               lambda v: _is_number(v) and v > 1)
+    min_slow_ms: float = _spec(_TRIGGER("min_slow_ms"), "a number >= 0",
+                               lambda v: _is_number(v) and v >= 0)
+    warmup: int = _spec(_TRIGGER("warmup"), "an integer >= 0", lambda v: _is_int(v) and v >= 0,
+                        _int_from_str)
+    analysis_timeout: float = _spec(_TRIGGER("analysis_timeout"), "a number of seconds >= 0",
                                     lambda v: _is_number(v) and v >= 0)
 
 
@@ -182,10 +226,12 @@ class MonitorConfig:
     """The `monitor` section: `kg.GPUOscillationMonitor` arguments (`log_dir`
     for its TensorBoard scalars and `ProfilerTrigger`'s traces) and `profiling`."""
 
-    window: int = _spec(96, "an integer >= 8", lambda v: _is_int(v) and v >= 8, _int_from_str)
-    warmup: int = _spec(5, "an integer >= 0", lambda v: _is_int(v) and v >= 0, _int_from_str)
-    min_windows: int = _spec(2, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
-                             _int_from_str)
+    window: int = _spec(_MONITOR("window"), "an integer >= 8", lambda v: _is_int(v) and v >= 8,
+                        _int_from_str)
+    warmup: int = _spec(_MONITOR("warmup"), "an integer >= 0", lambda v: _is_int(v) and v >= 0,
+                        _int_from_str)
+    min_windows: int = _spec(_MONITOR("min_windows"), "an integer >= 1",
+                             lambda v: _is_int(v) and v >= 1, _int_from_str)
     thresholds: dict = _spec({}, "a mapping of OscillationDetector arguments to numbers",
                              lambda v: isinstance(v, dict)
                              and all(_is_number(x) for x in v.values()))
@@ -362,6 +408,12 @@ def _detector(monitor, thresholds):
                                min_windows=monitor.min_windows, **thresholds)
 
 
+def _device_specs(names):
+    import tensorflow as tf
+
+    return [tf.DeviceSpec.from_string(name) for name in names]
+
+
 def _profiler_trigger(profiling):
     from keras_gpufix.callbacks import ProfilerTrigger
 
@@ -445,6 +497,17 @@ def _build(doc):
         known = {k: v for k, v in monitor.thresholds.items() if k in _threshold_keys()}
         _owner_check("monitor.thresholds", "accepted by OscillationDetector",
                      lambda: _detector(monitor, known), doc, problems)
+    distribute = sections["distribute"]
+    if distribute.devices:
+        _owner_check("distribute.devices", "a list of TensorFlow device names",
+                     lambda: _device_specs(distribute.devices), doc, problems)
+        _owner_check("distribute.devices", f"usable with mode {distribute.mode!r}",
+                     lambda: resolve_strategy_mode(distribute.mode,
+                                                   device_count=len(distribute.devices),
+                                                   devices_given=True), doc, problems)
+    if data.prefetch != "auto":
+        _owner_check("data.prefetch", "a TensorFlow device name",
+                     lambda: _device_specs([data.prefetch]), doc, problems)
     if monitor.profiling is None or isinstance(monitor.profiling, dict):
         given = bool(monitor.profiling)
         monitor.profiling = _section(ProfilingConfig, monitor.profiling or {},
@@ -505,15 +568,18 @@ def load_config(path) -> Config:
 
 def _replicas(distribute, info):
     """Replicas the distribute section gives on this machine (distribute's rule)."""
-    from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
+    from keras_gpufix.distribute import tf_config_cluster
 
     try:
         cluster = tf_config_cluster() if distribute.mode in ("auto", "multi_worker") else None
     except ValueError:  # setup_strategy names the bad TF_CONFIG itself
         cluster = None
     count = len(distribute.devices) if distribute.devices else len(info["gpus"])
-    mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
-                                    devices_given=bool(distribute.devices), cluster=cluster)
+    try:
+        mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
+                                        devices_given=bool(distribute.devices), cluster=cluster)
+    except ValueError:  # devices the mode cannot use: already an invalid_value problem
+        return 1
     if mode in ("default", "one_device"):
         return 1
     return max(1, count) * (sum(cluster.values()) if cluster else 1)
@@ -529,8 +595,9 @@ def check_config(cfg: Config, environment=None):
 
     Checks what really costs GPU time, on this machine: `on_bad_input`
     unset for a corpus that has bad files, a batch size the replicas cannot
-    share, a mixed-precision policy the device does not run fast, a
-    `cache_dir` that cannot be written, a corpus that does not exist.
+    share, a mixed-precision policy the device does not run fast, a GPU
+    this machine does not have, a `cache_dir` that cannot be written, a
+    corpus that does not exist.
 
     Args:
         cfg: a `Config`.
@@ -578,6 +645,15 @@ def check_config(cfg: Config, environment=None):
         add("mixed_precision_unsupported", "training.mixed_precision",
             f"`training.mixed_precision` is {t.mixed_precision!r} but {reason}; "
             "`auto` picks what this device runs fast", "auto")
+    for key, names, fix_value in (
+            ("distribute.devices", cfg.distribute.devices or [], dataclasses.MISSING),
+            ("data.prefetch", [] if d.prefetch == "auto" else [d.prefetch], "auto")):
+        missing = [n for n in names if _gpu_index(n) is not None
+                   and _gpu_index(n) >= len(info["gpus"])]
+        if missing:
+            add("device_missing", key,
+                f"`{key}` names {', '.join(missing)} but this machine has "
+                f"{len(info['gpus'])} GPU(s)", fix_value)
     cache = cfg.path(d.cache_dir)
     if cache is not None:
         from keras_gpufix.data.cache import writable_problem  # the builder's own check
@@ -589,6 +665,12 @@ def check_config(cfg: Config, environment=None):
                 f"`data.cache_dir` {cache} cannot be written ({why})",
                 *([default] if writable_problem(default) is None else []))
     return problems
+
+
+def _gpu_index(name):
+    """The GPU number of a device name (`/gpu:1`, `/device:GPU:1`, ...), else None."""
+    match = re.search(r"(?:^|/)(?:device:)?gpu:(\d+)$", name, re.IGNORECASE)
+    return int(match.group(1)) if match else None
 
 
 def _bad_inputs(corpus, max_seconds):
@@ -794,7 +876,8 @@ class Setup:
     def dataset(self, **overrides):
         """`builder.build(**build_kwargs, **overrides)`."""
         if self.builder is None:
-            raise ValueError("`data.corpus` is not set in the config: there is no dataset to build.")
+            raise ValueError(
+                "`data.corpus` is not set in the config: there is no dataset to build.")
         return self.builder.build(**{**self.build_kwargs, **overrides})
 
 

@@ -64,9 +64,17 @@ def resolve_strategy_mode(
         cluster: `tf_config_cluster()`'s dict, or None. Defaults to None.
 
     Raises:
-        ValueError: for a mode not in `STRATEGY_MODES`.
+        ValueError: for a mode not in `STRATEGY_MODES`, and for a `devices`
+            list the mode would not use (`"default"` with any, `"one_device"`
+            with more than one).
     """
     _check_mode(mode)
+    if devices_given and (mode == "default" or (mode == "one_device" and device_count != 1)):
+        raise ValueError(
+            f"`mode={mode!r}` " + ("uses no device list" if mode == "default" else
+                                   "takes exactly one device")
+            + f": pass one device, or mode 'mirrored'/'auto' to replicate. Received: "
+            f"{device_count} devices")
     if mode != "auto":
         return mode, "requested"
     if cluster:

@@ -32,12 +32,19 @@ to 0.28 s on the 2-core test host: that is input time, not the loop's.
 
 The batch size (for samples/s) is the first leading dimension of the
 batch's arrays, and a batch whose shapes were not seen before is a new
-shape (what costs an XLA recompile). Any iterable works: a `tf.data`
+shape (what costs an XLA recompile). Over a dataset that went through
+`kg.data.instrument` with its feature lengths (the `kg.data` builder's),
+the summary also gives `real_frames_per_s` and `audio_seconds_per_s`, read
+from the input probe as in `fit`, when the watched iterable is the
+`tf.data.Dataset` itself (watch then makes each epoch's iterator, so the
+steps are the probe's batches in order); over an iterator, a generator or
+a list they are None. Any iterable works: a `tf.data`
 dataset, a `keras.utils.PyDataset`, a generator, a list of NumPy arrays.
 Nothing here imports TensorFlow: a JAX loop over NumPy batches runs without
 it.
 """
 
+import sys
 import time
 
 import keras
@@ -133,15 +140,22 @@ class Watched:
 
     def __iter__(self):
         self._end_epoch()
-        start = time.perf_counter()
-        iterator = iter(self.iterable)
-        self._carry += time.perf_counter() - start
+        # The hooks come before the iterator, as in `fit`: a tf.data
+        # iterator starts producing at once, and the monitors' input probe
+        # counts the batches made from `on_train_begin` / `on_epoch_begin`.
         if not self._running:
             self._running = True
             self._hooks.on_train_begin()
             self._stream = stream_of(self.callbacks)
-        self._open = _Epoch(self, iterator, self.epoch)
+            if self._stream is not None and not _is_dataset(self.iterable):
+                # Its batches need not be those an instrumented dataset
+                # recorded, in order (an iterator made before the run).
+                self._stream.drop_probe()
         self._hooks.on_epoch_begin(self.epoch)
+        start = time.perf_counter()
+        iterator = iter(self.iterable)
+        self._carry += time.perf_counter() - start
+        self._open = _Epoch(self, iterator, self.epoch)
         self.epoch += 1
         return self._open
 
@@ -193,6 +207,12 @@ class Watched:
                 self._failed = True
                 warn(f"kg.watch could not hand step {self.steps} to the monitors "
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
+
+
+def _is_dataset(iterable):
+    """Whether `iterable` is a `tf.data.Dataset` (without importing TensorFlow)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(iterable, tf.data.Dataset)
 
 
 def _batch_facts(element):

@@ -16,6 +16,7 @@ from keras_gpufix.analysis import (
     judge,
     rank_causes,
     recompile_cost,
+    slow_limit,
     slow_mask,
     summarize_step_times,
 )
@@ -401,6 +402,19 @@ def test_the_one_slow_step_rule():
     assert not slow_mask(tiny).any()
 
 
+def test_the_slow_limit_is_the_rule_slow_mask_applies():
+    t = noisy(64)
+    limit = slow_limit(t, factor=3.0, min_ms=5.0)
+    assert limit == pytest.approx(max(3.0 * np.median(t), np.median(t) + 0.005))
+    probe = np.array([limit * 0.99, limit * 1.01])
+    assert list(slow_mask(np.concatenate([t, probe]), float(np.median(t)), factor=3.0,
+                          min_ms=5.0)[-2:]) == [False, True]
+    wide = np.concatenate([t, [0.030, 0.001] * 20])  # a spread of 4 MADs wins
+    assert slow_limit(wide, factor=1.1, min_ms=0.0) > 1.1 * np.median(wide)
+    assert slow_limit(wide, factor=1.1, min_ms=0.0, spread=False) == pytest.approx(
+        1.1 * np.median(wide))
+
+
 def test_recompile_pricing():
     assert recompile_cost(0.5, 0.01, new_shape=True, jit=True) == pytest.approx(0.49)
     assert recompile_cost(0.5, 0.01, new_shape=True, jit=False) == 0.0
@@ -457,3 +471,33 @@ def test_is_recompiling_only_when_compiles_keep_coming_and_cost():
     assert is_recompiling(0.5, 10.0, late_compiles=3, cost_share=0.05)[0]
     assert not is_recompiling(2.0, 10.0, shapes=5, max_new_shapes=4, cost_share=0.5)[0]
     assert is_recompiling(0.0, 0.0, retraces=2) == (False, 0.0)
+
+
+def test_the_detector_judges_recompiling_by_the_one_rule():
+    # The same figures as RetracingMonitor's: compiles that keep coming (here: new
+    # shapes after the first epoch) AND cost >= cost_share; otherwise warm-up.
+    times = noisy(120)
+    new = np.zeros(120, bool)
+    new[[10, 20, 30, 70, 80, 90]] = True
+    times[new] = 0.2  # each compile costs ~19 median steps: ~50% of the time
+    epoch = (np.arange(120) >= 60).astype(int)  # the last three in the second epoch
+    assert judge(records(times, new_shape=new, epoch=epoch), jit=True)["verdict"] \
+        == "recompiling"
+    assert judge(records(times, new_shape=new), jit=True)["verdict"] == "healthy"  # epoch 0
+    cheap = times.copy()
+    cheap[new] = 0.015  # compiles keep coming but cost ~2%: no verdict, no stall either
+    verdict = judge(records(cheap, new_shape=new, epoch=epoch), jit=True)
+    assert verdict["verdict"] == "healthy" and verdict["evidence"]["recompile_ms"] > 0
+    det = OscillationDetector(jit=True)
+    events = [det.update(r) for r in records(times, new_shape=new, epoch=epoch)]
+    assert [e["verdict"] for e in events if e] == ["recompiling"]
+
+
+def test_slow_steps_of_unknown_shape_are_never_priced_as_recompiles():
+    # Without kg.data.instrument (no shapes) nor counted traces, a slow step under
+    # XLA is a slow step: a periodic stall, never "recompile cost ...".
+    times = noisy(200)
+    times[7::8] = 0.05
+    judgement = judge(records(times), jit=True)
+    assert judgement["verdict"] == "periodic_stall" and judgement["period"] == 8
+    assert "recompile_ms" not in judgement["evidence"]

@@ -83,12 +83,16 @@ def test_yaml_syntax_error_is_unusable(tmp_path):
 
 
 @pytest.mark.parametrize("text, kind, key", [
-    ("data:\n  batch_size: 30\ndistribute:\n  mode: mirrored\n  devices: [/cpu:0, /cpu:1, /cpu:2, /cpu:3]\n",
+    ("data:\n  batch_size: 30\ndistribute:\n  mode: mirrored\n"
+     "  devices: [/cpu:0, /cpu:1, /cpu:2, /cpu:3]\n",
      "batch_not_divisible", "data.batch_size"),
     ("training:\n  mixed_precision: mixed_float16\n", "mixed_precision_unsupported",
      "training.mixed_precision"),
     ("data:\n  cache_dir: {file}/cache\n", "cache_dir_not_writable", "data.cache_dir"),
     ("data:\n  corpus: no/such/corpus\n", "corpus_missing", "data.corpus"),
+    ("data:\n  prefetch: /gpu:0\n", "device_missing", "data.prefetch"),
+    ("distribute:\n  mode: mirrored\n  devices: [/gpu:0, /device:GPU:1]\n", "device_missing",
+     "distribute.devices"),
 ])
 def test_each_trap_is_found(tmp_path, text, kind, key):
     blocker = tmp_path / "a_file"
@@ -99,12 +103,25 @@ def test_each_trap_is_found(tmp_path, text, kind, key):
     assert problems[0]["line"] is not None
 
 
+def test_a_gpu_the_machine_lacks_is_found_and_prefetch_is_fixed(tmp_path):
+    one_gpu = {"gpus": [{"name": "A100", "compute_capability": [8, 0]}], "cpu_bf16": False,
+               "cpu_bf16_flags": []}
+    path = write(tmp_path, "data:\n  prefetch: /gpu:1\ndistribute:\n  devices: [/gpu:0]\n")
+    (problem,) = validate_config(path, environment=one_gpu)["problems"]
+    assert (problem["kind"], problem["key"], problem["line"]) == ("device_missing",
+                                                                  "data.prefetch", 2)
+    assert "names /gpu:1 but this machine has 1 GPU(s)" in problem["message"]
+    assert validate_config(path, fix=True, environment=one_gpu)["exit_code"] == 0
+    assert load_config(path).data.prefetch == "auto"
+
+
 def test_bfloat16_needs_hardware_support():
     cfg = Config()
     cfg.training.mixed_precision = "mixed_bfloat16"
     assert [p["kind"] for p in check_config(cfg, CPU)] == ["mixed_precision_unsupported"]
     assert check_config(cfg, {"gpus": [], "cpu_bf16": True, "cpu_bf16_flags": ["amx_bf16"]}) == []
-    old_gpu = {"gpus": [{"name": "T4", "compute_capability": [7, 5]}], "cpu_bf16": False, "cpu_bf16_flags": []}
+    old_gpu = {"gpus": [{"name": "T4", "compute_capability": [7, 5]}], "cpu_bf16": False,
+               "cpu_bf16_flags": []}
     assert [p["kind"] for p in check_config(cfg, old_gpu)] == ["mixed_precision_unsupported"]
     cfg.training.mixed_precision = "mixed_float16"
     assert check_config(cfg, old_gpu) == []
@@ -368,33 +385,28 @@ def test_sections_follow_the_signatures_they_feed():
         return {name: p.default for owner in owners
                 for name, p in inspect.signature(owner).parameters.items()}
 
-    def defaults(cls, leave=()):
-        return {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
-                for f in dataclasses.fields(cls) if f.name not in leave}
-
-    # the same names AND the same defaults as the signature each section feeds
-    trigger = params(kg.ProfilerTrigger)
-    assert defaults(ProfilingConfig) == {
-        k: v for k, v in trigger.items() if k not in ("log_dir", "verbose")}
-    monitor = params(kg.GPUOscillationMonitor)
-    # thresholds {} is the monitor's None; log_dir "logs" is the config's choice
-    assert defaults(MonitorConfig, ("profiling", "thresholds", "log_dir")) == {
-        k: v for k, v in monitor.items()
-        if k not in ("on_detect", "nvml", "verbose", "thresholds", "log_dir")}
-    assert {"thresholds", "log_dir"} <= set(monitor)
-    training = params(kg.compile_model)
-    assert defaults(TrainingConfig, ("epochs",)) == {
-        k: training[k] for k in ("jit_compile", "mixed_precision", "steps_per_execution")}
-    assert defaults(DistributeConfig) == {
-        k: v for k, v in params(kg.setup_strategy).items() if k != "memory_growth"}
-    # data: builder + build arguments; prefetch is build's prefetch_to_device ("auto": None),
-    # audio/text are mappings of AudioConfig/TextConfig ({}: their defaults)
+    # The config's own choices: keys the signature lacks or whose default differs
+    # on purpose (on_bad_input null = "unset", a trap for validate).
+    OWN = {"corpus", "audio", "text", "batch_size", "on_bad_input", "prefetch", "epochs",
+           "thresholds", "log_dir", "profiling"}
+    sections = [
+        (ProfilingConfig, params(kg.ProfilerTrigger), {"log_dir", "verbose"}),
+        (MonitorConfig, params(kg.GPUOscillationMonitor), {"on_detect", "nvml", "verbose"}),
+        (TrainingConfig, params(kg.compile_model),
+         {"model", "optimizer", "loss", "metrics", "sample_batch", "compile_kwargs"}),
+        (DistributeConfig, params(kg.setup_strategy), {"memory_growth"}),
+    ]
+    for cls, fed, left_out in sections:  # the same names as the signature
+        assert {f.name for f in dataclasses.fields(cls)} - OWN == set(fed) - left_out - OWN, cls
     data = params(kg.data.SpeechDatasetBuilder, kg.data.SpeechDatasetBuilder.build)
-    assert "prefetch_to_device" in data
-    assert set(defaults(DataConfig)) - {"prefetch"} <= set(data)
-    assert {k: v for k, v in defaults(DataConfig).items()
-            if k in ("num_buckets", "cache_dir", "service")} == {
-        k: data[k] for k in ("num_buckets", "cache_dir", "service")}
+    assert {f.name for f in dataclasses.fields(DataConfig)} - {"prefetch"} <= set(data)
+    assert "prefetch_to_device" in data  # prefetch: "auto" or build's prefetch_to_device
+    # every default the signature owns is read from it, none written again here
+    for cls, fed in [(cls, fed) for cls, fed, _ in sections] + [(DataConfig, data)]:
+        for f in dataclasses.fields(cls):
+            if f.name not in OWN:
+                assert f.default is dataclasses.MISSING, f"{cls.__name__}.{f.name} hard-coded"
+                assert getattr(cls(), f.name) == fed[f.name], f"{cls.__name__}.{f.name}"
 
 
 # What `keras-gpufix validate` says and what from_config does agree on every value
@@ -407,6 +419,7 @@ DOCUMENTED = [
     ("data:\n  num_buckets: null\n", False),
     ("data:\n  prefetch: auto\n", True),
     ("data:\n  prefetch: /cpu:0\n", True),
+    ("data:\n  prefetch: /nonsense\n", False),
     ("data:\n  prefetch: false\n", False),
     ("data:\n  prefetch: 4\n", False),
     ("data:\n  on_bad_input: skip\n", True),
@@ -432,6 +445,11 @@ DOCUMENTED = [
     ("distribute:\n  mode: one_device\n", True),
     ("distribute:\n  mode: mirrored\n", True),
     ("distribute:\n  mode: sharded\n", False),
+    ("distribute:\n  mode: mirrored\n  devices: [/cpu:0]\n", True),
+    ("distribute:\n  devices: [cpu0]\n", False),
+    ("distribute:\n  mode: one_device\n  devices: [/cpu:0]\n", True),
+    ("distribute:\n  mode: one_device\n  devices: [/cpu:0, /cpu:1]\n", False),
+    ("distribute:\n  mode: default\n  devices: [/cpu:0]\n", False),
     ("monitor:\n  window: 8\n", True),
     ("monitor:\n  window: 4\n", False),
     ("monitor:\n  warmup: 0\n", True),
@@ -466,9 +484,11 @@ def test_validate_and_from_config_agree(tmp_path, text, accepted):
             assert schema == []
             from_config(path)
         else:
-            section, key = text.split(":")[0], text.split("\n")[1].split(":")[0].strip()
-            (problem,) = schema  # on the key written (or one of its entries)
-            assert problem["key"].startswith(f"{section}.{key}") and problem["line"] == 2
+            lines = text.splitlines()  # the refused value is on the last line
+            section, key = lines[0].rstrip(":"), lines[-1].split(":")[0].strip()
+            (problem,) = schema  # on that key (or one of its entries)
+            assert problem["key"].startswith(f"{section}.{key}")
+            assert problem["line"] == len(lines)
             assert result["exit_code"] == 1
             with pytest.raises(ConfigError) as info:
                 from_config(path)

@@ -252,6 +252,17 @@ def test_resolve_strategy_mode_names_the_modes():
         distribute.resolve_strategy_mode("pipeline")
 
 
+@pytest.mark.parametrize("mode, devices, message", [
+    ("one_device", ["/cpu:0", "/cpu:1"], "`mode='one_device'` takes exactly one device"),
+    ("default", ["/cpu:0"], "`mode='default'` uses no device list"),
+])
+def test_a_device_list_the_mode_would_ignore_is_an_error(mode, devices, message):
+    with pytest.raises(ValueError, match=message + r".*Received: \d devices"):
+        distribute.resolve_strategy_mode(mode, device_count=len(devices), devices_given=True)
+    with pytest.raises(ValueError, match=message):
+        kg.setup_strategy(mode=mode, devices=devices, memory_growth=False)
+
+
 def _gpus_without_memory_growth(monkeypatch, count):
     """`count` fake GPUs, no TF_CONFIG, no logical configuration, memory growth off."""
     monkeypatch.delenv("TF_CONFIG", raising=False)

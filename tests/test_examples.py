@@ -52,6 +52,8 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
     assert first["verdict"] == "healthy", first
     assert first["input_wait"] is not None and first["input_wait"] < 0.2
     assert first["retracing"]["trace_count"] == 0
+    # the builder's batches carry their lengths: speech throughput is reported
+    assert first["audio_seconds_per_s"] > 0 and first["real_frames_per_s"] > 0
 
     second = _last_json(_run([os.path.join(EXAMPLES, "train_tts.py"), "--output", out,
                               "--epochs", "4", *TINY_TTS]))

@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import time
+import types
 
 import keras
 import pytest
@@ -13,6 +14,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import profiling
+from keras_gpufix.analysis import slow_limit
 from keras_gpufix.exceptions import GpufixWarning
 from planted import planted_dataset, tiny_model
 
@@ -169,6 +171,48 @@ def test_slow_step_trigger_traces_the_next_steps(tmp_path):
     assert 38 <= slow <= 41  # prefetch(2) may move the wait by a step or two
     assert trace["start_step"] == slow + 1
     assert trace["end_step"] == slow + 4
+
+
+def test_slow_step_is_timed_by_the_shared_stream_and_judged_by_the_one_rule(
+        tmp_path, monkeypatch):
+    import keras_gpufix.callbacks._stream as stream_module
+
+    clock = {"now": 0.0, "reads": 0}
+
+    def perf_counter():
+        clock["reads"] += 1
+        return clock["now"]
+
+    def slow_stop(save=True):  # saving a trace takes a while: our own time, not a stall
+        clock["now"] += 1.0
+        return stop(save)
+
+    # Only the stream's clock is faked: a cycle slow on it alone must fire the trigger.
+    monkeypatch.setattr(stream_module, "time",
+                        types.SimpleNamespace(perf_counter=perf_counter, time=lambda: 1e9))
+    stop = profiling.stop_trace
+    monkeypatch.setattr(profiling, "stop_trace", slow_stop)
+    timer = kg.StepTimer()
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger="slow_step", steps=2, warmup=5,
+                                 cooldown=5, analyze=False, verbose=0)
+    hooks = keras.callbacks.CallbackList([timer, trigger], model=tiny_model())
+    hooks.on_train_begin()
+    hooks.on_epoch_begin(0)
+    for i in range(60):
+        hooks.on_train_batch_begin(i)
+        # step 20: 2.9x the median cycle, under slow_factor=3 (the rule's limit: 33 ms)
+        clock["now"] += {20: 0.031, 45: 0.5}.get(i, 0.010)
+        hooks.on_train_batch_end(i, {})
+        clock["now"] += 0.4 if i == 30 else 0.001  # a callback stalls after step 30
+    hooks.on_epoch_end(0)
+    hooks.on_train_end()
+    assert trigger.stream is timer.stream
+    assert clock["reads"] == 2 * 60 + 1  # begin + end per step, and the stream's offset
+    assert slow_limit([0.011] * 16, factor=3.0, min_ms=5.0) == pytest.approx(0.033)
+    assert [(t["start_step"], t["end_step"], t["reason"]) for t in trigger.traces] == [
+        (32, 33, "slow step 31: 410.0 ms against a median of 11.0 ms"),  # between steps
+        (46, 47, "slow step 45: 501.0 ms against a median of 11.0 ms"),  # in the step
+    ]  # step 34, after the 1 s of saving the first trace, fired nothing
 
 
 def test_tensorboard_profile_batch_in_the_same_list(tmp_path, monkeypatch):

@@ -250,6 +250,23 @@ def test_custom_loop_eager_step_is_never_priced_as_a_recompile():
     assert any(n.startswith("train_step is not a tf.function") for n in report["notes"])
 
 
+def test_under_kg_watch_shapes_come_from_the_loop_without_instrument(capsys):
+    # kg.watch hands each batch's shapes to the stream: no kg.data.instrument needed,
+    # and no "input shapes are not visible" note.
+    train_step = tf.function(step_function(), jit_compile=True, reduce_retracing=True)
+    monitor = kg.RetracingMonitor(functions=[train_step], max_new_shapes=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GpufixWarning)
+        with kg.watch(length_batches(), callbacks=[monitor]) as watched:
+            for x, y in watched:
+                train_step(x, y)
+    report = monitor.report()
+    assert report["new_shapes"] == 7
+    assert sorted(s[0][1] for s in report["shapes"]) == list(LENGTHS)
+    assert not any("kg.data.instrument" in n for n in report["notes"])
+    assert "input shapes are not visible" not in capsys.readouterr().out
+
+
 def test_custom_loop_without_functions_says_how_to_count():
     train_step = tf.function(step_function())
     monitor = kg.RetracingMonitor(verbose=0)
@@ -296,9 +313,11 @@ def test_without_instrumentation_slow_steps_are_not_priced_as_recompiles(jit_com
     ds = tf.data.Dataset.from_tensor_slices((x, x[:, 0, :1])).batch(BATCH, drop_remainder=True)
     ds = ds.enumerate().map(late)
     monitor = kg.RetracingMonitor(max_new_shapes=2, verbose=0)
+    oscillation = kg.GPUOscillationMonitor(nvml=False, verbose=0)  # the same rule there
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seq_model(jit_compile=jit_compile).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+        seq_model(jit_compile=jit_compile).fit(ds, epochs=2, verbose=0,
+                                               callbacks=[monitor, oscillation])
     assert [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)] == []
     report = monitor.report()
     assert report["spikes"] >= 10 and report["spike_ms"] > 0  # the slow steps are seen ...
@@ -306,6 +325,9 @@ def test_without_instrumentation_slow_steps_are_not_priced_as_recompiles(jit_com
     assert report["compile_ms"] > 0  # the fit's one compile, at its first step
     assert [e["first_compile"] for e in report["shape_events"]] == [True]
     assert report["verdict"] == "healthy"
+    judged = oscillation.report()
+    assert judged["verdict"] != "recompiling" and judged["events"]
+    assert all("recompile_ms" not in e["evidence"] for e in judged["events"])
 
 
 def test_buckets_compiled_once_in_the_first_epoch_are_not_recompiling():
@@ -313,15 +335,20 @@ def test_buckets_compiled_once_in_the_first_epoch_are_not_recompiling():
     # each bucket once in the first epoch; that is warm-up, however much it cost.
     ds = instrument(batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False))
     monitor = kg.RetracingMonitor(verbose=0)  # THRESHOLDS["max_new_shapes"]
+    oscillation = kg.GPUOscillationMonitor(nvml=False, verbose=0)  # judges by the same rule
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seq_model(jit_compile=True).fit(ds, epochs=3, verbose=0, callbacks=[monitor])
+        seq_model(jit_compile=True).fit(ds, epochs=3, verbose=0,
+                                        callbacks=[monitor, oscillation])
     assert [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)] == []
     report = monitor.report()
     compiled = [e for e in report["shape_events"] if e["compiles"]]
     assert len(compiled) == 7 and {e["epoch"] for e in compiled} == {0}
     assert report["recompile_ms"] > 0 and report["retraces"] == 0
     assert report["verdict"] == "healthy"
+    judged = oscillation.report()
+    assert judged["verdict"] != "recompiling" and judged["step_time"]["count"] > 0
+    assert "recompiling" not in {e["verdict"] for e in judged["events"]}
 
 
 def test_new_shapes_after_the_first_epoch_are_recompiling():
@@ -329,16 +356,21 @@ def test_new_shapes_after_the_first_epoch_are_recompiling():
     epochs = iter(range(100))
 
     def batches():  # each epoch its own lengths: compiles keep coming
-        lengths = (5, 9) if next(epochs) == 0 else (13, 17, 21)
-        for n in lengths * 3:
+        lengths = (5, 9) * 6 if next(epochs) == 0 else (13, 17, 21) * 4
+        for n in lengths:  # 12 batches an epoch: enough steps for the monitor to judge
             x = rng.random((BATCH, n, 4), dtype=np.float32)
             yield x, x.mean(axis=(1, 2))[:, None]
 
     ds = instrument(tf.data.Dataset.from_generator(batches, output_signature=(
         tf.TensorSpec([BATCH, None, 4], tf.float32), tf.TensorSpec([BATCH, 1], tf.float32))))
     monitor = kg.RetracingMonitor(verbose=0)
+    oscillation = kg.GPUOscillationMonitor(nvml=False, verbose=0)
     with pytest.warns(GpufixWarning, match=r"3 after the first epoch"):
-        seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+        seq_model(jit_compile=True).fit(ds, epochs=2, verbose=0,
+                                        callbacks=[monitor, oscillation])
     report = monitor.report()
     assert report["new_shapes"] == 5 and report["verdict"] == "recompiling"
+    judged = oscillation.report()  # the same verdict from the same rule
+    assert judged["verdict"] == "recompiling"
+    assert judged["events"][-1]["evidence"]["recompile_ms"] > 0
     assert sorted(e["epoch"] for e in report["shape_events"] if e["compiles"]) == [0, 0, 1, 1, 1]

@@ -123,7 +123,7 @@ class FakeCursor:
     def __init__(self):
         self.taken, self.calls = 0, 0
         self.probe = types.SimpleNamespace(shape_key=lambda row: ((8, FEATURES), (8, 1)),
-                                           batch_size=lambda key: 8)
+                                           batch_size=lambda key: 8, frames_per_second=None)
         FakeCursor.instances.append(self)
 
     def start(self):
@@ -135,7 +135,7 @@ class FakeCursor:
     def take(self, begins, ends, counts):
         self.calls += 1
         self.taken += int(sum(counts))
-        return [0.001] * len(counts), [np.zeros(1)] * len(counts)
+        return [0.001] * len(counts), [np.zeros(1)] * len(counts), [None] * len(counts)
 
 
 def trio():

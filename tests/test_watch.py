@@ -120,9 +120,12 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
 
     supplied = []
 
-    class Stream:  # the shared step log's entry point (core's StepStream.supply)
+    class Stream:  # the shared step log's entry points (core's StepStream)
         def supply(self, wait, **facts):
             supplied.append((wait, facts))
+
+        def drop_probe(self):  # a list is not the instrumented dataset itself
+            supplied.append("drop_probe")
 
     # iter(): 0.125 s to create the iterator; next(): start, return;
     # the ending next() and the iterator's release: 2 s, for the next step.
@@ -139,6 +142,7 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
     with kg.watch(batches, callbacks=[Recorder()]) as watched:
         assert sum(1 for _ in watched) == 2
     assert supplied == [
+        "drop_probe",
         (0.625, {"samples": 4, "shape": ((4, 2), (4,)), "split": False}),
         (0.25, {"samples": 3, "shape": ((3, 5, 2),), "split": False}),
     ]
@@ -213,6 +217,9 @@ def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
     class Broken:
         def supply(self, wait, **facts):
             raise RuntimeError("stream gone")
+
+        def drop_probe(self):
+            pass
 
     monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Broken())
     with pytest.warns(kg.GpufixWarning, match="could not hand step 1 to the monitors") as caught:

@@ -8,9 +8,9 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | module        | what it defines                                              |
 |---------------|--------------------------------------------------------------|
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
-| `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_mask`,              |
-|               | `recompile_cost`, `step_compiled`, `is_recompiling`,         |
-|               | `rank_causes`, `fix_for`                                     |
+| `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
+|               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
+|               | `is_recompiling`, `rank_causes`, `fix_for`                   |
 | `detector`    | `judge` (no side effects), `OscillationDetector`             |
 """
 
@@ -26,6 +26,7 @@ from keras_gpufix.analysis.verdicts import (
     is_recompiling,
     rank_causes,
     recompile_cost,
+    slow_limit,
     slow_mask,
     step_compiled,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "judge",
     "rank_causes",
     "recompile_cost",
+    "slow_limit",
     "slow_mask",
     "step_compiled",
     "summarize_step_times",

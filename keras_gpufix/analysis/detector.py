@@ -18,8 +18,10 @@ from keras_gpufix.analysis.verdicts import (
     PHASES,
     THRESHOLDS,
     fix_for,
+    is_recompiling,
     recompile_cost,
     slow_mask,
+    step_compiled,
 )
 
 __all__ = ["judge", "OscillationDetector"]
@@ -92,18 +94,23 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     rs = [r for r in records if not r.epoch_first]
     if len(rs) < th["min_judge_steps"]:
         return _judgement("unknown", {"signals": [], "records": len(rs)})
-    # Steps that compiled (a new trace, or a new shape under XLA).
+    # Steps that compiled (a new trace, or a new shape under XLA), priced
+    # and judged by the one rule (`recompile_cost`, `is_recompiling`).
     med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
-    costs = np.array([recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
-                                     new_shape=r.new_shape, jit=jit) for r in rs])
+    how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit} for r in rs]
+    compiled = [step_compiled(**h) for h in how]
+    compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), **h)
+                    for r, h in zip(rs, how))
     seen_shapes = any(r.new_shape or r.traces for r in rs)
-    kept = any(r.traces or (r.new_shape and r.epoch > 0) for r in rs) \
-        or shapes_seen > th["max_new_shapes"]
-    if costs.any() and not kept:
-        # A bounded set of shapes compiling once each in the first epoch is
-        # the price of warming up, not a stall: leave those steps out.
-        rs = [r for r, c in zip(rs, costs) if not c]
-        costs = np.zeros(len(rs))
+    recompiling, compile_share = is_recompiling(
+        compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
+        late_compiles=sum(1 for r, c in zip(rs, compiled) if c and r.new_shape and r.epoch > 0),
+        shapes=shapes_seen, max_new_shapes=th["max_new_shapes"], cost_share=th["cost_share"])
+    if any(compiled) and not recompiling:
+        # Compiles that stop (a bounded set of shapes compiling once each in
+        # the first epoch) or cost little are warm-up, not a stall: leave
+        # those steps out.
+        rs = [r for r, c in zip(rs, compiled) if not c]
         if len(rs) < th["min_judge_steps"]:
             return _judgement("unknown", {"signals": [], "records": len(rs)})
     n = np.array([max(1, r.steps) for r in rs], np.float64)
@@ -143,12 +150,11 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     if seen_shapes:
         ev["signals"].append("new_shape")
         ev["new_shapes"] = int(sum(r.new_shape for r in rs))
-        share = float(costs.sum()) / total if total > 0 else 0.0
-        ev["recompile_ms"] = float(costs.sum()) * 1e3
-        ev["recompile_share"] = share
-        if share >= th["cost_share"]:
+        ev["recompile_ms"] = compile_s * 1e3
+        ev["recompile_share"] = compile_share
+        if recompiling:
             ev["slow_steps_at_new_shapes"] = int(np.sum(slow & new_shape))
-            return _judgement("recompiling", ev, phase="step", cost_share=share)
+            return _judgement("recompiling", ev, phase="step", cost_share=compile_share)
 
     if eager:
         ev["signals"].append("eager")

@@ -33,6 +33,7 @@ __all__ = [
     "THRESHOLDS",
     "TOO_FEW_STEPS",
     "fix_for",
+    "slow_limit",
     "slow_mask",
     "recompile_cost",
     "step_compiled",
@@ -187,17 +188,20 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
     return text.format_map(values)
 
 
-def slow_mask(times, median: float = None, factor: float = None,
-              min_ms: float = None, spread: bool = True) -> np.ndarray:
-    """THE slow-step rule: which of `times` (seconds per step) are slow.
+def slow_limit(times, median: float = None, factor: float = None,
+               min_ms: float = None, spread: bool = True) -> float:
+    """THE slow-step rule, as a limit: a step slower than this is slow.
 
     A step is slow when it is slower than `factor` x the median, by at
     least `min_ms`, and by `THRESHOLDS["spread_factor"]` robust standard
     deviations (1.4826 x median absolute deviation) of `times`, so OS jitter
-    on short steps and a noisy neighbour are not slow steps.
+    on short steps and a noisy neighbour are not slow steps. A callback
+    that judges one step at a time (`ProfilerTrigger`) computes the limit
+    over its recent normal steps once in a while and compares each step
+    with it; `slow_mask` judges a whole series.
 
     Args:
-        times: seconds per step (1-D).
+        times: seconds per step (1-D, not empty): the reference steps.
         median: the reference; defaults to the median of `times`.
         factor: defaults to `THRESHOLDS["slow_factor"]`.
         min_ms: defaults to `THRESHOLDS["min_slow_ms"]`.
@@ -207,11 +211,9 @@ def slow_mask(times, median: float = None, factor: float = None,
             steps, every 3rd, widen the spread themselves).
 
     Returns:
-        A boolean array, True for a slow step.
+        The limit, in seconds per step.
     """
     t = np.asarray(times, dtype=np.float64)
-    if not t.size:
-        return np.zeros(0, bool)
     med = float(np.median(t)) if median is None else float(median)
     factor = THRESHOLDS["slow_factor"] if factor is None else factor
     min_ms = THRESHOLDS["min_slow_ms"] if min_ms is None else min_ms
@@ -219,7 +221,24 @@ def slow_mask(times, median: float = None, factor: float = None,
     if spread:
         mad = 1.4826 * float(np.median(np.abs(t - med)))
         limit = max(limit, med + THRESHOLDS["spread_factor"] * mad)
-    return t > limit
+    return limit
+
+
+def slow_mask(times, median: float = None, factor: float = None,
+              min_ms: float = None, spread: bool = True) -> np.ndarray:
+    """THE slow-step rule (`slow_limit`): which of `times` are slow.
+
+    Args:
+        times: seconds per step (1-D).
+        median, factor, min_ms, spread: as in `slow_limit`, over `times`.
+
+    Returns:
+        A boolean array, True for a slow step.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    if not t.size:
+        return np.zeros(0, bool)
+    return t > slow_limit(t, median, factor, min_ms, spread)
 
 
 def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: int = 0,

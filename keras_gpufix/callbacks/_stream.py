@@ -24,11 +24,20 @@ Phases of a hook (a step, or N steps with `steps_per_execution=N`):
   before the begin hook lies in the gap and is taken from `between`, one
   that ends after it is taken from the step. A custom-loop wrapper
   (`kg.watch`) measures the wait itself and hands it over with `supply()`
-  before the begin hook; the probe is then not read;
+  before the begin hook; the probe's wait is then not used;
 - `step`: the rest of begin -> end.
+
+Speech throughput: a dataset instrumented with its feature lengths
+(`kg.data.instrument(..., frames=, frames_per_second=)`, as the `kg.data`
+builder does) gives each record its real (unpadded) frames and seconds of
+audio, read with the rest of the probe (no extra read per step), in `fit`
+and under `kg.watch` alike (when watch iterates the dataset itself; over
+an iterator or a generator it calls `drop_probe()`); other datasets leave
+them None.
 """
 
 import time
+import weakref
 
 from keras_gpufix.analysis import StepLog, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
@@ -36,7 +45,11 @@ from keras_gpufix.keras_internals import callback_model
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
-_OPEN = {}  # id(model) -> the StepStream of the running fit on that model
+# id(model) -> the StepStream of the running fit on that model. Weak: its
+# members hold it while they run; a fit that ended by an exception (no
+# on_train_end) must not keep its callbacks alive (a dropped ProfilerTrigger
+# stops its trace when it is collected).
+_OPEN = weakref.WeakValueDictionary()
 
 
 class StepStream:
@@ -72,7 +85,6 @@ class StepStream:
         self._offset = time.time() - time.perf_counter()
         self._cursor = None
         self._supplied = None
-        self._watched = False
         self._pending = []
         self._last_sync = None
         self._last_end = None
@@ -121,12 +133,13 @@ class StepStream:
 
     # -- the custom-loop wrapper's call ------------------------------------
 
-    def supply(self, input_wait, samples=None, shape=None, split=False, audio_seconds=None,
-               real_frames=None):
+    def supply(self, input_wait, samples=None, shape=None, split=False):
         """Hands over the next step's measured input wait (custom loops).
 
         Called between `next()` returning the batch and
-        `on_train_batch_begin`. The stream then never reads the probe.
+        `on_train_batch_begin`. The supplied facts replace the probe's wait,
+        batch size and shape; real frames and audio seconds still come from
+        the probe of an instrumented dataset.
 
         Args:
             input_wait: seconds spent in `next()`.
@@ -134,13 +147,17 @@ class StepStream:
             shape: a hashable key of the batch's shapes, or None.
             split: whether begin -> end holds only the step (False: the
                 whole loop body). Defaults to False.
-            audio_seconds: seconds of audio in the batch, or None.
-            real_frames: unpadded feature frames in the batch, or None.
         """
-        self._watched = True
+        self._supplied = (float(input_wait), samples, shape, bool(split))
+
+    def drop_probe(self):
+        """Stops reading the input probe (custom loops).
+
+        For a loop whose batches need not be the probe's, in order (an
+        iterator created before the run, a generator): the steps cannot be
+        matched to the batches the probe recorded.
+        """
         self._cursor = None
-        self._supplied = (float(input_wait), samples, shape, bool(split), audio_seconds,
-                          real_frames)
 
     # -- hooks (only the leader's act) -------------------------------------
 
@@ -202,22 +219,24 @@ class StepStream:
         if not pending:
             return
         self._last_sync = pending[-1][2] + pending[-1][3]
-        waits = rows = [None] * len(pending)
+        waits = rows = reals = [None] * len(pending)
         if self._cursor is not None:
             off = self._offset
-            waits, rows = self._cursor.take(
+            waits, rows, reals = self._cursor.take(
                 [p[2] - p[4] + off for p in pending],   # each cycle's start
                 [p[2] + p[3] + off for p in pending],
                 [p[1] for p in pending])
         probe = self.input_probe
+        per_second = None if probe is None else probe.frames_per_second
         records = []
-        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row in zip(
-                pending, waits, rows):
-            split, audio, frames = True, None, None
+        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row, frames in zip(
+                pending, waits, rows, reals):
+            split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
+            audio = None if frames is None or per_second is None else frames / per_second
             if supplied is not None:
-                wait, sampled, shape, split, audio, frames = supplied
+                wait, sampled, shape, split = supplied
                 samples = sampled if sampled is not None else samples
             elif row is not None:
                 shape = probe.shape_key(row)

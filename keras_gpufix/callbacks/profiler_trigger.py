@@ -6,7 +6,10 @@ A trace is armed by a trigger and starts at the next step:
 |------------------|-------------------------------------------------------------|
 | `"oscillation"`  | `GPUOscillationMonitor` reports a verdict other than        |
 |                  | `healthy` (wired by `on_detect=`, or found in the same list)|
-| `"slow_step"`    | a step takes more than `slow_factor` x the running median   |
+| `"slow_step"`    | a cycle (a step and the host time before it: input, other   |
+|                  | callbacks) is slow by the one slow-step rule                |
+|                  | (`analysis.slow_limit`, `slow_factor` x the median of the   |
+|                  | recent cycles)                                              |
 | `int` / `[int]`  | the training reaches that global step (0-based, across      |
 |                  | epochs)                                                     |
 
@@ -21,8 +24,11 @@ for analyses still running (a trace of long steps can take minutes), so
 `fit` returns on time; a late analysis lands in `traces` and `report()`
 when it finishes. Traces land in `log_dir/plugins/profile/<run>/`.
 
-Nothing is written to the Keras `logs` dict or to TensorBoard scalars; the
-results are in `traces` and `report()`.
+Steps are timed by the shared step stream (`callbacks/_stream.py`, one
+clock read per hook for all our callbacks): the trigger reads the latest
+step's span from it (`stream.last`) and times nothing itself. Nothing is
+written to the Keras `logs` dict or to TensorBoard scalars; the results are
+in `traces` and `report()`.
 """
 
 import threading
@@ -34,7 +40,9 @@ from collections import deque
 import numpy as np
 
 from keras_gpufix import profiling
-from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.analysis import slow_limit
+from keras_gpufix.callbacks._base import guarded
+from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit
 
@@ -62,7 +70,7 @@ def _parse_trigger(trigger):
     return kinds, sorted(steps)
 
 
-class ProfilerTrigger(GuardedCallback):
+class ProfilerTrigger(TimedCallback):
     """Captures TensorBoard profiler traces of `model.fit` when useful.
 
     Bounded: at most `max_traces` traces per `fit`, `cooldown` steps between
@@ -84,13 +92,17 @@ class ProfilerTrigger(GuardedCallback):
             Defaults to True.
         cooldown: steps after a trace before the next may start. Defaults
             to 100.
-        slow_factor: a step slower than this x the running median of the
-            last 64 steps fires `"slow_step"`. Defaults to 3.0.
-        min_slow_ms: ... if it is also slower than the median by this many
-            ms (scheduler jitter on short steps is not worth a trace).
-            Defaults to 5.0.
+        slow_factor: the slow-step rule's factor for `"slow_step"`: a
+            cycle (the step and the host time since the previous one)
+            slower than this x the median of the last 64 normal cycles (and
+            by 4 robust standard deviations, `analysis.slow_limit`) fires
+            it. Defaults to 3.0 (a trace is dear: the monitors' 1.25 would
+            fire on noise).
+        min_slow_ms: ... and by at least this many ms (scheduler jitter on
+            short steps is not worth a trace). Defaults to 5.0.
         warmup: steps at the start of each `fit` that never fire
-            `"slow_step"` (compilation). Defaults to 10.
+            `"slow_step"` (compilation); neither do the first step of an
+            epoch and the step after a trace (saving it). Defaults to 10.
         analysis_timeout: seconds the end of `fit` waits, in all, for
             XProf analyses still running; later ones land in `traces` and
             `report()` when they finish. Defaults to 5.0.
@@ -155,17 +167,17 @@ class ProfilerTrigger(GuardedCallback):
 
     def _reset(self):
         self._global = 0
-        self._first = None
-        self._t0 = None
+        self._hooks = 0
         self._armed = None
         self._retry_at = 0
         self._taken = 0
         self._last_end = None
         self._marker = None
         self._times = deque(maxlen=self.MEDIAN_WINDOW)
+        self._normal = 0
         self._threshold = None
         self._median = None
-        self._new_epoch = True
+        self._skip = True  # the next cycle holds an epoch start or our own work
         self._next_at = list(self._at_steps)
 
     def _warn_once(self, key, message):
@@ -188,60 +200,59 @@ class ProfilerTrigger(GuardedCallback):
 
     # -- Keras hooks -----------------------------------------------------
 
-    @guarded
-    def on_train_begin(self, logs=None):
+    def _begin(self):
         self._stop_stale()
         self._reset()
         self._warned.discard("busy")
-        self._activate()
 
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
-        self._new_epoch = True
+        self._skip = True
+        super().on_epoch_begin(epoch, logs)
 
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
-        self._first = batch
-        step = self._global
-        while self._next_at and self._next_at[0] <= step:
-            self._arm(f"step {self._next_at.pop(0)}")
-        if self._current is None and self._armed is not None:
-            self._maybe_start(step)
-        if self._current is not None:
-            self._marker = profiling.step_marker(step)
-            self._marker.__enter__()
-        self._t0 = time.perf_counter()
-
-    @guarded
-    def on_train_batch_end(self, batch, logs=None):
-        if self._t0 is None:
+        if self.stream is None:
             return
-        elapsed = time.perf_counter() - self._t0
-        self._t0 = None
-        count = max(1, batch - self._first + 1)
-        self._global += count
+        try:
+            step = self._global
+            while self._next_at and self._next_at[0] <= step:
+                self._arm(f"step {self._next_at.pop(0)}")
+            if self._current is None and self._armed is not None:
+                self._maybe_start(step)
+            if self._current is not None:
+                self._marker = profiling.step_marker(step)
+                self._marker.__enter__()
+        finally:  # the stream's clock starts after our own work
+            super().on_train_batch_begin(batch, logs)
+
+    def _after_hook(self):
+        """After each end hook: the step just timed by the stream."""
+        if self.stream.hooks == self._hooks:
+            return  # the stream timed no step (its begin hook was missed)
+        self._hooks = self.stream.hooks
+        index, count, span, gap = self.stream.last
+        self._global = index + count
+        skip, self._skip = self._skip, False
         if self._marker is not None:
             marker, self._marker = self._marker, None
             marker.__exit__(None, None, None)
         if self._current is not None:
             if self._global - self._current["start_step"] >= self.steps:
                 self._stop(self._global - 1)
-        elif "slow_step" in self._kinds:
-            self._watch(elapsed / count)
-        self._new_epoch = False
+                self._skip = True  # saving the trace lies in the next cycle
+        elif "slow_step" in self._kinds and not skip:
+            self._watch((span + gap) / count)
         if self._pending:
             self._collect(wait=False)
 
-    @guarded
-    def on_epoch_end(self, epoch, logs=None):
+    def _epoch_done(self):
         self._collect(wait=False)
 
-    @guarded
-    def on_train_end(self, logs=None):
+    def _end(self):
         if self._current is not None:
             self._stop(self._global - 1)
         self._collect(wait=True)
-        self._deactivate()
 
     def __del__(self):
         try:
@@ -254,17 +265,20 @@ class ProfilerTrigger(GuardedCallback):
     # -- internals -------------------------------------------------------
 
     def _watch(self, step_time):
-        """Slow-step trigger: compares the step with the running median."""
-        if self._global > self.warmup and not self._new_epoch:
+        """Slow-step trigger: the one slow-step rule (`analysis.slow_limit`)
+        on the cycle (the step and the host time before it), against the
+        last `MEDIAN_WINDOW` normal cycles, renewed every 16."""
+        if self._global > self.warmup:
             if self._threshold is not None and step_time > self._threshold:
                 self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
                           f"a median of {self._median * 1e3:.1f} ms")
                 return
             self._times.append(step_time)
-            if len(self._times) >= 8 and (self._threshold is None or len(self._times) % 16 == 0):
-                median = float(np.median(self._times))
-                self._median = median
-                self._threshold = max(self.slow_factor * median, median + self.min_slow_ms / 1e3)
+            self._normal += 1
+            if self._normal >= 8 and (self._threshold is None or self._normal % 16 == 0):
+                self._median = float(np.median(self._times))
+                self._threshold = slow_limit(self._times, self._median, factor=self.slow_factor,
+                                             min_ms=self.min_slow_ms)
 
     def _maybe_start(self, step):
         if self._taken >= self.max_traces:

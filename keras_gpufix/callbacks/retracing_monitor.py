@@ -10,7 +10,8 @@ Two ways a variable-length input makes training slow:
 - under `jit_compile=True` XLA compiles once per distinct input shape,
   while the trace count stays at 2 (Keras traces with `reduce_retracing=
   True`, so the second trace has `None` dimensions). Only the shapes show
-  it: they are read from a dataset that went through `kg.data.instrument`.
+  it: they are read from a dataset that went through `kg.data.instrument`,
+  or handed over by `kg.watch` in a custom loop.
 
 A step that compiles (a new trace, or a new shape under XLA) costs its time
 minus the median step: that is the estimated compile cost
@@ -261,7 +262,9 @@ class RetracingMonitor(TimedCallback):
 
     def _on_records(self, records):
         """Judges the stream's records."""
-        if self.stream.input_probe is None and _NO_PROBE not in self.notes:
+        # kg.watch supplies each batch's shapes itself: no probe, yet shapes seen.
+        if (self.stream.input_probe is None and _NO_PROBE not in self.notes
+                and not self._seen and all(r.shape is None for r in records)):
             self.notes.append(_NO_PROBE)
             if not self._told_no_probe:
                 emit(_NO_PROBE, self.verbose)

@@ -189,6 +189,11 @@ class AudioConfig:
         """What padded feature frames hold: `pad_value`, or `ln(log_floor)`."""
         return math.log(self.log_floor) if self.pad_value is None else float(self.pad_value)
 
+    @property
+    def frames_per_second(self) -> float:
+        """Feature frames per second of audio: `sample_rate / hop_length`."""
+        return self.sample_rate / self.hop_length
+
     def num_frames(self, num_samples: int) -> int:
         """Frames of a clip of `num_samples` (before trimming, an upper bound)."""
         if self.center:

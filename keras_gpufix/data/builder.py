@@ -13,8 +13,10 @@ The builder is the input path a TTS/ASR team would want as the default:
 3. `build()` lays out length buckets with at most `num_buckets` (+1) batch
    shapes (`BucketPlan`), loads and pads elements with AUTOTUNE parallelism,
    groups them into batches, optionally runs all of that on tf.data service
-   workers, passes the batches through `kg.data.instrument` (so the monitors
-   see input readiness) and prefetches (or `prefetch_to_device`, last).
+   workers, passes the batches through `kg.data.instrument` with their
+   feature lengths (so the monitors see input readiness and report
+   `real_frames_per_s` and `audio_seconds_per_s`) and prefetches (or
+   `prefetch_to_device`, last).
 
 `builder.report` keys:
 
@@ -443,7 +445,8 @@ class SpeechDatasetBuilder:
             )
             prefetch_to_device = None
         self.report["prefetch_to_device"] = prefetch_to_device
-        dataset = instrument(dataset)
+        dataset = instrument(dataset, frames=self._feature_lengths(as_dict),
+                             frames_per_second=self.audio.frames_per_second)
         probe = dataset.input_probe
         if prefetch_to_device is not None:
             dataset = dataset.apply(tf.data.experimental.prefetch_to_device(prefetch_to_device))
@@ -471,6 +474,13 @@ class SpeechDatasetBuilder:
             return key, utterance, ids, text_len, tf.ensure_shape(mel, [None, num_features]), mel_len
 
         return load
+
+    @staticmethod
+    def _feature_lengths(as_dict):
+        """Batch of the user's layout -> its unpadded feature lengths (for the monitors)."""
+        if as_dict:
+            return lambda batch: batch["features_len"]
+        return lambda batch: batch[1][1]
 
     def _batch_layout(self, as_dict):
         """Batched `(key, utterance, ids, text_len, mel, mel_len)` -> the user's layout."""

@@ -15,7 +15,11 @@ next one after those taken by earlier steps. From that they know, per step:
   before its batch existed (the same quantity XProf's input-pipeline
   analyzer reports as input time);
 - the batch's shapes (the batch size for samples/s, and new shapes that
-  cost an XLA recompile).
+  cost an XLA recompile);
+- when the dataset's maker said which tensor holds the feature lengths
+  (`instrument(..., frames=, frames_per_second=)`; the `kg.data` builder
+  does), the batch's real (unpadded) feature frames, hence the seconds of
+  audio a step consumed (`real_frames_per_s`, `audio_seconds_per_s`).
 
 Place it last before the final `prefetch` (or `prefetch_to_device`), after
 any `tf.data` service `distribute`, so that the recorded order is the
@@ -50,19 +54,35 @@ class InputProbe:
     Args:
         element_spec: the dataset's `element_spec`.
         capacity: ring size in elements (batches). Defaults to 4096.
+        frames: a function of one element returning its feature lengths
+            (one integer per utterance, unpadded), or None to record no
+            frames. Defaults to None.
+        frames_per_second: feature frames per second of audio
+            (`sample_rate / hop_length`), or None. Defaults to None.
     """
 
-    def __init__(self, element_spec, capacity=4096):
+    def __init__(self, element_spec, capacity=4096, frames=None, frames_per_second=None):
         if capacity < 16:
             raise ValueError(f"`capacity` must be >= 16. Received: capacity={capacity}")
+        if frames is not None and not callable(frames):
+            raise ValueError("`frames` must be a function of one element returning its "
+                             f"feature lengths. Received: frames={frames!r}")
+        if frames_per_second is not None and (frames is None or not frames_per_second > 0):
+            raise ValueError(
+                "`frames_per_second` must be > 0 and given with `frames`. Received: "
+                f"frames_per_second={frames_per_second!r}, frames={frames!r}")
         self.capacity = capacity
         self.element_spec = element_spec
+        self.frames = frames
+        self.frames_per_second = None if frames_per_second is None else float(frames_per_second)
         specs = tf.nest.flatten(element_spec)
         self.ranks = [
             s.shape.rank if isinstance(s, tf.TensorSpec) and s.shape.rank is not None else None
             for s in specs
         ]
-        width = max(1, sum(r for r in self.ranks if r))
+        # A shape row holds every ranked tensor's dimensions, then (with
+        # `frames`) the batch's real frames: one table, one read.
+        width = max(1, sum(r for r in self.ranks if r)) + (frames is not None)
         table = tf.lookup.experimental.MutableHashTable
         with tf.init_scope():
             self._count = table(tf.int64, tf.int64, default_value=0)
@@ -85,6 +105,9 @@ class InputProbe:
             for t, r in zip(tf.nest.flatten(element), self.ranks) if r
         ]
         shape = tf.concat(dims, 0) if dims else tf.zeros([1], tf.int32)
+        if self.frames is not None:
+            real = tf.reduce_sum(tf.cast(self.frames(element), tf.int64))
+            shape = tf.concat([shape, tf.reshape(tf.cast(real, tf.int32), [1])], 0)
         zero = tf.constant([0], tf.int64)
         index = self._count.lookup(zero)  # the map is sequential: no race
         counted = self._count.insert(zero, index + 1)
@@ -102,10 +125,14 @@ class InputProbe:
         return int(self._count.lookup(tf.constant([0], tf.int64)).numpy()[0])
 
     def read(self, start, stop):
-        """Ready times (s, epoch) and shape rows of elements [start, stop).
+        """Ready times, shape rows and real frames of elements [start, stop).
 
-        Elements already overwritten in the ring or not yet produced come
-        back as NaN times and -1 shapes.
+        Returns:
+            `(ready, shapes, frames)`: ready times (s, epoch), shape rows,
+            and each element's real (unpadded) feature frames, or None
+            when this probe records no frames. Elements already
+            overwritten in the ring or not yet produced come back as NaN
+            times, -1 shapes and -1 frames.
         """
         produced = self.produced()
         idx = np.arange(start, stop)
@@ -115,7 +142,9 @@ class InputProbe:
         shapes = self._shapes.lookup(slots).numpy().reshape(len(idx), -1)
         ready = np.where(valid, ready, np.nan)
         shapes = np.where(valid[:, None], shapes, -1)
-        return ready, shapes
+        if self.frames is None:
+            return ready, shapes, None
+        return ready, shapes[:, :-1], shapes[:, -1].astype(np.int64)
 
     def iterator_starts(self, start, stop):
         """Indices in [start, stop) of elements that began a new iterator."""
@@ -150,13 +179,22 @@ class InputProbe:
             return list(_PROBES)
 
 
-def instrument(dataset, capacity=4096):
+def instrument(dataset, capacity=4096, frames=None, frames_per_second=None):
     """Returns `dataset` with its production observable by the monitors.
 
     Args:
         dataset: a `tf.data.Dataset` (batched: each element is one step's
             input).
         capacity: ring size in batches. Defaults to 4096.
+        frames: a function of one element (the structure as one argument)
+            returning the batch's unpadded feature lengths, e.g.
+            `lambda batch: batch[1][1]` for `((ids, ids_len), (mel,
+            mel_len))`. The monitors then report `real_frames_per_s`.
+            Defaults to None (no frames recorded: those figures are None).
+        frames_per_second: feature frames per second of audio
+            (`AudioConfig.frames_per_second`, i.e. `sample_rate /
+            hop_length`); with `frames`, the monitors also report
+            `audio_seconds_per_s`. Defaults to None.
 
     Returns:
         A `tf.data.Dataset` with the same elements; `dataset.input_probe`
@@ -171,7 +209,8 @@ def instrument(dataset, capacity=4096):
         raise ValueError(
             f"`dataset` must be a tf.data.Dataset. Received: {type(dataset).__name__}"
         )
-    probe = InputProbe(dataset.element_spec, capacity=capacity)
+    probe = InputProbe(dataset.element_spec, capacity=capacity, frames=frames,
+                       frames_per_second=frames_per_second)
 
     @tf.autograph.experimental.do_not_convert
     def _stamp(local, element):
@@ -225,7 +264,7 @@ class InputCursor:
             stop = self.probe.produced()
             starts = self.probe.iterator_starts(self._next, stop)
             if len(starts):
-                ready, _ = self.probe.read(self._next, stop)
+                ready = self.probe.read(self._next, stop)[0]
                 made = np.nonzero(ready >= began)[0]
                 if len(made) and self._next + made[0] in starts:
                     self._next += int(made[0])
@@ -244,21 +283,28 @@ class InputCursor:
         return best
 
     def take(self, begins, ends, counts):
-        """Per hook: (input wait s or None, shape row or None).
+        """Per hook: input wait (s), last shape row, real frames (each or None).
 
         Args:
             begins, ends: wall times (`time.time()`) of each hook's begin/end.
             counts: steps (batches) each hook consumed.
+
+        Returns:
+            Three lists, one item per hook: the input wait in seconds, the
+            shape row of the hook's last batch, and the real (unpadded)
+            feature frames of all its batches. An item is None where an
+            element could not be read (overwritten in the ring), and the
+            frames are None where the probe records none.
         """
         n = len(counts)
         if self.probe is None and self._pick() is None:
-            return [None] * n, [None] * n
+            return [None] * n, [None] * n, [None] * n
         if self._anchor is not None:
             self._reanchor()
         total = int(sum(counts))
         inside = self.probe.iterator_starts(self._next, self._next + total)
         self._repeats = self._repeats or bool(np.any(inside != self._epoch_first))
-        ready, shapes = self.probe.read(self._next, self._next + total)
+        ready, shapes, frames = self.probe.read(self._next, self._next + total)
         self._next += total
         begins, ends = np.asarray(begins, np.float64), np.asarray(ends, np.float64)
         counts = np.asarray(counts, np.int64)
@@ -273,5 +319,11 @@ class InputCursor:
         waits = np.clip(worst, 0.0, ends - begins)
         last = np.cumsum(counts) - 1
         missing = np.isnan(waits)
+        real = [None] * n
+        if frames is not None:
+            starts = last - counts + 1
+            unread = np.add.reduceat(frames < 0, starts) > 0
+            sums = np.add.reduceat(frames, starts)
+            real = [None if u else int(f) for f, u in zip(sums, unread | missing)]
         return ([None if m else float(w) for w, m in zip(waits, missing)],
-                [None if m else shapes[i] for i, m in zip(last, missing)])
+                [None if m else shapes[i] for i, m in zip(last, missing)], real)

@@ -23,12 +23,10 @@ reading it, so those are filtered from stderr while TensorFlow loads);
 """
 
 import os
-import re
-import sys
 import tempfile
 import time
 
-from keras_gpufix.output import emit, faster
+from keras_gpufix.output import emit, faster, import_tensorflow_quietly
 
 __all__ = ["run_demo", "format_demo", "DEMO_CONFIG"]
 
@@ -71,30 +69,10 @@ def _model(vocab_size, n_mels):
     return keras.Model({"text": text, "mel": mel}, out, name="tiny_mel_predictor")
 
 
-_TF_LOG_LINE = re.compile(r"^([IWE]\d{4} |WARNING: All log messages before absl)")
-
-
 def _import_tensorflow_quietly():
-    """Imports TensorFlow (and probes its devices) with its log lines hidden."""
-    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2"):
-        import tensorflow as tf
-    else:
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        sys.stderr.flush()
-        saved = os.dup(2)
-        with tempfile.TemporaryFile("w+") as captured:
-            os.dup2(captured.fileno(), 2)
-            try:
-                import tensorflow as tf
-
-                tf.config.list_physical_devices()
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-            captured.seek(0)
-            for line in captured:
-                if not _TF_LOG_LINE.match(line):
-                    sys.stderr.write(line)
+    """Imports TensorFlow with its log lines hidden (absl's too)."""
+    import_tensorflow_quietly()
+    import tensorflow as tf
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)

@@ -10,9 +10,12 @@ silences it. Problems the user should act on are warnings
 """
 
 import logging
+import os
+import re
 import sys
+import tempfile
 
-__all__ = ["emit", "faster", "progress"]
+__all__ = ["emit", "faster", "progress", "import_tensorflow_quietly"]
 
 logger = logging.getLogger("keras_gpufix")
 
@@ -25,6 +28,44 @@ def _interactive():
         return bool(keras.config.is_interactive_logging_enabled())
     except AttributeError:  # a Keras without the switch
         return True
+
+
+_TF_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl)")
+
+
+def import_tensorflow_quietly() -> bool:
+    """Imports TensorFlow with its own log lines hidden, so that our output
+    is what is left (`keras-gpufix demo` and `diagnose`).
+
+    Sets `TF_CPP_MIN_LOG_LEVEL=2` for the run. TensorFlow 2.21 writes its
+    import-time `I0000`/`W0000`/`E0000` lines before it reads that, so
+    those are filtered from stderr (at the file-descriptor level) while it
+    loads and probes its devices; every other line is passed on. Nothing is
+    hidden when TensorFlow is already imported or the user set another
+    level (`TF_CPP_MIN_LOG_LEVEL=0` shows them all).
+
+    Returns:
+        True when the lines were hidden (say how to see them).
+    """
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2"):
+        return False
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        for line in captured:
+            if not _TF_LOG_LINE.match(line):
+                sys.stderr.write(line)
+    return True
 
 
 def emit(message: str, verbose: int = 1) -> None:

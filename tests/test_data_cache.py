@@ -2,7 +2,6 @@ import errno
 import glob
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -20,12 +19,10 @@ from keras_gpufix.data.builder import SpeechDatasetBuilder
 from keras_gpufix.data.cache import FeatureCache, writable_problem
 from keras_gpufix.data.synthetic import make_synthetic_corpus
 from keras_gpufix.exceptions import GpufixWarning
-from fs_faults import read_only_folder, tmpfs
+from edge_faults import TF_LOG_LINE, read_only_folder, tmpfs
 
 AUDIO = AudioConfig(sample_rate=16000, n_fft=512, hop_length=160, win_length=400, n_mels=40)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# TensorFlow's own (absl) log lines, printed at import whatever TF_CPP_MIN_LOG_LEVEL says
-TF_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl)")
 
 # Builds the cache of argv[1] into argv[2], slowed to `argv[3]` s per
 # utterance so that a test can kill it halfway; prints the cache status.

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from edge_faults import TF_LOG_LINE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "custom_loop.py")
@@ -71,7 +72,8 @@ def test_steps_stops_a_healthy_tf_function_loop():
     proc, result = _diagnose("function", steps=14)
     assert proc.returncode == 3
     assert result["verdict"] == "healthy"  # cached input, compiled step
-    # diagnose set TensorFlow's C++ log level for the run and says how to see the logs
+    # diagnose hid TensorFlow's own log lines (the level was unset) and says how to see them
+    assert not [line for line in proc.stderr.splitlines() if TF_LOG_LINE.match(line)]
     assert any("TF_CPP_MIN_LOG_LEVEL=0" in n for n in result["notes"])
     assert "done" in proc.stdout  # the script ran on after its loop ended
     (loop,) = result["fits"]

@@ -6,6 +6,7 @@ with a bounded timeout, queried through its HTTP data APIs, then killed.
 
 import contextlib
 import gzip
+import importlib.metadata
 import json
 import os
 import socket
@@ -112,3 +113,24 @@ def test_the_standalone_xprof_server_lists_our_trace(logged_run, tmp_path):
         assert run in get_json(port, "/data/plugin/profile/runs")
         assert "input_pipeline_analyzer" in get_json(
             port, "/data/plugin/profile/run_tools", run=run)
+
+
+def test_profiling_docs_offline_note_holds_for_the_installed_xprof():
+    """docs/profiling.md: the Profile charts load Google's chart library from the
+    web (blank offline); the trace viewer ships its own code (works offline)."""
+    xprof = pytest.importorskip("xprof")
+    static = os.path.join(os.path.dirname(xprof.__file__), "static")
+    with open(os.path.join(static, "index.html"), encoding="utf-8") as f:
+        page = f.read()
+    with open(os.path.join(static, "trace_viewer_index.html"), encoding="utf-8") as f:
+        trace_viewer = f.read()
+    docs_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "docs", "profiling.md")
+    with open(docs_path, encoding="utf-8") as f:
+        docs = " ".join(f.read().split())
+    assert "loadChart('www.gstatic.com')" in page and "www.gstatic.cn" in page
+    assert "gstatic" not in trace_viewer and 'src="http' not in trace_viewer  # links only
+    assert "Without internet the Profile charts are blank." in docs
+    assert "https://www.gstatic.com/charts/loader.js" in docs
+    assert f"xprof {importlib.metadata.version('xprof')}" in docs  # the version it was checked in
+    assert "the trace viewer (`trace_viewer@`), which ships its own code" in docs

@@ -21,6 +21,7 @@ from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
                                            replay_rate, what_if)
 from keras_gpufix.exceptions import GpufixWarning, warn
+from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["environment", "run_diagnosis"]
 
@@ -287,7 +288,7 @@ class FitPatch:
         return history
 
 
-_QUIET_NOTE = ("TensorFlow's C++ INFO and WARNING logs were hidden (TF_CPP_MIN_LOG_LEVEL=2); "
+_QUIET_NOTE = ("TensorFlow's own log lines were hidden (TF_CPP_MIN_LOG_LEVEL=2); "
                "to see them: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix diagnose ...")
 
 
@@ -390,9 +391,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     if kind == "script":
         sys.path.insert(0, os.path.dirname(target))
     exit_code = 0
-    quiet = "TF_CPP_MIN_LOG_LEVEL" not in os.environ and "tensorflow" not in sys.modules
-    if quiet:  # TensorFlow's C++ INFO and WARNING lines would bury the report
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    quiet = import_tensorflow_quietly()  # TensorFlow's log lines would bury the report
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,

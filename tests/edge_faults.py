@@ -1,5 +1,6 @@
-"""Real filesystem faults for the cache tests: a tiny disk that fills up
-(a tmpfs) and a read-only folder.
+"""Real faults at the edges, for tests: a tiny disk that fills up (a
+tmpfs), a read-only folder; and `TF_LOG_LINE`, TensorFlow's own C++/absl log
+lines (tests check that our one-line messages are all that is left).
 
 A tmpfs needs root (the test is skipped without it); a read-only folder is
 a read-only bind mount for root (who may write through `chmod 555`) and
@@ -8,11 +9,16 @@ a read-only bind mount for root (who may write through `chmod 555`) and
 
 import contextlib
 import os
+import re
 import subprocess
 
 import pytest
 
-__all__ = ["tmpfs", "read_only_folder"]
+__all__ = ["TF_LOG_LINE", "tmpfs", "read_only_folder"]
+
+# I0000 ..., W0000 ..., E0000 ...: printed at TensorFlow's import whatever
+# TF_CPP_MIN_LOG_LEVEL says, and later unless it hides them
+TF_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl)")
 
 
 def _mount(*args):

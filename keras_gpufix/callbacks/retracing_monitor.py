@@ -120,6 +120,8 @@ class RetracingMonitor(TimedCallback):
     """
 
     MEDIAN_WINDOW = 256
+    # Distinct input shapes listed and priced (bounded memory, as the stream's).
+    MAX_SHAPES = 4096
 
     def __init__(self, functions=None, max_new_shapes=None, warn=True, spike_factor=3.0,
                  min_spike_ms=2.0, verbose=1):
@@ -281,6 +283,9 @@ class RetracingMonitor(TimedCallback):
                 self._epoch += 1
             self._global += count
             new_shape = key is not None and key not in self._seen
+            if new_shape and len(self._seen) >= self.MAX_SHAPES:
+                new_shape = False
+                self._note_too_many_shapes()
             if new_shape:
                 self._seen[key] = self._global - count
             if new_shape or new_traces:
@@ -290,7 +295,8 @@ class RetracingMonitor(TimedCallback):
                 event["compiles"] = step_compiled(**self._how(event))
                 self._compiling += event["compiles"]
                 self._events.append(event)
-                if key is not None and self._functions:
+                if (new_shape and self._functions
+                        and len(self._compiled_shapes) < self.MAX_SHAPES):
                     self._compiled_shapes.add(key)
             elif not record.epoch_first:
                 batch_normal.append(seconds / count)
@@ -303,6 +309,13 @@ class RetracingMonitor(TimedCallback):
 
     def _epoch_done(self):
         self._judge()
+
+    def _note_too_many_shapes(self):
+        note = (f"more than {self.MAX_SHAPES} distinct input shapes: later ones are neither "
+                "listed nor priced; bucket the lengths (kg.data builders: num_buckets) or pad "
+                "to a few fixed lengths")
+        if note not in self.notes:
+            self.notes.append(note)
 
     def _median_ms(self):
         return float(np.median(self._normal)) * 1e3 if self._normal else None
@@ -435,7 +448,8 @@ class RetracingMonitor(TimedCallback):
         Returns:
             A dict: `trace_count` (traces during the fit, None when they
             cannot be counted), `trace_counts` (function -> total traces),
-            `shapes` (distinct input shape keys, as lists, in order seen),
+            `shapes` (distinct input shape keys, as lists, in order seen; at
+            most `MAX_SHAPES`, a note says when more were seen),
             `new_shapes` (their number), `traced_shapes` (with
             `functions`: name -> the input shapes of each trace),
             `shape_events` (step, steps, shape, traces, step_ms, epoch (of

@@ -267,6 +267,19 @@ def test_under_kg_watch_shapes_come_from_the_loop_without_instrument(capsys):
     assert "input shapes are not visible" not in capsys.readouterr().out
 
 
+def test_distinct_shapes_are_bounded(monkeypatch):
+    monkeypatch.setattr(kg.RetracingMonitor, "MAX_SHAPES", 3)
+    monitor = kg.RetracingMonitor(verbose=0)
+    batches = [np.zeros((2, n), np.float32) for n in (1, 2, 3, 4, 5, 1, 4)]
+    with kg.watch(batches, callbacks=[monitor]) as watched:
+        for _ in watched:
+            pass
+    report = monitor.report()
+    assert report["shapes"] == [[[2, 1]], [[2, 2]], [[2, 3]]]  # the first 3, in order
+    assert len(report["shape_events"]) == 3 and report["steps"] == 7
+    assert any(n.startswith("more than 3 distinct input shapes") for n in report["notes"])
+
+
 def test_custom_loop_without_functions_says_how_to_count():
     train_step = tf.function(step_function())
     monitor = kg.RetracingMonitor(verbose=0)

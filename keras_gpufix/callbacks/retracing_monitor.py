@@ -120,6 +120,8 @@ class RetracingMonitor(TimedCallback):
     """
 
     MEDIAN_WINDOW = 256
+    # Distinct input shapes listed and priced (bounded memory, as the stream's).
+    MAX_SHAPES = 4096
 
     def __init__(self, functions=None, max_new_shapes=None, warn=True, spike_factor=3.0,
                  min_spike_ms=2.0, verbose=1):
@@ -168,6 +170,7 @@ class RetracingMonitor(TimedCallback):
         # results
         self._seen = {}
         self._events = []  # hooks at a new shape or with new traces
+        self._compiling = 0  # ... of which compiled
         self._normal = deque(maxlen=self.MEDIAN_WINDOW)
         self._spikes = 0
         self._spike_ms = 0.0
@@ -251,6 +254,7 @@ class RetracingMonitor(TimedCallback):
 
     def _end(self):
         self._fit_t1 = time.time()
+        self._judge()
         if self.verbose:
             r = self.report()
             traces = "?" if r["trace_count"] is None else r["trace_count"]
@@ -269,7 +273,7 @@ class RetracingMonitor(TimedCallback):
             if not self._told_no_probe:
                 emit(_NO_PROBE, self.verbose)
             self._told_no_probe = True
-        batch_normal = []
+        batch_normal, events = [], len(self._events)
         for record in records:
             # Time spent waiting for the batch is the input's, not a compile.
             seconds, count, key = record.step, record.steps, record.shape
@@ -279,20 +283,39 @@ class RetracingMonitor(TimedCallback):
                 self._epoch += 1
             self._global += count
             new_shape = key is not None and key not in self._seen
+            if new_shape and len(self._seen) >= self.MAX_SHAPES:
+                new_shape = False
+                self._note_too_many_shapes()
             if new_shape:
                 self._seen[key] = self._global - count
             if new_shape or new_traces:
-                self._events.append({"step": self._global - count, "steps": count,
-                                     "shape": key, "traces": new_traces,
-                                     "step_ms": seconds * 1e3, "epoch": self._epoch,
-                                     "compiled_before": key in self._compiled_shapes})
-                if key is not None and self._functions:
+                event = {"step": self._global - count, "steps": count, "shape": key,
+                         "traces": new_traces, "step_ms": seconds * 1e3, "epoch": self._epoch,
+                         "compiled_before": key in self._compiled_shapes}
+                event["compiles"] = step_compiled(**self._how(event))
+                self._compiling += event["compiles"]
+                self._events.append(event)
+                if (new_shape and self._functions
+                        and len(self._compiled_shapes) < self.MAX_SHAPES):
                     self._compiled_shapes.add(key)
             elif not record.epoch_first:
                 batch_normal.append(seconds / count)
         if batch_normal:
             self._count_spikes(batch_normal)
+        if len(self._events) > events:
+            # A new compile is what makes a run recompiling: judge then (and
+            # at epoch end, as the median settles), not at every sync.
+            self._judge()
+
+    def _epoch_done(self):
         self._judge()
+
+    def _note_too_many_shapes(self):
+        note = (f"more than {self.MAX_SHAPES} distinct input shapes: later ones are neither "
+                "listed nor priced; bucket the lengths (kg.data builders: num_buckets) or pad "
+                "to a few fixed lengths")
+        if note not in self.notes:
+            self.notes.append(note)
 
     def _median_ms(self):
         return float(np.median(self._normal)) * 1e3 if self._normal else None
@@ -324,24 +347,28 @@ class RetracingMonitor(TimedCallback):
         compiled before is `first_compile`: a cost, not a recompile.
         """
         median_ms = self._median_ms()
-        jit = self._jit if self._compiled is not False else False
         slow = (self._slow([e["step_ms"] / e["steps"] / 1e3 for e in self._events])
                 if median_ms is not None else [True] * len(self._events))
         out = []
         first = self._fresh
         for e, is_slow in zip(self._events, slow):
             e = dict(e)
-            how = {"traces": e["traces"] if self._compiled is not False else 0,
-                   "new_shape": e["shape"] is not None, "jit": jit,
-                   "compiled_before": e["compiled_before"]}
-            e["compiles"] = step_compiled(**how)
             e["cost_ms"] = recompile_cost(e["step_ms"] / 1e3, (median_ms or 0.0) / 1e3,
-                                          e["steps"], **how) * 1e3
+                                          e["steps"], **self._how(e)) * 1e3
             e["slow"] = bool(is_slow)
             e["first_compile"] = first and e["compiles"]
             first = first and not e["compiles"]
             out.append(e)
         return out
+
+    def _how(self, event):
+        """How an event's step ran: the arguments of `analysis.step_compiled`
+        and `analysis.recompile_cost` (nothing compiles in an eager step)."""
+        eager = self._compiled is False
+        return {"traces": 0 if eager else event["traces"],
+                "new_shape": event["shape"] is not None,
+                "jit": False if eager else self._jit,
+                "compiled_before": event["compiled_before"]}
 
     def _retraces(self, priced):
         """Traces in this fit after the functions' first compile."""
@@ -362,7 +389,8 @@ class RetracingMonitor(TimedCallback):
         return "recompiling" if recompiling else "healthy"
 
     def _judge(self):
-        if not self.warn or self._warned:
+        # Nothing compiled but the functions' first compile: nothing to price.
+        if not self.warn or self._warned or self._compiling <= self._fresh:
             return
         priced = self._priced()
         if self._verdict(priced) == "recompiling":
@@ -420,7 +448,8 @@ class RetracingMonitor(TimedCallback):
         Returns:
             A dict: `trace_count` (traces during the fit, None when they
             cannot be counted), `trace_counts` (function -> total traces),
-            `shapes` (distinct input shape keys, as lists, in order seen),
+            `shapes` (distinct input shape keys, as lists, in order seen; at
+            most `MAX_SHAPES`, a note says when more were seen),
             `new_shapes` (their number), `traced_shapes` (with
             `functions`: name -> the input shapes of each trace),
             `shape_events` (step, steps, shape, traces, step_ms, epoch (of

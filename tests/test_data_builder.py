@@ -374,16 +374,43 @@ def test_named_batches_from_a_two_speaker_manifest_with_a_tokenizer(tmp_path):
     assert len(tuples.element_spec) == 2  # the default layout is unchanged
 
 
-def test_non_finite_features_never_reach_the_cache(tmp_path):
+def _float_wavs(folder, peaks):
+    """(path, text) pairs of 0.25 s float WAVs, each holding one value."""
     pairs = []
-    for i, peak in enumerate((0.5, 0.5, 3e38)):
-        path = str(tmp_path / f"w{i}.wav")
+    for i, peak in enumerate(peaks):
+        path = os.path.join(folder, f"w{i}.wav")
         write_wav(path, np.zeros(4000), 16000, sample_format="float32")
         info = read_wav_header(path)
         with open(path, "r+b") as f:
             f.seek(info.data_offset)
             f.write(np.full(4000, peak, "<f4").tobytes())
         pairs.append((path, "some text"))
+    return pairs
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_float_samples_that_would_overflow_never_reach_a_batch(tmp_path, cache):
+    pairs = _float_wavs(str(tmp_path), (0.5, 0.5, 3e38))
+    builder = SpeechDatasetBuilder(pairs, audio=AUDIO, verbose=0,
+                                   cache_dir=tmp_path / "cache" if cache else None)
+    batches = list(builder.build(batch_size=4, num_buckets=1))
+    assert [s["id"] for s in builder.report["skipped"]] == ["w2"]
+    assert "peak 3e+38" in builder.report["skipped"][0]["reason"]
+    assert sum(len(ids) for (ids, _), _ in batches) == 2
+    assert all(np.isfinite(mel.numpy()).all() for _, (mel, _) in batches)
+    with pytest.raises(ValueError, match=r"w2.wav.*peak 3e\+38"):
+        SpeechDatasetBuilder(pairs, audio=AUDIO, verbose=0, on_bad_input="raise")
+
+
+def test_non_finite_features_never_reach_the_cache(tmp_path, monkeypatch):
+    compute_features = SpeechDatasetBuilder._compute_features
+
+    def poisoned(self):  # the backstop: features that are not finite all the same
+        compute = compute_features(self)
+        return lambda index: tf.where(index == 2, compute(index) * np.inf, compute(index))
+
+    monkeypatch.setattr(SpeechDatasetBuilder, "_compute_features", poisoned)
+    pairs = _float_wavs(str(tmp_path), (0.5, 0.5, 0.5))
     with pytest.raises(ValueError, match=r"features of .*w2.wav \(line 3, id 'w2'\) are not finite"):
         SpeechDatasetBuilder(pairs, audio=AUDIO, cache_dir=tmp_path / "cache", verbose=0).prepare()
     assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []

@@ -288,7 +288,7 @@ def test_split_disjoint_complete_repeatable_and_stable(tmp_path):
 
 def test_float_wavs_with_nan_or_inf_are_bad_input(tmp_path):
     pairs = []
-    for name, value in (("ok", None), ("nan", np.nan), ("inf", np.inf)):
+    for name, value in (("ok", None), ("nan", np.nan), ("inf", np.inf), ("huge", 3e38)):
         path = str(tmp_path / f"{name}.wav")
         write_wav(path, _tone(0.2), 8000, sample_format="float32")
         if value is not None:
@@ -300,6 +300,8 @@ def test_float_wavs_with_nan_or_inf_are_bad_input(tmp_path):
     kept, skipped = Corpus.from_pairs(pairs).scan()
     assert [u.id for u in kept] == ["ok"]
     assert [(s["id"], s["reason"]) for s in skipped] == [
-        (name, "NaN or infinite samples in the audio; re-export or remove the file") for name in ("nan", "inf")]
-    with pytest.raises(ValueError, match=r"2 utterance\(s\): line 2 \(id 'nan', file .*nan.wav\): NaN"):
+        (name, "NaN or infinite samples in the audio; re-export or remove the file") for name in ("nan", "inf")
+    ] + [("huge", "float samples far outside [-1, 1] (peak 3e+38): the features would not be finite; "
+                  "re-export the file with samples in [-1, 1] or remove it")]
+    with pytest.raises(ValueError, match=r"3 utterance\(s\): line 2 \(id 'nan', file .*nan.wav\): NaN"):
         Corpus.from_pairs(pairs).scan(on_bad_input="raise")

@@ -313,10 +313,10 @@ class SpeechDatasetBuilder:
         parallel writer can put a file back into the temporary folder that
         the cache removes).
 
-        Features that are not finite (float samples so large that the
-        spectrum overflows; NaN/inf samples are already bad input at scan
-        time) raise a `ValueError` naming the file: the entry is then not
-        committed and its temporary folder is removed.
+        Features that are still not finite (the scan already makes float
+        WAVs with NaN, inf or overflowing samples bad input) raise a
+        `ValueError` naming the file: the entry is then not committed and
+        its temporary folder is removed.
         """
         compute = self._compute_features()
 
@@ -341,9 +341,8 @@ class SpeechDatasetBuilder:
                 utterance = self.utterances[index]
                 raise ValueError(
                     f"The features of {utterance.path} (line {utterance.line}, id "
-                    f"{utterance.id!r}) are not finite (NaN or inf): its samples overflow the "
-                    "spectrum. Re-export the file with samples in [-1, 1] or remove it; "
-                    "nothing was written to the cache."
+                    f"{utterance.id!r}) are not finite (NaN or inf). Check the file and the "
+                    "audio config, or remove the file; nothing was written to the cache."
                 )
             with open(paths[index], "wb") as f:
                 f.write(data)

@@ -25,7 +25,8 @@ Problems and what happens (`converted` ones are handled, never skipped):
 | manifest line that is not a JSON object,  | skipped / raised                   |
 | lacks `audio_filepath` / `text`, or has a |                                    |
 | field of the wrong type                   |                                    |
-| NaN or infinite samples (float WAVs)      | skipped / raised                   |
+| NaN or infinite samples (float WAVs), or  | skipped / raised                   |
+| samples far outside [-1, 1] (peak > 1e6)  |                                    |
 | UTF-8 BOM, UTF-16 metadata.csv            | converted: read as text            |
 | header row `id|text|...`                  | recognised and not read as a clip  |
 | the same id in two corpora (`concat`)     | kept: ids prefixed by the source   |
@@ -173,13 +174,24 @@ def read_wav_header(path) -> WavInfo:
     return WavInfo(rate, channels, bits, tag, frames, data_offset, frames * block_align)
 
 
-def _has_non_finite_samples(path, info) -> bool:
-    """True when a float WAV holds a NaN or an infinite sample (PCM cannot)."""
+# Float samples beyond this (full scale is 1.0) are a broken file; below it the
+# features cannot overflow (|STFT| <= n_fft x peak, squared, stays far below float32's max).
+_MAX_FLOAT_PEAK = 1e6
+
+
+def _float_samples_problem(path, info) -> "str | None":
+    """Why a float WAV's samples cannot make finite features, or None (PCM cannot fail)."""
     if info.format_tag != 3:
-        return False
+        return None
     dtype = np.dtype("<f4" if info.bits == 32 else "<f8")
     samples = np.fromfile(path, dtype, count=info.frames * info.channels, offset=info.data_offset)
-    return not np.isfinite(samples).all()
+    if not np.isfinite(samples).all():
+        return "NaN or infinite samples in the audio; re-export or remove the file"
+    peak = float(np.abs(samples).max())
+    if peak > _MAX_FLOAT_PEAK:
+        return (f"float samples far outside [-1, 1] (peak {peak:.3g}): the features would not "
+                "be finite; re-export the file with samples in [-1, 1] or remove it")
+    return None
 
 
 def bad_input_error(source, skipped) -> ValueError:
@@ -445,7 +457,8 @@ class Corpus:
     def scan(self, on_bad_input="skip", max_seconds=None):
         """Reads every WAV header and sorts utterances into kept and skipped.
 
-        Float WAVs are also read whole, to find NaN or infinite samples.
+        Float WAVs are also read whole, to find NaN, infinite or absurdly large
+        (peak > 1e6) samples.
 
         Args:
             on_bad_input: `"skip"` to drop and report bad utterances, or
@@ -479,8 +492,7 @@ class Corpus:
                 try:
                     stat = os.stat(path)
                     info = read_wav_header(path)
-                    if _has_non_finite_samples(path, info):
-                        reason = "NaN or infinite samples in the audio; re-export or remove the file"
+                    reason = _float_samples_problem(path, info)
                 except FileNotFoundError:
                     reason = "missing file"
                 except (OSError, ValueError) as exc:

@@ -254,6 +254,25 @@ def test_rank_orders_causes_by_measured_cost():
     assert fixes[0]["where"] == ["t.py:7: w; f"]
 
 
+def test_a_trace_xprof_could_not_analyse_is_said_so_never_step_zero():
+    from keras_gpufix.diagnose.report import trace_evidence
+
+    # what profiling.analyze_trace returns for a trace without step markers
+    # (tests/test_profiling.py::test_stock_tensorboard_traces_have_no_step_marker)
+    unanalysed = {"steps": 0, "step_time_ms": None, "input_percent": None, "classification": None,
+                  "diagnostics": ["No step marker observed"],
+                  "conclusion": "No step time measured. Therefore we cannot tell where the "
+                                "performance bottleneck is."}
+    fits = [{"kind": "fit", "index": 1, "profiler": {"traces": [
+        {"start_step": 10, "end_step": 19, "reason": "step 10", "analysis": unanalysed,
+         "path": "logs/fit_1"}]}}]
+    (item,) = trace_evidence(fits)
+    assert item["value"] is None
+    assert "fit 1: XProf trace of steps 10-19 (step 10): XProf could not analyse it: no step time " \
+           "measured; No step time measured." in item["text"]
+    assert "0.0 ms" not in item["text"] and "0.0%" not in item["text"]
+
+
 def _cycles(cycle_s, between_s, n=10):
     cycles = Cycles(skip=2)
     for _ in range(n + 2):

@@ -193,6 +193,21 @@ def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(cor
     assert not (cache / ".features-0123.tmp-abc").exists()
 
 
+def test_a_failed_builds_leftover_alone_is_shown_by_info_and_removed_by_clear(corpus, tmp_path,
+                                                                             capsys):
+    # what a disk-full build of an older version left: no entry, one hidden temporary folder
+    cache = tmp_path / "cache"
+    (cache / ".features-0123.tmp-abc").mkdir(parents=True)
+    (cache / ".features-0123.tmp-abc" / "part").write_bytes(b"x" * 8192)
+    assert main(["cache", "info", corpus, "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "status:       missing" in out and "leftovers (1, from interrupted or failed builds" in out
+    assert main(["cache", "clear", corpus, "--cache-dir", str(cache), "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to clear" not in out and ".features-0123.tmp-abc" in out
+    assert os.listdir(cache) == []
+
+
 def test_cache_build_disk_full_exits_2_with_one_line_and_nothing_left(corpus, tmp_path, capsys,
                                                                        monkeypatch):
     import errno

@@ -174,11 +174,16 @@ def _scalar_steps(run_dir, tag):
     return steps
 
 
+def _leftover(cache, size):
+    """What a failed or killed build leaves in `cache`: a hidden temporary folder."""
+    (cache / ".features-0123.tmp-abc").mkdir(parents=True)
+    (cache / ".features-0123.tmp-abc" / "part").write_bytes(b"x" * size)
+
+
 def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(corpus, tmp_path,
                                                                             capsys):
     cache = tmp_path / "cache"
-    (cache / ".features-0123.tmp-abc").mkdir(parents=True)
-    (cache / ".features-0123.tmp-abc" / "part").write_bytes(b"x" * 4096)
+    _leftover(cache, 4096)
     assert main(["cache", "build", corpus, "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "leftovers (1, from interrupted or failed builds" in out
@@ -195,10 +200,8 @@ def test_cache_build_lists_skipped_files_and_leftovers_are_shown_and_cleared(cor
 
 def test_a_failed_builds_leftover_alone_is_shown_by_info_and_removed_by_clear(corpus, tmp_path,
                                                                              capsys):
-    # what a disk-full build of an older version left: no entry, one hidden temporary folder
     cache = tmp_path / "cache"
-    (cache / ".features-0123.tmp-abc").mkdir(parents=True)
-    (cache / ".features-0123.tmp-abc" / "part").write_bytes(b"x" * 8192)
+    _leftover(cache, 8192)  # no entry: as an older version's disk-full build left it
     assert main(["cache", "info", corpus, "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "status:       missing" in out and "leftovers (1, from interrupted or failed builds" in out

@@ -51,7 +51,11 @@ def test_probe_follows_one_iterator_across_epochs_in_fit():
     assert [r.samples for r in timer.records()] == [g % 40 % 7 + 1 for g in range(30)]
 
 
-@pytest.mark.parametrize("passes", [5, 9, 20])
+# Not 9-10: a pass that ends where an epoch (8 steps) ends plus the batches
+# prefetched at its end (2) is the case input_probe's docstring says it cannot
+# tell from a new iterator; whether it arises depends on how far the prefetch
+# thread got, so such a test would pass or fail by timing.
+@pytest.mark.parametrize("passes", [5, 13, 20])
 def test_probe_follows_fit_over_a_dataset_repeated_after_instrument(passes):
     # Every pass of repeat() restarts the per-iterator index: those starts
     # are not new iterators (the builder's datasets are repeated so).

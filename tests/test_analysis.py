@@ -317,6 +317,23 @@ def cycles(n, step=0.010, between=0.0, wait=0.0, seed=0, **fields):
                        **fields) for i, s in enumerate(steps)]
 
 
+def test_irregular_late_batches_are_an_irregular_stall_whose_fix_names_input_wait():
+    # A batch 25 ms late after gaps of 13, 6, 19, ... steps (no period within
+    # a window): 17% of the time, under the input_bound share (20%).
+    rs = cycles(400, seed=3)
+    late = np.cumsum(np.resize([13, 6, 19, 8, 15, 5, 17, 11], 40))
+    for i in late[late < 400]:
+        rs[i] = rs[i]._replace(input_wait=0.025)
+    detector = OscillationDetector()
+    for r in rs:
+        detector.update(r)
+    assert {e["verdict"] for e in detector.events} == {"irregular_stall"}
+    event = detector.events[0]
+    assert event["phase"] == "input_wait"
+    assert event["fix"].startswith(f"occasional long cycles cost {event['cost_share']:.0%} of "
+                                   "the run, most of it in input wait: capture a trace")
+
+
 @pytest.mark.parametrize("k", [3, 6, 11, 20])
 def test_work_between_steps_is_a_periodic_stall_in_the_between_phase(k):
     rs = cycles(400, seed=k)

@@ -141,8 +141,8 @@ FIXES = {
         "(kg.compile_model(steps_per_execution='auto')) or the batch size"
     ),
     "irregular_stall": (
-        "occasional long steps: capture a trace of one "
-        "(kg.ProfilerTrigger(trigger='slow_step')) to see what runs then"
+        "occasional long cycles cost {share} of the run, most of it in {phase}: capture "
+        "a trace of one (kg.ProfilerTrigger(trigger='slow_step')) to see what runs then"
     ),
     "degrading": (
         "step time keeps growing: look for state that accumulates per step "
@@ -169,7 +169,9 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         phase: for `periodic_stall`, the phase where the time goes
             (`input_wait`, `step`, `between`, or `loop_body` for an unsplit
             custom-loop span); selects the phase's text from `PHASE_FIXES`.
-            `FIXES` itself only uses `{period}` and `{where}`.
+            `FIXES` itself uses `{period}`, `{where}`, `{share}` and
+            `{phase}` (`irregular_stall`: the phase holding most of the
+            long cycles' excess).
         **fields: `period`, `share` (a fraction, printed as a percentage),
             `where`, ...; a missing one prints as `?`.
 

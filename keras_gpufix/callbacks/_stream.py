@@ -39,7 +39,7 @@ them None.
 import time
 import weakref
 
-from keras_gpufix.analysis import StepLog, StepRecord
+from keras_gpufix.analysis import StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
 from keras_gpufix.keras_internals import callback_model
 
@@ -56,7 +56,6 @@ class StepStream:
     """The step records of one running `fit` or loop, measured once.
 
     Attributes:
-        log: a `StepLog` of every record of the run (window 96).
         hooks: end hooks recorded so far.
         last: `(index, steps, span_s, gap_s)` of the latest end hook, read
             right at that hook (for callbacks that act on the next step).
@@ -77,7 +76,6 @@ class StepStream:
         self.key = key
         self.members = []
         self.leader = None
-        self.log = StepLog(96)
         self.batch_size = None
         self.sampler = None
         self.hooks = 0
@@ -262,8 +260,6 @@ class StepStream:
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
                 split=split))
-        for record in records:
-            self.log.add(record)
         for callback in self.members:
             callback._take_records(records)
 

@@ -95,27 +95,30 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     if len(rs) < th["min_judge_steps"]:
         return _judgement("unknown", {"signals": [], "records": len(rs)})
     # Steps that compiled (a new trace, or a new shape under XLA), priced
-    # and judged by the one rule (`recompile_cost`, `is_recompiling`); a
-    # step that did not compile costs 0, so only those that did are priced.
-    compiled = [step_compiled(traces=r.traces, new_shape=r.new_shape, jit=jit) for r in rs]
-    compile_s = 0.0
-    if any(compiled):
-        med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
-        compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
-                                       new_shape=r.new_shape, jit=jit)
-                        for r, c in zip(rs, compiled) if c)
+    # and judged by the one rule (`recompile_cost`, `is_recompiling`). Only
+    # a step at a new shape or with new traces can have compiled, and a step
+    # that did not compile costs 0: only those that did are priced.
     seen_shapes = any(r.new_shape or r.traces for r in rs)
-    recompiling, compile_share = is_recompiling(
-        compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
-        late_compiles=sum(1 for r, c in zip(rs, compiled) if c and r.new_shape and r.epoch > 0),
-        shapes=shapes_seen, max_new_shapes=th["max_new_shapes"], cost_share=th["cost_share"])
-    if any(compiled) and not recompiling:
-        # Compiles that stop (a bounded set of shapes compiling once each in
-        # the first epoch) or cost little are warm-up, not a stall: leave
-        # those steps out.
-        rs = [r for r, c in zip(rs, compiled) if not c]
-        if len(rs) < th["min_judge_steps"]:
-            return _judgement("unknown", {"signals": [], "records": len(rs)})
+    if seen_shapes:
+        compiled = [step_compiled(traces=r.traces, new_shape=r.new_shape, jit=jit) for r in rs]
+        compile_s = 0.0
+        if any(compiled):
+            med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
+            compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
+                                           new_shape=r.new_shape, jit=jit)
+                            for r, c in zip(rs, compiled) if c)
+        recompiling, compile_share = is_recompiling(
+            compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
+            late_compiles=sum(1 for r, c in zip(rs, compiled)
+                              if c and r.new_shape and r.epoch > 0),
+            shapes=shapes_seen, max_new_shapes=th["max_new_shapes"], cost_share=th["cost_share"])
+        if any(compiled) and not recompiling:
+            # Compiles that stop (a bounded set of shapes compiling once each
+            # in the first epoch) or cost little are warm-up, not a stall:
+            # leave those steps out.
+            rs = [r for r, c in zip(rs, compiled) if not c]
+            if len(rs) < th["min_judge_steps"]:
+                return _judgement("unknown", {"signals": [], "records": len(rs)})
     n = np.array([max(1, r.steps) for r in rs], np.float64)
     waits_known = all(r.input_wait is not None for r in rs)
     phase = {

@@ -336,6 +336,8 @@ class InputCursor:
             starts = last - counts + 1
             unread = np.add.reduceat(frames < 0, starts) > 0
             sums = np.add.reduceat(frames, starts)
-            real = [None if u else int(f) for f, u in zip(sums, unread | missing)]
-        return ([None if m else float(w) for w, m in zip(waits, missing)],
-                [None if m else shapes[i] for i, m in zip(last, missing)], real)
+            real = [None if u else f for f, u in zip(sums.tolist(), (unread | missing).tolist())]
+        # Python lists (tolist) make the per-hook loops cheap.
+        missing = missing.tolist()
+        return ([None if m else w for w, m in zip(waits.tolist(), missing)],
+                [None if m else shapes[i] for i, m in zip(last.tolist(), missing)], real)

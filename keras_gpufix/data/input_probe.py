@@ -89,6 +89,7 @@ class InputProbe:
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
             self._local = table(tf.int64, tf.int64, default_value=-1)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
+            self._count_key = tf.constant([0], tf.int64)  # made once: produced() is frequent
         self._keys = {}
         with _LOCK:
             _PROBES.add(self)
@@ -122,7 +123,7 @@ class InputProbe:
 
     def produced(self):
         """Number of elements produced so far."""
-        return int(self._count.lookup(tf.constant([0], tf.int64)).numpy()[0])
+        return int(self._count.lookup(self._count_key).numpy()[0])
 
     def read(self, start, stop, produced=None):
         """Ready times, shape rows and real frames of elements [start, stop).

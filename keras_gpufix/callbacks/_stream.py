@@ -157,7 +157,7 @@ class StepStream:
         """
         self._cursor = None
 
-    # -- hooks (only the leader's act; the last member's begins a step) -----
+    # -- hooks (the leader's, but a step's begin: the last member's) ---------
 
     def epoch_begin(self, member):
         if member is not self.leader:

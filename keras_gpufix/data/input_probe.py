@@ -272,10 +272,10 @@ class InputCursor:
         """
         began, self._anchor = self._anchor, None
         if not self._repeats:
-            stop = self.probe.produced()
-            starts = self.probe.iterator_starts(self._next, stop, stop)
+            produced = self.probe.produced()
+            starts = self.probe.iterator_starts(self._next, produced, produced)
             if len(starts):
-                ready = self.probe.read(self._next, stop, stop)[0]
+                ready = self.probe.read(self._next, produced, produced)[0]
                 made = np.nonzero(ready >= began)[0]
                 if len(made) and self._next + made[0] in starts:
                     self._next += int(made[0])

@@ -95,24 +95,30 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     if len(rs) < th["min_judge_steps"]:
         return _judgement("unknown", {"signals": [], "records": len(rs)})
     # Steps that compiled (a new trace, or a new shape under XLA), priced
-    # and judged by the one rule (`recompile_cost`, `is_recompiling`).
-    med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
-    how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit} for r in rs]
-    compiled = [step_compiled(**h) for h in how]
-    compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), **h)
-                    for r, h in zip(rs, how))
+    # and judged by the one rule (`recompile_cost`, `is_recompiling`). Only
+    # a step at a new shape or with new traces can have compiled, and a step
+    # that did not compile costs 0: only those that did are priced.
     seen_shapes = any(r.new_shape or r.traces for r in rs)
-    recompiling, compile_share = is_recompiling(
-        compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
-        late_compiles=sum(1 for r, c in zip(rs, compiled) if c and r.new_shape and r.epoch > 0),
-        shapes=shapes_seen, max_new_shapes=th["max_new_shapes"], cost_share=th["cost_share"])
-    if any(compiled) and not recompiling:
-        # Compiles that stop (a bounded set of shapes compiling once each in
-        # the first epoch) or cost little are warm-up, not a stall: leave
-        # those steps out.
-        rs = [r for r, c in zip(rs, compiled) if not c]
-        if len(rs) < th["min_judge_steps"]:
-            return _judgement("unknown", {"signals": [], "records": len(rs)})
+    if seen_shapes:
+        compiled = [step_compiled(traces=r.traces, new_shape=r.new_shape, jit=jit) for r in rs]
+        compile_s = 0.0
+        if any(compiled):
+            med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
+            compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
+                                           new_shape=r.new_shape, jit=jit)
+                            for r, c in zip(rs, compiled) if c)
+        recompiling, compile_share = is_recompiling(
+            compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
+            late_compiles=sum(1 for r, c in zip(rs, compiled)
+                              if c and r.new_shape and r.epoch > 0),
+            shapes=shapes_seen, max_new_shapes=th["max_new_shapes"], cost_share=th["cost_share"])
+        if any(compiled) and not recompiling:
+            # Compiles that stop (a bounded set of shapes compiling once each
+            # in the first epoch) or cost little are warm-up, not a stall:
+            # leave those steps out.
+            rs = [r for r, c in zip(rs, compiled) if not c]
+            if len(rs) < th["min_judge_steps"]:
+                return _judgement("unknown", {"signals": [], "records": len(rs)})
     n = np.array([max(1, r.steps) for r in rs], np.float64)
     waits_known = all(r.input_wait is not None for r in rs)
     phase = {
@@ -129,10 +135,12 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     lost_share = lost / total if total > 0 else 0.0
     mean = float(cycle.mean())
     cv = float(cycle.std() / mean) if mean > 0 else 0.0
-    # Where the slow steps' excess lies, phase by phase.
-    phase_excess = {p: float(np.dot(np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0), n))
-                    for p, x in phase.items()}
-    where = max(PHASES, key=lambda p: phase_excess[p]) if slow.any() else None
+    where = None
+    if slow.any():  # where the slow steps' excess lies, phase by phase
+        phase_excess = {p: float(np.dot(np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0),
+                                        n))
+                        for p, x in phase.items()}
+        where = max(PHASES, key=lambda p: phase_excess[p])
     ev = {
         "signals": ["step_time"] + (["input_wait"] if waits_known else []),
         "median_ms": med * 1e3,

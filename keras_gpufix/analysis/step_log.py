@@ -102,7 +102,7 @@ class StepLog:
         self._sum_sq = 0.0
         self._max = 0.0
         self._max_steps = 0
-        self._hist = np.zeros(_H_BINS, np.int64)
+        self._hist = [0] * _H_BINS  # a list: cheaper to bump per record than an array
 
     def add(self, record: StepRecord):
         """Adds one record."""
@@ -116,9 +116,10 @@ class StepLog:
                 self._known[name] = False
             else:
                 self._sums[name] += value
+        cycle = record.cycle
         if record.input_wait is not None:
-            self._waited_cycle += record.cycle
-        per = record.cycle / n
+            self._waited_cycle += cycle
+        per = cycle / n
         self._sum_sq += n * per * per
         self._max = max(self._max, per)
         self._max_steps = max(self._max_steps, n)

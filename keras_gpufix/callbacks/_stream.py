@@ -39,7 +39,7 @@ them None.
 import time
 import weakref
 
-from keras_gpufix.analysis import StepLog, StepRecord
+from keras_gpufix.analysis import StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, guarded
 from keras_gpufix.keras_internals import callback_model
 
@@ -56,7 +56,6 @@ class StepStream:
     """The step records of one running `fit` or loop, measured once.
 
     Attributes:
-        log: a `StepLog` of every record of the run (window 96).
         hooks: end hooks recorded so far.
         last: `(index, steps, span_s, gap_s)` of the latest end hook, read
             right at that hook (for callbacks that act on the next step).
@@ -77,7 +76,6 @@ class StepStream:
         self.key = key
         self.members = []
         self.leader = None
-        self.log = StepLog(96)
         self.batch_size = None
         self.sampler = None
         self.hooks = 0
@@ -159,7 +157,7 @@ class StepStream:
         """
         self._cursor = None
 
-    # -- hooks (only the leader's act) -------------------------------------
+    # -- hooks (the leader's, but a step's begin: the last member's) ---------
 
     def epoch_begin(self, member):
         if member is not self.leader:
@@ -169,16 +167,14 @@ class StepStream:
         if self._cursor is not None:
             self._cursor.epoch_begin()
 
-    def batch_begin(self, member, batch):
-        # The last member's begin and the first member's end frame the step
-        # tightly: our own hooks fall in `between`, not in the step.
-        if member is not self.members[-1]:
-            return
+    def batch_begin(self, batch):
+        """At the last member's begin hook."""
         self._first = batch
         self._begin = time.perf_counter()
 
-    def batch_end(self, member, batch):
-        if member is not self.leader or self._begin is None:
+    def batch_end(self, batch):
+        """At the leader's end hook."""
+        if self._begin is None:
             return
         now = time.perf_counter()
         begin, self._begin = self._begin, None
@@ -197,7 +193,7 @@ class StepStream:
         pending = len(self._pending)
         if pending >= self.SYNC_MAX_HOOKS or (
                 pending >= self.SYNC_MIN_HOOKS and now - self._last_sync >= self.SYNC_SECONDS):
-            self.sync(member)
+            self.sync()
 
     def epoch_end(self, member):
         self.sync(member)
@@ -262,8 +258,6 @@ class StepStream:
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
                 split=split))
-        for record in records:
-            self.log.add(record)
         for callback in self.members:
             callback._take_records(records)
 
@@ -339,15 +333,21 @@ class TimedCallback(GuardedCallback):
         if self.stream is not None:
             self.stream.epoch_begin(self)
 
+    # The last member's begin and the first member's (the leader's) end
+    # frame the step tightly: our own hooks fall in `between`, not in the step.
+
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
-        if self.stream is not None:
-            self.stream.batch_begin(self, batch)
+        stream = self.stream
+        if stream is not None and stream.members[-1] is self:
+            stream.batch_begin(batch)
 
     @guarded
     def on_train_batch_end(self, batch, logs=None):
-        if self.stream is not None:
-            self.stream.batch_end(self, batch)
+        stream = self.stream
+        if stream is not None:
+            if stream.leader is self:
+                stream.batch_end(batch)
             self._after_hook()
 
     @guarded

@@ -242,7 +242,10 @@ class RetracingMonitor(TimedCallback):
                 "tf.function this Keras version exposes; shapes are still checked")
 
     def _trace_total(self):
-        return sum(int(f.experimental_get_tracing_count()) for f in self._functions.values())
+        total = 0  # a loop, not sum() over a generator: this runs at every hook
+        for function in self._functions.values():
+            total += int(function.experimental_get_tracing_count())
+        return total
 
     def _after_hook(self):
         if not self._functions:

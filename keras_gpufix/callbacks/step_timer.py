@@ -89,9 +89,10 @@ class StepTimer(TimedCallback):
     def _on_records(self, records):
         for record in records:
             self._steps += record.steps
-            if record.epoch_first:
-                self._epoch_log.reset()
-            self._epoch_log.add(record)
+            if self._writer is not None:  # the epoch's figures are for TensorBoard only
+                if record.epoch_first:
+                    self._epoch_log.reset()
+                self._epoch_log.add(record)
             if self._steps <= self.warmup:
                 continue
             self.log.add(record)

@@ -89,6 +89,7 @@ class InputProbe:
             self._ready = table(tf.int64, tf.float64, default_value=np.nan)
             self._local = table(tf.int64, tf.int64, default_value=-1)
             self._shapes = table(tf.int64, tf.int32, default_value=tf.fill([width], -1))
+            self._count_key = tf.constant([0], tf.int64)  # made once: produced() is frequent
         self._keys = {}
         with _LOCK:
             _PROBES.add(self)
@@ -122,10 +123,15 @@ class InputProbe:
 
     def produced(self):
         """Number of elements produced so far."""
-        return int(self._count.lookup(tf.constant([0], tf.int64)).numpy()[0])
+        return int(self._count.lookup(self._count_key).numpy()[0])
 
-    def read(self, start, stop):
+    def read(self, start, stop, produced=None):
         """Ready times, shape rows and real frames of elements [start, stop).
+
+        Args:
+            start, stop: element indices.
+            produced: `produced()`, when the caller has just read it (one
+                read for several calls). Defaults to None (read here).
 
         Returns:
             `(ready, shapes, frames)`: ready times (s, epoch), shape rows,
@@ -134,7 +140,8 @@ class InputProbe:
             overwritten in the ring or not yet produced come back as NaN
             times, -1 shapes and -1 frames.
         """
-        produced = self.produced()
+        if produced is None:
+            produced = self.produced()
         idx = np.arange(start, stop)
         valid = (idx >= max(0, produced - self.capacity)) & (idx < produced)
         slots = tf.constant(idx % self.capacity, tf.int64)
@@ -146,9 +153,13 @@ class InputProbe:
             return ready, shapes, None
         return ready, shapes[:, :-1], shapes[:, -1].astype(np.int64)
 
-    def iterator_starts(self, start, stop):
-        """Indices in [start, stop) of elements that began a new iterator."""
-        produced = self.produced()
+    def iterator_starts(self, start, stop, produced=None):
+        """Indices in [start, stop) of elements that began a new iterator.
+
+        `produced` as in `read`.
+        """
+        if produced is None:
+            produced = self.produced()
         idx = np.arange(max(start, produced - self.capacity), min(stop, produced))
         if not len(idx):
             return idx
@@ -261,10 +272,10 @@ class InputCursor:
         """
         began, self._anchor = self._anchor, None
         if not self._repeats:
-            stop = self.probe.produced()
-            starts = self.probe.iterator_starts(self._next, stop)
+            produced = self.probe.produced()
+            starts = self.probe.iterator_starts(self._next, produced, produced)
             if len(starts):
-                ready = self.probe.read(self._next, stop)[0]
+                ready = self.probe.read(self._next, produced, produced)[0]
                 made = np.nonzero(ready >= began)[0]
                 if len(made) and self._next + made[0] in starts:
                     self._next += int(made[0])
@@ -302,9 +313,11 @@ class InputCursor:
         if self._anchor is not None:
             self._reanchor()
         total = int(sum(counts))
-        inside = self.probe.iterator_starts(self._next, self._next + total)
-        self._repeats = self._repeats or bool(np.any(inside != self._epoch_first))
-        ready, shapes, frames = self.probe.read(self._next, self._next + total)
+        produced = self.probe.produced()
+        if not self._repeats:
+            inside = self.probe.iterator_starts(self._next, self._next + total, produced)
+            self._repeats = bool(np.any(inside != self._epoch_first))
+        ready, shapes, frames = self.probe.read(self._next, self._next + total, produced)
         self._next += total
         begins, ends = np.asarray(begins, np.float64), np.asarray(ends, np.float64)
         counts = np.asarray(counts, np.int64)
@@ -324,6 +337,8 @@ class InputCursor:
             starts = last - counts + 1
             unread = np.add.reduceat(frames < 0, starts) > 0
             sums = np.add.reduceat(frames, starts)
-            real = [None if u else int(f) for f, u in zip(sums, unread | missing)]
-        return ([None if m else float(w) for w, m in zip(waits, missing)],
-                [None if m else shapes[i] for i, m in zip(last, missing)], real)
+            real = [None if u else f for f, u in zip(sums.tolist(), (unread | missing).tolist())]
+        # Python lists (tolist) make the per-hook loops cheap.
+        missing = missing.tolist()
+        return ([None if m else w for w, m in zip(waits.tolist(), missing)],
+                [None if m else shapes[i] for i, m in zip(last.tolist(), missing)], real)

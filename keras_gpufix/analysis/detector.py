@@ -100,13 +100,13 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     # that did not compile costs 0: only those that did are priced.
     seen_shapes = any(r.new_shape or r.traces for r in rs)
     if seen_shapes:
-        compiled = [step_compiled(traces=r.traces, new_shape=r.new_shape, jit=jit) for r in rs]
+        how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit} for r in rs]
+        compiled = [step_compiled(**h) for h in how]
         compile_s = 0.0
         if any(compiled):
             med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
-            compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), traces=r.traces,
-                                           new_shape=r.new_shape, jit=jit)
-                            for r, c in zip(rs, compiled) if c)
+            compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), **h)
+                            for r, h, c in zip(rs, how, compiled) if c)
         recompiling, compile_share = is_recompiling(
             compile_s, sum(r.cycle for r in rs), retraces=sum(r.traces for r in rs),
             late_compiles=sum(1 for r, c in zip(rs, compiled)

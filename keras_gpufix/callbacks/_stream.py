@@ -157,11 +157,10 @@ class StepStream:
         """
         self._cursor = None
 
-    # -- hooks (the leader's, but a step's begin: the last member's) ---------
+    # -- hooks: called by the one member whose hook acts (`TimedCallback`) --
 
-    def epoch_begin(self, member):
-        if member is not self.leader:
-            return
+    def epoch_begin(self):
+        """At the leader's epoch begin hook."""
         self._new_epoch = True
         self._epoch += 1
         if self._cursor is not None:
@@ -195,22 +194,17 @@ class StepStream:
                 pending >= self.SYNC_MIN_HOOKS and now - self._last_sync >= self.SYNC_SECONDS):
             self.sync()
 
-    def epoch_end(self, member):
-        self.sync(member)
-
-    def train_end(self, member):
-        if member is self.leader:
-            self.sync(member)
-            self._closed = True
-            if _OPEN.get(self.key) is self:
-                del _OPEN[self.key]
+    def train_end(self):
+        """At the leader's train end hook."""
+        self.sync()
+        self._closed = True
+        if _OPEN.get(self.key) is self:
+            del _OPEN[self.key]
 
     # -- records -----------------------------------------------------------
 
-    def sync(self, member=None):
+    def sync(self):
         """Reads the probe for the hooks not read yet and hands out their records."""
-        if member is not None and member is not self.leader:
-            return
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -328,13 +322,15 @@ class TimedCallback(GuardedCallback):
 
     # After a failed on_train_begin (warned once) the hooks do nothing.
 
+    # Each stream hook is called by one member: the leader (the first), but a
+    # step's begin by the last member, so that the last member's begin and
+    # the leader's end frame the step tightly: our own hooks fall in
+    # `between`, not in the step.
+
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
-        if self.stream is not None:
-            self.stream.epoch_begin(self)
-
-    # The last member's begin and the first member's (the leader's) end
-    # frame the step tightly: our own hooks fall in `between`, not in the step.
+        if self.stream is not None and self.stream.leader is self:
+            self.stream.epoch_begin()
 
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
@@ -354,18 +350,20 @@ class TimedCallback(GuardedCallback):
     def on_test_begin(self, logs=None):
         # Validation runs before on_epoch_end: read training's input first,
         # so an instrumented validation set is never taken for it.
-        if self.stream is not None:
-            self.stream.sync(self)
+        if self.stream is not None and self.stream.leader is self:
+            self.stream.sync()
 
     @guarded
     def on_epoch_end(self, epoch, logs=None):
         if self.stream is not None:
-            self.stream.epoch_end(self)
+            if self.stream.leader is self:
+                self.stream.sync()
             self._epoch_done()
 
     @guarded
     def on_train_end(self, logs=None):
         self._deactivate()
         if self.stream is not None:
-            self.stream.train_end(self)
+            if self.stream.leader is self:
+                self.stream.train_end()
             self._end()

@@ -129,9 +129,11 @@ def run_setting(name, config, corpus, utterances, args, workdir):
 
     # The compute limit and the cold / no-cache builder in interleaved rounds;
     # each keeps its best round (other work on a shared machine only slows).
+    # One cache folder, emptied before each round: the previous round's files
+    # give their memory back to the page cache the next build writes into.
     rounds = []
-    for r in range(args.rounds):
-        cache_dir = os.path.join(workdir, f"cache_{name}_{r}")
+    cache_dir = os.path.join(workdir, f"cache_{name}")
+    for _ in range(args.rounds):
         shutil.rmtree(cache_dir, ignore_errors=True)
         limit_batched_s, limit_single_s = compute_limit(utterances, config, args.batch_size)
 

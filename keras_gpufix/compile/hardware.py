@@ -1,7 +1,8 @@
 """Hardware facts, and whether a dtype policy is fast here: the one owner.
 
 `device_info()` reads the GPUs and the CPU's bfloat16 flags without
-initialising a device; `precision_support(policy)` says whether a policy
+initialising a device; `usable_cpus()` counts the cores this process may
+run on; `precision_support(policy)` says whether a policy
 runs faster than float32 on them and why; `auto_policy()` is the policy
 `"auto"` means. `compile_model`, `enable_mixed_precision`, `kg.validate`
 and `diagnose` all use these, so "fast here" has one definition.
@@ -11,9 +12,10 @@ because every replica runs the same policy and the step waits for the
 slowest replica.
 """
 
+import os
 from typing import Optional, Tuple
 
-__all__ = ["auto_policy", "device_info", "precision_support"]
+__all__ = ["auto_policy", "device_info", "precision_support", "usable_cpus"]
 
 _ALIASES = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
@@ -115,6 +117,15 @@ def auto_policy(info: Optional[dict] = None) -> Tuple[str, str]:
     if f16_fast:
         return "mixed_float16", f16_why
     return "float32", f16_why if info["gpus"] else bf16_why
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its CPU affinity; `os.cpu_count()` where
+    the platform has no affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _cpu_flags():

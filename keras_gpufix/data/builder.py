@@ -47,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gpufix import __version__
+from keras_gpufix.compile.hardware import usable_cpus
 from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.bucketing import BucketPlan
 from keras_gpufix.data.cache import FeatureCache, fingerprint
@@ -59,6 +60,25 @@ from keras_gpufix.output import emit, progress
 __all__ = ["SpeechDatasetBuilder"]
 
 AUTOTUNE = tf.data.AUTOTUNE
+
+
+def _map_on_every_core(dataset, fn, deterministic):
+    """`dataset.map(fn)` for a one-off pass over the corpus that should keep
+    every core busy (the cache build, the trimmed-length pass).
+
+    tf.data's autotuning is off for it, with a fixed `2 * usable_cpus()`
+    calls in flight and single-threaded ops inside them: on a 2-core VM
+    (TF 2.21) an autotuned map ran such a pass on one core in about half of
+    short runs (CPU time / wall time ~1.0 instead of ~1.8, half the
+    throughput), whatever the map's own parallelism; with autotuning off
+    every run used both cores (`benchmarks/data_throughput.py`).
+    """
+    calls = 2 * usable_cpus()
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.threading.max_intra_op_parallelism = 1
+    return dataset.map(fn, num_parallel_calls=calls, deterministic=deterministic).prefetch(
+        calls).with_options(options)
 
 
 class SpeechDatasetBuilder:
@@ -242,9 +262,10 @@ class SpeechDatasetBuilder:
     def _trimmed_frames(self):
         """Feature frames of every utterance after silence trimming (one parallel pass)."""
         waveform = self._waveform()
-        frames = tf.data.Dataset.range(len(self.utterances)).map(
+        frames = _map_on_every_core(
+            tf.data.Dataset.range(len(self.utterances)),
             lambda index: audio_lib.feature_frames(waveform(index), self.audio),
-            num_parallel_calls=AUTOTUNE,
+            deterministic=True,
         )
         return np.fromiter(frames.as_numpy_iterator(), np.int64, len(self.utterances))
 
@@ -328,9 +349,8 @@ class SpeechDatasetBuilder:
                     tf.reduce_all(tf.math.is_finite(mel)))
 
         count = len(self.utterances)
-        serialized = tf.data.Dataset.range(count).map(
-            serialize, num_parallel_calls=AUTOTUNE, deterministic=False
-        ).prefetch(AUTOTUNE)
+        serialized = _map_on_every_core(tf.data.Dataset.range(count), serialize,
+                                        deterministic=False)
         emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
              self.verbose)
         update = progress(count, "utterance", self.verbose)

@@ -32,13 +32,10 @@ def environment():
     import tensorflow as tf
 
     from keras_gpufix.compile import device_info
+    from keras_gpufix.compile.hardware import usable_cpus
     from keras_gpufix.nvml import nvml_status
 
     build = dict(tf.sysconfig.get_build_info())
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -47,7 +44,7 @@ def environment():
         "keras_backend": keras.backend.backend(),
         "keras_gpufix": __version__,
         "cpu_count": os.cpu_count(),
-        "cpus_usable": affinity,
+        "cpus_usable": usable_cpus(),
         "devices": [d.name for d in tf.config.list_physical_devices()],
         "gpus": device_info()["gpus"],
         "cuda_build": bool(build.get("is_cuda_build")),

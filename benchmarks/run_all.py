@@ -34,6 +34,7 @@ BENCHMARKS = {
     "slow_loader": ([], []),
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
+    "spectrogram_magnitude": (["--clips", "50"], []),
     "what_if": (["--quick"], []),
     "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
 }

@@ -169,9 +169,10 @@ def test_incomplete_entry_without_marker_is_never_used(tmp_path):
 
 
 def _write(path, array):
-    data = tf.io.serialize_tensor(tf.constant(array, tf.float32))
-    tf.io.write_file(path, data)
-    return 0, len(array), len(data.numpy()), FeatureCache.digest(data).numpy()
+    data = FeatureCache.file_bytes(tf.constant(array, tf.float32))
+    with open(path, "wb") as f:
+        f.write(data.numpy())
+    return 0, len(array), int(data.shape[0]), FeatureCache.digest(data).numpy()
 
 
 def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus, tmp_path):
@@ -180,7 +181,7 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.tensor"))
+            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32"))
             if len(written) >= 2 or process.poll() is not None:
                 break
             time.sleep(0.05)
@@ -248,7 +249,7 @@ def test_too_little_free_space_is_refused_before_building(tmp_path, monkeypatch)
 
     cache = FeatureCache(str(tmp_path / "cache"), "b" * 64, count=2, verbose=0)
     needed = FeatureCache.estimate_bytes([100, 50], num_features=40)
-    assert needed == 150 * 40 * 4 + 2 * cache_module.TENSOR_HEADER_BYTES
+    assert needed == 150 * 40 * 4
     monkeypatch.setattr(cache_module.shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
 
@@ -359,7 +360,7 @@ def test_ctrl_c_during_a_real_cache_build_is_one_line_exit_130_and_leaves_nothin
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:
-            if glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.tensor")):
+            if glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32")):
                 break
             time.sleep(0.05)
         assert process.poll() is None, process.communicate()

@@ -224,6 +224,7 @@ class BucketPlan:
             order = tf.range(self.num_batches, dtype=tf.int64)
             return tf.data.Dataset.from_tensor_slices(self._element_vectors(self._slot_to_utt(None), order))
 
+        @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def draw(value):
             members = self._slot_to_utt(tf.stack([value, tf.constant(0, tf.int64)]))
             noise = tf.random.stateless_uniform([self.num_batches], tf.stack([value, tf.constant(1, tf.int64)]))

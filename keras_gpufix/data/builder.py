@@ -50,7 +50,7 @@ from keras_gpufix import __version__
 from keras_gpufix.compile.hardware import usable_cpus
 from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.bucketing import BucketPlan
-from keras_gpufix.data.cache import FeatureCache, fingerprint
+from keras_gpufix.data.cache import CACHE_FORMAT, FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
@@ -223,6 +223,7 @@ class SpeechDatasetBuilder:
         """Hash of everything that determines the cached features."""
         return fingerprint({
             "version": __version__,
+            "cache_format": CACHE_FORMAT,
             "audio": dataclasses.asdict(self.audio),
             "text": self.text.description(),
             "utterances": [[u.id, u.path, u.size, u.mtime_ns, u.text] for u in self.utterances],
@@ -276,7 +277,7 @@ class SpeechDatasetBuilder:
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def read(index):
-            features = tf.io.parse_tensor(tf.io.read_file(paths[index]), tf.float32)
+            features = FeatureCache.decode(tf.io.read_file(paths[index]), num_features)
             return tf.ensure_shape(features, [None, num_features])
 
         return read
@@ -329,10 +330,10 @@ class SpeechDatasetBuilder:
         return self
 
     def _write_features(self, paths):
-        """Computes, serialises and fingerprints features in parallel; writes
-        them here, in the calling thread (after an error or Ctrl-C no
-        parallel writer can put a file back into the temporary folder that
-        the cache removes).
+        """Computes and fingerprints features in parallel; writes their
+        buffers (`FeatureCache.file_bytes`, no copy) here, in the calling
+        thread (after an error or Ctrl-C no parallel writer can put a file
+        back into the temporary folder that the cache removes).
 
         Features that are still not finite (the scan already makes float
         WAVs with NaN, inf or overflowing samples bad input) raise a
@@ -342,20 +343,21 @@ class SpeechDatasetBuilder:
         compute = self._compute_features()
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
-        def serialize(index):
-            mel = compute(index)
-            data = tf.io.serialize_tensor(mel)
-            return (index, tf.shape(mel)[0], data, FeatureCache.digest(data),
-                    tf.reduce_all(tf.math.is_finite(mel)))
+        def encode(index):
+            features = compute(index)
+            data = FeatureCache.file_bytes(features)
+            # A sum of finite features (logs, or normalised) is finite; one NaN or inf is not.
+            return (index, tf.shape(features)[0], data, FeatureCache.digest(data),
+                    tf.math.is_finite(tf.reduce_sum(features)))
 
         count = len(self.utterances)
-        serialized = _map_on_every_core(tf.data.Dataset.range(count), serialize,
-                                        deterministic=False)
+        encoded = _map_on_every_core(tf.data.Dataset.range(count), encode,
+                                     deterministic=False)
         emit(f"Computing the features of {count} utterances into {self._cache.path} ...",
              self.verbose)
         update = progress(count, "utterance", self.verbose)
         for done, (index, frames, data, digest, finite) in enumerate(
-            serialized.as_numpy_iterator(), start=1
+            encoded.as_numpy_iterator(), start=1
         ):
             if not finite:
                 utterance = self.utterances[index]
@@ -365,8 +367,8 @@ class SpeechDatasetBuilder:
                     "audio config, or remove the file; nothing was written to the cache."
                 )
             with open(paths[index], "wb") as f:
-                f.write(data)
-            yield index, frames, len(data), digest
+                f.write(data)  # the uint8 array's buffer
+            yield index, frames, data.nbytes, digest
             update(done)
 
     def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,

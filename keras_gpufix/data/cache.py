@@ -26,9 +26,12 @@ the graph, so an audio file edited in place gives stale features.
   with a warning); `verify(full=True)` also re-hashes the contents.
 
 Layout: `cache_dir/features-<fingerprint>/{manifest.json, COMPLETE,
-features/<index>.tensor}`; a feature file is a `tf.io.serialize_tensor` of
-the float32 `(frames, num_features)` array (`AudioConfig.num_features`). Files are serialised, written and
-fingerprinted inside the `tf.data` pipeline that computes them, in parallel.
+features/<index>.f32}`; a feature file holds the raw float32 values of the
+`(frames, num_features)` array (`AudioConfig.num_features`), row by row,
+in this machine's byte order (little-endian on x86-64 and ARM), no header:
+the manifest has the frames. Features are computed and fingerprinted in
+the `tf.data` pipeline, in parallel, and written from their buffers
+without a copy.
 """
 
 import errno
@@ -36,9 +39,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from keras_gpufix.exceptions import warn
@@ -51,9 +56,9 @@ except ImportError:  # Windows
 
 __all__ = ["FeatureCache", "fingerprint", "writable_problem"]
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 1: tf.io.serialize_tensor files (.tensor); 2: raw float32 (.f32)
 ENTRY_PREFIX = "features-"
-TENSOR_HEADER_BYTES = 64  # upper bound of `serialize_tensor`'s proto header for a 2-D float32
+LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def fingerprint(description) -> str:
@@ -142,16 +147,32 @@ class FeatureCache:
         self.path = os.path.join(self.cache_dir, self.name)
 
     def feature_path(self, index, root=None) -> str:
-        return os.path.join(root or self.path, "features", f"{index:07d}.tensor")
+        return os.path.join(root or self.path, "features", f"{index:07d}.f32")
+
+    @staticmethod
+    def file_bytes(features) -> tf.Tensor:
+        """A feature file's contents: the float32 `(frames, num_features)`
+        features as a uint8 vector (a view in the machine's byte order)."""
+        return tf.reshape(tf.bitcast(tf.cast(features, tf.float32), tf.uint8), [-1])
+
+    @staticmethod
+    def decode(contents, num_features) -> tf.Tensor:
+        """A feature file's contents (scalar string) -> float32 `(frames, num_features)`."""
+        values = tf.io.decode_raw(contents, tf.float32, little_endian=LITTLE_ENDIAN)
+        return tf.reshape(values, [-1, num_features])
 
     @staticmethod
     def digest(data) -> tf.Tensor:
-        """64-bit FarmHash fingerprint (uint8 `(8,)`) of a scalar string tensor."""
-        return tf.fingerprint(tf.reshape(data, [1]))[0]
+        """64-bit FarmHash fingerprint (uint8 `(8,)`) of a uint8 vector (`file_bytes`)."""
+        return tf.fingerprint(data[None])[0]
 
     def read(self, index):
         """The cached float32 `(frames, num_features)` features of one utterance."""
-        return tf.io.parse_tensor(tf.io.read_file(self.feature_path(index)), tf.float32).numpy()
+        manifest, problem = self._check()
+        if problem is not None:
+            raise FileNotFoundError(f"The feature cache at {self.path} is not usable: {problem}.")
+        values = np.fromfile(self.feature_path(index), "<f4" if LITTLE_ENDIAN else ">f4")
+        return values.reshape(manifest["frames"][index], -1)
 
     def open(self):
         """The manifest of a complete, intact entry, or None."""
@@ -193,7 +214,7 @@ class FeatureCache:
             return False
         if full:
             for index, expected in enumerate(manifest["fingerprints"]):
-                data = tf.io.read_file(self.feature_path(index))
+                data = tf.io.decode_raw(tf.io.read_file(self.feature_path(index)), tf.uint8)
                 if bytes(self.digest(data).numpy()).hex() != expected:
                     return False
         return True
@@ -202,7 +223,7 @@ class FeatureCache:
     def estimate_bytes(frames, num_features) -> int:
         """Disk space of an entry whose utterances have `frames` frames each."""
         frames = [int(f) for f in frames]
-        return sum(frames) * num_features * 4 + len(frames) * TENSOR_HEADER_BYTES
+        return sum(frames) * num_features * 4
 
     def check_writable(self) -> None:
         """Raises `OSError` (one line: the folder, why, the fix) if it cannot be written."""
@@ -259,7 +280,7 @@ class FeatureCache:
         Args:
             write_features: `write_features(paths) -> iterable of (index,
                 frames, size, digest)`, called once, only on a miss: it
-                writes each utterance's serialised features to
+                writes each utterance's features (`file_bytes`) to
                 `paths[index]` (in a temporary folder) and yields, in any
                 order, the frames, the file size and `digest(data)`. It
                 writes in the calling thread only: once it raised (disk

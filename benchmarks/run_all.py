@@ -35,6 +35,7 @@ BENCHMARKS = {
     "padding": ([], []),
     "data_throughput": (["--quick"], []),
     "spectrogram_magnitude": (["--clips", "50"], []),
+    "map_parallelism": (["--rounds", "4"], []),
     "what_if": (["--quick"], []),
     "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
 }

@@ -63,15 +63,17 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 
 def _map_on_every_core(dataset, fn, deterministic):
-    """`dataset.map(fn)` for a one-off pass over the corpus that should keep
-    every core busy (the cache build, the trimmed-length pass).
+    """`dataset.map(fn)` where `fn` computes features from audio and should
+    keep every core busy: the cache build, the trimmed-length pass, and the
+    loader of `build()` without a cache.
 
-    tf.data's autotuning is off for it, with a fixed `2 * usable_cpus()`
-    calls in flight and single-threaded ops inside them: on a 2-core VM
-    (TF 2.21) an autotuned map ran such a pass on one core in about half of
-    short runs (CPU time / wall time ~1.0 instead of ~1.8, half the
-    throughput), whatever the map's own parallelism; with autotuning off
-    every run used both cores (`benchmarks/data_throughput.py`).
+    tf.data's autotuning is off for the pipeline (the option reaches the
+    transformations after it too), with a fixed `2 * usable_cpus()` calls in
+    flight and single-threaded ops inside them: on a 2-core VM (TF 2.21) an
+    autotuned map ran such a pass on one core in some of the runs (CPU time
+    / wall time ~1.0 instead of ~1.8: half the throughput), whatever the
+    map's own parallelism; with autotuning off every run used both cores
+    (`benchmarks/map_parallelism.py`).
     """
     calls = 2 * usable_cpus()
     options = tf.data.Options()
@@ -444,8 +446,11 @@ class SpeechDatasetBuilder:
         features = self._compute_features() if self._cache is None else self._read_features()
         elements = (plan.static_dataset(shuffle, seed) if service
                     else plan.epoch_dataset(shuffle, seed))
-        dataset = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
-                               deterministic=deterministic)
+        if self._cache is None:  # features computed here, every epoch
+            dataset = _map_on_every_core(elements, self._loader(features), deterministic)
+        else:
+            dataset = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
+                                   deterministic=deterministic)
         window = plan.max_batch + 1
         dataset = dataset.group_by_window(
             key_func=lambda key, *_: key,

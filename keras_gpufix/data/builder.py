@@ -11,7 +11,8 @@ The builder is the input path a TTS/ASR team would want as the default:
    second. Without `cache_dir` features are computed in the pipeline, every
    epoch.
 3. `build()` lays out length buckets with at most `num_buckets` (+1) batch
-   shapes (`BucketPlan`), loads and pads elements with AUTOTUNE parallelism,
+   shapes (`BucketPlan`), loads and pads elements in parallel (AUTOTUNE from
+   a cache; on every core when features are computed in the pipeline),
    groups them into batches, optionally runs all of that on tf.data service
    workers, passes the batches through `kg.data.instrument` with their
    feature lengths (so the monitors see input readiness and report

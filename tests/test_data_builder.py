@@ -102,6 +102,13 @@ def test_cached_and_uncached_features_and_ids_agree(cached, corpus):
     np.testing.assert_allclose(with_cache[ids], audio_lib.log_mel(signal, AUDIO).numpy(), atol=1e-5)
 
 
+def test_features_computed_in_the_pipeline_run_on_every_core(cached, corpus):
+    uncached = SpeechDatasetBuilder(corpus, audio=AUDIO, verbose=0).build(4, 3).options()
+    assert uncached.autotune.enabled is False
+    assert uncached.threading.max_intra_op_parallelism == 1
+    assert cached.build(4, 3).options().autotune.enabled is not False  # reading a cache
+
+
 def test_handled_kinds_are_converted(cached):
     by_id = {u.id: i for i, u in enumerate(cached.utterances)}
     other = cached.utterances[by_id["bad_other_rate"]]

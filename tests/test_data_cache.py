@@ -145,6 +145,23 @@ def test_damaged_entry_is_rebuilt_with_a_warning(corpus, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_feature_files_are_raw_float32_and_the_format_names_the_entry(corpus, tmp_path,
+                                                                      monkeypatch):
+    import keras_gpufix.data.builder as builder_module
+
+    builder = _prepared(corpus, str(tmp_path / "cache"))
+    entry = builder.cache_entry()
+    manifest = entry.open()
+    for index, features in enumerate(_features(builder)):
+        path = entry.feature_path(index)
+        assert path.endswith(".f32") and os.path.getsize(path) == features.size * 4
+        assert features.shape == (manifest["frames"][index], AUDIO.num_features)
+        np.testing.assert_array_equal(np.fromfile(path, np.float32).reshape(features.shape),
+                                      features)
+    monkeypatch.setattr(builder_module, "CACHE_FORMAT", builder_module.CACHE_FORMAT + 1)
+    assert builder.cache_entry().name != entry.name  # an old format's entry is a clean miss
+
+
 def test_full_verify_catches_flipped_bytes(corpus, tmp_path):
     cache = _prepared(corpus, str(tmp_path / "c")).cache_entry()
     with open(cache.feature_path(0), "r+b") as f:

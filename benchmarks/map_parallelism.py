@@ -5,9 +5,10 @@ cache build, the trimmed-length pass, `build()` without a cache) with
 `_map_on_every_core` (`keras_gpufix/data/builder.py`): tf.data autotuning
 off, `2 * usable_cpus()` calls in flight, single-threaded ops inside them.
 This benchmark runs the builder's per-utterance feature computation over a
-generated corpus both ways, in `--rounds` interleaved rounds: `autotuned`
+generated corpus three ways, in `--rounds` interleaved rounds: `autotuned`
 (`map(num_parallel_calls=AUTOTUNE)` then `prefetch(AUTOTUNE)`, tf.data's
-defaults, what the builder did before) and `every_core`. Each round prints
+defaults, what the builder did before), `fixed_calls` (the same calls in
+flight as `every_core`, autotuning left on) and `every_core`. Each round prints
 utterances/s and CPU time / wall time (about the number of cores kept
 busy); a round under 1.3 counts as "on one core". Prints the median and
 best of each way, and their ratios.
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
         ways = {
             "autotuned": lambda: source.map(frames, num_parallel_calls=tf.data.AUTOTUNE,
                                             deterministic=False).prefetch(tf.data.AUTOTUNE),
+            "fixed_calls": lambda: source.map(frames, num_parallel_calls=2 * usable_cpus(),
+                                              deterministic=False).prefetch(2 * usable_cpus()),
             "every_core": lambda: _map_on_every_core(source, frames, deterministic=False),
         }
         rates = {name: [] for name in ways}
@@ -75,12 +78,12 @@ def main(argv=None) -> int:
                 assert total > 0
                 rates[name].append(count / wall)
                 busy[name].append((time.process_time() - cpu) / wall)
-                print(f"round {round_}: {name:10s} {rates[name][-1]:7.1f} utterances/s, "
+                print(f"round {round_}: {name:11s} {rates[name][-1]:7.1f} utterances/s, "
                       f"CPU/wall {busy[name][-1]:.2f}", flush=True)
         figures = {}
         for name in ways:
             one_core = sum(b < ONE_CORE for b in busy[name])
-            print(f"{name:10s} median {np.median(rates[name]):7.1f}, best {max(rates[name]):7.1f} "
+            print(f"{name:11s} median {np.median(rates[name]):7.1f}, best {max(rates[name]):7.1f} "
                   f"utterances/s; rounds on about one core (CPU/wall < {ONE_CORE}): "
                   f"{one_core} of {args.rounds}")
             figures.update({

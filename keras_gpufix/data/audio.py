@@ -360,11 +360,12 @@ def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
     return start, end
 
 
-def _prepare_waveform(waveform, config):
-    """Trimmed (`trim_top_db`) and peak-normalised (`normalize`) clip."""
+def _prepare_waveform(waveform, config, bounds=None):
+    """Trimmed (`trim_top_db`, at `bounds` when given) and peak-normalised
+    (`normalize`) clip."""
     waveform = tf.convert_to_tensor(waveform, tf.float32)
     if config.trim_top_db is not None:
-        start, end = trim_bounds(waveform, config)
+        start, end = trim_bounds(waveform, config) if bounds is None else bounds
         waveform = waveform[start:end]
     if config.normalize == "peak":
         peak = tf.reduce_max(tf.abs(waveform))
@@ -372,7 +373,7 @@ def _prepare_waveform(waveform, config):
     return waveform
 
 
-def extract_features(waveform, config: AudioConfig) -> tf.Tensor:
+def extract_features(waveform, config: AudioConfig, bounds=None) -> tf.Tensor:
     """The features the dataset builder computes (and caches) for one clip.
 
     In order: silence trimming (`trim_top_db`), peak normalisation
@@ -382,12 +383,16 @@ def extract_features(waveform, config: AudioConfig) -> tf.Tensor:
     Args:
         waveform: float32 `(samples,)` at `config.sample_rate`.
         config: an `AudioConfig`.
+        bounds: `(start, end)` that `trim_bounds(waveform, config)` gave
+            for this clip, to trim there without finding them again (the
+            builder keeps them from its pass without a cache). Defaults to
+            None (found here when `trim_top_db` is set).
 
     Returns:
         float32 `(frames, config.num_features)` with
         `frames == feature_frames(waveform, config)`.
     """
-    waveform = _prepare_waveform(waveform, config)
+    waveform = _prepare_waveform(waveform, config, bounds)
     features = (log_mel if config.features == "mel" else log_linear)(waveform, config)
     if config.feature_norm == "utterance":
         mean, variance = tf.nn.moments(features, axes=[0], keepdims=True)

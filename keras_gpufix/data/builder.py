@@ -136,6 +136,7 @@ class SpeechDatasetBuilder:
         self.on_bad_input = on_bad_input
         self.verbose = verbose
         self._cache = None
+        self._trim_bounds = None  # (n, 2) from the trim pass, without a cache
         self._prepared = False
         self._scan()
 
@@ -254,24 +255,28 @@ class SpeechDatasetBuilder:
         return waveform
 
     def _compute_features(self):
-        """`index -> (frames, num_features)` features computed from the WAV file (TF ops)."""
+        """`index -> (frames, num_features)` features computed from the WAV file
+        (TF ops), trimmed at the trim pass's bounds when there was one."""
         waveform = self._waveform()
+        bounds = None if self._trim_bounds is None else tf.constant(self._trim_bounds)
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def compute(index):
-            return audio_lib.extract_features(waveform(index), self.audio)
+            known = None if bounds is None else (bounds[index, 0], bounds[index, 1])
+            return audio_lib.extract_features(waveform(index), self.audio, known)
 
         return compute
 
-    def _trimmed_frames(self):
-        """Feature frames of every utterance after silence trimming (one parallel pass)."""
+    def _trim_pass(self):
+        """Where every utterance's sound starts and ends (`trim_bounds`), one
+        parallel pass: int32 `(utterances, 2)`."""
         waveform = self._waveform()
-        frames = _map_on_every_core(
+        bounds = _map_on_every_core(
             tf.data.Dataset.range(len(self.utterances)),
-            lambda index: audio_lib.feature_frames(waveform(index), self.audio),
+            lambda index: tf.stack(audio_lib.trim_bounds(waveform(index), self.audio)),
             deterministic=True,
         )
-        return np.fromiter(frames.as_numpy_iterator(), np.int64, len(self.utterances))
+        return np.stack(list(bounds.as_numpy_iterator())).astype(np.int32)
 
     def _read_features(self):
         """`index -> (frames, num_features)` features read from the cache."""
@@ -300,9 +305,9 @@ class SpeechDatasetBuilder:
         """Opens or builds the feature cache.
 
         Without `cache_dir` there is nothing to build, except with
-        `audio.trim_top_db`: one parallel pass then measures every
-        utterance's frames after trimming, for the length buckets (with a
-        cache the build records them).
+        `audio.trim_top_db`: one parallel pass then finds where every
+        utterance's sound starts and ends, for the length buckets and for
+        every epoch's trimming (with a cache the build records the frames).
 
         Returns:
             The builder; `report["cache"]` is then `"hit"`, `"miss"` or `"off"`.
@@ -311,7 +316,9 @@ class SpeechDatasetBuilder:
             return self
         if self.cache_dir is None:
             if self.audio.trim_top_db is not None:
-                self._frames = self._trimmed_frames()
+                self._trim_bounds = self._trim_pass()
+                self._frames = np.array([self.audio.num_frames(int(end - start))
+                                         for start, end in self._trim_bounds], np.int64)
             self.report["cache"] = "off"
             self._prepared = True
             return self

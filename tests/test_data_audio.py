@@ -288,6 +288,18 @@ def test_trimmed_normalised_linear_features_match_librosa():
     assert np.max(np.abs(got - expected)) <= 1e-3
 
 
+def test_known_trim_bounds_give_the_same_features_and_are_where_it_trims():
+    config = dataclasses.replace(SMALL, trim_top_db=30, features="linear")
+    y = 0.3 * _planted(np.random.default_rng(6), 0.5, 1.0, 0.4)
+    start, end = (int(b) for b in audio.trim_bounds(y, config))
+    assert 0 < start < end < len(y)  # the planted silence is found
+    np.testing.assert_array_equal(audio.extract_features(y, config, (start, end)).numpy(),
+                                  audio.extract_features(y, config).numpy())
+    whole = dataclasses.replace(config, trim_top_db=None)
+    np.testing.assert_array_equal(audio.extract_features(y, config, (0, len(y))).numpy(),
+                                  audio.extract_features(y, whole).numpy())
+
+
 def test_peak_normalisation_and_silence():
     config = dataclasses.replace(SMALL, normalize="peak")
     y = 0.05 * _speech(np.random.default_rng(7), 0.8, SR).astype(np.float32)

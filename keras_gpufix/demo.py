@@ -5,8 +5,8 @@
 2. `kg.from_config` makes the strategy, dtype policy, dataset builder
    (feature cache, length buckets) and the monitors;
 3. the naive way: a tiny mel-prediction model trained from the naive loader
-   (`keras_gpufix.data.naive`: librosa in `tf.numpy_function`, padded
-   batches) with `model.compile` defaults, the monitors attached;
+   (`keras_gpufix.data.naive`: a NumPy spectrogram in `tf.numpy_function`,
+   padded batches) with `model.compile` defaults, the monitors attached;
 4. the keras_gpufix way: the same model from the config's cached, bucketed
    dataset, compiled with `kg.compile_model` (XLA), the same monitors;
 5. the report: what the builder skipped and padded, each way's one verdict
@@ -116,8 +116,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
 
     Both ways train the same tiny model on the same generated corpus, one
     after the other in this process, with the same monitors: first the
-    naive loader (`keras_gpufix.data.naive.naive_dataset`: librosa in
-    `tf.numpy_function`, padded batches) with `model.compile` defaults,
+    naive loader (`keras_gpufix.data.naive.naive_dataset`: a NumPy
+    spectrogram in `tf.numpy_function`, padded batches) with `model.compile` defaults,
     then the config's path (`kg.from_config`: feature cache, length
     buckets, `kg.compile_model`).
 
@@ -184,8 +184,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     naive_callbacks = [monitor, retracing] + ([] if naive_logs is None else
                                               [kg.StepTimer(log_dir=naive_logs)])
 
-    emit(f"1/2 naive: librosa in tf.numpy_function, padded batches, model.compile defaults; "
-         f"{epochs} epochs ...", verbose)
+    emit(f"1/2 naive: NumPy spectrogram in tf.numpy_function, padded batches, model.compile "
+         f"defaults; {epochs} epochs ...", verbose)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
     naive_ds, naive_steps = naive_dataset(corpus, cfg.data.batch_size, audio, text, seed=0)
@@ -265,7 +265,7 @@ def format_demo(result):
         f"          cache {b['cache']} ({result['cache_seconds']:.1f} s), {b['distinct_shapes']} "
         f"batch shapes, padding efficiency {b['padding_efficiency']:.1%}, bucket boundaries "
         f"{b['bucket_boundaries']}",
-        "naive:    librosa in tf.numpy_function, padded_batch, model.compile defaults",
+        "naive:    NumPy spectrogram in tf.numpy_function, padded_batch, model.compile defaults",
         *_side_lines(naive),
         f"keras_gpufix: feature cache, {len(b['bucket_boundaries'])} length buckets, "
         f"compile_model (jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "

@@ -125,11 +125,31 @@ def test_bench_data_grid_and_recommendation(corpus, tmp_path, capsys):
     assert result["best"] == best
 
 
+def without_librosa(tmp_path):
+    """A `PYTHONPATH` entry whose `sitecustomize` makes `import librosa` fail, as on a
+    plain install (no extras)."""
+    folder = tmp_path / "no_librosa"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoLibrosa:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'librosa':\n"
+        "            raise ImportError('librosa is blocked: a plain install has none')\n"
+        "sys.meta_path.insert(0, _NoLibrosa())\n")
+    return str(folder)
+
+
 def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(tmp_path):
-    # as a user runs it (TensorFlow's log level unset), so its own log lines would show
+    # as a user runs it after a plain install (TensorFlow's log level unset, so its own
+    # log lines would show; no librosa)
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    env["PYTHONPATH"] = REPO
-    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--dir", str(tmp_path),
+    env["PYTHONPATH"] = os.pathsep.join([without_librosa(tmp_path), REPO])
+    blocked = subprocess.run([sys.executable, "-c", "import librosa"], env=env,
+                             capture_output=True, text=True)
+    assert blocked.returncode != 0 and "librosa is blocked" in blocked.stderr
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--dir",
+                           str(tmp_path / "demo"),
                            "--utterances", "24", "--epochs", "2"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -155,10 +175,10 @@ def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(
                      else ("naive", "keras_gpufix"))
     assert f"{winner} is " in result and f"x faster than {loser}" in result \
         or "equally fast" in result
-    assert main(["validate", str(tmp_path / "demo.yaml")]) == 0
+    assert main(["validate", str(tmp_path / "demo" / "demo.yaml")]) == 0
     # TensorBoard: a step-time chart for each way, side by side
     for run in ("keras_gpufix", os.path.join("naive", "keras_gpufix")):
-        steps = _scalar_steps(tmp_path / "logs" / run, "step_timer/step_ms")
+        steps = _scalar_steps(tmp_path / "demo" / "logs" / run, "step_timer/step_ms")
         assert len(steps) >= 5 and steps == sorted(steps), run
 
 

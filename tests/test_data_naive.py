@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 
-pytest.importorskip("librosa")
-
-from keras_gpufix.data import AudioConfig, SpeechDatasetBuilder, TextConfig  # noqa: E402
-from keras_gpufix.data.naive import naive_dataset  # noqa: E402
-from keras_gpufix.data.synthetic import make_synthetic_corpus  # noqa: E402
+from keras_gpufix.data import AudioConfig, SpeechDatasetBuilder, TextConfig
+from keras_gpufix.data.naive import naive_dataset
+from keras_gpufix.data.synthetic import make_synthetic_corpus
 
 
 @pytest.mark.parametrize("audio", [

@@ -150,6 +150,9 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
 
+    from keras_gpufix.output import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # TensorFlow's and XProf's C++ log lines hidden
     os.makedirs(args.logdir, exist_ok=True)
     if not glob.glob(os.path.join(args.logdir, "**", "events.out.tfevents.*"), recursive=True):
         print(f"Writing a demo run into {args.logdir} ...", flush=True)

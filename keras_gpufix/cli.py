@@ -9,7 +9,9 @@
 | `demo`                                    | `demo.run_demo`                       |
 
 Each function returns a dict; `--json` prints it as one line (the last line
-of stdout), otherwise it is printed for people. Exit codes: 0 success,
+of stdout), otherwise it is printed for people. TensorFlow's own C++ log
+lines are hidden for every command (`output.import_tensorflow_quietly`;
+`TF_CPP_MIN_LOG_LEVEL=0` shows them). Exit codes: 0 success,
 1 problems found (validate), 2 bad arguments or unusable input, 130
 interrupted (Ctrl-C: one line, no traceback); diagnose exits with the
 script's own exit code.
@@ -20,6 +22,7 @@ import json
 import sys
 
 from keras_gpufix import __version__
+from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["main", "build_parser"]
 
@@ -228,6 +231,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     sub = args.subparser
+    import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo}[args.command]
     try:

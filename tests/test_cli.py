@@ -46,6 +46,7 @@ def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, name):
 
 def test_cache_build_info_clear(corpus, tmp_path, capsys):
     cache = str(tmp_path / "cache")
+    os.mkdir(cache)
     assert main(["cache", "info", corpus, "--cache-dir", cache, "--json"]) == 0
     info = last_json(capsys.readouterr().out)
     assert info["status"] == "missing" and info["utterances"] == 24 and len(info["skipped"]) == 1
@@ -83,6 +84,7 @@ def test_cache_takes_a_json_lines_manifest(corpus, tmp_path, capsys):
     manifest.write_text("".join(
         json.dumps({"audio_filepath": os.path.join(corpus, "wavs", uid + ".wav"), "text": text,
                     "speaker": "s1"}) + "\n" for uid, text, *_ in lines[:5]), encoding="utf-8")
+    (tmp_path / "c").mkdir()
     assert main(["cache", "info", str(manifest), "--cache-dir", str(tmp_path / "c"), "--json"]) == 0
     info = last_json(capsys.readouterr().out)
     assert info["status"] == "missing" and info["utterances"] == 5
@@ -100,6 +102,7 @@ def test_cache_needs_a_folder(corpus, capsys):
 def test_cache_takes_settings_from_a_config(corpus, tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  audio: {{n_mels: 40}}\n  cache_dir: {tmp_path / 'cc'}\n")
+    (tmp_path / "cc").mkdir()
     assert main(["cache", "info", corpus, "--cache-dir", str(tmp_path / "cc"), "--json"]) == 0
     default = last_json(capsys.readouterr().out)
     assert main(["cache", "info", corpus, "--config", str(cfg), "--json"]) == 0

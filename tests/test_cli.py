@@ -1,15 +1,11 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from edge_faults import TF_LOG_LINE, read_only_folder
+from edge_faults import read_only_folder
 
 from keras_gpufix.cli import main
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -126,75 +122,6 @@ def test_bench_data_grid_and_recommendation(corpus, tmp_path, capsys):
     assert all(r["batches"] > 0 and r["utterances_per_s"] > 0 for r in result["runs"])
     best = max(result["runs"], key=lambda r: r["utterances_per_s"])
     assert result["best"] == best
-
-
-def without_librosa(tmp_path):
-    """A `PYTHONPATH` entry whose `sitecustomize` makes `import librosa` fail, as on a
-    plain install (no extras)."""
-    folder = tmp_path / "no_librosa"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoLibrosa:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'librosa':\n"
-        "            raise ImportError('librosa is blocked: a plain install has none')\n"
-        "sys.meta_path.insert(0, _NoLibrosa())\n")
-    return str(folder)
-
-
-def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(tmp_path):
-    # as a user runs it after a plain install (TensorFlow's log level unset, so its own
-    # log lines would show; no librosa)
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    env["PYTHONPATH"] = os.pathsep.join([without_librosa(tmp_path), REPO])
-    blocked = subprocess.run([sys.executable, "-c", "import librosa"], env=env,
-                             capture_output=True, text=True)
-    assert blocked.returncode != 0 and "librosa is blocked" in blocked.stderr
-    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--dir",
-                           str(tmp_path / "demo"),
-                           "--utterances", "24", "--epochs", "2"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    # our own output is what is left: no TensorFlow/absl log line, no Keras warning
-    assert not [line for line in (out + proc.stderr).splitlines() if TF_LOG_LINE.match(line)]
-    assert "shuffle=True" not in out + proc.stderr
-    assert "TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo" in out  # how to see them
-    assert "24 utterances kept, 1 skipped" in out
-    assert "bad_truncated" in out
-    lines = out.splitlines()
-    naive = next(i for i, line in enumerate(lines) if line.startswith("naive:"))
-    fast = next(i for i, line in enumerate(lines) if line.startswith("keras_gpufix:"))
-    result = next(line for line in lines if line.startswith("result:"))
-    assert naive < fast < lines.index(result)
-    # one verdict per way, each in its own section
-    verdicts = [i for i, line in enumerate(lines) if line.strip().startswith("verdict:")]
-    assert len(verdicts) == 2 and naive < verdicts[0] < fast < verdicts[1]
-    rates = re.findall(r"then (\d+) utterances/s", out)
-    assert len(rates) == 2
-    naive_rate, fast_rate = (int(r) for r in rates)
-    winner, loser = (("keras_gpufix", "naive") if fast_rate >= naive_rate
-                     else ("naive", "keras_gpufix"))
-    assert f"{winner} is " in result and f"x faster than {loser}" in result \
-        or "equally fast" in result
-    assert main(["validate", str(tmp_path / "demo" / "demo.yaml")]) == 0
-    # TensorBoard: a step-time chart for each way, side by side
-    for run in ("keras_gpufix", os.path.join("naive", "keras_gpufix")):
-        steps = _scalar_steps(tmp_path / "demo" / "logs" / run, "step_timer/step_ms")
-        assert len(steps) >= 5 and steps == sorted(steps), run
-
-
-def _scalar_steps(run_dir, tag):
-    """The steps at which `tag` was written in a TensorBoard run folder."""
-    import tensorflow as tf
-
-    steps = []
-    for path in sorted(run_dir.glob("events.out.tfevents.*")):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            steps += [event.step for v in event.summary.value if v.tag == tag]
-    return steps
 
 
 def _leftover(cache, size):

@@ -7,7 +7,8 @@
 - `GuardedCallback.siblings(cls)` finds our other callbacks in the running
   `fit` (Keras gives a callback its model, never the list it is in).
 - `ScalarWriter` buffers TensorBoard scalars in memory and writes them at
-  epoch end, so logging costs nothing on the step path.
+  epoch end, so logging costs nothing on the step path; every scalar
+  carries its description (TensorBoard shows it beside the chart).
 """
 
 import functools
@@ -16,6 +17,7 @@ import weakref
 
 import keras
 
+from keras_gpufix.analysis import VERDICTS
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
 
@@ -83,10 +85,41 @@ class ScalarWriter:
     Uses `tf.summary` (imported on first flush). Where TensorFlow is not
     installed (another Keras backend) it warns once and drops the scalars.
     At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
-    early).
+    early). Each scalar is written with its description from
+    `DESCRIPTIONS` (the tables of `StepTimer` and `GPUOscillationMonitor`);
+    a tag not listed there says which callback wrote it.
     """
 
     MAX_PENDING = 8192
+    DESCRIPTIONS = {
+        "step_timer/step_ms": "StepTimer, each step: cycle time per step in ms (input wait + "
+                              "step + time between steps)",
+        "step_timer/epoch_mean_ms": "StepTimer, epoch end: mean cycle time per step of the "
+                                    "epoch, ms",
+        "step_timer/epoch_p95_ms": "StepTimer, epoch end: 95th percentile of the epoch's cycle "
+                                   "times per step, ms",
+        "step_timer/epoch_cv": "StepTimer, epoch end: coefficient of variation (std / mean) of "
+                               "the epoch's cycle times",
+        "step_timer/samples_per_s": "StepTimer, epoch end: samples per second over the epoch",
+        "oscillation/cycle_ms": "GPUOscillationMonitor, each step: cycle time per step, ms",
+        "oscillation/input_wait_ms": "GPUOscillationMonitor, each step: time waiting for the "
+                                     "batch, per step, ms (measured by kg.data.instrument)",
+        "oscillation/between_ms": "GPUOscillationMonitor, each step: host time between steps "
+                                  "(callbacks, logging, checkpoints), per step, ms",
+        "oscillation/cv": "GPUOscillationMonitor, each judgement: coefficient of variation of "
+                          "the window's cycle times",
+        "oscillation/median_ms": "GPUOscillationMonitor, each judgement: median cycle time of "
+                                 "the window, ms",
+        "oscillation/slow_time_share": "GPUOscillationMonitor, each judgement: share of the "
+                                       "window's time lost to slow steps",
+        "oscillation/input_wait": "GPUOscillationMonitor, each judgement: share of the cycle "
+                                  "spent waiting for input",
+        "oscillation/gpu_util": "GPUOscillationMonitor, each judgement: mean GPU utilisation "
+                                "(NVML), percent",
+        "oscillation/verdict": "GPUOscillationMonitor, each event: the verdict's index in "
+                               "keras_gpufix.analysis.VERDICTS: "
+                               + ", ".join(f"{i} {v}" for i, v in enumerate(VERDICTS)),
+    }
 
     def __init__(self, log_dir, run="keras_gpufix"):
         self.path = os.path.join(os.fspath(log_dir), run)
@@ -117,7 +150,8 @@ class ScalarWriter:
         pending, self._pending = self._pending, []
         with self._writer.as_default():
             for tag, value, step in pending:
-                tf.summary.scalar(tag, value, step=step)
+                tf.summary.scalar(tag, value, step=step, description=self.DESCRIPTIONS.get(
+                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback"))
         self._writer.flush()
 
     def close(self):

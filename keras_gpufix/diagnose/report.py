@@ -213,6 +213,8 @@ def format_report(result):
     lines = [f"keras-gpufix diagnose: {' '.join(result['command'])} "
              f"(exit code {result['exit_code']})",
              f"verdict: {result['verdict']}"]
+    if result.get("ended_by"):
+        lines.insert(1, f"ended by: {result['ended_by']['text']}")
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]

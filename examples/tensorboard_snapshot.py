@@ -51,7 +51,7 @@ def write_demo_logs(logdir, steps=60):
                               keras.layers.Dense(1)])
     model.compile("adam", "mse")
     trigger = kg.ProfilerTrigger(logdir, trigger=20, steps=5, max_traces=1, verbose=0)
-    model.fit(ds.prefetch(tf.data.AUTOTUNE), epochs=2, verbose=0, callbacks=[
+    model.fit(ds.prefetch(tf.data.AUTOTUNE), epochs=2, verbose=0, shuffle=False, callbacks=[
         kg.StepTimer(log_dir=logdir),
         kg.GPUOscillationMonitor(log_dir=logdir, window=16, verbose=0),
         trigger,

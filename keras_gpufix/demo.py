@@ -148,8 +148,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     Both ways train the same tiny model on the same generated corpus, one
     after the other in this process, with the same monitors: first the
     naive loader (`keras_gpufix.data.naive.naive_dataset`: a NumPy
-    spectrogram in `tf.numpy_function`, padded batches) with `model.compile` defaults,
-    then the config's path (`kg.from_config`: feature cache, length
+    spectrogram in `tf.numpy_function`, padded batches) with
+    `model.compile` defaults, then the config's path (`kg.from_config`: feature cache, length
     buckets, `kg.compile_model`).
 
     Args:
@@ -261,9 +261,12 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
 def _trace_line(t, steps_per_epoch):
     a = t.get("analysis") or {}
     epoch = t["start_step"] // steps_per_epoch + 1
-    head = f"          evidence: XProf trace of steps {t['start_step']}-{t['end_step']} (epoch {epoch})"
+    head = (f"          evidence: XProf trace of steps {t['start_step']}-{t['end_step']} "
+            f"(epoch {epoch})")
     if "classification" not in a:
-        return f"{head}: not analysed ({a.get('error') or 'XProf found no step in it'})"
+        why = a.get("error") or ("XProf is still analysing it" if t.get("pending")
+                                 else "XProf found no step in it")
+        return f"{head}: not analysed ({why})"
     return (f"{head}: step {a.get('step_time_ms') or 0:.1f} ms, input "
             f"{a.get('input_percent') or 0:.1f}%")
 

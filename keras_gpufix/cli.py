@@ -14,7 +14,8 @@ lines are hidden for every command (`output.import_tensorflow_quietly`;
 `TF_CPP_MIN_LOG_LEVEL=0` shows them). Exit codes: 0 success,
 1 problems found (validate), 2 bad arguments or unusable input, 130
 interrupted (Ctrl-C: one line, no traceback); diagnose exits with the
-script's own exit code.
+script's own exit code (1 when it raised, 143/130 when SIGTERM/SIGINT
+stopped it), after its report.
 """
 
 import argparse

@@ -340,7 +340,7 @@ def _stopped_in_next(exc, steps):
             "script run on)")
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """SIGTERM (a job scheduler's time limit) while the script ran."""
 
     def __init__(self, signum):
@@ -350,7 +350,7 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _signals_end_the_script(patch):
-    """SIGTERM raises `_Terminated` in the script (SIGINT raises KeyboardInterrupt), so
+    """SIGTERM raises `Terminated` in the script (SIGINT raises KeyboardInterrupt), so
     the run unwinds and its report is printed; the what-ifs still to come are
     skipped. A second SIGTERM kills at once. Only in the main thread."""
     if threading.current_thread() is not threading.main_thread():
@@ -360,7 +360,7 @@ def _signals_end_the_script(patch):
     def on_signal(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
         patch.what_if = False
-        raise _Terminated(signum)
+        raise Terminated(signum)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
@@ -374,8 +374,8 @@ def _ended_by(exc, steps_seen):
     `message`, `raised_at` (file:line), `script_line` (the script's own line that led
     there, when `raised_at` is in a library), `steps_seen` and `text`."""
     steps = f"after {steps_seen} training step{'s' * (steps_seen != 1)}"
-    if isinstance(exc, (_Terminated, KeyboardInterrupt)):
-        name = str(exc) if isinstance(exc, _Terminated) else "SIGINT"
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        name = str(exc) if isinstance(exc, Terminated) else "SIGINT"
         return {"kind": "signal", "type": name, "message": "", "raised_at": None,
                 "script_line": None, "steps_seen": steps_seen,
                 "text": f"{name} stopped the script {steps}; this report covers what was "
@@ -491,7 +491,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                     runpy.run_path(target, run_name="__main__")
             except SystemExit as exc:
                 exit_code = _exit_code(exc.code)
-            except (KeyboardInterrupt, _Terminated) as exc:
+            except (KeyboardInterrupt, Terminated) as exc:
                 patch.what_if = False
                 ended = exc
                 exit_code = 128 + getattr(exc, "signum", 2)

@@ -210,7 +210,8 @@ def healthy_evidence(fits):
 
 def format_report(result):
     """The diagnosis as text for people."""
-    lines = [f"keras-gpufix diagnose: {' '.join(result['command'])} "
+    command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
+    lines = [f"keras-gpufix diagnose: {command} "
              f"(exit code {result['exit_code']})",
              f"verdict: {result['verdict']}"]
     if result.get("ended_by"):

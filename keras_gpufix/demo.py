@@ -29,6 +29,7 @@ reading it, so those are filtered from stderr while TensorFlow loads);
 """
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -103,14 +104,14 @@ def _steady_trace(kg, log_dir, steps_per_epoch, epochs):
                               verbose=0)
 
 
-def _name_run(log_dir, name):
-    """Moves the scalars our callbacks wrote under `log_dir` (TensorBoard run
-    `keras_gpufix`) into run `name`."""
-    written = os.path.join(log_dir, "keras_gpufix")
-    os.makedirs(os.path.join(log_dir, name), exist_ok=True)
+def _name_run(staging, run_dir):
+    """Moves the scalars our callbacks wrote under `staging` (their TensorBoard run
+    `keras_gpufix`) into `run_dir`, and removes `staging`."""
+    written = os.path.join(staging, "keras_gpufix")
+    os.makedirs(run_dir, exist_ok=True)
     for entry in os.listdir(written):
-        os.replace(os.path.join(written, entry), os.path.join(log_dir, name, entry))
-    os.rmdir(written)
+        os.replace(os.path.join(written, entry), os.path.join(run_dir, entry))
+    shutil.rmtree(staging)
 
 
 def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per_epoch,
@@ -205,10 +206,11 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
     log_dir = cfg.path(cfg.monitor.log_dir)
+    staging = tempfile.mkdtemp(prefix=".naive_scalars_", dir=workdir)  # then run `naive`
     m = cfg.monitor
     monitor = kg.GPUOscillationMonitor(  # as the config's
         window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
-        log_dir=log_dir, verbose=0)
+        log_dir=staging, verbose=0)
     retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
                                     verbose=0)
 
@@ -222,9 +224,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     keras.mixed_precision.set_global_policy(policy)
     naive_trace = _steady_trace(kg, os.path.join(log_dir, "naive"), naive_steps, epochs)
     history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
-                            [monitor, retracing, kg.StepTimer(log_dir=log_dir)]
+                            [monitor, retracing, kg.StepTimer(log_dir=staging)]
                             + [naive_trace] * (naive_trace is not None), steps=naive_steps)
-    _name_run(log_dir, "naive")  # beside the keras_gpufix way's run, not inside it
+    _name_run(staging, os.path.join(log_dir, "naive"))  # beside the keras_gpufix way's run
     naive = _side(monitor, retracing, naive_trace, naive_steps, seconds,
                   naive_steps * cfg.data.batch_size, history)
 

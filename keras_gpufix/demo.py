@@ -35,23 +35,18 @@ DEMO_CONFIG = """\
 data:
   corpus: corpus
   audio: {{n_mels: 40, max_seconds: 4.0}}
-  batch_size: 8
-  num_buckets: 4
   cache_dir: cache
   on_bad_input: skip
-  prefetch: auto
-training:
-  jit_compile: true
-  mixed_precision: auto
-  steps_per_execution: 1
-  epochs: {epochs}
-distribute:
-  mode: auto
-monitor:
-  window: 8
-  warmup: {warmup}  # the first epoch: its XLA compiles (one per bucket) are not judged
-  log_dir: logs
-  profiling: {{trigger: [oscillation, 4], steps: 6, max_traces: 1}}
+build: {{batch_size: 8, num_buckets: 4}}
+compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
+strategy: {{mode: auto}}
+callbacks:
+  # warmup: the first epoch: its XLA compiles (one per bucket) are not judged
+  GPUOscillationMonitor: {{window: 8, warmup: {warmup}, log_dir: logs}}
+  RetracingMonitor: {{max_new_shapes: 5}}
+  StepTimer: {{log_dir: logs}}
+  ProfilerTrigger: {{log_dir: logs, trigger: [oscillation, 4], steps: 6, max_traces: 1}}
+fit: {{epochs: {epochs}}}
 """
 
 
@@ -173,14 +168,13 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         (ids, _), (frames, _) = text_batch, mel_batch
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
-    log_dir = cfg.path(cfg.monitor.log_dir)
+    m = cfg.callbacks["GPUOscillationMonitor"]
+    log_dir = m.get("log_dir")
     naive_logs = None if log_dir is None else os.path.join(log_dir, "naive")
-    m = cfg.monitor
     monitor = kg.GPUOscillationMonitor(  # as the config's, its scalars beside them
-        window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
-        log_dir=naive_logs, verbose=0)
-    retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
-                                    verbose=0)
+        **{**m, "log_dir": naive_logs, "verbose": 0})
+    retracing = kg.RetracingMonitor(**{**cfg.callbacks["RetracingMonitor"], "warn": False,
+                                       "verbose": 0})
     naive_callbacks = [monitor, retracing] + ([] if naive_logs is None else
                                               [kg.StepTimer(log_dir=naive_logs)])
 
@@ -188,13 +182,13 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
          f"{epochs} epochs ...", verbose)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
-    naive_ds, naive_steps = naive_dataset(corpus, cfg.data.batch_size, audio, text, seed=0)
+    naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
     naive_model = _model(text.num_ids, audio.n_mels)
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
     history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
                             naive_callbacks, steps=naive_steps)
-    naive = _side(monitor, retracing, seconds, naive_steps * cfg.data.batch_size, history)
+    naive = _side(monitor, retracing, seconds, naive_steps * cfg.build["batch_size"], history)
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "
          f"cache, length buckets, kg.compile_model); {epochs} epochs ...", verbose)
@@ -205,7 +199,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     with setup.strategy.scope():
         model = _model(text.num_ids, audio.n_mels)
         report = kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
-    history, seconds = _fit(model, train, cfg.training.epochs, setup.callbacks,
+    history, seconds = _fit(model, train, setup.fit_kwargs["epochs"], setup.callbacks,
                             steps=setup.builder.report["batches_per_epoch"])
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], seconds,

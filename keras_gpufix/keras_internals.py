@@ -32,6 +32,7 @@ __all__ = [
     "remove_per_replica_xla",
     "set_symbolic_build",
     "symbolic_build",
+    "tf_function_class",
     "traced_functions",
 ]
 
@@ -102,6 +103,19 @@ def traced_functions(train_function, depth: int = 4) -> dict:
                 except ValueError:  # empty cell
                     pass
     return found
+
+
+def tf_function_class() -> type:
+    """The class of the objects `tf.function` returns (their `__call__` is
+    every call of a traced function).
+
+    TensorFlow 2.19-2.21: `tensorflow.python.eager.polymorphic_function.
+    polymorphic_function.Function`, not exported; it is taken from an object
+    `tf.function` makes, so it follows TensorFlow where it moves.
+    """
+    import tensorflow as tf
+
+    return type(tf.function(lambda: None))
 
 
 def cross_device_ops_name(strategy) -> str:

@@ -22,6 +22,7 @@ from keras_gpufix.keras_internals import (
     overrides_train_step,
     set_symbolic_build,
     symbolic_build,
+    tf_function_class,
     traced_functions,
 )
 
@@ -216,3 +217,22 @@ def test_set_symbolic_build_is_what_fit_calls():
     set_symbolic_build(model, build)
     model.fit(np.zeros((4, 3)), np.zeros((4, 1)), epochs=1, verbose=0)
     assert len(calls) == 1
+
+
+def test_tf_function_class_is_what_tf_function_makes():
+    calls = []
+    cls = tf_function_class()
+    original = cls.__call__
+
+    def counting(fn, *args, **kwargs):
+        calls.append(fn)
+        return original(fn, *args, **kwargs)
+
+    add_one = tf.function(lambda x: x + 1)
+    assert isinstance(add_one, cls)
+    cls.__call__ = counting
+    try:
+        assert int(add_one(tf.constant(1))) == 2
+    finally:
+        cls.__call__ = original
+    assert calls == [add_one]

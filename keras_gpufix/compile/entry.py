@@ -38,7 +38,7 @@ from keras_gpufix.keras_internals import (
     symbolic_build,
 )
 
-__all__ = ["CompileReport", "compile_model"]
+__all__ = ["CompileReport", "check_args", "compile_model"]
 
 logger = logging.getLogger("keras_gpufix.compile")
 
@@ -169,7 +169,7 @@ def compile_model(
     print(report)
     ```
     """
-    _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
+    check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
     strategy = model.distribute_strategy
     replicas = int(strategy.num_replicas_in_sync)
@@ -242,7 +242,12 @@ def compile_model(
     return report
 
 
-def _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch):
+def check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch) -> None:
+    """`compile_model`'s argument check (also the config's `compile` section's).
+
+    Raises:
+        ValueError: naming the first invalid argument and its value.
+    """
     if not isinstance(jit_compile, bool):
         raise ValueError(
             f"`jit_compile` must be True or False. Received: jit_compile={jit_compile!r}"

@@ -50,15 +50,8 @@ from typing import Any, Optional
 
 import yaml
 
-__all__ = [
-    "Config",
-    "ConfigError",
-    "Setup",
-    "builder_kwargs",
-    "from_config",
-    "load_config",
-    "validate_config",
-]
+__all__ = ["Config", "ConfigError", "Setup", "builder_kwargs", "from_config", "load_config",
+           "validate_config"]
 
 _PATH_KEYS = ("corpus", "cache_dir", "log_dir")
 _NOT_FROM_YAML = {"self", "model", "optimizer", "loss", "metrics", "sample_batch", "x", "y",
@@ -437,14 +430,14 @@ def _traps(cfg, doc, info):
                     f"`compile.mixed_precision` is {policy!r} but {reason}; `auto` picks what "
                     "this device runs fast", fix=fix("compile.mixed_precision", "auto"))
     prefetch = cfg.build.get("prefetch_to_device")
-    for key, names, value in (("strategy.devices", devices, None),
-                              ("build.prefetch_to_device", [prefetch] if prefetch else [], None)):
+    for key, names in (("strategy.devices", devices),
+                       ("build.prefetch_to_device", [prefetch] if prefetch else [])):
         gpus = [re.search(r"gpu:(\d+)$", str(n), re.IGNORECASE) for n in names]
         missing = [n for n, m in zip(names, gpus) if m and int(m.group(1)) >= len(info["gpus"])]
         if missing:
             doc.add("device_missing", key, f"`{key}` names {', '.join(missing)} but this "
                     f"machine has {len(info['gpus'])} GPU(s)",
-                    fix=fix(key, value) if key.startswith("build") else None)
+                    fix=fix(key, None) if key.startswith("build") else None)
     cache = cfg.data.get("cache_dir")
     why = cache and writable_problem(cache)
     if why:

@@ -1,9 +1,11 @@
 """Every reach into Keras's and TensorFlow's private structures, in one place.
 
 keras_gpufix needs a few things Keras and TensorFlow offer no public way to
-get: the `tf.function`s inside `model.train_function`, the graphs they traced,
-a train step XLA-compiled per replica under `MirroredStrategy`, and so on. Each is one small function here, checked on Keras 3.15.1 and
-TensorFlow 2.21.0, with a test in `tests/test_keras_internals.py`. The rest of
+get: the `tf.function`s inside `model.train_function`, the graphs they
+traced, a train step XLA-compiled per replica under `MirroredStrategy`, and
+so on. Each is one small function here, with a test in
+`tests/test_keras_internals.py`; `benchmarks/compat.py` runs them on Keras
+3.12-3.15 with TensorFlow 2.19-2.21. The rest of
 the package calls these functions and never touches a private name itself, so
 a Keras release that moves something breaks one function, not many.
 
@@ -36,7 +38,7 @@ __all__ = [
     "traced_functions",
 ]
 
-CHECKED_ON = "Keras 3.15.1, TensorFlow 2.21.0"
+CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
 _WARNED = set()
 
 

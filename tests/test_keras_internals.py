@@ -179,7 +179,8 @@ def test_per_replica_step_matches_keras_own_train_step():
     models = []
     for _ in range(2):  # same seed, same weights
         keras.utils.set_random_seed(0)
-        models.append(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+        models.append(keras.Sequential([keras.Input((8,)),
+                                        keras.layers.Dense(16, activation="relu"),
                                         keras.layers.Dense(1)]))
     ours, theirs = models
     for model in models:

@@ -26,9 +26,9 @@ checks that they took. The package holds one concern per module:
 (whether XLA took, read from the traced step), `calibration` (the sample
 runner and `steps_per_execution`) and `entry` (`compile_model` and
 `CompileReport`). What needs Keras internals (the per-replica XLA step,
-the multi-worker fixes, reading the traced step) is in `keras_internals`. The names load on first use,
-so `keras_gpufix.compile.hardware` (what `kg.validate` needs) imports no
-TensorFlow until `device_info()` runs.
+the multi-worker fixes, reading the traced step) is in `keras_internals`.
+The names load on first use, so `keras_gpufix.compile.hardware` (what
+`kg.validate` needs) imports no TensorFlow until `device_info()` runs.
 """
 
 from keras_gpufix._lazy import lazy_getattr

@@ -17,8 +17,10 @@ the edit):
   bucketed batch.
 
 Pairs run one after another (TensorFlow wheels are large; pip's download
-cache is shared). Prints one table row per pair and writes the table to
-`--out` (default `benchmarks/results/compat.json`).
+cache is shared). Prints one table row per pair; the figures file
+(`--out`, default `benchmarks/results/compat.json`) holds the counts and,
+in `details`, every row (`reused`: the venv and its install came from an
+earlier run).
 
     python benchmarks/compat.py [--keras 3.12,3.13,3.14,3.15] [--tensorflow 2.19,2.20,2.21]
                                 [--root /tmp/kg_compat] [--reuse] [--out PATH]
@@ -32,6 +34,10 @@ import shutil
 import subprocess
 import sys
 import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _results import add_out_argument, write_results  # noqa: E402 (beside this file)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("import", "compile", "fit", "builder")
@@ -118,7 +124,8 @@ def pair(keras_minor, tf_minor, root, reuse) -> dict:
     venv = os.path.join(root, f"keras{keras_minor}-tf{tf_minor}")
     python = os.path.join(venv, "bin", "python")
     start = time.perf_counter()
-    if not (reuse and os.path.exists(python)):
+    row["reused"] = reuse and os.path.exists(python)
+    if not row["reused"]:
         shutil.rmtree(venv, ignore_errors=True)
         _run([sys.executable, "-m", "venv", venv], check=True)
         done = _run([python, "-m", "pip", "install", "-q", REPO,
@@ -129,7 +136,7 @@ def pair(keras_minor, tf_minor, root, reuse) -> dict:
             shutil.rmtree(venv, ignore_errors=True)
             return row
     row["install"] = "ok"
-    row["install_s"] = round(time.perf_counter() - start, 1)
+    row["install_s"] = None if row["reused"] else round(time.perf_counter() - start, 1)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     start = time.perf_counter()
     done = _run([python, os.path.abspath(__file__), "--smoke"], env=env, cwd=root)
@@ -153,8 +160,7 @@ def main(argv=None):
     parser.add_argument("--reuse", action="store_true",
                         help="keep a venv made by an earlier run (smoke only)")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results",
-                                                      "compat.json"))
+    add_out_argument(parser, "compat")
     args = parser.parse_args(argv)
     if args.smoke:
         print(json.dumps(smoke()))
@@ -176,14 +182,11 @@ def main(argv=None):
         for name in ("install",) + STEPS:
             if row.get(name) not in ("ok", None):
                 print(f"{row['keras']} x {row['tensorflow']} {name}: {row[name]}")
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, Python "
-               f"{platform.python_version()}, load average {load[0]:.2f} at the start, "
-               f"{os.getloadavg()[0]:.2f} at the end, {time.strftime('%Y-%m-%d')}")
-    print(machine)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    return 0 if all(all(r.get(s) == "ok" for s in ("install",) + STEPS) for r in rows) else 1
+    passing = [r for r in rows if all(r.get(s) == "ok" for s in ("install",) + STEPS)]
+    write_results(args.out, "compat", {"pairs_tested": len(rows), "pairs_passing": len(passing)},
+                  {"load_average_at_start": [round(x, 2) for x in load],
+                   "python": platform.python_version(), "rows": rows})
+    return 0 if len(passing) == len(rows) else 1
 
 
 if __name__ == "__main__":

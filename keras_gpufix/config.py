@@ -345,6 +345,8 @@ def _parse(doc, dry_run):
     builder = None
     if dry_run and "corpus" in cfg.data and None not in objects.values():
         kwargs = {**cfg.data, **objects, "cache_dir": None, "verbose": 0}  # writes nothing
+        if getattr(objects.get("audio"), "trim_top_db", None) is not None:  # reads every file
+            kwargs["audio"] = dataclasses.replace(objects["audio"], trim_top_db=None)
         builder = _judge(doc, "data", targets["data"], kwargs, targets["data"])
         if builder is not None:
             _judge(doc, "build", builder.build, cfg.build, targets["build"])

@@ -343,7 +343,7 @@ def _parse(doc, dry_run):
         cfg.callbacks[name] = kwargs
         _judge(doc, path, cls, kwargs, cls)
     builder = None
-    if dry_run and "corpus" in cfg.data and None not in objects.values():
+    if dry_run and cfg.data.get("corpus") is not None and None not in objects.values():
         kwargs = {**cfg.data, **objects, "cache_dir": None, "verbose": 0}  # writes nothing
         if getattr(objects.get("audio"), "trim_top_db", None) is not None:  # reads every file
             kwargs["audio"] = dataclasses.replace(objects["audio"], trim_top_db=None)

@@ -230,6 +230,7 @@ def test_example_config_is_valid():
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "tts.yaml")
     cfg = load_config(path)
     assert cfg.build["num_buckets"] == 4 and list(cfg.callbacks)[0] == "GPUOscillationMonitor"
+    assert validate_config(path, environment=CPU)["problems"] == []  # corpus null: no builder
 
 
 def test_from_config_makes_what_each_section_says(tmp_path):

@@ -42,23 +42,18 @@ DEMO_CONFIG = """\
 data:
   corpus: corpus
   audio: {{n_mels: 40, max_seconds: 4.0}}
-  batch_size: 8
-  num_buckets: 4
   cache_dir: cache
   on_bad_input: skip
-  prefetch: auto
-training:
-  jit_compile: true
-  mixed_precision: auto
-  steps_per_execution: 1
-  epochs: {epochs}
-distribute:
-  mode: auto
-monitor:
-  window: 8
-  warmup: {warmup}  # the first epoch: its XLA compiles (one per bucket) are not judged
-  log_dir: logs
-  profiling: false  # the demo traces each way's second epoch itself (steady state)
+build: {{batch_size: 8, num_buckets: 4}}
+compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
+strategy: {{mode: auto}}
+callbacks:
+  # warmup: the first epoch: its XLA compiles (one per bucket) are not judged
+  GPUOscillationMonitor: {{window: 8, warmup: {warmup}, log_dir: logs}}
+  RetracingMonitor: {{max_new_shapes: 5}}
+  StepTimer: {{log_dir: logs}}
+  # no ProfilerTrigger: the demo traces each way's second epoch itself (steady state)
+fit: {{epochs: {epochs}}}
 """
 
 
@@ -205,20 +200,19 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         (ids, _), (frames, _) = text_batch, mel_batch
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
-    log_dir = cfg.path(cfg.monitor.log_dir)
+    m = cfg.callbacks["GPUOscillationMonitor"]
+    log_dir = m["log_dir"]
     staging = tempfile.mkdtemp(prefix=".naive_scalars_", dir=workdir)  # then run `naive`
-    m = cfg.monitor
     monitor = kg.GPUOscillationMonitor(  # as the config's
-        window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
-        log_dir=staging, verbose=0)
-    retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
-                                    verbose=0)
+        **{**m, "log_dir": staging, "verbose": 0})
+    retracing = kg.RetracingMonitor(**{**cfg.callbacks["RetracingMonitor"], "warn": False,
+                                       "verbose": 0})
 
     emit(f"1/2 naive: NumPy spectrogram in tf.numpy_function, padded batches, model.compile "
          f"defaults; {epochs} epochs ...", verbose)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
-    naive_ds, naive_steps = naive_dataset(corpus, cfg.data.batch_size, audio, text, seed=0)
+    naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
     naive_model = _model(text.num_ids, audio.n_mels)
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
@@ -228,7 +222,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
                             + [naive_trace] * (naive_trace is not None), steps=naive_steps)
     _name_run(staging, os.path.join(log_dir, "naive"))  # beside the keras_gpufix way's run
     naive = _side(monitor, retracing, naive_trace, naive_steps, seconds,
-                  naive_steps * cfg.data.batch_size, history)
+                  naive_steps * cfg.build["batch_size"], history)
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "
          f"cache, length buckets, kg.compile_model); {epochs} epochs ...", verbose)
@@ -240,8 +234,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         model = _model(text.num_ids, audio.n_mels)
         report = kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
     steps = setup.builder.report["batches_per_epoch"]
-    trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps, cfg.training.epochs)
-    history, seconds = _fit(model, train, cfg.training.epochs,
+    trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps,
+                          setup.fit_kwargs["epochs"])
+    history, seconds = _fit(model, train, setup.fit_kwargs["epochs"],
                             setup.callbacks + [trace] * (trace is not None), steps=steps)
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,

@@ -225,10 +225,10 @@ def test_ctrl_c_during_cache_build_is_one_line_exit_130(corpus, tmp_path, capsys
 @pytest.mark.parametrize("command", [["cache", "info"], ["bench-data"]])
 def test_bad_config_is_unusable_input_naming_file_and_line(tmp_path, capsys, corpus, command):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("data:\n  audio: {n_mels: 40}\n  num_buckets: 0\n")
+    bad.write_text("data:\n  cache_dir: c\n  audio: {n_mels: 40, fmin: -1}\n")
     assert main([*command, corpus, "--config", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "bad.yaml, line 3" in err and "`data.num_buckets` must be an integer >= 1" in err
+    assert "bad.yaml, line 3" in err and "`data.audio.fmin`" in err
 
 
 def test_bench_data_counts_batches_live_on_a_terminal(corpus, tmp_path, monkeypatch):

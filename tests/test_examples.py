@@ -58,11 +58,12 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
     assert first["epochs_run"] == [0, 1]
     assert os.path.exists(os.path.join(out, "checkpoint", "latest.weights.h5"))
     assert os.path.exists(os.path.join(out, "tts.keras"))
-    # one bucket, features from the cache, the step compiled once inside compile_model:
-    # the monitor measures the input wait (instrumented) and fit traces nothing new
+    # one bucket, features from the cache: the monitor measures the input wait
+    # (instrumented) and fit traces only the train function made again for the
+    # measured steps_per_execution (its step and its loop, once each), not per batch
     assert first["verdict"] == "healthy", first
     assert first["input_wait"] is not None and first["input_wait"] < 0.2
-    assert first["retracing"]["trace_count"] == 0
+    assert first["retracing"]["trace_count"] <= 2
     # the builder's batches carry their lengths: speech throughput is reported
     assert first["audio_seconds_per_s"] > 0 and first["real_frames_per_s"] > 0
 

@@ -1,8 +1,11 @@
-"""One worker of the two-process MultiWorkerMirroredStrategy test.
+"""One worker of the two-process MultiWorkerMirroredStrategy tests.
 
 The parent (tests/test_distribute.py) sets TF_CONFIG (loopback ports) and
-runs two of these; each trains a few steps and writes its final weights and
-CompileReport to the .npz / .json path given as argv[1] (without suffix).
+runs two of these with the same arguments; each runs the scenarios named
+after the corpus folder, in order, and prints one line
+"RESULT <scenario> <json>" per scenario.
+
+Usage: python tests/_multiworker_worker.py CORPUS weights coverage
 """
 
 import json
@@ -19,16 +22,19 @@ import keras  # noqa: E402
 import keras_gpufix as kg  # noqa: E402
 from keras_gpufix.exceptions import GpufixWarning  # noqa: E402
 
+STRATEGY = kg.setup_strategy()
+TASK = STRATEGY.cluster_resolver.task_id
 
-def main(out):
+
+def weights(corpus):
+    """A few steps of compile_model's per-replica XLA step: final weights."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GpufixWarning)
-        strategy = kg.setup_strategy()
         rng = np.random.default_rng(0)  # the same data on every worker
         x = rng.normal(size=(64, 6)).astype("float32")
         y = rng.normal(size=(64, 2)).astype("float32")
-        batch = kg.global_batch_size(4, strategy)
-        with strategy.scope():
+        batch = kg.global_batch_size(4, STRATEGY)
+        with STRATEGY.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([
                 keras.Input((6,)),
@@ -42,20 +48,39 @@ def main(out):
             )
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
         model.fit(ds, epochs=1, steps_per_epoch=4, shuffle=False, verbose=0)
-    np.savez(out + ".npz", *model.get_weights())
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), initial))
-    with open(out + ".json", "w") as f:
-        json.dump({
-            "strategy": type(strategy).__name__,
-            "replicas": strategy.num_replicas_in_sync,
-            "global_batch": batch,
-            "jit_compile": report.jit_compile,
-            "xla_devices": list(report.xla_devices),
-            "steps_per_execution": report.steps_per_execution,
-            "moved": moved,
-            "warnings": [str(w.message) for w in caught],
-        }, f)
+    return {
+        "strategy": type(STRATEGY).__name__,
+        "replicas": STRATEGY.num_replicas_in_sync,
+        "global_batch": batch,
+        "jit_compile": report.jit_compile,
+        "xla_devices": list(report.xla_devices),
+        "steps_per_execution": report.steps_per_execution,
+        "moved": moved,
+        "weights": [w.tolist() for w in model.get_weights()],
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def coverage(corpus):
+    """The ids this worker reads in two epochs of the builder's dataset
+    (defaults: `seed=None`), distributed as Keras's `fit` distributes it."""
+    builder = kg.data.SpeechDatasetBuilder(corpus, verbose=0)
+    dataset = builder.build(batch_size=kg.global_batch_size(4, STRATEGY), num_buckets=3,
+                            as_dict=True)
+    distributed = STRATEGY.experimental_distribute_dataset(dataset)
+    epochs = []
+    for _ in range(2):
+        ids = []
+        for batch in distributed:
+            for part in STRATEGY.experimental_local_results(batch["id"]):
+                ids.extend(name.decode() for name in part.numpy())
+        epochs.append(ids)
+    return {"task": TASK, "epochs": epochs, "utterances": builder.report["utterances"],
+            "remainder": builder.report["remainder"]}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    scenarios = {"weights": weights, "coverage": coverage}
+    for name in sys.argv[2:]:
+        print(f"RESULT {name} " + json.dumps(scenarios[name](sys.argv[1])), flush=True)

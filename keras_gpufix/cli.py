@@ -7,6 +7,7 @@
 | `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
 | `cache build|info|clear CORPUS`           | `cache_cli.cache_build/info/clear`    |
 | `demo`                                    | `demo.run_demo`                       |
+| `data-service dispatcher|worker [...]`    | `data_service.DataServiceServer`      |
 
 Each function returns a dict; `--json` prints it as one line (the last line
 of stdout), otherwise it is printed for people. Exit codes: 0 success,
@@ -19,7 +20,7 @@ import argparse
 import json
 import sys
 
-from keras_gpufix import __version__
+from keras_gpufix import __version__, data_service
 
 __all__ = ["main", "build_parser"]
 
@@ -119,6 +120,8 @@ def build_parser():
     p.add_argument("--utterances", type=_positive_int, default=96)
     p.add_argument("--epochs", type=_positive_int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    data_service.add_parser(sub)
     return parser
 
 
@@ -229,7 +232,8 @@ def main(argv=None) -> int:
         return 2
     sub = args.subparser
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
-               "cache": _cache, "demo": _demo}[args.command]
+               "cache": _cache, "demo": _demo,
+               "data-service": data_service.run_from_args}[args.command]
     try:
         return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler

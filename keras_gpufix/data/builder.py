@@ -39,7 +39,7 @@ The builder is the input path a TTS/ASR team would want as the default:
 | `text_padding_efficiency` | real / padded text ids over an epoch               |
 | `distinct_shapes`         | distinct `(batch, text, frames)` shapes per epoch  |
 | `remainder`               | utterances left out of each epoch (the partial batch with `drop_remainder`) |
-| `shuffle_seed`            | the seed of the shuffle: `seed`, or under a multi-worker cluster the one every worker derives alike (`kg.distribute.cluster_seed`); None |
+| `shuffle_seed`            | the shuffle's seed: `seed`, or under a multi-worker cluster the one every worker derives alike (`distribute.cluster_seed`) |
 | `prefetch_to_device`      | the device `build` prefetches to; None when not asked or ignored under a strategy |
 """
 
@@ -57,6 +57,7 @@ from keras_gpufix.data.cache import CACHE_FORMAT, FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
+from keras_gpufix.data_service import service_epochs
 from keras_gpufix.distribute import cluster_seed
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit, progress
@@ -402,7 +403,7 @@ class SpeechDatasetBuilder:
                 Defaults to True.
             seed: makes the shuffling reproducible. Defaults to None (a
                 new draw each run; under a multi-worker cluster the seed
-                every worker derives alike, `kg.distribute.cluster_seed()`,
+                every worker derives alike, `keras_gpufix.distribute.cluster_seed()`,
                 so each utterance is read once per epoch across workers).
             drop_remainder: leave out the one partial batch. Defaults to
                 False.
@@ -414,10 +415,11 @@ class SpeechDatasetBuilder:
             service: `"grpc://host:port"` of a tf.data service dispatcher:
                 loading and batching run on its workers
                 (`distributed_epoch`, each batch produced once per epoch);
-                bucket members and batch order are then drawn once from
-                `seed` (a `shuffle` in the pipeline would make every worker
-                produce the whole epoch). Workers must see the corpus (or
-                cache) paths. Defaults to None.
+                each epoch draws new bucket members and batch order here
+                and sends that epoch's pipeline to the service
+                (`keras_gpufix.data_service.service_epochs`). Start the servers with
+                `keras-gpufix data-service`; workers must see the corpus
+                (or cache) paths. Defaults to None.
             deterministic: passed to the parallel `map`; None keeps
                 `tf.data.Options.deterministic`. Defaults to None.
             frame_budget: padded frames per batch; each bucket's batch size
@@ -464,22 +466,25 @@ class SpeechDatasetBuilder:
             shuffle_seed=seed if shuffle else None,
         )
         features = self._compute_features() if self._cache is None else self._read_features()
-        elements = (plan.static_dataset(shuffle, seed) if service
-                    else plan.epoch_dataset(shuffle, seed))
-        if self._cache is None:  # features computed here, every epoch
-            dataset = _map_on_every_core(elements, self._loader(features), deterministic)
-        else:
-            dataset = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
-                                   deterministic=deterministic)
-        window = plan.max_batch + 1
-        dataset = dataset.group_by_window(
-            key_func=lambda key, *_: key,
-            reduce_func=lambda key, batch: batch.batch(window),
-            window_size_func=lambda key: key % window,
-        ).map(self._batch_layout(as_dict))
+
+        def batches(elements):
+            if self._cache is None:  # features computed here, every epoch
+                loaded = _map_on_every_core(elements, self._loader(features), deterministic)
+            else:
+                loaded = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
+                                      deterministic=deterministic)
+            window = plan.max_batch + 1
+            return loaded.group_by_window(
+                key_func=lambda key, *_: key,
+                reduce_func=lambda key, batch: batch.batch(window),
+                window_size_func=lambda key: key % window,
+            ).map(self._batch_layout(as_dict))
+
         if service:
-            dataset = dataset.apply(tf.data.experimental.service.distribute(
-                processing_mode="distributed_epoch", service=service))
+            dataset = service_epochs(lambda draw: batches(plan.static_dataset(shuffle, draw)),
+                                     service, seed)
+        else:
+            dataset = batches(plan.epoch_dataset(shuffle, seed))
         # Known cardinality: Keras shows progress and does not warn that the
         # input "ran out of data" at the end of the first epoch.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))

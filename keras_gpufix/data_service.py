@@ -87,6 +87,7 @@ class DataServiceServer:
         self.work_dir = work_dir
         self.verbose = verbose
         self._server = None
+        self._serving = False
         self._stop = threading.Event()
 
     def start(self) -> "DataServiceServer":
@@ -118,6 +119,7 @@ class DataServiceServer:
     def serve_forever(self) -> None:
         """Starts the server and blocks until Ctrl-C (SIGINT) or SIGTERM, or
         until `stop()` from another thread; then stops the server.
+        Call it once.
 
         Signals can only be caught in the main thread; elsewhere only
         `stop()` ends it.
@@ -129,18 +131,27 @@ class DataServiceServer:
                 handlers[sig] = signal.signal(sig, lambda *_: self._stop.set())
         emit(f"keras-gpufix data-service: {self._describe()}; Ctrl-C or SIGTERM stops it.",
              self.verbose)
+        self._serving = True
         try:
             while not self._stop.wait(0.2):
                 pass
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-            self._server.stop()
-            emit(f"keras-gpufix data-service: {self.role} stopped.", self.verbose)
+            self._serving = False
+            self._stop_server()
 
     def stop(self) -> None:
-        """Ends `serve_forever` (from another thread)."""
+        """Stops the server; ends `serve_forever` (from another thread)."""
         self._stop.set()
+        if not self._serving:
+            self._stop_server()
+
+    def _stop_server(self):
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+            emit(f"keras-gpufix data-service: {self.role} stopped.", self.verbose)
 
     def _describe(self):
         if self.role == "dispatcher":

@@ -2,10 +2,10 @@
 
 The parent (tests/test_distribute.py) sets TF_CONFIG (loopback ports) and
 runs two of these with the same arguments; each runs the scenarios named
-after the corpus folder, in order, and prints one line
-"RESULT <scenario> <json>" per scenario.
+after the corpus folder, in order, and writes each one's result to
+OUT/<scenario>-<task index>.json.
 
-Usage: python tests/_multiworker_worker.py CORPUS weights coverage
+Usage: python tests/_multiworker_worker.py OUT CORPUS coverage weights
 """
 
 import json
@@ -62,12 +62,12 @@ def weights(corpus):
     }
 
 
-def coverage(corpus):
+def coverage(corpus, service=None):
     """The ids this worker reads in two epochs of the builder's dataset
     (defaults: `seed=None`), distributed as Keras's `fit` distributes it."""
     builder = kg.data.SpeechDatasetBuilder(corpus, verbose=0)
     dataset = builder.build(batch_size=kg.global_batch_size(4, STRATEGY), num_buckets=3,
-                            as_dict=True)
+                            as_dict=True, service=service)
     distributed = STRATEGY.experimental_distribute_dataset(dataset)
     epochs = []
     for _ in range(2):
@@ -80,7 +80,14 @@ def coverage(corpus):
             "remainder": builder.report["remainder"]}
 
 
+def coverage_service(corpus):
+    """`coverage` through the tf.data service at $KG_TEST_SERVICE."""
+    return coverage(corpus, os.environ["KG_TEST_SERVICE"])
+
+
 if __name__ == "__main__":
-    scenarios = {"weights": weights, "coverage": coverage}
-    for name in sys.argv[2:]:
-        print(f"RESULT {name} " + json.dumps(scenarios[name](sys.argv[1])), flush=True)
+    scenarios = {"weights": weights, "coverage": coverage, "coverage_service": coverage_service}
+    out, corpus = sys.argv[1:3]
+    for name in sys.argv[3:]:
+        with open(os.path.join(out, f"{name}-{TASK}.json"), "w") as f:
+            json.dump(scenarios[name](corpus), f)

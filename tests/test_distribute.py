@@ -23,6 +23,7 @@ import tensorflow as tf
 import keras_gpufix as kg
 from keras_gpufix import distribute
 from keras_gpufix.data.synthetic import make_synthetic_corpus
+from keras_gpufix.data_service import DataServiceServer
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -107,7 +108,7 @@ def test_padded_bucketed_global_batches_train_under_mirrored(two_devices):
 # -- two worker processes ---------------------------------------------------------
 
 
-def _run_workers(tmp, scenarios, timeout=300):
+def _run_workers(tmp, scenarios, timeout=300, **env):
     """Runs two `_multiworker_worker.py` on loopback ports picked free; returns
     each worker's `{scenario: result}`. Every process is stopped by its PID."""
     corpus = make_synthetic_corpus(tmp / "corpus", 41, min_seconds=0.2, max_seconds=1.0)
@@ -117,8 +118,9 @@ def _run_workers(tmp, scenarios, timeout=300):
         for index in range(2):
             tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
             procs.append(subprocess.Popen(
-                [sys.executable, str(TESTS / "_multiworker_worker.py"), corpus, *scenarios],
-                env=_env(TF_CONFIG=json.dumps(tf_config)),
+                [sys.executable, str(TESTS / "_multiworker_worker.py"), str(tmp), corpus,
+                 *scenarios],
+                env=_env(TF_CONFIG=json.dumps(tf_config), **env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             ))
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
@@ -127,18 +129,25 @@ def _run_workers(tmp, scenarios, timeout=300):
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-    results = []
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-3000:]
-        results.append({name: json.loads(payload) for name, payload in (
-            line.split(" ", 2)[1:] for line in output.splitlines() if line.startswith("RESULT "))})
-    return results
+    return [{name: json.loads((tmp / f"{name}-{task}.json").read_text()) for name in scenarios}
+            for task in range(2)]
 
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
-    """Both workers' results of every scenario, from one pair of processes."""
-    return _run_workers(tmp_path_factory.mktemp("workers"), ["coverage", "weights"])
+    """Both workers' results of every scenario, from one pair of processes;
+    a tf.data service dispatcher and worker run in this process meanwhile."""
+    servers = [DataServiceServer("dispatcher", verbose=0).start()]
+    servers.append(DataServiceServer("worker", dispatcher=servers[0].target, verbose=0).start())
+    try:
+        return _run_workers(tmp_path_factory.mktemp("workers"),
+                            ["coverage", "coverage_service", "weights"],
+                            KG_TEST_SERVICE=servers[0].target)
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_multi_worker_two_processes_end_with_identical_weights(two_workers):
@@ -156,8 +165,10 @@ def test_multi_worker_two_processes_end_with_identical_weights(two_workers):
         np.testing.assert_array_equal(a, b)
 
 
-def test_builder_defaults_read_every_utterance_once_per_epoch_across_workers(two_workers):
-    reports = [worker["coverage"] for worker in two_workers]
+@pytest.mark.parametrize("scenario", ["coverage", "coverage_service"])
+def test_builder_defaults_read_every_utterance_once_per_epoch_across_workers(
+        two_workers, scenario):
+    reports = [worker[scenario] for worker in two_workers]
     utterances = reports[0]["utterances"]
     assert reports[0]["remainder"] == 0
     for epoch in range(2):

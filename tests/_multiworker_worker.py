@@ -8,9 +8,12 @@ OUT/<scenario>-<task index>.json.
 Usage: python tests/_multiworker_worker.py OUT CORPUS coverage weights
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
+import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -80,14 +83,53 @@ def coverage(corpus, service=None):
             "remainder": builder.report["remainder"]}
 
 
+def straggler(corpus):
+    """`fit` with the monitor, task 1's input slowed by SLOW_S per batch; the
+    job report each worker's monitor gathered in $KG_TEST_LOG_DIR, what it
+    printed, and the truth: samples consumed / wall time after warmup."""
+    batch, steps, warmup, slow_s = kg.global_batch_size(4, STRATEGY), 40, 5, 0.04
+
+    def features(index):
+        x = tf.random.stateless_normal((batch, 6), tf.stack([index, index]))
+        return x, tf.reduce_sum(x, axis=1, keepdims=True)
+
+    def slowed(x, y):
+        def sleep(value):
+            time.sleep(slow_s)
+            return value
+        return tf.numpy_function(sleep, [x], tf.float32, stateful=True), y
+
+    ds = tf.data.Dataset.range(steps).map(features)
+    if TASK == 1:
+        ds = ds.map(slowed).map(lambda x, y: (tf.ensure_shape(x, (batch, 6)), y))
+    ds = kg.data.instrument(ds).prefetch(2)
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        kg.compile_model(model, keras.optimizers.SGD(0.01), "mse", mixed_precision=None,
+                         steps_per_execution=1, sample_batch=next(iter(ds)))
+    ends = []
+    clock = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda step, logs: ends.append(time.perf_counter()))
+    monitor = kg.GPUOscillationMonitor(warmup=warmup, log_dir=os.environ["KG_TEST_LOG_DIR"],
+                                       nvml=False)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.fit(ds, epochs=1, verbose=0, callbacks=[monitor, clock])
+    truth = (len(ends) - warmup) * batch / (ends[-1] - ends[warmup - 1])
+    return {"task": TASK, "job": monitor.report()["job"], "printed": printed.getvalue(),
+            "true_samples_per_s": truth, "steps": len(ends)}
+
+
 def coverage_service(corpus):
     """`coverage` through the tf.data service at $KG_TEST_SERVICE."""
     return coverage(corpus, os.environ["KG_TEST_SERVICE"])
 
 
 if __name__ == "__main__":
-    scenarios = {"weights": weights, "coverage": coverage, "coverage_service": coverage_service}
+    scenarios = {"weights": weights, "coverage": coverage, "coverage_service": coverage_service,
+                 "straggler": straggler}
     out, corpus = sys.argv[1:3]
     for name in sys.argv[3:]:
+        result = scenarios[name](corpus)
         with open(os.path.join(out, f"{name}-{TASK}.json"), "w") as f:
-            json.dump(scenarios[name](corpus), f)
+            json.dump(result, f)

@@ -108,7 +108,7 @@ def test_padded_bucketed_global_batches_train_under_mirrored(two_devices):
 # -- two worker processes ---------------------------------------------------------
 
 
-def _run_workers(tmp, scenarios, timeout=300, **env):
+def _run_workers(tmp, scenarios, timeout=240, **env):
     """Runs two `_multiworker_worker.py` on loopback ports picked free; returns
     each worker's `{scenario: result}`. Every process is stopped by its PID."""
     corpus = make_synthetic_corpus(tmp / "corpus", 41, min_seconds=0.2, max_seconds=1.0)
@@ -142,9 +142,9 @@ def two_workers(tmp_path_factory):
     servers = [DataServiceServer("dispatcher", verbose=0).start()]
     servers.append(DataServiceServer("worker", dispatcher=servers[0].target, verbose=0).start())
     try:
-        return _run_workers(tmp_path_factory.mktemp("workers"),
-                            ["coverage", "coverage_service", "weights"],
-                            KG_TEST_SERVICE=servers[0].target)
+        tmp = tmp_path_factory.mktemp("workers")
+        return _run_workers(tmp, ["coverage", "coverage_service", "weights", "straggler"],
+                            KG_TEST_SERVICE=servers[0].target, KG_TEST_LOG_DIR=str(tmp / "logs"))
     finally:
         for server in servers:
             server.stop()
@@ -179,6 +179,24 @@ def test_builder_defaults_read_every_utterance_once_per_epoch_across_workers(
         assert reports[0]["epochs"][epoch] and reports[1]["epochs"][epoch]
     # Still a new draw every epoch.
     assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
+
+
+def test_the_chief_names_the_planted_straggler_and_counts_samples_once(two_workers):
+    chief, slowed = (worker["straggler"] for worker in two_workers)
+    for worker in (chief, slowed):
+        job = worker["job"]
+        assert job["workers"] == 2 and not job["missing"]
+        assert job["straggler"]["task"] == 1 and job["straggler"]["phase"] == "input_wait"
+        # The job's samples/s, counted once, against samples consumed / wall time.
+        assert job["samples_per_s"] == pytest.approx(worker["true_samples_per_s"], rel=0.10)
+    waits = {w["task"]: w for w in chief["job"]["per_worker"]}
+    assert waits[1]["input_wait_ms"] > waits[0]["input_wait_ms"]
+    assert waits[0]["collective_wait_ms"] > waits[1]["collective_wait_ms"]
+    assert "(task 0): job of 2 workers" in chief["printed"]
+    assert "straggler: worker 1 (input_wait" in chief["printed"]
+    # The slowed worker says only that it is the cause; the chief says it once.
+    assert slowed["printed"].splitlines() == [chief["printed"].splitlines()[-1].replace(
+        "(task 0)", "(task 1)")]
 
 
 # -- in process: choices and errors -------------------------------------------------

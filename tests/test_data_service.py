@@ -8,12 +8,10 @@ Ctrl-C would) and must exit cleanly.
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,21 +19,12 @@ import keras_gpufix as kg
 from keras_gpufix.cli import main
 from keras_gpufix.data.synthetic import make_synthetic_corpus
 from keras_gpufix.data_service import DataServiceServer
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from test_distribute import _env, _free_port
 
 def _start(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "keras_gpufix", "data-service", *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for(proc, text, timeout=120):

@@ -128,7 +128,8 @@ def _straggler(workers, cycle_ms):
         return None
     slowest = max(workers, key=_own_ms)
     others = [w for w in workers if w is not slowest]
-    excess = {p: (slowest[f"{p}_ms"] or 0.0) - float(np.median([w[f"{p}_ms"] or 0.0 for w in others]))
+    excess = {p: (slowest[f"{p}_ms"] or 0.0)
+              - float(np.median([w[f"{p}_ms"] or 0.0 for w in others]))
               for p in _OWN_PHASES}
     total = sum(excess.values())
     if total < THRESHOLDS["min_slow_ms"] or total / cycle_ms < THRESHOLDS["straggler_share"]:

@@ -194,7 +194,8 @@ def add_parser(sub):
     p = sub.add_parser("data-service",
                        help="run a tf.data service dispatcher or worker until Ctrl-C")
     p.set_defaults(subparser=p)
-    p.add_argument("role", choices=ROLES)
+    p.add_argument("role", choices=ROLES,
+                   help="dispatcher (hands out the work) or worker (runs the input pipeline)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free)")
     p.add_argument("--dispatcher", metavar="HOST:PORT", help="worker: the dispatcher's address")
     p.add_argument("--worker-address", metavar="HOST:PORT",

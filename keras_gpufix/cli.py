@@ -7,6 +7,7 @@
 | `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
 | `cache build|info|clear CORPUS`           | `cache_cli.cache_build/info/clear`    |
 | `demo`                                    | `demo.run_demo`                       |
+| `data-service dispatcher|worker [...]`    | `data_service.DataServiceServer`      |
 
 Each function returns a dict; `--json` prints it as one line (the last line
 of stdout), otherwise it is printed for people. TensorFlow's own C++ log
@@ -22,7 +23,7 @@ import argparse
 import json
 import sys
 
-from keras_gpufix import __version__
+from keras_gpufix import __version__, data_service
 from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["main", "build_parser"]
@@ -137,6 +138,8 @@ def build_parser():
                    help="epochs of each way; speed is measured after the first, the trace "
                         "taken in the second (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    data_service.add_parser(sub)
     return parser
 
 
@@ -248,7 +251,8 @@ def main(argv=None) -> int:
     sub = args.subparser
     import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
-               "cache": _cache, "demo": _demo}[args.command]
+               "cache": _cache, "demo": _demo,
+               "data-service": data_service.run_from_args}[args.command]
     try:
         return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler

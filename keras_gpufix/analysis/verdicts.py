@@ -85,6 +85,10 @@ THRESHOLDS = {
     "max_new_shapes": 16,
     # Fewest steps (after warmup) a judgement is made on.
     "min_judge_steps": 8,
+    # A worker of a multi-worker job is the straggler when its own host time
+    # per step (input wait + between steps) exceeds the other workers' by
+    # this share of the job's cycle (analysis/job.py).
+    "straggler_share": 0.10,
 }
 
 PHASE_FIXES = {

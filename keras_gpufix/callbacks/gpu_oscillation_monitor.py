@@ -32,9 +32,17 @@ Logged TensorBoard scalars (run `keras_gpufix` under `log_dir`):
 | `oscillation/verdict`        | each event    | index into `analysis.VERDICTS`   |
 
 Nothing is added to the Keras `logs` dict.
+
+Several workers (`MultiWorkerMirroredStrategy`) with a shared `log_dir`:
+at the end of `fit` each worker's monitor writes its summary there and
+judges the whole job (`analysis.judge_job`: samples/s counted once, each
+worker's step and input wait, the straggler and why). The chief prints the
+job's line; the other workers print nothing unless they are the
+straggler. `report()["job"]` holds the job's report.
 """
 
 import sys
+import time
 
 from keras_gpufix.analysis import (
     FIXES,
@@ -45,6 +53,7 @@ from keras_gpufix.analysis import (
     fix_for,
 )
 from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter
+from keras_gpufix.callbacks._job import cluster_task, gather_job
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
@@ -65,7 +74,9 @@ class GPUOscillationMonitor(TimedCallback):
         thresholds: other `OscillationDetector` arguments by name
             (names of `keras_gpufix.analysis.THRESHOLDS`: `slow_factor`,
             `cost_share`, `input_wait_share`, ...). Defaults to None.
-        log_dir: directory for TensorBoard scalars. Defaults to None.
+        log_dir: directory for TensorBoard scalars, and, under a
+            multi-worker strategy, the folder (shared by the workers) where
+            the job's report is gathered. Defaults to None.
         on_detect: called with each event dict; an object with an
             `on_oscillation(event)` method (such as `kg.ProfilerTrigger`)
             gets that method called. Our callbacks with `on_oscillation` in
@@ -108,6 +119,9 @@ class GPUOscillationMonitor(TimedCallback):
         self._writer = None
         self._firsts = [0, 0.0]  # epoch-first records: count, seconds
         self._said_step_times_only = False
+        self._task = None  # (index, chief, tasks) under a multi-worker strategy
+        self._began = 0.0
+        self.job = None
 
     @property
     def events(self):
@@ -121,6 +135,9 @@ class GPUOscillationMonitor(TimedCallback):
         jit = getattr(model, "jit_compile", None)
         self.detector.jit = jit if isinstance(jit, bool) else None
         self.detector.eager = bool(getattr(model, "run_eagerly", False))
+        self._task = cluster_task(model)
+        self._began = time.time()
+        self.job = None
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
@@ -143,16 +160,26 @@ class GPUOscillationMonitor(TimedCallback):
             emit(f"GPUOscillationMonitor: GPU utilisation not sampled ({reason}); "
                  "judging from step times" + (
                      " and input wait." if self.stream.input_probe is not None
-                     or "tensorflow" in sys.modules else "."), self.verbose)
+                     or "tensorflow" in sys.modules else "."), self._voice)
 
     def _epoch_done(self):
         if self._writer is not None:
             self._writer.flush()
 
+    @property
+    def _voice(self):
+        """`verbose`, or 0 on a worker of a job that is not the chief."""
+        return self.verbose if self._task is None or self._task[1] else 0
+
     def _end(self):
         event = self.detector.finish()
         if event is not None:
             self._emit(event)
+        if self._task is not None and self.log_dir is not None:
+            try:
+                self._gather_job()
+            except Exception as exc:  # a shared folder that fails: one warning
+                self._report_failure("gather_job", exc)
         if self._sampler is not None:
             self._sampler.stop()
             if self._sampler.error is not None:
@@ -160,7 +187,7 @@ class GPUOscillationMonitor(TimedCallback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self.verbose:
+        if self._voice and self.job is None:  # in a job, the job's line says it
             r = self.report()
             st = r["step_time"]
             if st["count"]:
@@ -171,7 +198,15 @@ class GPUOscillationMonitor(TimedCallback):
                      + ("" if wait is None else f", input wait {wait:.0%}")
                      + f", between steps {r['phases']['between']:.0%}"
                      + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""),
-                     self.verbose)
+                     self._voice)
+
+    def _gather_job(self):
+        self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)
+        straggler = None if self.job is None else self.job["straggler"]
+        if self.job is not None and (self._task[1] or (
+                straggler is not None and straggler["task"] == self._task[0])):
+            emit(f"GPUOscillationMonitor (task {self._task[0]}): {self.job['message']}",
+                 self.verbose)
 
     def _on_records(self, records):
         """Feeds the stream's records to the detector."""
@@ -203,7 +238,7 @@ class GPUOscillationMonitor(TimedCallback):
         self._writer.add("oscillation/gpu_util", evidence.get("gpu_util"), step)
 
     def _emit(self, event):
-        emit(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}", self.verbose)
+        emit(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}", self._voice)
         if self._writer is not None:
             self._writer.add("oscillation/verdict", VERDICTS.index(event["verdict"]),
                              event["end_step"])
@@ -232,8 +267,9 @@ class GPUOscillationMonitor(TimedCallback):
             `real_frames_per_s`), `phases` (share of the cycle per phase),
             `input_wait` (share, None when not measured), `gpu_util` (mean,
             None without NVML), `epoch_start_ms` (mean first step of an
-            epoch), `new_shapes` and `errors` (internal failures that were
-            skipped).
+            epoch), `new_shapes`, `errors` (internal failures that were
+            skipped) and `job` (the multi-worker job's report,
+            `analysis.judge_job`; None outside a job or without `log_dir`).
         """
         verdict = self.detector.dominant_verdict()
         judgement = None
@@ -269,5 +305,6 @@ class GPUOscillationMonitor(TimedCallback):
             "epoch_start_ms": seconds / count * 1e3 if count else None,
             "new_shapes": 0 if self.stream is None else self.stream.shapes_seen,
             "errors": list(self.errors),
+            "job": self.job,
         }
 

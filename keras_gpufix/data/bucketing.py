@@ -235,16 +235,19 @@ class BucketPlan:
         return epoch.map(draw).unbatch()
 
     def static_dataset(self, shuffle=True, seed=None) -> tf.data.Dataset:
-        """Like `epoch_dataset`, but with a splittable source and a fixed layout.
+        """Like `epoch_dataset`, but with a splittable source and no random op.
 
         For tf.data service `distributed_epoch`: the source is
         `Dataset.range(num_batches)` (each batch goes whole to one worker)
-        and there is no `shuffle` in the pipeline (TF 2.21 then silently
+        and there is no random op in the pipeline (TF 2.21 then silently
         stops splitting: every worker produces the whole epoch). With
-        `shuffle`, bucket members and batch order are drawn once from `seed`.
+        `shuffle`, bucket members and batch order are computed from `seed`
+        (an int or a scalar int64 tensor: `keras_gpufix.data_service.service_epochs`
+        gives a new one each epoch; None is 0).
         """
         if shuffle:
-            value = tf.constant([0 if seed is None else seed, 0], tf.int64)
+            value = tf.stack([tf.cast(0 if seed is None else seed, tf.int64),
+                              tf.constant(0, tf.int64)])
             members = self._slot_to_utt(value)
             noise = tf.random.stateless_uniform([self.num_batches], value + [0, 1])
             order = _argsort(noise)

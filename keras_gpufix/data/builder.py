@@ -38,6 +38,8 @@ The builder is the input path a TTS/ASR team would want as the default:
 | `padding_efficiency`      | real / padded mel frames over an epoch             |
 | `text_padding_efficiency` | real / padded text ids over an epoch               |
 | `distinct_shapes`         | distinct `(batch, text, frames)` shapes per epoch  |
+| `remainder`               | utterances left out of each epoch (the partial batch with `drop_remainder`) |
+| `shuffle_seed`            | the shuffle's seed: `seed`, or under a multi-worker cluster the one every worker derives alike (`distribute.cluster_seed`) |
 | `prefetch_to_device`      | the device `build` prefetches to; None when not asked or ignored under a strategy |
 """
 
@@ -55,6 +57,8 @@ from keras_gpufix.data.cache import CACHE_FORMAT, FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
+from keras_gpufix.data_service import service_epochs
+from keras_gpufix.distribute import cluster_seed
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit, progress
 
@@ -214,6 +218,8 @@ class SpeechDatasetBuilder:
             "padding_efficiency": None,
             "text_padding_efficiency": None,
             "distinct_shapes": None,
+            "remainder": None,
+            "shuffle_seed": None,
             "prefetch_to_device": None,
         }
         if skipped:
@@ -395,7 +401,10 @@ class SpeechDatasetBuilder:
                 `drop_remainder`. Defaults to 8.
             shuffle: draw bucket members and batch order anew each epoch.
                 Defaults to True.
-            seed: makes the shuffling reproducible. Defaults to None.
+            seed: makes the shuffling reproducible. Defaults to None (a
+                new draw each run; under a multi-worker cluster the seed
+                every worker derives alike, `keras_gpufix.distribute.cluster_seed()`,
+                so each utterance is read once per epoch across workers).
             drop_remainder: leave out the one partial batch. Defaults to
                 False.
             prefetch_to_device: a device string (e.g. `"/gpu:0"`) for
@@ -406,10 +415,11 @@ class SpeechDatasetBuilder:
             service: `"grpc://host:port"` of a tf.data service dispatcher:
                 loading and batching run on its workers
                 (`distributed_epoch`, each batch produced once per epoch);
-                bucket members and batch order are then drawn once from
-                `seed` (a `shuffle` in the pipeline would make every worker
-                produce the whole epoch). Workers must see the corpus (or
-                cache) paths. Defaults to None.
+                each epoch draws new bucket members and batch order here
+                and sends that epoch's pipeline to the service
+                (`keras_gpufix.data_service.service_epochs`). Start the servers with
+                `keras-gpufix data-service`; workers must see the corpus
+                (or cache) paths. Defaults to None.
             deterministic: passed to the parallel `map`; None keeps
                 `tf.data.Options.deterministic`. Defaults to None.
             frame_budget: padded frames per batch; each bucket's batch size
@@ -435,6 +445,8 @@ class SpeechDatasetBuilder:
         if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
             raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
         self.prepare()
+        if shuffle and seed is None:
+            seed = cluster_seed()  # workers must draw the same epoch: Keras splits each batch
         plan = BucketPlan(self._frames, self._text_lengths, batch_size, num_buckets,
                           frame_budget, drop_remainder)
         if plan.num_batches == 0:
@@ -450,24 +462,29 @@ class SpeechDatasetBuilder:
             padding_efficiency=round(plan.padding_efficiency, 4),
             text_padding_efficiency=round(plan.text_padding_efficiency, 4),
             distinct_shapes=len(plan.shapes),
+            remainder=len(self.utterances) - sum(len(s) for s in plan.batch_slots),
+            shuffle_seed=seed if shuffle else None,
         )
         features = self._compute_features() if self._cache is None else self._read_features()
-        elements = (plan.static_dataset(shuffle, seed) if service
-                    else plan.epoch_dataset(shuffle, seed))
-        if self._cache is None:  # features computed here, every epoch
-            dataset = _map_on_every_core(elements, self._loader(features), deterministic)
-        else:
-            dataset = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
-                                   deterministic=deterministic)
-        window = plan.max_batch + 1
-        dataset = dataset.group_by_window(
-            key_func=lambda key, *_: key,
-            reduce_func=lambda key, batch: batch.batch(window),
-            window_size_func=lambda key: key % window,
-        ).map(self._batch_layout(as_dict))
+
+        def batches(elements):
+            if self._cache is None:  # features computed here, every epoch
+                loaded = _map_on_every_core(elements, self._loader(features), deterministic)
+            else:
+                loaded = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
+                                      deterministic=deterministic)
+            window = plan.max_batch + 1
+            return loaded.group_by_window(
+                key_func=lambda key, *_: key,
+                reduce_func=lambda key, batch: batch.batch(window),
+                window_size_func=lambda key: key % window,
+            ).map(self._batch_layout(as_dict))
+
         if service:
-            dataset = dataset.apply(tf.data.experimental.service.distribute(
-                processing_mode="distributed_epoch", service=service))
+            dataset = service_epochs(lambda draw: batches(plan.static_dataset(shuffle, draw)),
+                                     service, seed)
+        else:
+            dataset = batches(plan.epoch_dataset(shuffle, seed))
         # Known cardinality: Keras shows progress and does not warn that the
         # input "ran out of data" at the end of the first epoch.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))

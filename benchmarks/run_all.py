@@ -33,6 +33,7 @@ BENCHMARKS = {
     "compile_speed": (["--quick"], []),
     "slow_loader": ([], []),
     "padding": ([], []),
+    "batch_frames": ([], []),
     "data_throughput": (["--quick"], []),
     "spectrogram_magnitude": (["--clips", "50"], []),
     "map_parallelism": (["--rounds", "4"], []),

@@ -15,8 +15,8 @@ torchaudio's and the XTTS recipe's filterbanks).
 `extract_features(waveform, config)` is what the dataset builder caches
 for one utterance, all in TF ops: leading/trailing silence trimmed as
 `librosa.effects.trim(y, top_db=trim_top_db, frame_length=n_fft,
-hop_length=hop_length)` does (`trim_top_db`), cropping to `max_seconds`
-(`on_too_long="crop"`), peak or RMS normalisation (`normalize`), the
+hop_length=hop_length)` does (`trim_top_db`, after cropping to
+`max_seconds` with `on_too_long="crop"`), peak or RMS normalisation (`normalize`), the
 log-mel above or the log linear spectrogram `ln(max(|librosa.stft(y,
 ...)| ** power, log_floor))` with `n_fft // 2 + 1` bins
 (`features="linear"`), then feature normalisation (`feature_norm`: per bin
@@ -44,6 +44,7 @@ import tensorflow as tf
 
 __all__ = [
     "AudioConfig",
+    "crop",
     "extract_features",
     "feature_frames",
     "log_linear",
@@ -110,9 +111,10 @@ class AudioConfig:
             `on_too_long`. Defaults to None (no limit).
         on_too_long: `"skip"`: clips longer than `max_seconds` are bad
             input (skipped or raised, `on_bad_input`); `"crop"`: they keep
-            their first `max_seconds` (after trimming, before
-            normalisation), so batch shapes stay bounded, and
-            `builder.report["cropped"]` lists them. Defaults to `"skip"`.
+            their first `max_seconds` (before trimming, so the length the
+            WAV header gives decides, as for skipping), so batch shapes
+            stay bounded, and `builder.report["cropped"]` lists them.
+            Defaults to `"skip"`.
         trim_top_db: trim leading and trailing frames quieter than this
             many dB below the loudest frame, as `librosa.effects.trim(y,
             top_db=trim_top_db, frame_length=n_fft, hop_length=hop_length)`
@@ -415,15 +417,29 @@ def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
     return start, end
 
 
-def _kept_span(waveform, config, bounds=None):
-    """The clip trimmed (`trim_top_db`, at `bounds` when given) and cropped
-    to `max_seconds` (`on_too_long="crop"`)."""
+def crop(waveform, config: AudioConfig) -> tf.Tensor:
+    """The first `max_seconds` of a clip with `on_too_long="crop"`, else the clip.
+
+    Args:
+        waveform: float32 `(samples,)` at `config.sample_rate`.
+        config: an `AudioConfig`.
+
+    Returns:
+        float32 `(min(samples, config.max_samples),)`.
+    """
     waveform = tf.convert_to_tensor(waveform, tf.float32)
+    if config.on_too_long == "crop":
+        waveform = waveform[:config.max_samples]
+    return waveform
+
+
+def _kept_span(waveform, config, bounds=None):
+    """The clip cropped to `max_seconds` (`crop`), then trimmed
+    (`trim_top_db`, at `bounds` of the cropped clip when given)."""
+    waveform = crop(waveform, config)
     if config.trim_top_db is not None:
         start, end = trim_bounds(waveform, config) if bounds is None else bounds
         waveform = waveform[start:end]
-    if config.on_too_long == "crop":
-        waveform = waveform[:config.max_samples]
     return waveform
 
 
@@ -442,16 +458,16 @@ def _prepare_waveform(waveform, config, bounds=None):
 def extract_features(waveform, config: AudioConfig, bounds=None) -> tf.Tensor:
     """The features the dataset builder computes (and caches) for one clip.
 
-    In order: silence trimming (`trim_top_db`), cropping
-    (`on_too_long="crop"`), peak or RMS normalisation (`normalize`),
+    In order: cropping (`on_too_long="crop"`), silence trimming
+    (`trim_top_db`), peak or RMS normalisation (`normalize`),
     `log_mel` or `log_linear` (`features`, `log`), feature normalisation
     (`feature_norm`); see `AudioConfig`.
 
     Args:
         waveform: float32 `(samples,)` at `config.sample_rate`.
         config: an `AudioConfig`.
-        bounds: `(start, end)` that `trim_bounds(waveform, config)` gave
-            for this clip, to trim there without finding them again (the
+        bounds: `(start, end)` that `trim_bounds(crop(waveform, config),
+            config)` gave for this clip, to trim there without finding them again (the
             builder keeps them from its pass without a cache). Defaults to
             None (found here when `trim_top_db` is set).
 

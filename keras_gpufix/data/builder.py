@@ -25,6 +25,7 @@ The builder is the input path a TTS/ASR team would want as the default:
 |---------------------------|----------------------------------------------------|
 | `utterances`              | utterances kept                                    |
 | `skipped`                 | list of dicts `id`, `path`, `line`, `reason`       |
+| `cropped`                 | kept but cropped (`on_too_long="crop"` of `AudioConfig` / `TextConfig`), dicts like `skipped`'s |
 | `speakers`                | speaker names; speaker id `i` is `speakers[i]` (None when the corpus has none) |
 | `languages`               | language names, like `speakers`                    |
 | `converted`               | counts of files handled: `mixed_down`, `resampled`, `re_encoded` (not 16-bit PCM) |
@@ -156,9 +157,12 @@ class SpeechDatasetBuilder:
         )
 
     def _scan(self):
-        kept, skipped = self.corpus.scan("skip", self.audio.max_seconds)
-        frames, usable = [], []
+        crop_audio = self.audio.on_too_long == "crop"
+        crop_text = self.text.on_too_long == "crop"
+        kept, skipped = self.corpus.scan("skip", None if crop_audio else self.audio.max_seconds)
+        frames, usable, cropped = [], [], []
         texts, reasons = encode_transcripts([u.text for u in kept], self.text)
+        text_lengths = texts.row_lengths().numpy()
         for index, (utterance, reason) in enumerate(zip(kept, reasons)):
             samples = audio_lib.resampled_length(
                 utterance.info.frames, utterance.info.sample_rate, self.audio.sample_rate
@@ -166,10 +170,20 @@ class SpeechDatasetBuilder:
             count = self.audio.num_frames(samples)
             if reason is None and count == 0:
                 reason = f"clip of {samples} samples is shorter than one frame (n_fft={self.audio.n_fft})"
+            entry = {"id": utterance.id, "path": utterance.path, "line": utterance.line}
             if reason is not None:
-                skipped.append({"id": utterance.id, "path": utterance.path,
-                                "line": utterance.line, "reason": reason})
+                skipped.append(dict(entry, reason=reason))
                 continue
+            crops = []
+            if crop_audio and samples > self.audio.max_samples:
+                crops.append(f"audio of {utterance.info.seconds:.2f} s cropped to "
+                             f"max_seconds={self.audio.max_seconds}")
+                count = self.audio.num_frames(self.audio.max_samples)
+            if crop_text and text_lengths[index] > self.text.max_tokens:
+                crops.append(f"transcript of {text_lengths[index]} tokens cropped to "
+                             f"max_tokens={self.text.max_tokens}")
+            if crops:
+                cropped.append(dict(entry, reason="; ".join(crops)))
             usable.append(index)
             frames.append(count)
         if skipped and self.on_bad_input == "raise":
@@ -182,6 +196,8 @@ class SpeechDatasetBuilder:
             )
         self.utterances = [kept[i] for i in usable]
         ids = tf.gather(texts, usable)
+        if crop_text:
+            ids = ids[:, :self.text.max_tokens]
         self._text_values = ids.flat_values.numpy().astype(np.int32)
         self._text_splits = ids.row_splits.numpy().astype(np.int64)
         self._text_lengths = np.diff(self._text_splits)
@@ -197,6 +213,7 @@ class SpeechDatasetBuilder:
         self.report = {
             "utterances": len(self.utterances),
             "skipped": skipped,
+            "cropped": cropped,
             "speakers": self.corpus.speakers,
             "languages": self.corpus.languages,
             "converted": {
@@ -216,12 +233,14 @@ class SpeechDatasetBuilder:
             "distinct_shapes": None,
             "prefetch_to_device": None,
         }
-        if skipped:
-            listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}" for s in skipped[:3])
-            more = (f"; and {len(skipped) - 3} more: builder.report['skipped']" if len(skipped) > 3
-                    else "")
-            emit(f"Skipped {len(skipped)} of {len(skipped) + len(self.utterances)} utterances: "
-                 f"{listed}{more}.", self.verbose)
+        for verb, items in (("Skipped", skipped), ("Cropped", cropped)):
+            if items:
+                listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}"
+                                   for s in items[:3])
+                more = (f"; and {len(items) - 3} more: builder.report['{verb.lower()}']"
+                        if len(items) > 3 else "")
+                emit(f"{verb} {len(items)} of {len(skipped) + len(self.utterances)} utterances: "
+                     f"{listed}{more}.", self.verbose)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the cached features."""
@@ -235,7 +254,8 @@ class SpeechDatasetBuilder:
 
     def _waveform(self):
         """`index -> (samples,)` float32 waveform decoded from the WAV file at
-        `audio.sample_rate` (TF ops)."""
+        `audio.sample_rate`, cropped to `max_seconds` with `on_too_long="crop"`
+        (TF ops)."""
         infos = [u.info for u in self.utterances]
         paths = tf.constant([u.path for u in self.utterances])
         columns = {
@@ -250,7 +270,9 @@ class SpeechDatasetBuilder:
                 tf.io.read_file(paths[index]), field["data_offset"], field["data_bytes"],
                 field["format_code"], field["channels"],
             )
-            return audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate)
+            return audio_lib.crop(
+                audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate),
+                self.audio)
 
         return waveform
 
@@ -381,15 +403,17 @@ class SpeechDatasetBuilder:
             yield index, frames, data.nbytes, digest
             update(done)
 
-    def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,
+    def build(self, batch_size=None, num_buckets=8, shuffle=True, seed=None,
               drop_remainder=False, prefetch_to_device=None, service=None,
-              deterministic=None, frame_budget=None, as_dict=False) -> tf.data.Dataset:
+              deterministic=None, batch_frames=None, batch_multiple=None,
+              as_dict=False) -> tf.data.Dataset:
         """Returns the training dataset.
 
         Args:
-            batch_size: utterances per batch (the largest, with
-                `frame_budget`). Under a distribution strategy this is the
-                global batch.
+            batch_size: utterances per batch; with `batch_frames` the
+                largest batch (None: no cap). Under a distribution strategy
+                this is the global batch. Defaults to None (then
+                `batch_frames` is needed).
             num_buckets: length buckets; an epoch has at most this many
                 batch shapes, plus one for the partial batch unless
                 `drop_remainder`. Defaults to 8.
@@ -412,9 +436,21 @@ class SpeechDatasetBuilder:
                 cache) paths. Defaults to None.
             deterministic: passed to the parallel `map`; None keeps
                 `tf.data.Options.deterministic`. Defaults to None.
-            frame_budget: padded frames per batch; each bucket's batch size
-                becomes `min(batch_size, frame_budget // boundary)`.
-                Defaults to None.
+            batch_frames: batches by audio budget (NeMo/Lhotse's
+                `batch_duration`): each bucket's batch size becomes
+                `batch_frames // boundary` (at most `batch_size`), so every
+                batch holds at most `batch_frames` padded feature frames
+                (`audio.frames_per_second` frames a second) and short
+                clips come in larger batches; still one shape per bucket.
+                Under a distribution strategy the budget is global, like
+                `batch_size`: each batch is split across the replicas, so
+                a replica gets about `batch_frames / num_replicas` frames;
+                pass `batch_multiple=num_replicas` (or a multiple of it) for
+                even splits. Defaults to None (`batch_size` for every
+                bucket).
+            batch_multiple: with `batch_frames`, round each bucket's batch
+                size down to a multiple of this (8 suits GPU kernels) where
+                one fits the budget. Defaults to None.
             as_dict: yield named batches (see Returns). Defaults to False.
 
         Returns:
@@ -428,15 +464,19 @@ class SpeechDatasetBuilder:
             `speaker` and `language` (int32 `(B,)`, indices into
             `report["speakers"]` / `report["languages"]`; -1 for an
             utterance without one).
+
+        Raises:
+            ValueError: for invalid arguments, and when `batch_frames`
+                cannot hold the longest utterance.
         """
-        for name, value in (("batch_size", batch_size), ("num_buckets", num_buckets)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        BucketPlan.check_batching(batch_size, batch_frames, batch_multiple)
+        if not isinstance(num_buckets, (int, np.integer)) or num_buckets < 1:
+            raise ValueError(f"`num_buckets` must be an integer >= 1. Received: num_buckets={num_buckets!r}")
         if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
             raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
         self.prepare()
         plan = BucketPlan(self._frames, self._text_lengths, batch_size, num_buckets,
-                          frame_budget, drop_remainder)
+                          batch_frames, drop_remainder, batch_multiple)
         if plan.num_batches == 0:
             raise ValueError(
                 f"No batch to build: {len(self.utterances)} utterances with "

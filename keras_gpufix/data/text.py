@@ -81,8 +81,12 @@ class TextConfig:
             character options above are then not used. Defaults to None.
         vocab_size: with `tokenizer`, ids must be in `[0, vocab_size)`
             (`num_ids`); an utterance with another id is bad input.
-        max_tokens: transcripts with more ids are bad input (skipped and
-            reported, or raised). Defaults to None (no limit).
+        max_tokens: the most ids of a transcript; what happens to longer
+            ones is `on_too_long`. Defaults to None (no limit).
+        on_too_long: `"skip"`: transcripts with more than `max_tokens` ids
+            are bad input (skipped and reported, or raised); `"crop"`: the
+            dataset builder keeps their first `max_tokens` ids and lists
+            them in `builder.report["cropped"]`. Defaults to `"skip"`.
 
     Example:
 
@@ -100,6 +104,7 @@ class TextConfig:
     tokenizer: object = None
     vocab_size: int = None
     max_tokens: int = None
+    on_too_long: str = "skip"
 
     def __post_init__(self):
         if not self.vocabulary or len(set(self.vocabulary)) != len(self.vocabulary):
@@ -120,6 +125,15 @@ class TextConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if self.on_too_long not in ("skip", "crop"):
+            raise ValueError(
+                f'`on_too_long` must be "skip" or "crop". Received: on_too_long={self.on_too_long!r}'
+            )
+        if self.on_too_long == "crop" and self.max_tokens is None:
+            raise ValueError(
+                '`on_too_long="crop"` needs `max_tokens` (the length to crop to). '
+                f"Received: on_too_long={self.on_too_long!r}, max_tokens=None"
+            )
 
     @property
     def num_ids(self) -> int:
@@ -204,7 +218,8 @@ def encode_transcripts(texts, config: TextConfig = TextConfig()):
     Characters go through `encode_text` in one vectorised call; a
     `config.tokenizer` is called once per transcript. A transcript is
     unusable when it has no id, when the tokenizer fails or returns ids
-    outside `[0, vocab_size)`, or when it has more than `max_tokens` ids.
+    outside `[0, vocab_size)`, or when it has more than `max_tokens` ids
+    with `on_too_long="skip"` (with `"crop"` the caller crops).
 
     Args:
         texts: list of str.
@@ -226,7 +241,7 @@ def encode_transcripts(texts, config: TextConfig = TextConfig()):
             reasons.append(reason)
         values = np.concatenate(rows) if rows else np.zeros(0, np.int32)
         ids = tf.RaggedTensor.from_row_lengths(values, [len(r) for r in rows])
-    if config.max_tokens is not None:
+    if config.max_tokens is not None and config.on_too_long == "skip":
         for i, n in enumerate(ids.row_lengths().numpy()):
             if reasons[i] is None and n > config.max_tokens:
                 reasons[i] = f"transcript of {n} tokens is longer than max_tokens={config.max_tokens}"

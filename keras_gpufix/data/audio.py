@@ -242,13 +242,13 @@ class AudioConfig:
         """Feature frames per second of audio: `sample_rate / hop_length`."""
         return self.sample_rate / self.hop_length
 
-    def num_frames(self, num_samples: int) -> int:
-        """Frames of a clip of `num_samples` (before trimming, an upper bound)."""
+    def num_frames(self, num_samples):
+        """Frames of a clip of `num_samples` (before trimming, an upper bound):
+        an int, or an int64 array for an array of sample counts."""
         if self.center:
-            num_samples += 2 * (self.n_fft // 2)
-        if num_samples < self.n_fft:
-            return 0
-        return 1 + (num_samples - self.n_fft) // self.hop_length
+            num_samples = num_samples + 2 * (self.n_fft // 2)
+        frames = 1 + (num_samples - self.n_fft) // self.hop_length
+        return np.maximum(frames, 0) if isinstance(frames, np.ndarray) else max(frames, 0)
 
 
 def _hz_to_mel(hz, htk):

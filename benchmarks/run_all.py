@@ -33,6 +33,8 @@ BENCHMARKS = {
     "compile_speed": (["--quick"], []),
     "slow_loader": ([], []),
     "padding": ([], []),
+    "corpus_scale": ([], ["--full"]),
+    "no_cache_loader": ([], []),
     "batch_frames": ([], []),
     "data_throughput": (["--quick"], []),
     "spectrogram_magnitude": (["--clips", "50"], []),

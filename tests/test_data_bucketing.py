@@ -173,3 +173,16 @@ def test_batch_frames_fills_short_buckets_and_rounds_to_a_multiple():
     odd = BucketPlan(frames, text, num_buckets=6, batch_frames=3 * int(frames.max()),
                      batch_multiple=8)
     assert odd.bucket_sizes[-1] == 3  # no multiple of 8 fits: the budget wins
+
+
+def test_many_cut_positions_are_searched_on_a_grid_close_to_exact(monkeypatch):
+    from keras_gpufix.data import bucketing
+
+    lengths = np.random.default_rng(1).integers(10, 6000, 4000)
+    monkeypatch.setattr(bucketing, "MAX_CUTS", 200)
+    boundaries, bucket_of = padding_buckets(lengths, 6)
+    monkeypatch.setattr(bucketing, "MAX_CUTS", 10**9)
+    exact_boundaries, exact_bucket_of = padding_buckets(lengths, 6)
+    grid, exact = (boundaries[bucket_of].sum(), exact_boundaries[exact_bucket_of].sum())
+    assert not np.array_equal(boundaries, exact_boundaries)  # the grid was used
+    assert np.all(lengths <= boundaries[bucket_of]) and exact <= grid <= 1.01 * exact

@@ -35,7 +35,10 @@ together and the order of the batches.
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["BucketPlan", "padding_buckets"]
+__all__ = ["BucketPlan", "padding_buckets", "MAX_CUTS"]
+
+# Most cut positions the bucket search considers (its cost grows with their square).
+MAX_CUTS = 2048
 
 
 def _argsort(values):
@@ -48,7 +51,8 @@ def padding_buckets(lengths, num_buckets: int, step: int = 1):
     The utterances, sorted by length, are cut into at most `num_buckets`
     runs; each is padded to its longest member, and the cuts minimise
     `sum(run size * run max)` (exact dynamic programming over the allowed
-    cut positions). With `step > 1` every run but the first holds a
+    cut positions; beyond `MAX_CUTS` of them, over `MAX_CUTS` evenly spaced
+    ones, so a million utterances take about a second). With `step > 1` every run but the first holds a
     multiple of `step` utterances (whole batches; the first holds the
     remainder too); with `step == 1` cuts go only between different
     lengths.
@@ -76,6 +80,8 @@ def padding_buckets(lengths, num_buckets: int, step: int = 1):
         cuts = np.arange(n % step or step, n, step)
     else:
         cuts = np.flatnonzero(np.diff(ordered)) + 1
+    if len(cuts) > MAX_CUTS:  # the search is quadratic in the cut positions
+        cuts = np.unique(cuts[np.linspace(0, len(cuts) - 1, MAX_CUTS).round().astype(np.int64)])
     points = np.concatenate([[0], cuts, [n]]).astype(np.int64)
     atoms = len(points) - 1
     count = min(num_buckets, atoms)

@@ -320,6 +320,8 @@ def _magnitude(waveform, config, dtype=tf.float32):
         magnitude = squared
     elif config.power == 1.0:
         magnitude = tf.math.sqrt(squared)
+    elif config.power == 0.5:  # keras-io CTC ASR's |z| ** 0.5: two square roots beat tf.math.pow
+        magnitude = tf.math.sqrt(tf.math.sqrt(squared))
     else:
         magnitude = tf.math.pow(squared, config.power / 2.0)
     return tf.cast(magnitude, tf.float32)

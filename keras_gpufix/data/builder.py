@@ -174,12 +174,17 @@ class SpeechDatasetBuilder:
         skipped.extend(self._entry(kept, index, reasons[index]) for index in np.flatnonzero(bad))
         long_audio = crop_audio & (samples > (self.audio.max_samples or 0)) & ~bad
         long_text = crop_text & (text_lengths > (self.text.max_tokens or 0)) & ~bad
-        cropped = [self._entry(kept, index, "; ".join(
-            [f"audio of {kept.column('frames')[index] / kept.column('sample_rate')[index]:.2f} s "
-             f"cropped to max_seconds={self.audio.max_seconds}"] * bool(long_audio[index])
-            + [f"transcript of {text_lengths[index]} tokens cropped to "
-               f"max_tokens={self.text.max_tokens}"] * bool(long_text[index])))
-            for index in np.flatnonzero(long_audio | long_text)]
+        cropped = []
+        for index in np.flatnonzero(long_audio | long_text):
+            what = []
+            if long_audio[index]:
+                seconds = kept.column("frames")[index] / kept.column("sample_rate")[index]
+                what.append(f"audio of {seconds:.2f} s cropped to "
+                            f"max_seconds={self.audio.max_seconds}")
+            if long_text[index]:
+                what.append(f"transcript of {text_lengths[index]} tokens cropped to "
+                            f"max_tokens={self.text.max_tokens}")
+            cropped.append(self._entry(kept, index, "; ".join(what)))
         if crop_audio:
             frames = np.minimum(frames, self.audio.num_frames(self.audio.max_samples))
         if skipped and self.on_bad_input == "raise":
@@ -198,7 +203,7 @@ class SpeechDatasetBuilder:
         if crop_text:
             keep &= position < self.text.max_tokens
             text_lengths = np.minimum(text_lengths, self.text.max_tokens)
-        self._text_values = values[keep]
+        self._text_values = tf.constant(values[keep])  # held once, by TensorFlow
         self._text_lengths = text_lengths[usable].astype(np.int64)
         self._text_splits = np.concatenate([[0], np.cumsum(self._text_lengths)])
         self._frames = frames[usable].astype(np.int64)
@@ -207,7 +212,7 @@ class SpeechDatasetBuilder:
             for name, table in (("speaker", self.corpus.speakers), ("language", self.corpus.languages))
             if table is not None
         }
-        skipped.sort(key=lambda s: s["line"] if s["line"] is not None else -1)
+        skipped.sort(key=lambda s: s["line"])
         column = self.utterances.column
         self.report = {
             "utterances": len(self.utterances),
@@ -558,7 +563,7 @@ class SpeechDatasetBuilder:
 
     def _loader(self, features):
         """Loads one utterance and pads it to its batch's shape."""
-        text_values = tf.constant(self._text_values)
+        text_values = self._text_values
         text_splits = tf.constant(self._text_splits)
         mel_pad = self.audio.padding_value
         num_features = self.audio.num_features

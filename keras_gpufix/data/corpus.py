@@ -309,11 +309,12 @@ def _label_table(names, codes, table, key):
     if table is None:
         table = sorted(names) or None
     mapping = np.full(len(names) + 1, -1, np.int32)  # index -1: no label
+    position = {name: i for i, name in enumerate(table or ())}
     for name, code in names.items():
-        if name not in table:
+        if name not in position:
             raise ValueError(f"`{key}s` must list every {key} of the corpus. "
                              f"Received: {key}s={table!r:.200}, which lacks {name!r}")
-        mapping[code] = table.index(name)
+        mapping[code] = position[name]
     return table, mapping[np.asarray(codes, np.int64)]
 
 

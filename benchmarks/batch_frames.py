@@ -1,6 +1,6 @@
 """Fixed batch size against batches by audio budget (`build(batch_frames=)`).
 
-    python benchmarks/batch_frames.py [--utterances 400] [--batch-size 8] [--epochs 2]
+    python benchmarks/batch_frames.py [--utterances 400] [--batch-size 8] [--epochs 4]
 
 A generated corpus (16 kHz, clips of 0.5-8 s, log-normal like read speech)
 is cached once; then, side by side in one run, the same model trains on
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--utterances", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--batch-multiple", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=2, help="timed epochs of each layout")
+    parser.add_argument("--epochs", type=int, default=4, help="timed epochs of each layout")
     parser.add_argument("--seed", type=int, default=0)
     add_out_argument(parser, "batch_frames")
     args = parser.parse_args(argv)

@@ -250,9 +250,6 @@ class _Strings:
         self.data = data
         self.offsets = np.concatenate([[0], np.asarray(ends, np.int64)])
 
-    def __len__(self):
-        return len(self.offsets) - 1
-
     def raw(self, index) -> bytes:
         return self.data[self.offsets[index]:self.offsets[index + 1]]
 

@@ -211,10 +211,6 @@ class ProfilingConfig:
                           _bool_from_str)
     cooldown: int = _spec(_TRIGGER("cooldown"), "an integer >= 0",
                           lambda v: _is_int(v) and v >= 0, _int_from_str)
-    slow_factor: float = _spec(_TRIGGER("slow_factor"), "a number > 1",
-                               lambda v: _is_number(v) and v > 1)
-    min_slow_ms: float = _spec(_TRIGGER("min_slow_ms"), "a number >= 0",
-                               lambda v: _is_number(v) and v >= 0)
     warmup: int = _spec(_TRIGGER("warmup"), "an integer >= 0", lambda v: _is_int(v) and v >= 0,
                         _int_from_str)
     analysis_timeout: float = _spec(_TRIGGER("analysis_timeout"), "a number of seconds >= 0",

@@ -265,7 +265,7 @@ monitor:
   thresholds: {{slow_factor: 4.0}}
   log_dir: logs
   profiling: {{trigger: [slow_step, 7], steps: 2, max_traces: 1, analyze: false,
-              cooldown: 5, slow_factor: 4.0, min_slow_ms: 1.5, warmup: 3,
+              cooldown: 5, warmup: 3,
               analysis_timeout: 0.5}}
 """
 
@@ -314,8 +314,6 @@ REACHES = {
     "monitor.profiling.max_traces": (_trigger("max_traces"), 1),
     "monitor.profiling.analyze": (_trigger("analyze"), False),
     "monitor.profiling.cooldown": (_trigger("cooldown"), 5),
-    "monitor.profiling.slow_factor": (_trigger("slow_factor"), 4.0),
-    "monitor.profiling.min_slow_ms": (_trigger("min_slow_ms"), 1.5),
     "monitor.profiling.warmup": (_trigger("warmup"), 3),
     "monitor.profiling.analysis_timeout": (_trigger("analysis_timeout"), 0.5),
 }

@@ -11,10 +11,12 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`                   |
-| `detector`    | `judge` (no side effects), `OscillationDetector`             |
+| `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
+|               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
+|               | what-if weighed into it)                                     |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge
+from keras_gpufix.analysis.detector import OscillationDetector, judge, weigh
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
     FIXES,
@@ -49,4 +51,5 @@ __all__ = [
     "slow_mask",
     "step_compiled",
     "summarize_step_times",
+    "weigh",
 ]

@@ -4,24 +4,26 @@
   (per callback and error type, at the user's line) and training goes on. Keras lets an exception
   raised in a callback propagate out of `fit`, which skips `on_train_end` of
   every callback (a profiler another callback started is then left running).
-- `GuardedCallback.siblings(cls)` finds our other callbacks in the running
-  `fit` (Keras gives a callback its model, never the list it is in).
-- `ScalarWriter` buffers TensorBoard scalars in memory and writes them at
-  epoch end, so logging costs nothing on the step path.
+  An exception raised by the user's own function (`on_detect`) is not ours:
+  it travels as a `UserError` and leaves the hook as itself, as Keras lets
+  any callback's exception leave `fit`.
+- `ScalarWriter` buffers TensorBoard scalars (and the verdict as text) in
+  memory and writes them at epoch end, so logging costs nothing on the step
+  path.
 """
 
 import functools
 import os
-import weakref
 
 import keras
 
 from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import callback_model
 
-__all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
+__all__ = ["guarded", "GuardedCallback", "ScalarWriter", "UserError"]
 
-_ACTIVE = weakref.WeakSet()
+
+class UserError(Exception):
+    """Carries an exception of the user's own function (its `__cause__`) through our guards."""
 
 
 def guarded(hook):
@@ -31,15 +33,18 @@ def guarded(hook):
     def wrapper(self, *args, **kwargs):
         try:
             return hook(self, *args, **kwargs)
+        except UserError as exc:
+            error = exc.__cause__
         except Exception as exc:  # a monitor must never stop training
             self._report_failure(hook.__name__, exc)
             return None
+        raise error  # outside the handler: the user's traceback, not ours
 
     return wrapper
 
 
 class GuardedCallback(keras.callbacks.Callback):
-    """Base class: failure-safe hooks and sibling lookup.
+    """Base class: failure-safe hooks.
 
     `errors` keeps the first `MAX_ERRORS` failures (hook, type, message);
     each error type is warned once.
@@ -60,21 +65,6 @@ class GuardedCallback(keras.callbacks.Callback):
         self._failures.add(type(exc))
         warn(f"{type(self).__name__}.{where} failed and was skipped "
              f"({type(exc).__name__}: {exc}); training continues.")
-
-    def _activate(self):
-        _ACTIVE.add(self)
-
-    def _deactivate(self):
-        _ACTIVE.discard(self)
-
-    def siblings(self, cls):
-        """Our callbacks of type `cls` in the same running `fit`."""
-        model = callback_model(self)
-        return [
-            cb for cb in list(_ACTIVE)
-            if isinstance(cb, cls) and cb is not self
-            and callback_model(cb) is model
-        ]
 
 
 class ScalarWriter:
@@ -100,6 +90,11 @@ class ScalarWriter:
             if len(self._pending) >= self.MAX_PENDING:
                 self.flush()
 
+    def text(self, tag, value, step):
+        """A text summary (the TensorBoard Text tab), written with the scalars."""
+        if not self._disabled:
+            self._pending.append((tag, str(value), int(step)))
+
     def flush(self):
         if self._disabled or not self._pending:
             self._pending = []
@@ -117,7 +112,10 @@ class ScalarWriter:
         pending, self._pending = self._pending, []
         with self._writer.as_default():
             for tag, value, step in pending:
-                tf.summary.scalar(tag, value, step=step)
+                if isinstance(value, str):
+                    tf.summary.text(tag, value, step=step)
+                else:
+                    tf.summary.scalar(tag, value, step=step)
         self._writer.flush()
 
     def close(self):

@@ -72,13 +72,6 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _monitor_window(total_steps, warmup):
-    """A detector window that can judge twice within `total_steps`."""
-    if not total_steps:
-        return 96
-    return int(max(8, min(96, (total_steps - warmup - 2) / 1.5)))
-
-
 def _stop_after(steps):
     """A callback that stops `fit` after `steps` steps (counting steps_per_execution)."""
     import keras
@@ -180,8 +173,7 @@ class FitPatch:
                 mine[key] = existing[0]
                 continue
             if key == "monitor":
-                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                log_dir=run_dir, verbose=verbose)
+                mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
                 mine[key] = cls()
             elif key == "timer":

@@ -175,7 +175,7 @@ class FitPatch:
             if key == "monitor":
                 mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
-                mine[key] = cls()
+                mine[key] = cls(verbose=verbose)
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:

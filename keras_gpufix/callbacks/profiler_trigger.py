@@ -262,8 +262,8 @@ class ProfilerTrigger(TimedCallback):
     def _watch(self, step_time):
         """Slow-step trigger: a stall by the run's thresholds (`analysis.slow_limit`
         with `stall_factor`, `min_slow_ms`) on the cycle (the step and the host
-        time before it), against the last `MEDIAN_WINDOW` normal cycles,
-        renewed every 16."""
+        time before it), against the last `MEDIAN_WINDOW` normal cycles (at
+        least `min_judge_steps` of them), renewed every 16."""
         if self._global > self.warmup:
             if self._threshold is not None and step_time > self._threshold:
                 self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
@@ -271,8 +271,9 @@ class ProfilerTrigger(TimedCallback):
                 return
             self._times.append(step_time)
             self._normal += 1
-            if self._normal >= 8 and (self._threshold is None or self._normal % 16 == 0):
-                th = self.stream.detector.active_thresholds()
+            th = self.stream.detector.active_thresholds()
+            if self._normal >= th["min_judge_steps"] and (
+                    self._threshold is None or self._normal % 16 == 0):
                 self._median = float(np.median(self._times))
                 self._threshold = slow_limit(self._times, self._median,
                                              factor=th["stall_factor"], min_ms=th["min_slow_ms"])

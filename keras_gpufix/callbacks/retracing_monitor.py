@@ -142,6 +142,7 @@ class RetracingMonitor(TimedCallback):
         self._jit = None
         self._fresh = False
         self._baseline = 0
+        self._final = None  # the trace total at the end of the fit
         self._fit_t0 = time.time()
         self._fit_t1 = None
         self._global = 0
@@ -230,6 +231,8 @@ class RetracingMonitor(TimedCallback):
 
     def _end(self):
         self._fit_t1 = time.time()
+        if self._functions:
+            self._final = self._trace_total()
         if self.verbose:
             r = self.report()
             traces = "?" if r["trace_count"] is None else r["trace_count"]
@@ -316,7 +319,10 @@ class RetracingMonitor(TimedCallback):
                 "compiled_before": event["compiled_before"]}
 
     def _trace_count(self):
-        return self._trace_total() - self._baseline if self._functions else None
+        """Traces during the fit (so far, while it runs)."""
+        if not self._functions:
+            return None
+        return (self._trace_total() if self._final is None else self._final) - self._baseline
 
     def _retraces(self, priced):
         """Traces in this fit after the functions' first compile."""

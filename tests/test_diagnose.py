@@ -3,9 +3,11 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -172,17 +174,103 @@ def test_healthy_script_keeps_its_exit_code(tmp_path):
     assert result["what_if"]["bound"] == "step"  # cached input: the step is the bound
 
 
-def test_text_report_and_failing_script(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text("print('before the error')\nraise RuntimeError('planted')\n")
-    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--",
-                           str(script)], capture_output=True, text=True, timeout=120,
+CRASHES_AT_STEP_7 = """\
+import numpy as np
+import keras
+
+
+class Boom(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 6:
+            raise ValueError("planted at step 7")
+
+
+x = np.random.rand(64, 4).astype("float32")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+print("before the error")
+model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[Boom()])
+"""
+
+
+def test_a_crash_is_named_with_where_and_the_steps_before_also_from_python_dash_c(tmp_path):
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--no-trace",
+                           "--no-what-if", "--log-dir", str(logs), "--", "python", "-c",
+                           CRASHES_AT_STEP_7], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 1
+    assert proc.returncode == 1  # as `python -c` exits
     assert "before the error" in proc.stdout
-    assert "RuntimeError: planted" in proc.stderr
-    assert "verdict: unknown" in proc.stdout and "(exit code 1)" in proc.stdout
-    assert "no training step was seen" in proc.stdout
+    assert "ValueError: planted at step 7" in proc.stderr  # the traceback, as python prints it
+    script = logs / "command.py"  # where -c code is saved, so its lines can be named
+    assert script.read_text() == CRASHES_AT_STEP_7
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("keras-gpufix diagnose:"))
+    assert lines[header].endswith("(exit code 1)")
+    # the 7th step's end hook raised: six steps were complete
+    assert lines[header + 1] == (f"ended by: ValueError: planted at step 7 (raised at "
+                                 f"{script}:8) after 6 training steps")
+    assert "verdict: unknown" in lines
+    assert not any("the script ran" in line for line in lines)
+    assert f"note: the -c code was saved as {script}: the lines below refer to it" in lines
+
+
+LONG_FIT = """\
+import os
+import time
+import numpy as np
+import keras
+
+
+class Marker(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.01)
+        if batch == 30:
+            open(os.environ["MARKER"], "w").close()
+
+
+x = np.random.rand(4096, 4).astype("float32")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+model.fit(x, x[:, :1], batch_size=4, epochs=100, verbose=0, callbacks=[Marker()])
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_prints_the_report_of_what_was_measured(tmp_path, signum):
+    script = tmp_path / "long.py"
+    script.write_text(LONG_FIT)
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-m", "keras_gpufix", "diagnose", "--json",
+                             "--no-trace", "--", "python", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MARKER=str(marker)),
+                            # as from a terminal, also when pytest runs as a background job
+                            # (which ignores SIGINT, and its children with it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signum)  # a job scheduler's time limit, or Ctrl-C
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["exit_code"] == 128 + signum
+    ended = result["ended_by"]
+    name = signal.Signals(signum).name
+    assert ended["kind"] == "signal" and ended["type"] == name
+    fit = result["fits"][0]
+    assert ended["steps_seen"] == fit["steps_run"] >= 31
+    assert ended["text"] == (f"{name} stopped the script after {fit['steps_run']} training "
+                             "steps; this report covers what was measured until then")
+    assert fit["monitor"]["step_time"]["count"] > 0  # what was measured is reported
+    assert "what_if" not in fit  # nothing more is measured after the signal
 
 
 def test_diagnose_argument_errors(tmp_path, capsys):
@@ -190,6 +278,10 @@ def test_diagnose_argument_errors(tmp_path, capsys):
     assert "the script to run is required" in capsys.readouterr().err
     assert main(["diagnose", "--", "python", str(tmp_path / "nope.py")]) == 2
     assert "script not found" in capsys.readouterr().err
+    assert main(["diagnose", "--", "python", "-c"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "keras-gpufix diagnose: error: `-c` needs the code to run: keras-gpufix diagnose -- "
+        "python -c 'CODE'")
 
 
 def test_static_scan_finds_each_trap(tmp_path):

@@ -9,7 +9,8 @@
   any callback's exception leave `fit`.
 - `ScalarWriter` buffers TensorBoard scalars (and the verdict as text) in
   memory and writes them at epoch end, so logging costs nothing on the step
-  path.
+  path; every summary carries its description (TensorBoard shows it beside
+  the chart).
 """
 
 import functools
@@ -73,10 +74,41 @@ class ScalarWriter:
     Uses `tf.summary` (imported on first flush). Where TensorFlow is not
     installed (another Keras backend) it warns once and drops the scalars.
     At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
-    early).
+    early). Each scalar is written with its description from
+    `DESCRIPTIONS` (the tables of `StepTimer` and `GPUOscillationMonitor`);
+    a tag not listed there says which callback wrote it.
     """
 
     MAX_PENDING = 8192
+    DESCRIPTIONS = {
+        "step_timer/step_ms": "StepTimer, each step: cycle time per step in ms (input wait + "
+                              "step + time between steps)",
+        "step_timer/epoch_mean_ms": "StepTimer, epoch end: mean cycle time per step of the "
+                                    "epoch, ms",
+        "step_timer/epoch_p95_ms": "StepTimer, epoch end: 95th percentile of the epoch's cycle "
+                                   "times per step, ms",
+        "step_timer/epoch_cv": "StepTimer, epoch end: coefficient of variation (std / mean) of "
+                               "the epoch's cycle times",
+        "step_timer/samples_per_s": "StepTimer, epoch end: samples per second over the epoch",
+        "oscillation/cycle_ms": "GPUOscillationMonitor, each step: cycle time per step, ms",
+        "oscillation/input_wait_ms": "GPUOscillationMonitor, each step: time waiting for the "
+                                     "batch, per step, ms (measured by kg.data.instrument)",
+        "oscillation/between_ms": "GPUOscillationMonitor, each step: host time between steps "
+                                  "(callbacks, logging, checkpoints), per step, ms",
+        "oscillation/cv": "GPUOscillationMonitor, each judgement: coefficient of variation of "
+                          "the window's cycle times",
+        "oscillation/median_ms": "GPUOscillationMonitor, each judgement: median cycle time of "
+                                 "the window, ms",
+        "oscillation/slow_time_share": "GPUOscillationMonitor, each judgement: share of the "
+                                       "window's time lost to slow steps",
+        "oscillation/input_wait": "GPUOscillationMonitor, each judgement: share of the cycle "
+                                  "spent waiting for input",
+        "oscillation/gpu_util": "GPUOscillationMonitor, each judgement: mean GPU utilisation "
+                                "(NVML), percent",
+        "oscillation/verdict": "GPUOscillationMonitor, text, each event ('<verdict>: "
+                               "<message>. Fix: ...') and at the end of fit ('final: "
+                               "<verdict>. Fix: ...', the verdict of report())",
+    }
 
     def __init__(self, log_dir, run="keras_gpufix"):
         self.path = os.path.join(os.fspath(log_dir), run)
@@ -112,10 +144,10 @@ class ScalarWriter:
         pending, self._pending = self._pending, []
         with self._writer.as_default():
             for tag, value, step in pending:
-                if isinstance(value, str):
-                    tf.summary.text(tag, value, step=step)
-                else:
-                    tf.summary.scalar(tag, value, step=step)
+                description = self.DESCRIPTIONS.get(
+                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback")
+                summary = tf.summary.text if isinstance(value, str) else tf.summary.scalar
+                summary(tag, value, step=step, description=description)
         self._writer.flush()
 
     def close(self):

@@ -310,6 +310,9 @@ class Corpus:
                 empty. Defaults to True.
         """
         path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"`corpus` folder {path} does not exist: check the path. "
+                             f"Received: corpus={path!r}")
         metadata = os.path.join(path, metadata)
         if os.path.isdir(metadata):
             raise ValueError(

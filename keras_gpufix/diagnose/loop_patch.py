@@ -1,6 +1,7 @@
 """Custom training loops: Python iteration over tf.data datasets and the steps between.
 
-While the script runs, three TensorFlow entry points are wrapped:
+While the script runs, three TensorFlow entry points are wrapped (the
+`tf.function` class is not exported: `keras_internals.tf_function_class`):
 
 | entry point                 | what diagnose learns                                   |
 |-----------------------------|--------------------------------------------------------|
@@ -217,10 +218,11 @@ class LoopPatch:
     def __enter__(self):
         import tensorflow as tf
 
+        from keras_gpufix.keras_internals import tf_function_class
 
         library = _library_prefixes()
         patch = self
-        function_cls = type(tf.function(lambda: None))
+        function_cls = tf_function_class()
 
         def user_frame(depth):
             frame = sys._getframe(depth)

@@ -211,9 +211,12 @@ def healthy_evidence(fits):
 
 def format_report(result):
     """The diagnosis as text for people."""
-    lines = [f"keras-gpufix diagnose: {' '.join(result['command'])} "
+    command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
+    lines = [f"keras-gpufix diagnose: {command} "
              f"(exit code {result['exit_code']})",
              f"verdict: {result['verdict']}"]
+    if result.get("ended_by"):
+        lines.insert(1, f"ended by: {result['ended_by']['text']}")
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]

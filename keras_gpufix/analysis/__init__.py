@@ -11,12 +11,14 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`                   |
-| `detector`    | `judge` (no side effects), `OscillationDetector`             |
+| `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
+|               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
+|               | what-if weighed into it)                                     |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge
+from keras_gpufix.analysis.detector import OscillationDetector, judge, weigh
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
@@ -53,5 +55,6 @@ __all__ = [
     "slow_mask",
     "step_compiled",
     "summarize_step_times",
+    "weigh",
     "worker_summary",
 ]

@@ -4,26 +4,27 @@
   (per callback and error type, at the user's line) and training goes on. Keras lets an exception
   raised in a callback propagate out of `fit`, which skips `on_train_end` of
   every callback (a profiler another callback started is then left running).
-- `GuardedCallback.siblings(cls)` finds our other callbacks in the running
-  `fit` (Keras gives a callback its model, never the list it is in).
-- `ScalarWriter` buffers TensorBoard scalars in memory and writes them at
-  epoch end, so logging costs nothing on the step path; every scalar
-  carries its description (TensorBoard shows it beside the chart).
+  An exception raised by the user's own function (`on_detect`) is not ours:
+  it travels as a `UserError` and leaves the hook as itself, as Keras lets
+  any callback's exception leave `fit`.
+- `ScalarWriter` buffers TensorBoard scalars (and the verdict as text) in
+  memory and writes them at epoch end, so logging costs nothing on the step
+  path; every summary carries its description (TensorBoard shows it beside
+  the chart).
 """
 
 import functools
 import os
-import weakref
 
 import keras
 
-from keras_gpufix.analysis import VERDICTS
 from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import callback_model
 
-__all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
+__all__ = ["guarded", "GuardedCallback", "ScalarWriter", "UserError"]
 
-_ACTIVE = weakref.WeakSet()
+
+class UserError(Exception):
+    """Carries an exception of the user's own function (its `__cause__`) through our guards."""
 
 
 def guarded(hook):
@@ -33,15 +34,18 @@ def guarded(hook):
     def wrapper(self, *args, **kwargs):
         try:
             return hook(self, *args, **kwargs)
+        except UserError as exc:
+            error = exc.__cause__
         except Exception as exc:  # a monitor must never stop training
             self._report_failure(hook.__name__, exc)
             return None
+        raise error  # outside the handler: the user's traceback, not ours
 
     return wrapper
 
 
 class GuardedCallback(keras.callbacks.Callback):
-    """Base class: failure-safe hooks and sibling lookup.
+    """Base class: failure-safe hooks.
 
     `errors` keeps the first `MAX_ERRORS` failures (hook, type, message);
     each error type is warned once.
@@ -62,21 +66,6 @@ class GuardedCallback(keras.callbacks.Callback):
         self._failures.add(type(exc))
         warn(f"{type(self).__name__}.{where} failed and was skipped "
              f"({type(exc).__name__}: {exc}); training continues.")
-
-    def _activate(self):
-        _ACTIVE.add(self)
-
-    def _deactivate(self):
-        _ACTIVE.discard(self)
-
-    def siblings(self, cls):
-        """Our callbacks of type `cls` in the same running `fit`."""
-        model = callback_model(self)
-        return [
-            cb for cb in list(_ACTIVE)
-            if isinstance(cb, cls) and cb is not self
-            and callback_model(cb) is model
-        ]
 
 
 class ScalarWriter:
@@ -116,9 +105,9 @@ class ScalarWriter:
                                   "spent waiting for input",
         "oscillation/gpu_util": "GPUOscillationMonitor, each judgement: mean GPU utilisation "
                                 "(NVML), percent",
-        "oscillation/verdict": "GPUOscillationMonitor, each event: the verdict's index in "
-                               "keras_gpufix.analysis.VERDICTS: "
-                               + ", ".join(f"{i} {v}" for i, v in enumerate(VERDICTS)),
+        "oscillation/verdict": "GPUOscillationMonitor, text, each event ('<verdict>: "
+                               "<message>. Fix: ...') and at the end of fit ('final: "
+                               "<verdict>. Fix: ...', the verdict of report())",
     }
 
     def __init__(self, log_dir, run="keras_gpufix"):
@@ -132,6 +121,11 @@ class ScalarWriter:
             self._pending.append((tag, float(value), int(step)))
             if len(self._pending) >= self.MAX_PENDING:
                 self.flush()
+
+    def text(self, tag, value, step):
+        """A text summary (the TensorBoard Text tab), written with the scalars."""
+        if not self._disabled:
+            self._pending.append((tag, str(value), int(step)))
 
     def flush(self):
         if self._disabled or not self._pending:
@@ -150,8 +144,10 @@ class ScalarWriter:
         pending, self._pending = self._pending, []
         with self._writer.as_default():
             for tag, value, step in pending:
-                tf.summary.scalar(tag, value, step=step, description=self.DESCRIPTIONS.get(
-                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback"))
+                description = self.DESCRIPTIONS.get(
+                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback")
+                summary = tf.summary.text if isinstance(value, str) else tf.summary.scalar
+                summary(tag, value, step=step, description=description)
         self._writer.flush()
 
     def close(self):

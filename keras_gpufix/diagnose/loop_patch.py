@@ -102,7 +102,13 @@ class _Loop:
             self.dataset = iterator.dataset
         self.clock.epoch()
         self.source.iterator = iterator.iterator
-        return iter(self.watched)  # ends the previous epoch, if open
+        from keras_gpufix.callbacks._stream import stream_of
+
+        epoch = iter(self.watched)  # ends the previous epoch, if open
+        stream = stream_of(self.watched.callbacks)
+        if stream is not None and self.patch.step_info["eager"]:
+            stream.eager = True  # the run's judgement gets the direct evidence of eager_step
+        return epoch
 
     def finish(self):
         self.watched.close()

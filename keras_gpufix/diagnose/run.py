@@ -75,13 +75,6 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _monitor_window(total_steps, warmup):
-    """A detector window that can judge twice within `total_steps`."""
-    if not total_steps:
-        return 96
-    return int(max(8, min(96, (total_steps - warmup - 2) / 1.5)))
-
-
 def _step_counter(steps=None):
     """A callback that counts `fit`'s steps (counting steps_per_execution) and,
     with `steps`, stops `fit` after that many."""
@@ -184,10 +177,9 @@ class FitPatch:
                 mine[key] = existing[0]
                 continue
             if key == "monitor":
-                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                log_dir=run_dir, verbose=verbose)
+                mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
-                mine[key] = cls()
+                mine[key] = cls(verbose=verbose)
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:

@@ -32,6 +32,7 @@ __all__ = [
     "PHASE_FIXES",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "UNSYNCED_NOTE",
     "fix_for",
     "slow_limit",
     "slow_mask",
@@ -85,6 +86,9 @@ THRESHOLDS = {
     "max_new_shapes": 16,
     # Fewest steps (after warmup) a judgement is made on.
     "min_judge_steps": 8,
+    # Unsynced asynchronous steps (analysis.dispatch): a step at most this
+    # share of the mean step is at dispatch cost.
+    "dispatch_share": 0.25,
 }
 
 PHASE_FIXES = {
@@ -114,6 +118,13 @@ PHASE_FIXES = {
 TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
+)
+
+#: Said with a judgement of unsynced asynchronous steps (analysis.dispatch).
+UNSYNCED_NOTE = (
+    "steps timed at dispatch, each ending where the host read a value every {period} "
+    "steps (asynchronous execution): judged per {period} steps; for per-step times let "
+    "kg.watch sync at each step's end (sync=True, the default) or read a value every step"
 )
 
 FIXES = {

@@ -140,13 +140,17 @@ class StepStream:
         the probe of an instrumented dataset.
 
         Args:
-            input_wait: seconds spent in `next()`.
+            input_wait: seconds spent in `next()`, or None when that time
+                is not input alone (steps timed at dispatch: `next()` may
+                queue behind the device's pending work); the record's step
+                is then the whole cycle.
             samples: the batch's leading dimension, or None.
             shape: a hashable key of the batch's shapes, or None.
             split: whether begin -> end holds only the step (False: the
                 whole loop body). Defaults to False.
         """
-        self._supplied = (float(input_wait), samples, shape, bool(split))
+        wait = None if input_wait is None else float(input_wait)
+        self._supplied = (wait, samples, shape, bool(split))
 
     def drop_probe(self):
         """Stops reading the input probe (custom loops).
@@ -232,7 +236,9 @@ class StepStream:
                 shape = probe.shape_key(row)
                 size = probe.batch_size(shape)
                 samples = size * steps if size else samples
-            if wait is None:
+            if wait is None and supplied is not None:  # unsynced: only the cycle is real
+                input_wait, step, between = None, span + gap, 0.0
+            elif wait is None:
                 input_wait, step, between = None, span, gap
             elif supplied is not None or wait <= gap:
                 input_wait, step, between = wait, span, max(0.0, gap - wait)

@@ -300,7 +300,8 @@ def _sync_call(backend):
     """The call that waits for the device work queued on `backend`, or None.
 
     None where steps run synchronously (the NumPy backend, torch without
-    CUDA): there is nothing to wait for.
+    CUDA, TensorFlow's synchronous eager execution on CPUs alone): there is
+    nothing to wait for.
 
     Args:
         backend: `keras.backend.backend()`.
@@ -308,6 +309,9 @@ def _sync_call(backend):
     if backend == "tensorflow":
         import tensorflow as tf
 
+        if tf.config.experimental.get_synchronous_execution() and all(
+                d.device_type == "CPU" for d in tf.config.list_logical_devices()):
+            return None
         return tf.test.experimental.sync_devices
     if backend == "jax":
         import jax

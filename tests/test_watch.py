@@ -284,7 +284,12 @@ def test_the_sync_of_each_backend(monkeypatch):
 
     assert _sync_call("numpy") is None  # synchronous: nothing to wait for
     tf = pytest.importorskip("tensorflow")
-    assert _sync_call("tensorflow") is tf.test.experimental.sync_devices
+    assert _sync_call("tensorflow") is None  # synchronous eager execution on a CPU
+    tf.config.experimental.set_synchronous_execution(False)
+    try:
+        assert _sync_call("tensorflow") is tf.test.experimental.sync_devices
+    finally:
+        tf.config.experimental.set_synchronous_execution(True)
     pytest.importorskip("jax")
     _sync_call("jax")()  # blocks on the live arrays: none pending here
     cuda = types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None)

@@ -25,8 +25,8 @@ def fold_unsynced(records, thresholds=None):
     """The periods of unsynced asynchronous steps, one record each; or None.
 
     The signature, at the smallest period k >= 2 that shows it (records
-    taken k at a time, the median of each position over the periods): one
-    position is slow (the slow-step rule over all records: the host read
+    taken k at a time, the median of each position over at least
+    `min_periods` periods): exactly one position is slow (the slow-step rule over all records: the host read
     that waits for the queued work), one is at dispatch cost (the loop's
     own time there, its cycle less its input wait, at most `dispatch_share`
     of the mean). Work on a schedule between synced steps (a checkpoint
@@ -59,10 +59,10 @@ def fold_unsynced(records, thresholds=None):
     cheap = th["dispatch_share"] * own.mean()
     if np.count_nonzero(cycle > limit) < 2 or not np.any(own <= cheap):
         return None  # the common case, decided without the search below
-    for period in range(2, cycle.size // 3 + 1):
+    for period in range(2, cycle.size // th["min_periods"] + 1):
         whole = cycle.size // period * period
         slowest = np.median(cycle[:whole].reshape(-1, period), axis=0)
-        if slowest.max() <= limit:
+        if np.count_nonzero(slowest > limit) != 1:
             continue
         if np.median(own[:whole].reshape(-1, period), axis=0).min() > cheap:
             continue

@@ -87,8 +87,11 @@ THRESHOLDS = {
     # Fewest steps (after warmup) a judgement is made on.
     "min_judge_steps": 8,
     # Unsynced asynchronous steps (analysis.dispatch): a step at most this
-    # share of the mean step is at dispatch cost.
+    # share of the mean step is at dispatch cost; a period is looked for
+    # over at least min_periods periods (fewer, and noise on a loaded host
+    # lines up by chance).
     "dispatch_share": 0.25,
+    "min_periods": 8,
 }
 
 PHASE_FIXES = {

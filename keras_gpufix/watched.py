@@ -178,8 +178,8 @@ class Watched:
             if self.sync:
                 self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
-            self._tell_detectors()
             self._stream = stream_of(self.callbacks)
+            self._tell_stream()
             if self._stream is not None and not _is_dataset(self.iterable):
                 # Its batches need not be those an instrumented dataset
                 # recorded, in order (an iterator made before the run).
@@ -237,17 +237,15 @@ class Watched:
                 self._device_sync()
         except Exception as exc:  # a monitor never stops training
             self.synced = False
-            self._tell_detectors()
+            self._tell_stream()
             warn(f"kg.watch could not wait for step {self.steps}'s device work "
                  f"({type(exc).__name__}: {exc}); from here steps are timed at dispatch "
                  "and the input wait is not measured.")
 
-    def _tell_detectors(self):
-        """Lets our monitors' detectors know whether the steps are synced."""
-        for callback in self.callbacks:
-            detector = getattr(callback, "detector", None)
-            if hasattr(detector, "synced"):
-                detector.synced = self.synced
+    def _tell_stream(self):
+        """Lets the step stream (and our monitors' detectors) know whether steps are synced."""
+        if self._stream is not None:
+            self._stream.synced = self.synced
 
     def _say_unsynced(self):
         """Says once how to get per-step times, when steps were judged per period."""

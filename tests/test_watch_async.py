@@ -4,8 +4,12 @@ Two asynchronous modes stand in for a GPU on this CPU, each in a subprocess
 (the backend and TensorFlow's execution mode are per process): the Keras JAX
 backend with a `jax.jit` step (JAX dispatches asynchronously), and
 TensorFlow with asynchronous eager execution and a `tf.function` step. A
-tiny Keras model trains in the user's own loop; the loss is read every
-`EVERY`-th step, as a loop that logs every few steps does.
+Keras MLP trains in the user's own loop (on JAX it computes its step, on
+one thread; on TensorFlow it is tiny and its step's first op sleeps
+`DEVICE_S`, the device's share, as in `custom_loops.py`); the loss is read
+every `EVERY`-th step, as a loop that logs every few steps does. Each mode
+runs its loops one after the other, the loop that reads the loss every step
+once before and once after the others (the reference for the step time).
 Run as a script (`KERAS_BACKEND=jax python tests/test_watch_async.py`) it
 prints the runs' figures as one JSON line.
 """
@@ -82,6 +86,32 @@ def test_work_every_k_synced_steps_stays_a_stall_and_slow_input_is_named():
     # Records of several steps each (steps_per_execution) are never folded.
     several = [r._replace(steps=2) for r in _records(_planted(JAX_UNSYNCED))]
     assert fold_unsynced(several) is None
+
+
+@pytest.mark.parametrize("logs", [{"loss": 0.5}, None], ids=["logs", "no_logs"])
+def test_a_callback_list_loop_with_logs_is_synced_one_without_is_not_known(logs):
+    keras = pytest.importorskip("keras")
+    import keras_gpufix as kg
+
+    # Steps of 0.5 ms in the hooks' span, 40 ms more every 5th: a stall when
+    # the steps are synced, the signature of unsynced ones when not known.
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    hooks = keras.callbacks.CallbackList([monitor])
+    hooks.on_train_begin()
+    hooks.on_epoch_begin(0)
+    for step in range(60):
+        hooks.on_train_batch_begin(step)
+        time.sleep(0.04005 if step % EVERY == EVERY - 1 else 0.0005)
+        hooks.on_train_batch_end(step, logs)
+    hooks.on_epoch_end(0)
+    hooks.on_train_end()
+    judged = monitor.detector.last_judgement
+    if logs:  # Keras turned the logs into numbers: it waited for the step
+        assert monitor.detector.synced is True
+        assert (judged["verdict"], judged["period"]) == ("periodic_stall", EVERY)
+    else:
+        assert monitor.detector.synced is None
+        assert (judged["verdict"], judged["evidence"]["unsynced_period"]) == ("healthy", EVERY)
 
 
 # -- real loops on both asynchronous modes ---------------------------------

@@ -26,15 +26,20 @@ def fold_unsynced(records, thresholds=None):
 
     The signature, at the smallest period k >= 2 that shows it (records
     taken k at a time, the median of each position over at least
-    `min_periods` periods): exactly one position is slow (the slow-step rule over all records: the host read
-    that waits for the queued work), one is at dispatch cost (the loop's
-    own time there, its cycle less its input wait, at most `dispatch_share`
-    of the mean). Work on a schedule between synced steps (a checkpoint
-    every k steps) fails the second test: the other steps keep their real
-    cost. Whether the periods' total time is steady is then judged on the
-    folded records, as any step time is. On TensorFlow's asynchronous eager execution the
-    `next()` after a dispatch queues behind the device's work, so only the
-    step after the read is at dispatch cost; on JAX all but the read are.
+    `min_periods` periods): exactly one position is slow (the slow-step
+    rule over all records: the host read that waits for the queued work),
+    and one is at dispatch cost (its `step`, the input wait and the time
+    between steps apart, at most `dispatch_share` of the mean `step`). On
+    JAX all steps but the read are at dispatch cost; on TensorFlow's
+    asynchronous eager execution the `next()` after a dispatch queues
+    behind the device's work, so only the step after the read is. Work on a
+    schedule in synced steps (a plot every k steps) fails the second test,
+    the other steps keeping their real cost, unless it is more than about
+    three times the k steps together: times alone cannot tell that from
+    unsynced steps, so the detector skips this where steps are known
+    synced (`kg.watch` says so; in `fit` Keras turns the logs into numbers
+    before the end hook, waiting for the step). Whether the periods' total time is steady is then
+    judged on the folded records, as any step time is.
 
     A period starts after the slow position, so each folded record holds
     the dispatches and the read that waited for them, as a hook of
@@ -54,7 +59,7 @@ def fold_unsynced(records, thresholds=None):
     if len(records) < 6 or any(r.steps != 1 for r in records):
         return None
     cycle = np.array([r.cycle for r in records], np.float64)
-    own = np.array([r.step + r.between for r in records], np.float64)
+    own = np.array([r.step for r in records], np.float64)
     limit = slow_limit(cycle, factor=th["slow_factor"], min_ms=th["min_slow_ms"], spread=False)
     cheap = th["dispatch_share"] * own.mean()
     if np.count_nonzero(cycle > limit) < 2 or not np.any(own <= cheap):

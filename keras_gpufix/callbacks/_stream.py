@@ -60,6 +60,10 @@ class StepStream:
         last: `(index, steps, span_s, gap_s)` of the latest end hook, read
             right at that hook (for callbacks that act on the next step).
         input_probe: the `InputProbe` being read, or None.
+        synced: whether each step is timed where its device work ends (set
+            by `kg.watch`; True once Keras handed logs to an end hook, which
+            it turns into numbers first, waiting for the step; None: not
+            known). Given to the members' detectors with each record.
     """
 
     # Reading the probe costs about half a millisecond while fit runs, so it
@@ -80,6 +84,7 @@ class StepStream:
         self.sampler = None
         self.hooks = 0
         self.last = None
+        self.synced = None
         self._offset = time.time() - time.perf_counter()
         self._cursor = None
         self._supplied = None
@@ -315,6 +320,9 @@ class TimedCallback(GuardedCallback):
 
     def _take_records(self, records):
         try:
+            detector = getattr(self, "detector", None)
+            if detector is not None:
+                detector.synced = self.stream.synced
             self._on_records(records)
         except Exception as exc:  # a monitor must never stop training
             self._report_failure("_on_records", exc)
@@ -349,6 +357,8 @@ class TimedCallback(GuardedCallback):
         stream = self.stream
         if stream is not None:
             if stream.leader is self:
+                if logs and stream.synced is None:
+                    stream.synced = True  # Keras made the logs numbers: it waited for the step
                 stream.batch_end(batch)
             self._after_hook()
 

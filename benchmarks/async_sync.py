@@ -1,7 +1,7 @@
 """What kg.watch's per-step sync costs, and its hook cost against the run's length.
 
     python benchmarks/async_sync.py [--rounds 5] [--steps 300] [--tf-async]
-        [--lengths 2000 20000] [--full] [--out PATH]
+        [--lengths 2000 20000] [--rounds-length 2] [--full] [--out PATH]
     KERAS_BACKEND=jax python benchmarks/async_sync.py ...
 
 Two measurements, each interleaved in one run (the order rotates every
@@ -22,11 +22,13 @@ round, so drifting load on a shared host falls on all sides alike):
 2. The hook cost against the run's length: `--lengths` runs of steps that
    busy-wait 1 ms each over a list of NumPy batches, bare and under
    `kg.watch` with its default monitor, in rotating order, `--rounds-length`
-   rounds. Per step, the time outside the loop body (from the end of one
-   body to the start of the next: `next()`, the hooks, the sync) is summed;
-   reported per length: that time per step, watched minus bare (us), and
-   the wall-clock steps/s ratio watched / bare. Flat in the length means
-   nothing grows with the run.
+   rounds. Per step, the CPU time of the loop's thread outside the loop
+   body (from the end of one body to the start of the next: `next()`, the
+   hooks, the sync; CPU time, so that the host's other work, which only
+   delays a thread, does not count) is summed; reported per length: that
+   time per step, watched minus bare (us), and the wall-clock steps/s ratio
+   watched / bare (which other work on the host swings). Flat in the length
+   means nothing grows with the run.
 
 `--full` adds a 100k-step length (about 7 minutes more on 2 cores).
 """
@@ -154,11 +156,11 @@ def length_cost(args):
         outside, last = 0.0, None
         start = time.perf_counter()
         for _ in loop:
-            now = time.perf_counter()
+            now = time.thread_time()
             if last is not None:
                 outside += now - last
             busy(0.001)
-            last = time.perf_counter()
+            last = time.thread_time()
         if watched:
             loop.close()
         return outside / (steps - 1), steps / (time.perf_counter() - start)
@@ -183,12 +185,13 @@ def length_cost(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="sync-cost rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="sync-cost rounds (0: none)")
     parser.add_argument("--steps", type=int, default=300, help="steps per sync-cost run")
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's width")
     parser.add_argument("--tf-async", action="store_true",
                         help="TensorFlow: asynchronous eager execution")
-    parser.add_argument("--lengths", type=int, nargs="*", default=[2000, 20000])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2000, 20000],
+                        help="run lengths of the hook-cost part (none: skip it)")
     parser.add_argument("--rounds-length", type=int, default=2)
     parser.add_argument("--full", action="store_true", help="lengths 2k, 20k and 100k, 3 rounds")
     add_out_argument(parser, "async_sync")
@@ -203,12 +206,14 @@ def main(argv=None):
 
         tf.config.experimental.set_synchronous_execution(False)
     mode = backend + (" (async eager)" if args.tf_async else "")
-    figures, details = sync_cost(args)
-    print(f"{mode}: steps/s bare {figures['steps_per_s_bare']}, unsynced "
-          f"{figures['steps_per_s_unsynced']}, synced {figures['steps_per_s_synced']}; "
-          f"synced/unsynced {figures['ratio_steps_per_s_synced_over_unsynced']}, synced/bare "
-          f"{figures['ratio_steps_per_s_synced_over_bare']}; the sync call alone "
-          f"{figures['sync_call_idle_us']} us", flush=True)
+    figures, details = {}, {}
+    if args.rounds:
+        figures, details = sync_cost(args)
+        print(f"{mode}: steps/s bare {figures['steps_per_s_bare']}, unsynced "
+              f"{figures['steps_per_s_unsynced']}, synced {figures['steps_per_s_synced']}; "
+              f"synced/unsynced {figures['ratio_steps_per_s_synced_over_unsynced']}, "
+              f"synced/bare {figures['ratio_steps_per_s_synced_over_bare']}; the sync call "
+              f"alone {figures['sync_call_idle_us']} us", flush=True)
     length_figures, length_details = length_cost(args)
     figures.update(length_figures)
     figures["backend"] = mode

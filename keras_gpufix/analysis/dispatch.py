@@ -41,10 +41,11 @@ def fold_unsynced(records, thresholds=None):
     before the end hook, waiting for the step). Whether the periods' total time is steady is then
     judged on the folded records, as any step time is.
 
-    A period starts after the slow position, so each folded record holds
-    the dispatches and the read that waited for them, as a hook of
-    `steps_per_execution=k` does; the partial periods at both ends are
-    left out.
+    Positions follow the records' step `index`, and a period starts after
+    the slow position, so each folded record holds the dispatches and the
+    read that waited for them, as a hook of `steps_per_execution=k` does
+    (a period missing a record, an epoch's first, holds the steps it has);
+    the partial periods at both ends are left out.
 
     Args:
         records: `StepRecord`s, oldest first, one step each (records of
@@ -64,16 +65,22 @@ def fold_unsynced(records, thresholds=None):
     cheap = th["dispatch_share"] * own.mean()
     if np.count_nonzero(cycle > limit) < 2 or not np.any(own <= cheap):
         return None  # the common case, decided without the search below
+    index = np.array([r.index for r in records])
     for period in range(2, cycle.size // th["min_periods"] + 1):
-        whole = cycle.size // period * period
-        slowest = np.median(cycle[:whole].reshape(-1, period), axis=0)
+        # Positions by step index: an epoch's first record, left out of the
+        # window, must not shift the schedule.
+        position = index % period
+        slowest = np.array([np.median(cycle[position == p]) for p in range(period)])
         if np.count_nonzero(slowest > limit) != 1:
             continue
-        if np.median(own[:whole].reshape(-1, period), axis=0).min() > cheap:
+        if min(np.median(own[position == p]) for p in range(period)) > cheap:
             continue
         start = (int(slowest.argmax()) + 1) % period
-        whole = start + (cycle.size - start) // period * period
-        return [_one(records[first:first + period]) for first in range(start, whole, period)]
+        groups = {}
+        for record, first in zip(records, index - (index - start) % period):
+            groups.setdefault(int(first), []).append(record)
+        return [_one(rs) for first, rs in groups.items()
+                if first >= index[0] and first + period - 1 <= index[-1]]
     return None
 
 

@@ -6,9 +6,10 @@ and `trim_linear` (`AudioConfig(trim_top_db=20.0, features="linear")`:
 leading/trailing silence trimmed at 20 dB, log linear spectrogram of 513
 bins, as ASR models on spectrograms use):
 
-- naive: `kg.data.naive.naive_dataset` (`tf.numpy_function` calling
-  librosa's load, trim, normalize and melspectrogram / stft per utterance,
-  AUTOTUNE map, `padded_batch`), no cache: the common loader;
+- naive: `kg.data.naive.naive_dataset` (`tf.numpy_function` reading the
+  WAV with `wave` and trimming, normalising and computing the mel / linear
+  spectrogram with NumPy per utterance, AUTOTUNE map, `padded_batch`), no
+  cache: the common loader;
 - compute limit: the same log-mel (`kg.data.log_mel`) or log linear
   spectrogram (`kg.data.log_linear`) on in-memory waveforms (decoded,
   and trimmed and normalised where the setting asks, beforehand), in one
@@ -150,7 +151,7 @@ def run_setting(name, config, corpus, utterances, args, workdir):
     """Every measurement of one audio setting; returns (figures, details)."""
     n = len(utterances)
     naive, _ = naive_dataset(corpus, args.batch_size, audio=config, drop_remainder=False)
-    next(iter(naive))  # librosa's first calls compile (numba): not counted against it
+    next(iter(naive))  # the pipeline's start-up: not counted against it
     naive_s, naive_n, naive_shapes, naive_real, naive_padded = _epoch(naive)
 
     # The compute limit and the cold / no-cache builder in interleaved rounds;
@@ -202,7 +203,7 @@ def run_setting(name, config, corpus, utterances, args, workdir):
     print(f"\n== setting {name}: {config}")
     print(f"{'loader':52s} {'utt/s':>8s} {'seconds':>8s}")
     rows = [
-        ("naive (numpy_function + librosa, pad to max)", naive_s),
+        ("naive (numpy_function + NumPy, pad to max)", naive_s),
         ("compute limit: spectrogram, in memory, sorted batches", limit_batched_s),
         ("compute limit: spectrogram, in memory, clip by clip", limit_single_s),
         ("builder, cold: cache build (features)", cache_s),

@@ -10,9 +10,9 @@ see the same machine load.
 
 | way          | input                                         | compile                  |
 |--------------|-----------------------------------------------|--------------------------|
-| naive        | `tf.numpy_function` calling `librosa.load` +  | `model.compile` defaults |
-|              | `librosa.feature.melspectrogram` per clip,    | (on CPU: no XLA,         |
-|              | every epoch (map with AUTOTUNE parallelism),  | steps_per_execution=1)   |
+| naive        | `tf.numpy_function` reading the WAV (`wave`)  | `model.compile` defaults |
+|              | and computing its NumPy mel spectrogram per   | (on CPU: no XLA,         |
+|              | clip, every epoch (AUTOTUNE map parallelism), | steps_per_execution=1)   |
 |              | `padded_batch` (each batch padded to its      |                          |
 |              | longest clip, no bucketing), prefetch         |                          |
 | keras_gpufix | `kg.data.SpeechDatasetBuilder` with the       | `kg.compile_model` (XLA, |

@@ -51,7 +51,7 @@ def write_demo_logs(logdir, steps=60):
                               keras.layers.Dense(1)])
     model.compile("adam", "mse")
     trigger = kg.ProfilerTrigger(logdir, trigger=20, steps=5, max_traces=1, verbose=0)
-    model.fit(ds.prefetch(tf.data.AUTOTUNE), epochs=2, verbose=0, callbacks=[
+    model.fit(ds.prefetch(tf.data.AUTOTUNE), epochs=2, verbose=0, shuffle=False, callbacks=[
         kg.StepTimer(log_dir=logdir),
         kg.GPUOscillationMonitor(log_dir=logdir, window=16, verbose=0),
         trigger,
@@ -150,6 +150,9 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
 
+    from keras_gpufix.output import import_tensorflow_quietly
+
+    import_tensorflow_quietly()  # TensorFlow's and XProf's C++ log lines hidden
     os.makedirs(args.logdir, exist_ok=True)
     if not glob.glob(os.path.join(args.logdir, "**", "events.out.tfevents.*"), recursive=True):
         print(f"Writing a demo run into {args.logdir} ...", flush=True)

@@ -321,6 +321,7 @@ def main(argv=None):
         print(f"steps_per_execution {model.steps_per_execution} -> {cap} "
               f"({steps_per_epoch} steps per epoch)")
         model.steps_per_execution = cap
+        model.make_train_function(force=True)  # Keras bakes the value into its train function
 
     log_dir = os.path.join(args.output, "logs")
     profile_trigger = ["oscillation"] + ([args.profile_step] if args.profile_step is not None

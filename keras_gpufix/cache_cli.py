@@ -34,6 +34,9 @@ def corpus_builder(corpus, cache_dir=None, config=None, verbose=1):
     from keras_gpufix import data
     from keras_gpufix.config import builder_kwargs, load_config
 
+    if not os.path.exists(corpus):
+        raise FileNotFoundError(f"CORPUS {corpus} does not exist: check the path (a corpus "
+                                "folder or a JSON Lines manifest)")
     if not (os.path.isdir(corpus) or corpus.endswith((".jsonl", ".json")) and os.path.isfile(corpus)):
         raise FileNotFoundError(
             f"CORPUS must be a corpus folder or a JSON Lines manifest (.jsonl). Received: {corpus!r}")
@@ -54,9 +57,13 @@ def _dir_size(path):
     return total
 
 
-def _need_cache_dir(cache_dir):
+def _need_cache_dir(cache_dir, exists=False):
+    """Raises unless a cache folder was given (and, with `exists`, is there)."""
     if not cache_dir:
         raise ValueError("no cache folder: pass --cache-dir DIR or --config with data.cache_dir")
+    if exists and not os.path.isdir(cache_dir):
+        raise FileNotFoundError(f"cache folder {cache_dir} does not exist: check the path, or "
+                                "create it with `keras-gpufix cache build`")
 
 
 def cache_info(corpus, cache_dir=None, config=None, verbose=0):
@@ -75,7 +82,7 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
     from keras_gpufix.data.cache import FeatureCache
 
     builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=0)
-    _need_cache_dir(cache_dir)
+    _need_cache_dir(cache_dir, exists=True)
     cache = builder.cache_entry()
     fresh = cache.verify(full=False)
     mine = cache.name
@@ -129,7 +136,7 @@ def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=
     from keras_gpufix.data.cache import FeatureCache
 
     builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=0)
-    _need_cache_dir(cache_dir)
+    _need_cache_dir(cache_dir, exists=True)
     mine = builder.cache_entry().name
     entries = FeatureCache.entries(cache_dir)
     names = (entries if all_entries else [n for n in entries if n == mine]) \

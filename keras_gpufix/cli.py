@@ -7,19 +7,24 @@
 | `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
 | `cache build|info|clear CORPUS`           | `cache_cli.cache_build/info/clear`    |
 | `demo`                                    | `demo.run_demo`                       |
+| `data-service dispatcher|worker [...]`    | `data_service.DataServiceServer`      |
 
 Each function returns a dict; `--json` prints it as one line (the last line
-of stdout), otherwise it is printed for people. Exit codes: 0 success,
+of stdout), otherwise it is printed for people. TensorFlow's own C++ log
+lines are hidden for every command (`output.import_tensorflow_quietly`;
+`TF_CPP_MIN_LOG_LEVEL=0` shows them). Exit codes: 0 success,
 1 problems found (validate), 2 bad arguments or unusable input, 130
 interrupted (Ctrl-C: one line, no traceback); diagnose exits with the
-script's own exit code.
+script's own exit code (1 when it raised, 143/130 when SIGTERM/SIGINT
+stopped it), after its report.
 """
 
 import argparse
 import json
 import sys
 
-from keras_gpufix import __version__
+from keras_gpufix import __version__, data_service
+from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["main", "build_parser"]
 
@@ -76,38 +81,49 @@ def build_parser():
 
     p = sub.add_parser(
         "diagnose", help="run a training script with the monitors and name the cause",
-        description="Runs the script unchanged (like python -m cProfile); every model.fit "
-                    "gets the monitors. Exits with the script's exit code.",
-        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] -- python train.py ARGS")
+        description="Runs the script unchanged (like python -m cProfile; also -m module "
+                    "or -c CODE); every model.fit and custom training loop gets the "
+                    "monitors. Exits with the script's exit code (SIGTERM/SIGINT: the "
+                    "report of what was measured, exit 143/130).",
+        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] -- "
+              "python train.py ARGS")
     p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
     p.add_argument("--steps", type=_positive_int, metavar="N",
-                   help="stop every fit after N steps")
-    p.add_argument("--log-dir", metavar="DIR", help="where profiler traces go "
-                   "(default: a new temp folder)")
+                   help="stop every fit and every custom training loop after N steps")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="where each run's TensorBoard scalars and profiler traces go "
+                        "(default: a new temp folder)")
     p.add_argument("--no-trace", action="store_true", help="take no XProf trace")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the what-if (input alone vs step alone, a few seconds per run)")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS",
+                   help="the command to run, after `--`: python train.py ARGS, python -m "
+                        "module ARGS or python -c CODE ARGS")
 
     p = sub.add_parser("bench-data", help="input-pipeline throughput alone, over a grid")
     p.set_defaults(subparser=p)
     p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
-    p.add_argument("--batch-sizes", type=_int_list, default=[16, 32, 64], metavar="16,32,64")
+    p.add_argument("--batch-sizes", type=_int_list, default=[16, 32, 64], metavar="16,32,64",
+                   help="batch sizes to try (default 16,32,64)")
     p.add_argument("--parallel", type=_parallel_list, default=["auto"], metavar="auto,1,2",
                    help="tf.data thread-pool sizes to try (auto: TensorFlow's default)")
     p.add_argument("--seconds", type=_positive_float, default=3.0, metavar="S",
                    help="measuring time per setting (default 3)")
-    p.add_argument("--num-buckets", type=_positive_int, default=8)
+    p.add_argument("--num-buckets", type=_positive_int, default=8, metavar="N",
+                   help="length buckets of the pipeline (default 8)")
     p.add_argument("--cache-dir", metavar="DIR", help="feature cache (built first if needed)")
     p.add_argument("--config", metavar="CONFIG", help="take audio/text/cache_dir from a config")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("cache", help="build, inspect or clear the feature cache")
     p.set_defaults(subparser=p)
-    p.add_argument("action", choices=("build", "info", "clear"))
-    p.add_argument("corpus", metavar="CORPUS", help="LJSpeech-style corpus folder")
+    p.add_argument("action", choices=("build", "info", "clear"),
+                   help="build: compute the features now; info: the entry's status; clear: "
+                        "remove it")
+    p.add_argument("corpus", metavar="CORPUS",
+                   help="LJSpeech-style corpus folder or JSON Lines manifest")
     p.add_argument("--cache-dir", metavar="DIR", help="cache folder (or data.cache_dir of --config)")
     p.add_argument("--config", metavar="CONFIG", help="take audio/text/cache_dir from a config")
     p.add_argument("--all", action="store_true", help="clear: every entry in the cache folder")
@@ -116,9 +132,14 @@ def build_parser():
     p = sub.add_parser("demo", help="generate a small corpus, train briefly, show the diagnosis")
     p.set_defaults(subparser=p)
     p.add_argument("--dir", metavar="DIR", help="work folder (default: a new temp folder)")
-    p.add_argument("--utterances", type=_positive_int, default=96)
-    p.add_argument("--epochs", type=_positive_int, default=3)
+    p.add_argument("--utterances", type=_positive_int, default=96, metavar="N",
+                   help="utterances to generate, 1-4 s each (default 96)")
+    p.add_argument("--epochs", type=_positive_int, default=3, metavar="N",
+                   help="epochs of each way; speed is measured after the first, the trace "
+                        "taken in the second (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    data_service.add_parser(sub)
     return parser
 
 
@@ -228,8 +249,10 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     sub = args.subparser
+    import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
-               "cache": _cache, "demo": _demo}[args.command]
+               "cache": _cache, "demo": _demo,
+               "data-service": data_service.run_from_args}[args.command]
     try:
         return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler

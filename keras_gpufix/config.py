@@ -1,278 +1,121 @@
-"""YAML configuration: one file for data, training, distribution and monitors.
+"""YAML configuration: each section is the keyword arguments of one call.
 
 ```yaml
-data:
-  corpus: data/LJSpeech-1.1     # relative paths are relative to this file
-  audio: {sample_rate: 22050, n_mels: 80}   # kg.data.AudioConfig fields
-  text: {}                      # kg.data.TextConfig fields
-  batch_size: 32                # global batch (all replicas)
-  num_buckets: 8                # >= 1 length buckets (bounded shapes)
+data:                 # kg.data.SpeechDatasetBuilder(**data)
+  corpus: data/LJSpeech-1.1       # relative paths are relative to this file
+  audio: {sample_rate: 22050, n_mels: 80}   # kg.data.AudioConfig(**audio)
+  text: {}                        # kg.data.TextConfig(**text)
   cache_dir: cache/
-  on_bad_input: skip            # skip | raise
-  prefetch: auto                # auto | /gpu:0 (to that device)
-  service: null                 # grpc://host:port of a tf.data service
-training:
-  jit_compile: true
-  mixed_precision: auto         # auto | float32 | bfloat16 | float16 (mixed_*)
-  steps_per_execution: auto
-  epochs: 10
-distribute:
-  mode: auto                    # auto | default | one_device | mirrored | multi_worker
-  devices: null
-monitor:
-  window: 96
-  warmup: 5
-  min_windows: 2
-  thresholds: {}                # OscillationDetector arguments
-  log_dir: logs                 # TensorBoard scalars and profiler traces
-  profiling: {trigger: oscillation, steps: 10, max_traces: 3}   # ProfilerTrigger, or false
+build: {batch_size: 32, num_buckets: 8}     # builder.build(**build)
+compile: {jit_compile: true, mixed_precision: auto, steps_per_execution: auto}
+                                  # kg.compile_model(model, optimizer, loss, **compile)
+strategy: {mode: auto}            # kg.setup_strategy(**strategy)
+callbacks:                        # kg.<name>(**arguments), in this order
+  GPUOscillationMonitor: {window: 96, log_dir: logs}
+  RetracingMonitor: {max_new_shapes: 9}
+  ProfilerTrigger: {log_dir: logs, trigger: oscillation}
+fit: {epochs: 10}                 # model.fit(..., **fit)
 ```
 
-- `load_config(path)` parses and type-checks; every error names the key,
-  its line, the expected type and the closest valid key. A value is also
-  checked by the object it configures where that has a rule (`AudioConfig`,
-  `TextConfig`, `OscillationDetector`, `ProfilerTrigger`, device names).
-- Each section's keys are arguments of what it feeds; their defaults are
-  read from that signature (`ProfilerTrigger`, `GPUOscillationMonitor`,
-  `compile_model`, `setup_strategy`, `SpeechDatasetBuilder`), not repeated.
-- `validate_config(path, fix=False)` also checks the performance traps
-  (`check_config`) and, with `fix=True`, rewrites the file in place
-  (atomically, the original kept as `<file>.bak`) with each change listed.
-- `from_config(cfg)` makes everything in the right order: the strategy,
-  the mixed-precision policy (before the model is built), the dataset
-  builder, the `kg.compile_model` arguments and the callbacks.
+There is no schema of its own: a section's keys are the parameters of its
+call (read from the signature, so a new argument needs no change here) and
+its values are judged by the call's own checks. An unknown key names the
+closest parameter (difflib); a value the call refuses gives the call's own
+message with the file and line. `corpus`, `cache_dir` and `log_dir` are
+paths relative to the file.
+
+- `load_config(path)` reads the file and runs the checks that have no side
+  effects (`AudioConfig`, `TextConfig`, `compile_model`'s and
+  `setup_strategy`'s argument checks, the callbacks' constructors).
+- `validate_config(path, fix=False)` also makes the dataset builder on the
+  corpus and calls its `build` (no cache is written), and checks this
+  machine: a batch the replicas cannot share, a mixed-precision policy the
+  device does not run fast, a device it lacks, a `cache_dir` it cannot
+  write. With `fix=True` it rewrites what it can (a typo to the closest key,
+  a quoted number, an empty value to the default, the machine's traps) in
+  place, atomically, the original kept as `<file>.bak`.
+- `from_config(cfg)` makes the strategy, the dtype policy, the builder and
+  the callbacks, and holds the `compile_model`, `build` and `fit` arguments.
 """
 
 import dataclasses
 import difflib
-import functools
-import importlib
 import inspect
 import json
 import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
-from keras_gpufix.distribute import STRATEGY_MODES, resolve_strategy_mode
+__all__ = ["Config", "ConfigError", "Setup", "builder_kwargs", "from_config", "load_config",
+           "validate_config"]
 
-__all__ = [
-    "Config",
-    "DataConfig",
-    "TrainingConfig",
-    "DistributeConfig",
-    "MonitorConfig",
-    "ProfilingConfig",
-    "ConfigError",
-    "Setup",
-    "load_config",
-    "from_config",
-    "builder_kwargs",
-    "check_config",
-    "validate_config",
-]
-
-_POLICIES = ("auto", "float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16")
-# The YAML's short names are Keras's mixed policies (float32 variables).
-_POLICY_NAMES = {False: "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
+_PATH_KEYS = ("corpus", "cache_dir", "log_dir")
+_NOT_FROM_YAML = {"self", "model", "optimizer", "loss", "metrics", "sample_batch", "x", "y",
+                  "callbacks"}  # given in code
+_NESTED = {"audio": "AudioConfig", "text": "TextConfig"}
 
 
-def _spec(default, expected, valid, coerce=None):
-    """A dataclass field with its YAML check: `expected` in words, `valid(v)`,
-    and `coerce(v)` -> a corrected value or None (what `--fix` writes).
-    A callable `default` is a factory (`_fed`: the fed signature's default)."""
-    meta = {"expected": expected, "valid": valid, "coerce": coerce}
-    if callable(default):
-        return dataclasses.field(default_factory=default, metadata=meta)
-    if isinstance(default, (dict, list)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+def _targets():
+    """Section -> the callable whose keyword arguments it holds."""
+    import keras
+
+    import keras_gpufix as kg
+
+    return {"data": kg.data.SpeechDatasetBuilder, "build": kg.data.SpeechDatasetBuilder.build,
+            "compile": kg.compile_model, "strategy": kg.setup_strategy,
+            "callbacks": None, "fit": keras.Model.fit}
 
 
-@functools.lru_cache(maxsize=None)
-def _parameters(owner):
-    module, _, path = owner.partition(":")
-    target = importlib.import_module(module)
-    for name in path.split("."):
-        target = getattr(target, name)
-    return inspect.signature(target).parameters
+def _callback_classes():
+    from keras_gpufix import callbacks
+
+    return {name: getattr(callbacks, name) for name in callbacks.__all__}
 
 
-def _fed(owner):
-    """Defaults owned by the signature a section feeds: `_fed(owner)(name)`
-    is a default factory returning parameter `name`'s default of `owner`
-    (`"module:qualname"`, imported when a section is made, not at import)."""
-    def default(name):
-        return lambda: _parameters(owner)[name].default
-    return default
+def _keys(target) -> list:
+    """The keyword arguments a section may hold: `target`'s parameters
+    (and `model.compile`'s for `compile_model`'s `**compile_kwargs`)."""
+    import keras
+
+    names = []
+    for p in inspect.signature(target).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            names += [k for k in _keys(keras.Model.compile) if k not in names]
+        elif p.kind is not p.VAR_POSITIONAL and p.name not in _NOT_FROM_YAML:
+            names.append(p.name)
+    return names
 
 
-_BUILDER = _fed("keras_gpufix.data.builder:SpeechDatasetBuilder")
-_BUILD = _fed("keras_gpufix.data.builder:SpeechDatasetBuilder.build")
-_COMPILE = _fed("keras_gpufix.compile.entry:compile_model")
-_STRATEGY = _fed("keras_gpufix.distribute:setup_strategy")
-_MONITOR = _fed("keras_gpufix.callbacks.gpu_oscillation_monitor:GPUOscillationMonitor")
-_TRIGGER = _fed("keras_gpufix.callbacks.profiler_trigger:ProfilerTrigger")
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_from_str(v):
-    return int(v) if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v) else None
-
-
-def _bool_from_str(v):
-    if isinstance(v, str) and v.strip().lower() in ("true", "yes", "on", "false", "no", "off"):
-        return v.strip().lower() in ("true", "yes", "on")
-    return None
-
-
-def _opt_str(v):
-    return v is None or isinstance(v, str)
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """The `data` section: arguments of `kg.data.SpeechDatasetBuilder` and `build`."""
-
-    corpus: str = _spec(None, "a path (string) or null", _opt_str)
-    audio: dict = _spec({}, "a mapping of kg.data.AudioConfig fields",
-                        lambda v: isinstance(v, dict))
-    text: dict = _spec({}, "a mapping of kg.data.TextConfig fields",
-                       lambda v: isinstance(v, dict))
-    batch_size: int = _spec(32, "an integer >= 1", lambda v: _is_int(v) and v >= 1,
-                            _int_from_str)
-    num_buckets: int = _spec(
-        _BUILD("num_buckets"), "an integer >= 1 (no bucketing is not supported: with unbounded "
-        "lengths every new padded length is a new XLA compile)", lambda v: _is_int(v) and v >= 1,
-        lambda v: _BUILD("num_buckets")() if v is None or v == 0 else _int_from_str(v))
-    cache_dir: str = _spec(_BUILDER("cache_dir"), "a path (string) or null", _opt_str)
-    on_bad_input: str = _spec(None, '"skip", "raise" or null',
-                              lambda v: v in (None, "skip", "raise"))
-    prefetch: str = _spec(
-        "auto", '"auto" (tf.data AUTOTUNE) or a device such as "/gpu:0" (prefetch_to_device)',
-        lambda v: isinstance(v, str) and (v == "auto" or v.startswith("/")),
-        lambda v: "auto" if v is not None else None)
-    service: str = _spec(_BUILD("service"),
-                         'a tf.data service address "grpc://host:port" or null',
-                         lambda v: v is None or (isinstance(v, str) and "://" in v))
-
-
-@dataclasses.dataclass
-class TrainingConfig:
-    """The `training` section: arguments of `kg.compile_model` and `fit`."""
-
-    jit_compile: bool = _spec(_COMPILE("jit_compile"), "true or false",
-                              lambda v: isinstance(v, bool), _bool_from_str)
-    mixed_precision: str = _spec(_COMPILE("mixed_precision"),
-                                 " | ".join(_POLICIES) + " or false",
-                                 lambda v: v is False or v in _POLICIES)
-    steps_per_execution: Any = _spec(
-        _COMPILE("steps_per_execution"), '"auto" or an integer >= 1',
-        lambda v: v == "auto" or (_is_int(v) and v >= 1), _int_from_str)
-    epochs: int = _spec(1, "an integer >= 1", lambda v: _is_int(v) and v >= 1, _int_from_str)
-
-
-@dataclasses.dataclass
-class DistributeConfig:
-    """The `distribute` section: arguments of `kg.setup_strategy`."""
-
-    mode: str = _spec(_STRATEGY("mode"), " | ".join(STRATEGY_MODES),
-                      lambda v: v in STRATEGY_MODES)
-    devices: list = _spec(_STRATEGY("devices"),
-                          'a list of device names (["/gpu:0", "/gpu:1"]) or null',
-                          lambda v: v is None or (isinstance(v, list) and v
-                                                  and all(isinstance(d, str) for d in v)))
-
-
-@dataclasses.dataclass
-class ProfilingConfig:
-    """`monitor.profiling`: arguments of `kg.ProfilerTrigger` (`false` disables it)."""
-
-    trigger: Any = _spec(_TRIGGER("trigger"),
-                         '"oscillation", "slow_step", a step number or a list of these',
-                         lambda v: isinstance(v, str) or _is_int(v)
-                         or (isinstance(v, list) and v
-                             and all(_is_int(s) or isinstance(s, str) for s in v)))
-    steps: int = _spec(_TRIGGER("steps"), "an integer >= 1", lambda v: _is_int(v) and v >= 1,
-                       _int_from_str)
-    max_traces: int = _spec(_TRIGGER("max_traces"), "an integer >= 1",
-                            lambda v: _is_int(v) and v >= 1, _int_from_str)
-    analyze: bool = _spec(_TRIGGER("analyze"), "true or false", lambda v: isinstance(v, bool),
-                          _bool_from_str)
-    cooldown: int = _spec(_TRIGGER("cooldown"), "an integer >= 0",
-                          lambda v: _is_int(v) and v >= 0, _int_from_str)
-    slow_factor: float = _spec(_TRIGGER("slow_factor"), "a number > 1",
-                               lambda v: _is_number(v) and v > 1)
-    min_slow_ms: float = _spec(_TRIGGER("min_slow_ms"), "a number >= 0",
-                               lambda v: _is_number(v) and v >= 0)
-    warmup: int = _spec(_TRIGGER("warmup"), "an integer >= 0", lambda v: _is_int(v) and v >= 0,
-                        _int_from_str)
-    analysis_timeout: float = _spec(_TRIGGER("analysis_timeout"), "a number of seconds >= 0",
-                                    lambda v: _is_number(v) and v >= 0)
-
-
-@dataclasses.dataclass
-class MonitorConfig:
-    """The `monitor` section: `kg.GPUOscillationMonitor` arguments (`log_dir`
-    for its TensorBoard scalars and `ProfilerTrigger`'s traces) and `profiling`."""
-
-    window: int = _spec(_MONITOR("window"), "an integer >= 8", lambda v: _is_int(v) and v >= 8,
-                        _int_from_str)
-    warmup: int = _spec(_MONITOR("warmup"), "an integer >= 0", lambda v: _is_int(v) and v >= 0,
-                        _int_from_str)
-    min_windows: int = _spec(_MONITOR("min_windows"), "an integer >= 1",
-                             lambda v: _is_int(v) and v >= 1, _int_from_str)
-    thresholds: dict = _spec({}, "a mapping of OscillationDetector arguments to numbers",
-                             lambda v: isinstance(v, dict)
-                             and all(_is_number(x) for x in v.values()))
-    log_dir: str = _spec("logs", "a path (string) or null", _opt_str)
-    profiling: Any = _spec(ProfilingConfig, "a mapping of ProfilerTrigger arguments or false",
-                           lambda v: v is None or v is False or isinstance(v, dict))
-
-
-_SECTIONS = {
-    "data": DataConfig,
-    "training": TrainingConfig,
-    "distribute": DistributeConfig,
-    "monitor": MonitorConfig,
-}
+def _default(target, key):
+    parameter = inspect.signature(target).parameters.get(key)
+    return inspect.Parameter.empty if parameter is None else parameter.default
 
 
 @dataclasses.dataclass
 class Config:
-    """A loaded configuration.
+    """A loaded configuration: the keyword arguments of each call.
 
     Attributes:
-        data, training, distribute, monitor: the sections.
-        source: the file it came from (None when built in code).
+        data, build, compile, strategy, fit: dicts of keyword arguments
+            (paths resolved against the file's folder; `data["audio"]` and
+            `data["text"]` dicts of `AudioConfig` / `TextConfig` fields).
+        callbacks: callback class name -> its keyword arguments, in file order.
+        source: the file it came from.
         lines: `"section.key"` -> line number in `source`.
     """
 
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
-    distribute: DistributeConfig = dataclasses.field(default_factory=DistributeConfig)
-    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
-    source: str = None
+    data: dict = dataclasses.field(default_factory=dict)
+    build: dict = dataclasses.field(default_factory=dict)
+    compile: dict = dataclasses.field(default_factory=dict)
+    strategy: dict = dataclasses.field(default_factory=dict)
+    callbacks: dict = dataclasses.field(default_factory=dict)
+    fit: dict = dataclasses.field(default_factory=dict)
+    source: Optional[str] = None
     lines: dict = dataclasses.field(default_factory=dict)
-
-    def path(self, value):
-        """`value` (a path from the file) resolved against the file's folder."""
-        if value is None:
-            return None
-        value = os.path.expanduser(value)
-        if self.source is None or os.path.isabs(value):
-            return value
-        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.source)), value))
 
 
 class ConfigError(ValueError):
@@ -280,7 +123,7 @@ class ConfigError(ValueError):
 
     Attributes:
         problems: list of problem dicts (`kind`, `key`, `line`, `message`,
-            `expected`, `suggestion`); one per error found.
+            `suggestion`, `fix`); one per error found.
         unusable: True when the file cannot be read or parsed at all.
     """
 
@@ -290,244 +133,231 @@ class ConfigError(ValueError):
         super().__init__("\n".join(p["message"] for p in problems))
 
 
-# ----------------------------------------------------------------- parsing ---
+def _problem(kind, key, line, source, message, suggestion=None, fix=None):
+    where = os.path.basename(source) if source else "config"
+    where = f"{where}, line {line}" if line else where
+    if fix is not None:
+        message += ("; `keras-gpufix validate --fix` "
+                    + (f"renames it to `{fix['to']}`" if fix["action"] == "rename"
+                       else f"sets it to {_scalar(fix['value'])}"))
+    return {"kind": kind, "key": key, "line": line, "message": f"{where}: {message}",
+            "suggestion": suggestion, "fix": fix}
+
 
 class _Doc:
-    """A parsed YAML text with the node of every key (for lines and edits)."""
+    """A parsed YAML text with the nodes of every key (for lines and edits)."""
 
     def __init__(self, text, source):
-        self.text = text
-        self.source = source
+        self.text, self.source = text, source
         try:
             self.root = yaml.compose(text, Loader=yaml.SafeLoader)
             self.data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-            line = mark.line + 1 if mark is not None else None
             what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError([_problem("yaml_syntax", None, line, source,
+            raise ConfigError([_problem("yaml_syntax", None, mark and mark.line + 1, source,
                                         f"YAML syntax error: {what}")], unusable=True)
         if self.data is None:
             raise ConfigError([_problem(
-                "empty_file", None, None, source,
-                "the file is empty (or only comments): nothing is configured. "
-                "Start from examples/tts.yaml")], unusable=True)
+                "empty_file", None, None, source, "the file is empty (or only comments): "
+                "nothing is configured. Start from examples/tts.yaml")], unusable=True)
         if not isinstance(self.data, dict):
             raise ConfigError([_problem(
                 "not_a_mapping", None, 1, source,
-                "the top level must be a mapping of sections "
-                f"({', '.join(_SECTIONS)}). Received: {_describe(self.data)}")], unusable=True)
-        self.nodes = {}  # "a.b" -> (key node, value node, parent mapping node)
-        self.duplicates = []  # (path, first line, repeated line)
+                f"the top level must be a mapping of sections. Received: {self.data!r:.80}")],
+                unusable=True)
+        self.nodes = {}  # "a.b" -> (key node, value node)
+        self.problems = []
         self._walk(self.root, "")
 
     def _walk(self, node, prefix):
-        if not isinstance(node, yaml.MappingNode):
-            return
         for key, value in node.value:
             path = f"{prefix}{key.value}"
             if path in self.nodes:
-                self.duplicates.append((path, self.line(path), key.start_mark.line + 1))
-            self.nodes[path] = (key, value, node)
-            self._walk(value, path + ".")
+                first, again = self.line(path), key.start_mark.line + 1
+                self.problems.append(_problem(
+                    "duplicate_key", path, again, self.source,
+                    f"`{path}` is set twice, on line {first} and line {again} (YAML keeps only "
+                    f"line {again}'s value); delete one of them"))
+            self.nodes[path] = (key, value)
+            if isinstance(value, yaml.MappingNode):
+                self._walk(value, path + ".")
 
     def line(self, path):
-        item = self.nodes.get(path)
-        return item[0].start_mark.line + 1 if item else None
+        while path and path not in self.nodes:
+            path = path.rpartition(".")[0]  # a key the call lacks: its section's line
+        return self.nodes[path][0].start_mark.line + 1 if path else None
+
+    def add(self, kind, path, message, suggestion=None, fix=None):
+        self.problems.append(_problem(kind, path, self.line(path), self.source, message,
+                                      suggestion, fix))
+
+    def resolve(self, key, value):
+        if key not in _PATH_KEYS or not isinstance(value, str):
+            return value
+        value = os.path.expanduser(value)
+        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.source)),
+                                             value))
 
 
-def _describe(value):
-    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
-             list: "a list", dict: "a mapping", type(None): "null"}
-    return f"{value!r} ({names.get(type(value), type(value).__name__)})"
+def _mapping(doc, raw, path, valid):
+    """`raw` as a dict of the keys in `valid`; a problem per unknown key."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        doc.add("invalid_value", path, f"`{path}` must be a mapping. Received: {raw!r:.80}")
+        return {}
+    for key in raw:
+        if key not in valid:
+            full = f"{path}.{key}" if path else str(key)
+            guess = next(iter(difflib.get_close_matches(str(key), valid, n=1)), None)
+            fix = ({"action": "rename", "key": full, "to": guess}
+                   if guess and guess not in raw else None)
+            doc.add("unknown_key", full,
+                    f"unknown key `{full}`" + (f"; did you mean `{guess}`?" if guess else "")
+                    + f" Valid keys{f' in `{path}`' if path else ''}: "
+                    + ", ".join(sorted(valid)), guess, fix)
+    return {k: doc.resolve(k, v) for k, v in raw.items() if k in valid}
 
 
-def _problem(kind, key, line, source, message, expected=None, suggestion=None, fix=None):
-    where = os.path.basename(source) if source else "config"
-    where = f"{where}, line {line}" if line else where
-    return {
-        "kind": kind,
-        "key": key,
-        "line": line,
-        "message": f"{where}: {message}",
-        "expected": expected,
-        "suggestion": suggestion,
-        "fix": fix,
-    }
+def _named(kwargs, message):
+    return [k for k in kwargs if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", message)]
 
 
-def _closest(name, valid):
-    match = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
-def _unknown_keys(mapping, valid, prefix, doc, problems):
-    """Adds an `unknown_key` problem per key of `mapping` not in `valid`."""
-    for key in mapping:
-        if key in valid:
+def _culprit(call, kwargs, message):
+    """The key whose value `call(**kwargs)` refused: the one its message names,
+    else the one without which the call passes; None when neither tells."""
+    named = _named(kwargs, message)
+    if len(named) == 1:
+        return named[0]
+    for key in named or kwargs:
+        try:
+            call(**{k: v for k, v in kwargs.items() if k != key})
+            return key
+        except (TypeError, ValueError):
             continue
-        path = f"{prefix}.{key}" if prefix else str(key)
-        guess = _closest(key, valid)
-        fix = None
-        if guess is not None and guess not in mapping:
-            fix = {"action": "rename", "key": path, "to": guess}
-        hint = f"; did you mean `{guess}`?" if guess else ""
-        problems.append(_problem(
-            "unknown_key", path, doc.line(path), doc.source,
-            f"unknown key `{path}`{hint} Valid keys{' in `' + prefix + '`' if prefix else ''}: "
-            + ", ".join(sorted(valid)),
-            expected=", ".join(sorted(valid)), suggestion=guess, fix=fix))
+    return None
 
 
-def _sub_keys(owner):
-    """Argument names of a class (dataclass fields or `__init__` parameters)."""
-    if dataclasses.is_dataclass(owner):
-        return [f.name for f in dataclasses.fields(owner)]
-    params = inspect.signature(owner).parameters.values()
-    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+def _accepted(call, kwargs, key, default):
+    """A value of `key` that `call` does not refuse, for `--fix`: a quoted
+    scalar unquoted, or an empty value (null, false, 0, "") the default."""
+    value, candidates = kwargs[key], []
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+            candidates += [] if isinstance(parsed, str) else [parsed]
+        except yaml.YAMLError:
+            pass
+    if value in (None, False, 0, "") and default is not inspect.Parameter.empty:
+        candidates.append(default)
+    for candidate in candidates:
+        try:
+            call(**{**kwargs, key: candidate})
+        except (TypeError, ValueError) as exc:
+            if key in _named(kwargs, str(exc)):
+                continue  # refused too; another key's refusal is not this value's
+        return candidate
+    return inspect.Parameter.empty
 
 
-def _data_class(name):
-    """`kg.data.AudioConfig` / `TextConfig`, or None where not available."""
-    try:
-        from keras_gpufix import data
-        return getattr(data, name)
-    except (ImportError, AttributeError):
-        return None
+def _judge(doc, path, call, kwargs, target):
+    """`call(**kwargs)`, its own checks being the schema: each value it refuses
+    becomes a problem with its line (the call's message), replaced by the
+    fixed value or the default to find the next. Returns the call's result,
+    or None when it never passed."""
+    kwargs = dict(kwargs)
+    while True:
+        try:
+            return call(**kwargs)
+        except (TypeError, ValueError) as exc:
+            message = str(exc).strip()
+            key = _culprit(call, kwargs, message)
+            if key is None:
+                doc.add("invalid_value", path, f"`{path}`: {message}")
+                return None
+            default = _default(target, key)
+            value = _accepted(call, kwargs, key, default)
+            fix = (None if value is inspect.Parameter.empty else
+                   {"action": "set", "key": f"{path}.{key}", "value": value})
+            doc.add("invalid_value", f"{path}.{key}", f"`{path}.{key}`: {message}", fix=fix)
+            if fix is None and default is inspect.Parameter.empty:
+                return None
+            kwargs[key] = default if fix is None else value
 
 
-def _threshold_keys():
-    from keras_gpufix.analysis import THRESHOLDS
-    return sorted(THRESHOLDS)
+def _check_compile(**kwargs):
+    import keras_gpufix as kg
+    from keras_gpufix.compile.entry import check_args
+
+    bound = inspect.signature(kg.compile_model).bind(None, None, None, **kwargs)
+    bound.apply_defaults()
+    check_args(*(bound.arguments[k] for k in
+                 ("jit_compile", "mixed_precision", "steps_per_execution", "sample_batch")))
 
 
-def _detector(monitor, thresholds):
-    from keras_gpufix.analysis import OscillationDetector
-
-    return OscillationDetector(window=monitor.window, warmup=monitor.warmup,
-                               min_windows=monitor.min_windows, **thresholds)
-
-
-def _device_specs(names):
+def _check_strategy(**kwargs):
     import tensorflow as tf
 
-    return [tf.DeviceSpec.from_string(name) for name in names]
+    import keras_gpufix as kg
+    from keras_gpufix.distribute import resolve_strategy_mode
+
+    bound = inspect.signature(kg.setup_strategy).bind(**kwargs)
+    bound.apply_defaults()
+    devices = bound.arguments["devices"]
+    if devices is not None and not (isinstance(devices, list) and devices):
+        raise ValueError("`devices` must be a non-empty list of device names such as "
+                         f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}")
+    for device in devices or ():
+        tf.DeviceSpec.from_string(device)
+    resolve_strategy_mode(bound.arguments["mode"], device_count=len(devices or ()),
+                          devices_given=devices is not None)
 
 
-def _profiler_trigger(profiling):
-    from keras_gpufix.callbacks import ProfilerTrigger
+def _parse(doc, dry_run):
+    """(Config, builder or None) from a parsed document; problems go to `doc.problems`."""
+    from keras_gpufix import data as kg_data
 
-    return ProfilerTrigger("logs", verbose=0, **dataclasses.asdict(profiling))
-
-
-def _owner_check(key, what, make, doc, problems):
-    """Adds an `invalid_value` problem when `make()`, the object `key`
-    configures built from the loaded values, rejects them: the object's own
-    rule decides, so `load_config` accepts exactly what it accepts."""
-    try:
-        make()
-    except (TypeError, ValueError) as exc:
-        problems.append(_problem(
-            "invalid_value", key, doc.line(key), doc.source,
-            f"`{key}` is not {what}: {exc}"))
-
-
-def _section(cls, raw, prefix, doc, problems):
-    """Builds a section dataclass from `raw`; bad entries keep their default."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _unknown_keys(raw, fields, prefix, doc, problems)
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in raw:
-            continue
-        value, path = raw[name], f"{prefix}.{name}"
-        meta = f.metadata
-        if meta["valid"](value):
-            kwargs[name] = value
-            continue
-        coerced = meta["coerce"](value) if meta["coerce"] else None
-        fix = None
-        if coerced is not None and meta["valid"](coerced):
-            fix = {"action": "set", "key": path, "value": coerced}
-        problems.append(_problem(
-            "wrong_type", path, doc.line(path), doc.source,
-            f"`{path}` must be {meta['expected']}. Received: {_describe(value)}",
-            expected=meta["expected"], fix=fix))
-    return cls(**kwargs)
-
-
-def _nested(raw, prefix, valid, doc, problems):
-    if isinstance(raw, dict):
-        _unknown_keys(raw, valid, prefix, doc, problems)
-
-
-def _build(doc):
-    """(Config, schema problems) from a parsed document; lenient."""
-    problems = []
-    for path, first, again in doc.duplicates:
-        problems.append(_problem(
-            "duplicate_key", path, again, doc.source,
-            f"`{path}` is set twice, on line {first} and line {again} (YAML keeps only "
-            f"line {again}'s value); delete one of them"))
-    _unknown_keys(doc.data, _SECTIONS, "", doc, problems)
-    sections = {}
-    for name, cls in _SECTIONS.items():
-        raw = doc.data.get(name)
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            problems.append(_problem(
-                "wrong_type", name, doc.line(name), doc.source,
-                f"`{name}` must be a mapping. Received: {_describe(raw)}",
-                expected="a mapping"))
-            raw = {}
-        sections[name] = _section(cls, raw, name, doc, problems)
-    data, monitor = sections["data"], sections["monitor"]
-    for key, cls_name in (("audio", "AudioConfig"), ("text", "TextConfig")):
-        owner = _data_class(cls_name)
-        if owner is None:
-            continue
-        values = getattr(data, key)
-        _nested(values, f"data.{key}", _sub_keys(owner), doc, problems)
-        known = {k: v for k, v in values.items() if k in _sub_keys(owner)}
-        _owner_check(f"data.{key}", f"a valid {cls_name}", lambda: owner(**known), doc,
-                     problems)
-    _nested(monitor.thresholds, "monitor.thresholds", _threshold_keys(), doc, problems)
-    if monitor.thresholds:
-        known = {k: v for k, v in monitor.thresholds.items() if k in _threshold_keys()}
-        _owner_check("monitor.thresholds", "accepted by OscillationDetector",
-                     lambda: _detector(monitor, known), doc, problems)
-    distribute = sections["distribute"]
-    if distribute.devices:
-        _owner_check("distribute.devices", "a list of TensorFlow device names",
-                     lambda: _device_specs(distribute.devices), doc, problems)
-        _owner_check("distribute.devices", f"usable with mode {distribute.mode!r}",
-                     lambda: resolve_strategy_mode(distribute.mode,
-                                                   device_count=len(distribute.devices),
-                                                   devices_given=True), doc, problems)
-    if data.prefetch != "auto":
-        _owner_check("data.prefetch", "a TensorFlow device name",
-                     lambda: _device_specs([data.prefetch]), doc, problems)
-    if monitor.profiling is None or isinstance(monitor.profiling, dict):
-        given = bool(monitor.profiling)
-        monitor.profiling = _section(ProfilingConfig, monitor.profiling or {},
-                                     "monitor.profiling", doc, problems)
-        if given:
-            _owner_check("monitor.profiling", "accepted by ProfilerTrigger",
-                         lambda: _profiler_trigger(monitor.profiling), doc, problems)
-    lines = {path: doc.line(path) for path in doc.nodes}
-    return Config(source=doc.source, lines=lines, **sections), _in_line_order(problems)
-
-
-def _in_line_order(problems):
-    return sorted(problems, key=lambda p: (p["line"] is None, p["line"] or 0))
+    targets = _targets()
+    raw = _mapping(doc, doc.data, "", list(targets))
+    cfg = Config(source=doc.source, lines={p: doc.line(p) for p in doc.nodes})
+    for name in ("build", "compile", "strategy", "fit"):
+        setattr(cfg, name, _mapping(doc, raw.get(name), name, _keys(targets[name])))
+    cfg.data = _mapping(doc, raw.get("data"), "data", _keys(targets["data"]))
+    objects = {}
+    for key, cls_name in _NESTED.items():
+        if key in cfg.data:
+            cls = getattr(kg_data, cls_name)
+            fields = _mapping(doc, cfg.data[key], f"data.{key}", _keys(cls))
+            cfg.data[key] = fields
+            objects[key] = _judge(doc, f"data.{key}", cls, fields, cls)
+    _judge(doc, "compile", _check_compile, cfg.compile, targets["compile"])
+    _judge(doc, "strategy", _check_strategy, cfg.strategy, targets["strategy"])
+    classes = _callback_classes()
+    raw_callbacks = raw.get("callbacks")
+    if raw_callbacks is None and "callbacks" not in raw:
+        raw_callbacks = {"GPUOscillationMonitor": {}, "RetracingMonitor": {}}
+    for name in _mapping(doc, raw_callbacks, "callbacks", list(classes)):
+        path, cls = f"callbacks.{name}", classes[name]
+        kwargs = _mapping(doc, raw_callbacks[name], path, _keys(cls))
+        cfg.callbacks[name] = kwargs
+        _judge(doc, path, cls, kwargs, cls)
+    builder = None
+    if dry_run and cfg.data.get("corpus") is not None and None not in objects.values():
+        kwargs = {**cfg.data, **objects, "cache_dir": None, "verbose": 0}  # writes nothing
+        if getattr(objects.get("audio"), "trim_top_db", None) is not None:  # reads every file
+            kwargs["audio"] = dataclasses.replace(objects["audio"], trim_top_db=None)
+        builder = _judge(doc, "data", targets["data"], kwargs, targets["data"])
+        if builder is not None:
+            _judge(doc, "build", builder.build, cfg.build, targets["build"])
+    return cfg, builder
 
 
 def _read(path):
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise ConfigError([_problem("missing_file", None, None, path,
-                                    f"no such file: {path}")], unusable=True)
+        raise ConfigError([_problem("missing_file", None, None, path, f"no such file: {path}")],
+                          unusable=True)
     try:
         with open(path, encoding="utf-8") as f:
             return _Doc(f.read(), path)
@@ -536,288 +366,167 @@ def _read(path):
                                     f"cannot read {path}: {exc}")], unusable=True) from exc
 
 
+def _in_line_order(problems):
+    return sorted(problems, key=lambda p: (p["line"] is None, p["line"] or 0))
+
+
 def load_config(path) -> Config:
-    """Reads and type-checks a YAML config.
+    """Reads a YAML config and checks it against the calls it feeds.
 
     Args:
         path: the YAML file.
 
     Returns:
-        A `Config`. Performance traps are not errors here: see
-        `check_config` / `keras-gpufix validate`.
+        A `Config`. The corpus and the `build` values are checked when the
+        builder is made (`from_config`, `validate_config`); this machine's
+        traps only by `validate_config`.
 
     Raises:
         ConfigError: (a `ValueError`) listing every unknown key (with the
-            closest valid one), wrong type (with the expected one) and YAML
-            syntax error, each with its line.
+            closest valid one), value a call refuses (with its message) and
+            YAML syntax error, each with its file and line.
 
     Example:
 
     >>> cfg = kg.load_config("examples/tts.yaml")
-    >>> cfg.data.batch_size
-    32
+    >>> cfg.build["batch_size"]
+    16
     """
     doc = _read(path)
-    cfg, problems = _build(doc)
-    if problems:
-        raise ConfigError(problems)
+    cfg, _ = _parse(doc, dry_run=False)
+    if doc.problems:
+        raise ConfigError(_in_line_order(doc.problems))
     return cfg
 
 
-# ------------------------------------------------------------------ checks ---
+def _traps(cfg, doc, info):
+    """This machine's performance traps in `cfg`, added to `doc.problems`."""
+    from keras_gpufix.compile.hardware import precision_support
+    from keras_gpufix.data.cache import writable_problem
+    from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
 
-def _replicas(distribute, info):
-    """Replicas the distribute section gives on this machine (distribute's rule)."""
-    from keras_gpufix.distribute import tf_config_cluster
+    def fix(key, value):
+        return {"action": "set", "key": key, "value": value}
 
+    devices = cfg.strategy.get("devices") or []
     try:
-        cluster = tf_config_cluster() if distribute.mode in ("auto", "multi_worker") else None
-    except ValueError:  # setup_strategy names the bad TF_CONFIG itself
-        cluster = None
-    count = len(distribute.devices) if distribute.devices else len(info["gpus"])
-    try:
-        mode, _ = resolve_strategy_mode(distribute.mode, device_count=count,
-                                        devices_given=bool(distribute.devices), cluster=cluster)
-    except ValueError:  # devices the mode cannot use: already an invalid_value problem
-        return 1
-    if mode in ("default", "one_device"):
-        return 1
-    return max(1, count) * (sum(cluster.values()) if cluster else 1)
-
-
-def _default_cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "keras_gpufix")
-
-
-def check_config(cfg: Config, environment=None):
-    """Performance traps in a config, as problem dicts (empty when none).
-
-    Checks what really costs GPU time, on this machine: `on_bad_input`
-    unset for a corpus that has bad files, a batch size the replicas cannot
-    share, a mixed-precision policy the device does not run fast, a GPU
-    this machine does not have, a `cache_dir` that cannot be written, a
-    corpus that does not exist.
-
-    Args:
-        cfg: a `Config`.
-        environment: `keras_gpufix.compile.device_info()`-like dict; defaults
-            to this machine's.
-
-    Returns:
-        A list of dicts with `kind`, `key`, `line`, `message`, `expected`,
-        `suggestion` and `fix` (`{"action": "set", "key", "value"}` or None).
-    """
-    from keras_gpufix.compile.hardware import device_info, precision_support
-
-    info = device_info() if environment is None else environment
-    problems = []
-    d, t = cfg.data, cfg.training
-
-    def add(kind, key, message, fix_value=dataclasses.MISSING):
-        fix = None if fix_value is dataclasses.MISSING else {
-            "action": "set", "key": key, "value": fix_value}
-        problems.append(_problem(kind, key, cfg.lines.get(key) or cfg.lines.get(key.split(".")[0]),
-                                 cfg.source, message, fix=fix))
-
-    corpus = cfg.path(d.corpus)
-    if corpus is not None:
-        if not os.path.exists(corpus):
-            add("corpus_missing", "data.corpus", f"`data.corpus` does not exist: {corpus}")
-        elif d.on_bad_input is None:
-            skipped = _bad_inputs(corpus, d.audio.get("max_seconds"))
-            if skipped:
-                first = skipped[0]
-                add("bad_input_unset", "data.on_bad_input",
-                    f"`data.on_bad_input` is unset and the corpus has {len(skipped)} bad "
-                    f"utterance(s) (first: line {first['line']}, {first['path']}: "
-                    f"{first['reason']}); choose `skip` (drop and report) or `raise`", "skip")
-    replicas = _replicas(cfg.distribute, info)
-    if d.batch_size % replicas:
-        fixed = -(-d.batch_size // replicas) * replicas
-        add("batch_not_divisible", "data.batch_size",
-            f"`data.batch_size` {d.batch_size} is not divisible by the {replicas} replicas "
-            f"of `distribute` (mode {cfg.distribute.mode!r}): replicas get unequal batches "
-            "and the last one a different shape", fixed)
-    fast, reason = (True, None) if t.mixed_precision in (False, "auto") else (
-        precision_support(t.mixed_precision, info))
-    if not fast:
-        add("mixed_precision_unsupported", "training.mixed_precision",
-            f"`training.mixed_precision` is {t.mixed_precision!r} but {reason}; "
-            "`auto` picks what this device runs fast", "auto")
-    for key, names, fix_value in (
-            ("distribute.devices", cfg.distribute.devices or [], dataclasses.MISSING),
-            ("data.prefetch", [] if d.prefetch == "auto" else [d.prefetch], "auto")):
-        missing = [n for n in names if _gpu_index(n) is not None
-                   and _gpu_index(n) >= len(info["gpus"])]
+        cluster = tf_config_cluster()
+        mode, _ = resolve_strategy_mode(cfg.strategy.get("mode", "auto"),
+                                        device_count=len(devices) or len(info["gpus"]),
+                                        devices_given=bool(devices), cluster=cluster)
+    except ValueError:  # setup_strategy names it
+        mode, cluster = "default", None
+    replicas = 1 if mode in ("default", "one_device") else (
+        max(1, len(devices) or len(info["gpus"])) * (sum(cluster.values()) if cluster else 1))
+    batch = cfg.build.get("batch_size")
+    if isinstance(batch, int) and batch % replicas:
+        doc.add("batch_not_divisible", "build.batch_size",
+                f"`build.batch_size` {batch} is not divisible by the {replicas} replicas of "
+                "`strategy`: replicas get unequal batches and the last one a different shape",
+                fix=fix("build.batch_size", -(-batch // replicas) * replicas))
+    policy = cfg.compile.get("mixed_precision")
+    if policy not in (None, "auto"):
+        fast, reason = precision_support(policy, info)
+        if not fast:
+            doc.add("mixed_precision_unsupported", "compile.mixed_precision",
+                    f"`compile.mixed_precision` is {policy!r} but {reason}; `auto` picks what "
+                    "this device runs fast", fix=fix("compile.mixed_precision", "auto"))
+    prefetch = cfg.build.get("prefetch_to_device")
+    for key, names in (("strategy.devices", devices),
+                       ("build.prefetch_to_device", [prefetch] if prefetch else [])):
+        gpus = [re.search(r"gpu:(\d+)$", str(n), re.IGNORECASE) for n in names]
+        missing = [n for n, m in zip(names, gpus) if m and int(m.group(1)) >= len(info["gpus"])]
         if missing:
-            add("device_missing", key,
-                f"`{key}` names {', '.join(missing)} but this machine has "
-                f"{len(info['gpus'])} GPU(s)", fix_value)
-    cache = cfg.path(d.cache_dir)
-    if cache is not None:
-        from keras_gpufix.data.cache import writable_problem  # the builder's own check
+            doc.add("device_missing", key, f"`{key}` names {', '.join(missing)} but this "
+                    f"machine has {len(info['gpus'])} GPU(s)",
+                    fix=fix(key, None) if key.startswith("build") else None)
+    cache = cfg.data.get("cache_dir")
+    why = cache and writable_problem(cache)
+    if why:
+        doc.add("cache_dir_not_writable", "data.cache_dir",
+                f"`data.cache_dir` {cache} cannot be written ({why})")
 
-        why = writable_problem(cache)
-        if why:
-            default = _default_cache_dir()
-            add("cache_dir_not_writable", "data.cache_dir",
-                f"`data.cache_dir` {cache} cannot be written ({why})",
-                *([default] if writable_problem(default) is None else []))
-    return problems
-
-
-def _gpu_index(name):
-    """The GPU number of a device name (`/gpu:1`, `/device:GPU:1`, ...), else None."""
-    match = re.search(r"(?:^|/)(?:device:)?gpu:(\d+)$", name, re.IGNORECASE)
-    return int(match.group(1)) if match else None
-
-
-def _bad_inputs(corpus, max_seconds):
-    from keras_gpufix.data.corpus import Corpus
-
-    try:
-        source = Corpus.from_path(corpus)
-    except ValueError as exc:
-        return [{"line": None, "path": corpus, "reason": str(exc)}]
-    return source.scan(on_bad_input="skip", max_seconds=max_seconds)[1]
-
-
-# -------------------------------------------------------------------- --fix ---
 
 def _scalar(value):
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    text = str(value)
-    try:
-        if yaml.safe_load(f"k: {text}") == {"k": text}:
-            return text
-    except yaml.YAMLError:
-        pass
-    return json.dumps(text)
+    text = json.dumps(value) if not isinstance(value, str) else value
+    if isinstance(value, str):
+        try:
+            if yaml.safe_load(f"k: {value}") != {"k": value}:
+                text = json.dumps(value)
+        except yaml.YAMLError:
+            text = json.dumps(value)
+    return text
 
 
-def _edits(doc, fix):
-    """Text edits `(start, end, replacement)` that apply one fix."""
-    path = fix["key"]
+def _edit(doc, fix):
+    """`(start, end, replacement, before)` of one fix in `doc.text`."""
+    key, value = doc.nodes[fix["key"]]
     if fix["action"] == "rename":
-        key = doc.nodes[path][0]
-        return [(key.start_mark.index, key.end_mark.index, fix["to"])]
-    value = _scalar(fix["value"])
-    if path in doc.nodes:
-        node = doc.nodes[path][1]
-        end = node.end_mark.index + len(_stale_comment(doc, node))
-        return [(node.start_mark.index, end, value)]
-    section, name = path.split(".", 1)
-    text = doc.text
-    if section not in doc.nodes:
-        sep = "" if not text or text.endswith("\n") else "\n"
-        return [(len(text), len(text), f"{sep}{section}:\n  {name}: {value}\n")]
-    node = doc.nodes[section][1]
-    if isinstance(node, yaml.MappingNode) and node.flow_style:
-        end = node.end_mark.index - 1
-        return [(end, end, f"{', ' if node.value else ''}{name}: {value}")]
-    if isinstance(node, yaml.MappingNode) and node.value:
-        indent = node.value[0][0].start_mark.column
-        last = node.value[-1][1].end_mark
-        at = last.index if last.column == 0 else text.find("\n", last.index)
-        if at == -1:
-            return [(len(text), len(text), f"\n{' ' * indent}{name}: {value}\n")]
-        at = at if last.column == 0 else at + 1
-        return [(at, at, f"{' ' * indent}{name}: {value}\n")]
-    # `section:` with no value (null)
-    return [(node.start_mark.index, node.end_mark.index, f"\n  {name}: {value}")]
+        return key.start_mark.index, key.end_mark.index, fix["to"], fix["key"]
+    start, end = value.start_mark.index, value.end_mark.index
+    comment = re.match(r"[ \t]+#[^\n]*", doc.text[end:])
+    old = doc.text[start:end].strip("\"'")
+    if comment and old and re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", comment.group(0)):
+        end += len(comment.group(0))  # a comment naming the old value would lie
+    return start, end, _scalar(fix["value"]), doc.text[start:end].rstrip()
 
 
-def _stale_comment(doc, node):
-    """The `  # ...` ending the line of value `node` when it names the old
-    value (it would lie once `--fix` rewrites the value: it is dropped), else ""."""
-    match = re.match(r"[ \t]+#[^\n]*", doc.text[node.end_mark.index:])
-    old = doc.text[node.start_mark.index:node.end_mark.index].strip("\"'")
-    if match and old and re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", match.group(0)):
-        return match.group(0)
-    return ""
-
-
-def _change(doc, problem):
-    """What one fix changes, for people: `before` -> `after` at `line`."""
-    fix = problem["fix"]
-    if fix["action"] == "rename":
-        parent = fix["key"].rpartition(".")[0]
-        before, after = fix["key"], f"{parent}.{fix['to']}" if parent else fix["to"]
-    else:
-        node = doc.nodes.get(fix["key"], (None, None))[1]
-        before = None
-        if node is not None:
-            comment = _stale_comment(doc, node).strip()
-            before = doc.text[node.start_mark.index:node.end_mark.index] + (
-                f"  {comment}" if comment else "")
-        after = _scalar(fix["value"])
-    return {"line": problem["line"], "key": fix["key"], "action": fix["action"],
-            "before": before, "after": after, "reason": problem["kind"],
-            "message": problem["message"]}
-
-
-def _all_problems(doc, environment):
-    cfg, problems = _build(doc)
-    return cfg, _in_line_order(problems + check_config(cfg, environment))
-
-
-def validate_config(path, fix=False, environment=None):
-    """Validates a config file; with `fix=True` rewrites what can be fixed.
+def validate_config(path, fix=False, environment=None) -> dict:
+    """Validates a config file on this machine; with `fix=True` rewrites what it can.
 
     Args:
         path: the YAML file.
         fix: write the corrected file in place (atomically: a temporary
             file renamed over it) and keep the original as `<path>.bak`
             (`.bak.1`, ... when that exists). Defaults to False.
-        environment: `keras_gpufix.compile.device_info()`-like dict. Defaults
-            to this machine's.
+        environment: a `keras_gpufix.compile.device_info()`-like dict.
+            Defaults to this machine's.
 
     Returns:
         A dict with `path`, `exit_code` (0 valid, 1 problems remain, 2 the
         file is unusable: missing, unreadable, not YAML), `problems` (the
-        ones left), `changes` (with `fix`: `line`, `key`, `before`,
-        `after`, `reason`, `message`), `backup` (path or None) and `error`
-        (message when unusable).
+        ones left), `changes` (with `fix`: `line`, `key`, `before`, `after`,
+        `reason`, `message`), `backup` (path or None) and `error` (message
+        when unusable).
     """
     path = os.fspath(path)
-    result = {"path": path, "exit_code": 0, "problems": [], "changes": [],
-              "backup": None, "error": None}
+    result = {"path": path, "exit_code": 0, "problems": [], "changes": [], "backup": None,
+              "error": None}
+    if environment is None:
+        from keras_gpufix.compile import device_info
+
+        environment = device_info()
+
+    def check(doc):
+        cfg, _ = _parse(doc, dry_run=True)
+        _traps(cfg, doc, environment)
+        return _in_line_order(doc.problems)
+
     try:
         doc = _read(path)
-        if environment is None:
-            from keras_gpufix.compile import device_info
-
-            environment = device_info()
-        _, problems = _all_problems(doc, environment)
+        problems = check(doc)
     except ConfigError as exc:
         result.update(exit_code=2, error=str(exc), problems=exc.problems)
         return result
     original = doc.text
-    if fix:
-        for _ in range(4):  # a rename can reveal a trap in the renamed key
-            fixable = [p for p in problems if p["fix"]]
-            if not fixable:
-                break
-            edits, seen = [], set()
-            for p in fixable:
-                if p["fix"]["key"] in seen:
-                    continue
-                seen.add(p["fix"]["key"])
-                edits.extend(_edits(doc, p["fix"]))
-                result["changes"].append(_change(doc, p))
-            text = doc.text
-            for start, end, new in sorted(edits, reverse=True):
-                text = text[:start] + new + text[end:]
-            doc = _Doc(text, path)
-            _, problems = _all_problems(doc, environment)
-        if result["changes"]:
-            result["backup"] = _write_atomic(path, doc.text, original)
+    for _ in range(4 if fix else 0):  # a rename can reveal a problem in the renamed key
+        edits = {p["fix"]["key"]: p for p in problems if p["fix"]}
+        if not edits:
+            break
+        text, changes = doc.text, []
+        for start, end, new, before, p in sorted(
+                ((*_edit(doc, p["fix"]), p) for p in edits.values()), key=lambda e: -e[0]):
+            text = text[:start] + new + text[end:]
+            parent = p["fix"]["key"].rpartition(".")[0]
+            after = (f"{parent}.{new}" if parent else new) if p["fix"]["action"] == "rename" \
+                else new
+            changes.insert(0, {"line": p["line"], "key": p["fix"]["key"], "before": before,
+                               "after": after, "reason": p["kind"], "message": p["message"]})
+        result["changes"] += changes
+        doc = _Doc(text, path)
+        problems = check(doc)
+    if result["changes"]:
+        result["backup"] = _write_atomic(path, doc.text, original)
     result["problems"] = problems
     result["exit_code"] = 1 if problems else 0
     return result
@@ -828,8 +537,8 @@ def _write_atomic(path, text, original):
     while os.path.exists(backup):
         n += 1
         backup = f"{path}.bak.{n}"
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".",
+                               suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -846,69 +555,75 @@ def _write_atomic(path, text, original):
     return backup
 
 
-# ------------------------------------------------------------- from_config ---
-
 @dataclasses.dataclass
 class Setup:
     """Everything `from_config` made, in the order training needs it.
 
     Attributes:
         config: the `Config`.
-        strategy: the `tf.distribute.Strategy` (`kg.setup_strategy`).
-        policy: the Keras dtype policy set (`kg.enable_mixed_precision`).
-        builder: the `kg.data.SpeechDatasetBuilder`, None without a corpus.
-        build_kwargs: arguments for `builder.build` (the global batch size).
-        compile_kwargs: keyword arguments for `kg.compile_model`.
-        callbacks: fresh monitor callbacks for `fit`: `GPUOscillationMonitor`,
-            `RetracingMonitor` and, with `monitor.log_dir`, a `StepTimer`
-            writing per-step and per-epoch `step_timer/*` TensorBoard scalars
-            beside the monitor's `oscillation/*` and the `ProfilerTrigger`.
+        strategy: the `tf.distribute.Strategy` (`kg.setup_strategy(**strategy)`).
+        policy: the Keras dtype policy in force (`kg.enable_mixed_precision`
+            with `compile.mixed_precision`, unless that is null).
+        builder: the `kg.data.SpeechDatasetBuilder`, None without `data.corpus`.
+        build_kwargs: the `build` section, for `builder.build`.
+        compile_kwargs: the `compile` section, for `kg.compile_model`
+            (`mixed_precision` the policy set).
+        callbacks: the `callbacks` section's callbacks, made fresh.
+        fit_kwargs: the `fit` section, for `model.fit`.
     """
 
     config: Config
     strategy: Any
-    policy: Any
+    policy: str
     builder: Any
     build_kwargs: dict
     compile_kwargs: dict
     callbacks: list
+    fit_kwargs: dict
 
     def dataset(self, **overrides):
-        """`builder.build(**build_kwargs, **overrides)`."""
+        """`builder.build(**build_kwargs, **overrides)`; a value `build`
+        refuses is a `ConfigError` naming the file and line."""
         if self.builder is None:
-            raise ValueError(
-                "`data.corpus` is not set in the config: there is no dataset to build.")
-        return self.builder.build(**{**self.build_kwargs, **overrides})
+            raise ValueError("`data.corpus` is not set in the config: there is no dataset "
+                             "to build.")
+        return _made(self.config, "build", self.builder.build, {**self.build_kwargs,
+                                                                 **overrides})
+
+
+def _made(cfg, path, call, kwargs):
+    """`call(**kwargs)`; its TypeError/ValueError a `ConfigError` naming the line."""
+    try:
+        return call(**kwargs)
+    except (TypeError, ValueError) as exc:
+        key = _culprit(call, kwargs, str(exc))
+        path = f"{path}.{key}" if key else path
+        line = cfg.lines.get(path) or cfg.lines.get(path.split(".")[0])
+        raise ConfigError([_problem("invalid_value", path, line, cfg.source,
+                                    f"`{path}`: {str(exc).strip()}")]) from exc
 
 
 def builder_kwargs(cfg: Config) -> dict:
-    """Keyword arguments of `kg.data.SpeechDatasetBuilder` from a config.
-
-    The one place a config becomes builder arguments (`from_config`, the
-    `bench-data` and `cache` commands use it).
+    """`kg.data.SpeechDatasetBuilder` keyword arguments of a config's `data`
+    section (`audio`, `text` as their config objects), without `corpus`.
 
     Args:
         cfg: a `Config`.
 
     Returns:
-        A dict with `cache_dir` (resolved against the file's folder) and,
-        where the config sets them, `audio` (`kg.data.AudioConfig`), `text`
-        (`kg.data.TextConfig`) and `on_bad_input`.
+        A dict (the paths resolved against the file's folder).
     """
     from keras_gpufix import data
 
-    kwargs = {"cache_dir": cfg.path(cfg.data.cache_dir)}
-    if cfg.data.audio:
-        kwargs["audio"] = data.AudioConfig(**cfg.data.audio)
-    if cfg.data.text:
-        kwargs["text"] = data.TextConfig(**cfg.data.text)
-    if cfg.data.on_bad_input is not None:
-        kwargs["on_bad_input"] = cfg.data.on_bad_input
+    kwargs = {k: v for k, v in cfg.data.items() if k != "corpus"}
+    for key, cls_name in _NESTED.items():
+        if key in kwargs:
+            kwargs[key] = getattr(data, cls_name)(**kwargs[key])
     return kwargs
 
 
 def from_config(cfg) -> Setup:
-    """Builds strategy, policy, dataset builder, compile arguments and callbacks.
+    """Makes the strategy, dtype policy, dataset builder and callbacks of a config.
 
     Call it before building the model: it creates the strategy (GPU memory
     growth must be set before any GPU is used) and sets the mixed-precision
@@ -920,40 +635,34 @@ def from_config(cfg) -> Setup:
     Returns:
         A `Setup`.
 
+    Raises:
+        ConfigError: for a value a call refuses, naming the file and line.
+
     Example:
 
-    >>> setup = kg.from_config(kg.load_config("examples/tts.yaml"))
+    >>> setup = kg.from_config("examples/tts.yaml")
     >>> with setup.strategy.scope():
     ...     model = build_model()
     ...     kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
-    >>> model.fit(setup.dataset(), epochs=setup.config.training.epochs,
-    ...           callbacks=setup.callbacks)
+    >>> model.fit(setup.dataset(), callbacks=setup.callbacks, **setup.fit_kwargs)
     """
+    import keras
+
     import keras_gpufix as kg
 
     if not isinstance(cfg, Config):
         cfg = load_config(cfg)
-    d, t, m = cfg.data, cfg.training, cfg.monitor
-    strategy = kg.setup_strategy(mode=cfg.distribute.mode, devices=cfg.distribute.devices)
-    policy = kg.enable_mixed_precision(_POLICY_NAMES.get(t.mixed_precision, t.mixed_precision))
+    strategy = _made(cfg, "strategy", kg.setup_strategy, cfg.strategy)
+    compile_kwargs = dict(cfg.compile)
+    policy = compile_kwargs.get("mixed_precision", "auto")
+    if policy is not None:
+        policy = compile_kwargs["mixed_precision"] = kg.enable_mixed_precision(policy)
     builder = None
-    if d.corpus is not None:
-        builder = kg.data.SpeechDatasetBuilder(cfg.path(d.corpus), **builder_kwargs(cfg))
-    build_kwargs = {"batch_size": d.batch_size, "num_buckets": d.num_buckets}
-    if d.prefetch != "auto":
-        build_kwargs["prefetch_to_device"] = d.prefetch
-    if d.service is not None:
-        build_kwargs["service"] = d.service
-    compile_kwargs = {"jit_compile": t.jit_compile, "mixed_precision": policy,
-                      "steps_per_execution": t.steps_per_execution}
-    log_dir = cfg.path(m.log_dir)
-    callbacks = [
-        kg.GPUOscillationMonitor(window=m.window, warmup=m.warmup, min_windows=m.min_windows,
-                                 thresholds=m.thresholds, log_dir=log_dir),
-        kg.RetracingMonitor(max_new_shapes=d.num_buckets + 1),
-    ]
-    if log_dir is not None:  # per-step and per-epoch step_timer/* scalars for TensorBoard
-        callbacks.append(kg.StepTimer(log_dir=log_dir))  # every step, compiles included
-    if m.profiling is not False and log_dir is not None:
-        callbacks.append(kg.ProfilerTrigger(log_dir, **dataclasses.asdict(m.profiling)))
-    return Setup(cfg, strategy, policy, builder, build_kwargs, compile_kwargs, callbacks)
+    if cfg.data.get("corpus") is not None:
+        builder = _made(cfg, "data", kg.data.SpeechDatasetBuilder,
+                        {"corpus": cfg.data["corpus"], **builder_kwargs(cfg)})
+    classes = _callback_classes()
+    callbacks = [_made(cfg, f"callbacks.{name}", classes[name], kwargs)
+                 for name, kwargs in cfg.callbacks.items()]
+    return Setup(cfg, strategy, policy or keras.mixed_precision.global_policy().name, builder,
+                 dict(cfg.build), compile_kwargs, callbacks, dict(cfg.fit))

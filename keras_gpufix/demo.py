@@ -5,8 +5,8 @@
 2. `kg.from_config` makes the strategy, dtype policy, dataset builder
    (feature cache, length buckets) and the monitors;
 3. the naive way: a tiny mel-prediction model trained from the naive loader
-   (`keras_gpufix.data.naive`: librosa in `tf.numpy_function`, padded
-   batches) with `model.compile` defaults, the monitors attached;
+   (`keras_gpufix.data.naive`: a NumPy spectrogram in `tf.numpy_function`,
+   padded batches) with `model.compile` defaults, the monitors attached;
 4. the keras_gpufix way: the same model from the config's cached, bucketed
    dataset, compiled with `kg.compile_model` (XLA), the same monitors;
 5. the report: what the builder skipped and padded, each way's one verdict
@@ -14,6 +14,12 @@
    XLA compiles, one per length bucket, are expected) with its evidence and
    utterances/s after the first epoch, and the measured ratio naming the
    faster way.
+
+Both ways are traced once by a `kg.ProfilerTrigger` in steady state (up to 6
+steps of the second epoch, from its second step), so TensorBoard's Profile
+tab shows the two side by side: runs `naive` and `keras_gpufix` under
+`logs/`, each with its `step_timer/*` and `oscillation/*` scalars and its
+trace.
 
 TensorFlow's own C++ and absl log lines are hidden for the run
 (`TF_CPP_MIN_LOG_LEVEL=2` unless already set, before TensorFlow is
@@ -23,6 +29,7 @@ reading it, so those are filtered from stderr while TensorFlow loads);
 """
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -35,23 +42,18 @@ DEMO_CONFIG = """\
 data:
   corpus: corpus
   audio: {{n_mels: 40, max_seconds: 4.0}}
-  batch_size: 8
-  num_buckets: 4
   cache_dir: cache
   on_bad_input: skip
-  prefetch: auto
-training:
-  jit_compile: true
-  mixed_precision: auto
-  steps_per_execution: 1
-  epochs: {epochs}
-distribute:
-  mode: auto
-monitor:
-  window: 8
-  warmup: {warmup}  # the first epoch: its XLA compiles (one per bucket) are not judged
-  log_dir: logs
-  profiling: {{trigger: [oscillation, 4], steps: 6, max_traces: 1}}
+build: {{batch_size: 8, num_buckets: 4}}
+compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
+strategy: {{mode: auto}}
+callbacks:
+  # warmup: the first epoch: its XLA compiles (one per bucket) are not judged
+  GPUOscillationMonitor: {{window: 8, warmup: {warmup}, log_dir: logs}}
+  RetracingMonitor: {{max_new_shapes: 5}}
+  StepTimer: {{log_dir: logs}}
+  # no ProfilerTrigger: the demo traces each way's second epoch itself (steady state)
+fit: {{epochs: {epochs}}}
 """
 
 
@@ -85,11 +87,36 @@ def _steady_rate(epoch_seconds, samples_per_epoch):
     return samples_per_epoch * len(steady) / sum(steady) if steady else None
 
 
-def _side(monitor, retracing, epoch_seconds, samples_per_epoch, history):
+def _steady_trace(kg, log_dir, steps_per_epoch, epochs):
+    """A `ProfilerTrigger` that traces up to 6 steps of the second epoch, from its
+    second step on (the first epoch's XLA compiles and each epoch's first step,
+    iterator start-up, left out); None with one epoch."""
+    if epochs < 2:
+        return None
+    offset = min(max(1, steps_per_epoch // 4), steps_per_epoch - 1)
+    return kg.ProfilerTrigger(log_dir, trigger=[steps_per_epoch + offset],
+                              steps=max(1, min(6, steps_per_epoch - offset)), max_traces=1,
+                              verbose=0)
+
+
+def _name_run(staging, run_dir):
+    """Moves the scalars our callbacks wrote under `staging` (their TensorBoard run
+    `keras_gpufix`) into `run_dir`, and removes `staging`."""
+    written = os.path.join(staging, "keras_gpufix")
+    os.makedirs(run_dir, exist_ok=True)
+    for entry in os.listdir(written):
+        os.replace(os.path.join(written, entry), os.path.join(run_dir, entry))
+    shutil.rmtree(staging)
+
+
+def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per_epoch,
+          history):
     losses = history.history.get("loss", [])
     return {
         "monitor": monitor.report(),
         "retracing": retracing.report(),
+        "traces": [] if trace is None else trace.report()["traces"],
+        "steps_per_epoch": steps_per_epoch,
         "epoch_seconds": epoch_seconds,
         "fit_seconds": sum(epoch_seconds),
         "samples_per_epoch": samples_per_epoch,
@@ -116,9 +143,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
 
     Both ways train the same tiny model on the same generated corpus, one
     after the other in this process, with the same monitors: first the
-    naive loader (`keras_gpufix.data.naive.naive_dataset`: librosa in
-    `tf.numpy_function`, padded batches) with `model.compile` defaults,
-    then the config's path (`kg.from_config`: feature cache, length
+    naive loader (`keras_gpufix.data.naive.naive_dataset`: a NumPy
+    spectrogram in `tf.numpy_function`, padded batches) with
+    `model.compile` defaults, then the config's path (`kg.from_config`: feature cache, length
     buckets, `kg.compile_model`).
 
     Args:
@@ -133,12 +160,12 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         A dict: `workdir`, `config`, `corpus_seconds`, `cache_seconds`
         (opening or building the feature cache), `builder` (its
         report), `compile` (the `CompileReport` as a dict), `naive` and
-        `keras_gpufix` (each: `monitor` and `retracing` reports,
-        `epoch_seconds`, `fit_seconds`, `samples_per_epoch`,
-        `steady_samples_per_s`, `loss` first and last epoch), `traces`
-        (ProfilerTrigger's, keras_gpufix way), `log_dir` (TensorBoard: the
-        keras_gpufix way's scalars and traces, the naive way's under
-        `naive/`), `first_epoch_steps` (the keras_gpufix way's), `devices`.
+        `keras_gpufix` (each: `monitor` and `retracing` reports, `traces`
+        (ProfilerTrigger's: one XProf trace of up to 6 steps of the second
+        epoch, none with one epoch), `steps_per_epoch`, `epoch_seconds`,
+        `fit_seconds`, `samples_per_epoch`, `steady_samples_per_s`, `loss`
+        first and last epoch), `log_dir` (TensorBoard: runs `naive` and
+        `keras_gpufix`, each with its scalars and its trace), `devices`.
     """
     import dataclasses
 
@@ -173,28 +200,29 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         (ids, _), (frames, _) = text_batch, mel_batch
         return {"text": ids, "mel": frames[:, :-1]}, frames[:, 1:]
 
-    log_dir = cfg.path(cfg.monitor.log_dir)
-    naive_logs = None if log_dir is None else os.path.join(log_dir, "naive")
-    m = cfg.monitor
-    monitor = kg.GPUOscillationMonitor(  # as the config's, its scalars beside them
-        window=m.window, warmup=m.warmup, min_windows=m.min_windows, thresholds=m.thresholds,
-        log_dir=naive_logs, verbose=0)
-    retracing = kg.RetracingMonitor(max_new_shapes=cfg.data.num_buckets + 1, warn=False,
-                                    verbose=0)
-    naive_callbacks = [monitor, retracing] + ([] if naive_logs is None else
-                                              [kg.StepTimer(log_dir=naive_logs)])
+    m = cfg.callbacks["GPUOscillationMonitor"]
+    log_dir = m["log_dir"]
+    staging = tempfile.mkdtemp(prefix=".naive_scalars_", dir=workdir)  # then run `naive`
+    monitor = kg.GPUOscillationMonitor(  # as the config's
+        **{**m, "log_dir": staging, "verbose": 0})
+    retracing = kg.RetracingMonitor(**{**cfg.callbacks["RetracingMonitor"], "warn": False,
+                                       "verbose": 0})
 
-    emit(f"1/2 naive: librosa in tf.numpy_function, padded batches, model.compile defaults; "
-         f"{epochs} epochs ...", verbose)
+    emit(f"1/2 naive: NumPy spectrogram in tf.numpy_function, padded batches, model.compile "
+         f"defaults; {epochs} epochs ...", verbose)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
-    naive_ds, naive_steps = naive_dataset(corpus, cfg.data.batch_size, audio, text, seed=0)
+    naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
     naive_model = _model(text.num_ids, audio.n_mels)
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
+    naive_trace = _steady_trace(kg, os.path.join(log_dir, "naive"), naive_steps, epochs)
     history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
-                            naive_callbacks, steps=naive_steps)
-    naive = _side(monitor, retracing, seconds, naive_steps * cfg.data.batch_size, history)
+                            [monitor, retracing, kg.StepTimer(log_dir=staging)]
+                            + [naive_trace] * (naive_trace is not None), steps=naive_steps)
+    _name_run(staging, os.path.join(log_dir, "naive"))  # beside the keras_gpufix way's run
+    naive = _side(monitor, retracing, naive_trace, naive_steps, seconds,
+                  naive_steps * cfg.build["batch_size"], history)
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "
          f"cache, length buckets, kg.compile_model); {epochs} epochs ...", verbose)
@@ -205,11 +233,14 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     with setup.strategy.scope():
         model = _model(text.num_ids, audio.n_mels)
         report = kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
-    history, seconds = _fit(model, train, cfg.training.epochs, setup.callbacks,
-                            steps=setup.builder.report["batches_per_epoch"])
+    steps = setup.builder.report["batches_per_epoch"]
+    trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps,
+                          setup.fit_kwargs["epochs"])
+    history, seconds = _fit(model, train, setup.fit_kwargs["epochs"],
+                            setup.callbacks + [trace] * (trace is not None), steps=steps)
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
-    fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], seconds,
-                 setup.builder.report["utterances"], history)
+    fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,
+                 seconds, setup.builder.report["utterances"], history)
     return {
         "workdir": workdir,
         "config": config_path,
@@ -219,15 +250,25 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         "compile": dataclasses.asdict(report),
         "naive": naive,
         "keras_gpufix": fast,
-        "traces": by_name["ProfilerTrigger"].report()["traces"] if "ProfilerTrigger" in by_name
-        else [],
         "log_dir": log_dir,
-        "first_epoch_steps": setup.builder.report["batches_per_epoch"],
         "devices": [d.name for d in tf.config.list_logical_devices()],
     }
 
 
-def _side_lines(side, traces=(), first_epoch_steps=0):
+def _trace_line(t, steps_per_epoch):
+    a = t.get("analysis") or {}
+    epoch = t["start_step"] // steps_per_epoch + 1
+    head = (f"          evidence: XProf trace of steps {t['start_step']}-{t['end_step']} "
+            f"(epoch {epoch})")
+    if "classification" not in a:
+        why = a.get("error") or ("XProf is still analysing it" if t.get("pending")
+                                 else "XProf found no step in it")
+        return f"{head}: not analysed ({why})"
+    return (f"{head}: step {a.get('step_time_ms') or 0:.1f} ms, input "
+            f"{a.get('input_percent') or 0:.1f}%")
+
+
+def _side_lines(side):
     m, r = side["monitor"], side["retracing"]
     wait = m.get("input_wait")
     rate = side["steady_samples_per_s"]
@@ -237,14 +278,7 @@ def _side_lines(side, traces=(), first_epoch_steps=0):
              f"          evidence: median step {(m.get('step_time') or {}).get('p50_ms') or 0:.1f} ms"
              + ("" if wait is None else f", input wait {wait:.0%}")
              + f", {r.get('new_shapes')} input shapes, {r.get('trace_count')} traces"]
-    for t in traces:
-        a = t.get("analysis") or {}
-        if "classification" in a:
-            when = (" (first epoch, XLA compiles included)"
-                    if t["end_step"] < first_epoch_steps else "")
-            lines.append(f"          evidence: XProf trace of steps {t['start_step']}-{t['end_step']}"
-                         f"{when}: step {a.get('step_time_ms') or 0:.1f} ms, input "
-                         f"{a.get('input_percent') or 0:.1f}%")
+    lines += [_trace_line(t, side["steps_per_epoch"]) for t in side["traces"]]
     if m.get("verdict") != "healthy":
         lines.append(f"          fix:      {m.get('fix')}")
     lines.append(f"          speed:    first epoch {side['epoch_seconds'][0]:.1f} s, then "
@@ -265,18 +299,18 @@ def format_demo(result):
         f"          cache {b['cache']} ({result['cache_seconds']:.1f} s), {b['distinct_shapes']} "
         f"batch shapes, padding efficiency {b['padding_efficiency']:.1%}, bucket boundaries "
         f"{b['bucket_boundaries']}",
-        "naive:    librosa in tf.numpy_function, padded_batch, model.compile defaults",
+        "naive:    NumPy spectrogram in tf.numpy_function, padded_batch, model.compile defaults",
         *_side_lines(naive),
         f"keras_gpufix: feature cache, {len(b['bucket_boundaries'])} length buckets, "
         f"compile_model (jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "
         f"steps_per_execution={c.get('steps_per_execution')})"
         + (f", fallback: {c['fallback_reason']}" if c.get("fallback_reason") else ""),
-        *_side_lines(fast, result["traces"], result["first_epoch_steps"]),
+        *_side_lines(fast),
         "result:   " + faster("keras_gpufix", fast["steady_samples_per_s"], "naive",
                               naive["steady_samples_per_s"], " utterances/s")
         + " after the first epoch, same corpus and model, this run",
-        f"next:     tensorboard --logdir {result['log_dir']} (runs keras_gpufix and "
-        f"naive/keras_gpufix)   |   keras-gpufix validate {result['config']}",
+        f"next:     tensorboard --logdir {result['log_dir']} (runs naive and keras_gpufix; "
+        "Profile tab: one trace of each)   |   keras-gpufix validate " + result["config"],
         "TensorFlow's own log lines were hidden: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo "
         "shows them",
     ]

@@ -12,6 +12,10 @@ else hierarchical copy; ring or NCCL collectives across workers).
 `STRATEGY_MODES` and `resolve_strategy_mode` are the mode names and the
 "auto" rule; `kg.validate` uses the same ones.
 
+`cluster_seed` is the shuffle seed every worker of a cluster derives alike
+(Keras splits each global batch between the workers, so they must draw the
+same epoch: `kg.data`'s builder uses it when `seed=None`).
+
 Memory growth is set on every GPU before TensorFlow initialises them (an
 error says so when it is too late). The choice and its reason are logged on
 the `keras_gpufix.distribute` logger.
@@ -21,6 +25,7 @@ Both GPUs train under `MirroredStrategy`; the input pipeline (`tf.data`,
 model GPU" mode in `tf.distribute` (see `docs/distributed.md`).
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -32,8 +37,8 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 __all__ = [
-    "STRATEGY_MODES", "global_batch_size", "resolve_strategy_mode", "setup_strategy",
-    "tf_config_cluster",
+    "STRATEGY_MODES", "cluster_seed", "global_batch_size", "resolve_strategy_mode",
+    "setup_strategy", "tf_config_cluster",
 ]
 
 logger = logging.getLogger(__name__)
@@ -232,17 +237,54 @@ def tf_config_cluster() -> Optional[dict]:
     Raises:
         ValueError: when `TF_CONFIG` is not valid JSON.
     """
+    cluster = _tf_config().get("cluster")
+    if not cluster:
+        return None
+    return {job: len(tasks) for job, tasks in cluster.items()}
+
+
+def _tf_config() -> dict:
+    """`TF_CONFIG` as a dict ({} when unset)."""
     raw = os.environ.get("TF_CONFIG")
     if not raw:
-        return None
+        return {}
     try:
         config = json.loads(raw)
     except ValueError as exc:
         raise ValueError(f"`TF_CONFIG` is not valid JSON ({exc}). Received: TF_CONFIG={raw!r}") from exc
-    cluster = config.get("cluster") if isinstance(config, dict) else None
-    if not cluster:
+    return config if isinstance(config, dict) else {}
+
+
+def cluster_seed() -> Optional[int]:
+    """A shuffle seed every worker of the cluster derives alike, or None.
+
+    Under `MultiWorkerMirroredStrategy` Keras gives each worker its share of
+    every global batch (`tf.distribute` shards the dataset by data), so each
+    worker must draw the same epoch: with its own random seed, workers
+    read some utterances twice and others never. The seed is a hash of the
+    cluster (from `TF_CONFIG`, else the cluster resolver of the strategy in
+    scope), which is the same on every worker and needs no communication;
+    the same cluster gives the same seed in every run (pass `seed=` to the
+    builder to change it).
+
+    Returns:
+        A non-negative int, or None outside a cluster of two or more tasks.
+
+    Raises:
+        ValueError: when `TF_CONFIG` is not valid JSON.
+    """
+    cluster = _tf_config().get("cluster") or _strategy_cluster()
+    if not cluster or sum(len(tasks) for tasks in cluster.values()) < 2:
         return None
-    return {job: len(tasks) for job, tasks in cluster.items()}
+    text = json.dumps(cluster, sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def _strategy_cluster():
+    import tensorflow as tf
+
+    resolver = getattr(tf.distribute.get_strategy(), "cluster_resolver", None)
+    return resolver.cluster_spec().as_dict() if resolver is not None else None
 
 
 def _mirrored(devices, gpus):

@@ -1,9 +1,11 @@
 """Every reach into Keras's and TensorFlow's private structures, in one place.
 
 keras_gpufix needs a few things Keras and TensorFlow offer no public way to
-get: the `tf.function`s inside `model.train_function`, the graphs they traced,
-and so on. Each is one small function here, checked on Keras 3.15.1 and
-TensorFlow 2.21.0, with a test in `tests/test_keras_internals.py`. The rest of
+get: the `tf.function`s inside `model.train_function`, the graphs they
+traced, a train step XLA-compiled per replica under `MirroredStrategy`, and
+so on. Each is one small function here, with a test in
+`tests/test_keras_internals.py`; `benchmarks/compat.py` runs them on Keras
+3.12-3.15 with TensorFlow 2.19-2.21. The rest of
 the package calls these functions and never touches a private name itself, so
 a Keras release that moves something breaks one function, not many.
 
@@ -18,21 +20,25 @@ from collections import deque
 from keras_gpufix.exceptions import warn
 
 __all__ = [
+    "batch_rows",
     "callback_model",
     "concrete_functions",
-    "closure_cell",
     "cross_device_ops_name",
     "flatten_layers",
     "function_jit_compile",
     "in_multi_worker_mode",
     "input_datasets",
+    "install_multi_worker_fixes",
+    "install_per_replica_xla",
     "overrides_train_step",
+    "remove_per_replica_xla",
     "set_symbolic_build",
     "symbolic_build",
+    "tf_function_class",
     "traced_functions",
 ]
 
-CHECKED_ON = "Keras 3.15.1, TensorFlow 2.21.0"
+CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
 _WARNED = set()
 
 
@@ -99,6 +105,19 @@ def traced_functions(train_function, depth: int = 4) -> dict:
                 except ValueError:  # empty cell
                     pass
     return found
+
+
+def tf_function_class() -> type:
+    """The class of the objects `tf.function` returns (their `__call__` is
+    every call of a traced function).
+
+    TensorFlow 2.19-2.21: `tensorflow.python.eager.polymorphic_function.
+    polymorphic_function.Function`, not exported; it is taken from an object
+    `tf.function` makes, so it follows TensorFlow where it moves.
+    """
+    import tensorflow as tf
+
+    return type(tf.function(lambda: None))
 
 
 def cross_device_ops_name(strategy) -> str:
@@ -228,22 +247,6 @@ def in_multi_worker_mode(strategy) -> bool:
         return sum(len(tasks) for tasks in spec.values()) > 1
 
 
-def closure_cell(fn, name: str):
-    """The closure cell of `fn` holding its free variable `name`, or None.
-
-    Used to make a rebuilt Keras train function (Keras 3.15.1's
-    `make_train_function`: `one_step_on_data` inside
-    `multi_step_on_iterator`) call an already traced step. None, with one
-    `GpufixWarning`, when `fn` has no such variable.
-    """
-    code = getattr(fn, "__code__", None)
-    if code is None or name not in code.co_freevars or not fn.__closure__:
-        _off(f"the train function's closure variable {name!r}",
-             LookupError(f"{getattr(fn, '__name__', fn)!r} has no free variable {name!r}"))
-        return None
-    return fn.__closure__[code.co_freevars.index(name)]
-
-
 def symbolic_build(model, data_batch) -> None:
     """Builds `model`'s metrics and optimizer variables from one batch.
 
@@ -260,3 +263,114 @@ def set_symbolic_build(model, build) -> None:
     the multi-worker fix replaces it on the instance.
     """
     model._maybe_symbolic_build = build
+
+
+def install_per_replica_xla(model) -> None:
+    """Replaces `model.train_step` by one whose forward/backward is XLA-compiled.
+
+    Keras 3's own `jit_compile=True` under `MirroredStrategy` wraps the whole
+    replicated step, all devices together, in one XLA cluster and fails at
+    the first step. This step runs inside `strategy.run`, so each replica
+    compiles its own cluster on its own device; the all-reduce (a
+    cross-replica `merge_call`) and the optimizer update stay outside XLA,
+    where `tf.distribute` needs them. Keras has no public way to compile only
+    part of its step, so this is Keras's `TensorFlowTrainer.train_step`
+    (3.12-3.15) written with public names (`model.compute_loss`,
+    `model.compute_metrics`, `optimizer.scale_loss`);
+    `tests/test_keras_internals.py` checks it against Keras's own step.
+    """
+    import inspect
+
+    import keras
+    import tensorflow as tf
+
+    takes_training = "training" in inspect.signature(model.compute_loss).parameters
+
+    @tf.function(jit_compile=True, reduce_retracing=True)
+    def forward_backward(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            extra = {"training": True} if takes_training else {}
+            loss = model.compute_loss(x, y, y_pred, sample_weight, **extra)
+            scaled = model.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_weights)
+        return loss, y_pred, grads
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss, y_pred, grads = forward_backward(x, y, sample_weight)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        loss_metric = next(m for m in model.metrics if m.name == "loss")
+        loss_metric.update_state(
+            loss * tf.cast(replicas, loss.dtype),  # the replica's share, unscaled
+            sample_weight=batch_rows(x),
+        )
+        model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return _with_replica_axis(logs) if multi_worker else logs
+
+    multi_worker = _multi_worker(model.distribute_strategy)
+    model.train_step = train_step
+
+
+def remove_per_replica_xla(model) -> None:
+    """Gives the model Keras's own train step back (the XLA fallback)."""
+    model.__dict__.pop("train_step", None)
+    if _multi_worker(model.distribute_strategy):
+        install_multi_worker_fixes(model)
+
+
+def batch_rows(x):
+    """Rows in the batch, from its first input that is not None (keras-team/keras#21630)."""
+    import tensorflow as tf
+
+    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
+def _multi_worker(strategy) -> bool:
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        in_multi_worker_mode(strategy))
+
+
+def _with_replica_axis(logs):
+    import tensorflow as tf
+
+    return tf.nest.map_structure(
+        lambda t: tf.reshape(t, [1]) if t.shape.rank == 0 else t, logs
+    )
+
+
+def install_multi_worker_fixes(model) -> None:
+    """Makes Keras 3 `fit`/`evaluate` run under a multi-worker
+    MultiWorkerMirroredStrategy (tensorflow/tensorflow#72388).
+
+    Keras reduces each scalar log with `strategy.reduce("MEAN", v, axis=0)`
+    there, which fails on 0-d values, so the steps give scalars a length-1
+    axis; and `fit` starts by reducing a distributed input batch in eager
+    mode, which fails too, so the symbolic build (`set_symbolic_build`)
+    reads the local batch.
+    """
+    import tensorflow as tf
+
+    strategy = model.distribute_strategy
+    cls = type(model)
+    if "train_step" not in model.__dict__:
+        model.train_step = lambda data: _with_replica_axis(cls.train_step(model, data))
+    model.test_step = lambda data: _with_replica_axis(cls.test_step(model, data))
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None and data_batch is None:
+            for _, _, it in iterator:
+                data_batch = tf.nest.map_structure(local, next(it))
+                break
+        with strategy.scope():
+            symbolic_build(model, data_batch)
+
+    set_symbolic_build(model, maybe_symbolic_build)

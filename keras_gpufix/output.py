@@ -31,11 +31,13 @@ def _interactive():
 
 
 _TF_LOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: All log messages before absl)")
+_hidden = False  # whether import_tensorflow_quietly imported TensorFlow
 
 
 def import_tensorflow_quietly() -> bool:
     """Imports TensorFlow with its own log lines hidden, so that our output
-    is what is left (`keras-gpufix demo` and `diagnose`).
+    is what is left (every `keras-gpufix` command,
+    `examples/tensorboard_snapshot.py`).
 
     Sets `TF_CPP_MIN_LOG_LEVEL=2` for the run. TensorFlow 2.21 writes its
     import-time `I0000`/`W0000`/`E0000` lines before it reads that, so
@@ -45,10 +47,12 @@ def import_tensorflow_quietly() -> bool:
     level (`TF_CPP_MIN_LOG_LEVEL=0` shows them all).
 
     Returns:
-        True when the lines were hidden (say how to see them).
+        True when the lines were hidden, by this call or an earlier one
+        (say how to see them).
     """
+    global _hidden
     if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2"):
-        return False
+        return _hidden
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     sys.stderr.flush()
     saved = os.dup(2)
@@ -65,6 +69,7 @@ def import_tensorflow_quietly() -> bool:
         for line in captured:
             if not _TF_LOG_LINE.match(line):
                 sys.stderr.write(line)
+    _hidden = True
     return True
 
 

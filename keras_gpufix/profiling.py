@@ -12,7 +12,8 @@ Plain functions, usable from a callback (`kg.ProfilerTrigger`), the CLI
 | `active_trace()`            | our running trace (dict) or None                      |
 | `xplane_files(path)`        | the `*.xplane.pb` files of a run folder or log dir    |
 | `analyze_trace(path)`       | XProf `input_pipeline_analyzer` -> step time, input % |
-| `classify_input_percent(p)` | XProf's thresholds: >= 20 highly, >= 5 moderately     |
+| `classify_input_percent(p)` | XProf's classification (thresholds in                 |
+|                             | `analysis.THRESHOLDS`: >= 20 highly, >= 5 moderately) |
 | `format_analysis(a)`        | the one line we log for a trace                       |
 | `tensorboard_command(dir)`  | the command that opens the traces                     |
 
@@ -39,6 +40,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from keras_gpufix.analysis import THRESHOLDS
+
 __all__ = [
     "ProfilerBusyError",
     "start_trace",
@@ -50,14 +53,7 @@ __all__ = [
     "classify_input_percent",
     "format_analysis",
     "tensorboard_command",
-    "HIGHLY_INPUT_BOUND_PERCENT",
-    "MODERATELY_INPUT_BOUND_PERCENT",
 ]
-
-# XProf's own thresholds (op_stats_to_input_pipeline_analysis.cc:
-# kHighlyInfeedBoundThresholdInPercent, kModeratelyInfeedBoundThresholdInPercent).
-HIGHLY_INPUT_BOUND_PERCENT = 20.0
-MODERATELY_INPUT_BOUND_PERCENT = 5.0
 
 _LOCK = threading.RLock()  # re-entrant: a finaliser may stop a trace mid-call
 _ACTIVE = None  # the trace this module started and has not stopped
@@ -225,14 +221,16 @@ def classify_input_percent(percent: "float | None") -> "str | None":
     """XProf's classification of a run by the share of step time spent on input.
 
     Returns:
-        `highly_input_bound` (>= 20%), `moderately_input_bound` (>= 5%),
+        `highly_input_bound` (>= `THRESHOLDS["xprof_highly_input_bound_percent"]`,
+        20%), `moderately_input_bound` (>=
+        `THRESHOLDS["xprof_moderately_input_bound_percent"]`, 5%),
         `not_input_bound`, or None when `percent` is None.
     """
     if percent is None:
         return None
-    if percent >= HIGHLY_INPUT_BOUND_PERCENT:
+    if percent >= THRESHOLDS["xprof_highly_input_bound_percent"]:
         return "highly_input_bound"
-    if percent >= MODERATELY_INPUT_BOUND_PERCENT:
+    if percent >= THRESHOLDS["xprof_moderately_input_bound_percent"]:
         return "moderately_input_bound"
     return "not_input_bound"
 

@@ -19,6 +19,7 @@ from keras_gpufix.analysis import (
     slow_limit,
     slow_mask,
     summarize_step_times,
+    weigh,
 )
 
 
@@ -518,3 +519,47 @@ def test_slow_steps_of_unknown_shape_are_never_priced_as_recompiles():
     judgement = judge(records(times), jit=True)
     assert judgement["verdict"] == "periodic_stall" and judgement["period"] == 8
     assert "recompile_ms" not in judgement["evidence"]
+
+
+def test_the_runs_verdict_names_the_live_events_it_overrides():
+    det = OscillationDetector(window=32, warmup=0)
+    # 100 steps stalling every 5th, then 300 input-bound steps (half the cycle waiting)
+    run(det, [0.03 if i % 5 == 0 else 0.01 for i in range(100)] + [0.02] * 300,
+        input_wait=[0.0] * 100 + [0.01] * 300)
+    verdict = det.verdict()
+    assert [e["verdict"] for e in det.events] == ["periodic_stall", "input_bound"]
+    assert verdict["verdict"] == "input_bound" and verdict["phase"] == "input_wait"
+    assert verdict["cost_share"] == det.events[-1]["cost_share"]
+    assert verdict["because"][0].startswith("input_bound from step")
+    assert verdict["changed"].startswith("during the run: periodic_stall at steps ")
+    assert verdict["changed"].endswith("input_bound covered the most steps")
+    quiet = OscillationDetector(window=32, warmup=0)
+    run(quiet, [0.01] * 40)
+    assert quiet.verdict() == {"verdict": "healthy", "fix": FIXES["healthy"], "phase": None,
+                               "cost_share": None, "because": [], "changed": None}
+
+
+def test_weigh_says_which_reading_it_believes_and_why():
+    healthy = {"verdict": "healthy", "fix": FIXES["healthy"], "phase": None,
+               "cost_share": None, "because": [], "changed": None, "input_wait": 0.02}
+    xprof = {"classification": "moderately_input_bound", "input_percent": 12.0, "steps": 10,
+             "start_step": 10, "end_step": 19}
+    kept = weigh(healthy, xprof=[xprof])
+    assert kept["verdict"] == "healthy"  # a few traced steps never overturn the step log
+    (why,) = kept["because"]
+    assert why.startswith("XProf's trace of steps 10-19 reads input 12.0% "
+                          "(moderately_input_bound); the verdict stays healthy")
+    # the what-if: 1.66x faster with the input free = the input costs 40% of the run
+    moved = weigh(healthy, what_if={"speedup_if_input_free": 1.66})
+    assert (moved["verdict"], moved["phase"]) == ("input_bound", "input_wait")
+    assert moved["cost_share"] == pytest.approx(1 - 1 / 1.66)
+    assert "the step log read healthy (input wait 2%)" in moved["because"][0]
+    assert moved["fix"] == FIXES["input_bound"]
+    # under input_wait_share the what-if is no cause; agreeing evidence adds nothing
+    assert weigh(healthy, what_if={"speedup_if_input_free": 1.2})["verdict"] == "healthy"
+    bound = dict(healthy, verdict="input_bound", input_wait=0.6)
+    agree = weigh(bound, xprof=[dict(xprof, classification="highly_input_bound")],
+                  what_if={"speedup_if_input_free": 2.5})
+    assert agree["verdict"] == "input_bound" and agree["because"] == []
+    stays = weigh(bound, what_if={"speedup_if_input_free": 1.0})
+    assert stays["verdict"] == "input_bound" and "stays input_bound" in stays["because"][0]

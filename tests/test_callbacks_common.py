@@ -1,5 +1,7 @@
-"""Every public callback: defaults, two fits, steps_per_execution, TensorBoard."""
+"""Every public callback: defaults, two fits, steps_per_execution, TensorBoard, one
+report layout, the Keras `logs` keys."""
 
+import csv
 import types
 import warnings
 
@@ -9,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
+from keras_gpufix.analysis import VERDICTS
 from keras_gpufix.data import instrument
 from keras_gpufix.exceptions import GpufixWarning
 from planted import FEATURES, tiny_model
@@ -124,3 +127,31 @@ def test_a_failure_inside_any_callback_is_one_warning_at_the_users_line(
     assert "training continues" in str(ours[0].message)
     assert ours[0].filename == __file__  # the fit(...) line, not our base class
     assert callback.errors and all("injected" in e for e in callback.errors)
+
+
+HEAD = ("verdict", "fix", "phase", "cost_share", "because", "changed")
+
+
+def test_one_report_layout_and_the_verdict_in_keras_logs(tmp_path):
+    callbacks = [make(name, tmp_path) for name in PUBLIC]
+    steps = []
+    batch_logs = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append(logs["step_ms"]))
+    csv_logger = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    early = keras.callbacks.EarlyStopping(monitor="step_ms", mode="min", patience=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GpufixWarning)
+        history = tiny_model().fit(dataset(), epochs=2, verbose=0,
+                                   callbacks=[*callbacks, batch_logs, csv_logger, early])
+    reports = [cb.report() for cb in callbacks]
+    head = {k: reports[0][k] for k in HEAD}
+    assert all({k: r[k] for k in HEAD} == head for r in reports)  # one verdict, one layout
+    assert all(r["errors"] == [] for r in reports)
+    assert len(steps) == 96 and all(s > 0 for s in steps)
+    logged = history.history
+    assert [VERDICTS[int(v)] for v in logged["verdict"]][-1] == head["verdict"]
+    assert all(s > 0 for s in logged["step_ms"]) and all(0 <= w <= 1 for w in logged["input_wait"])
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["step_ms"]) for r in rows] == pytest.approx(logged["step_ms"])
+    assert VERDICTS[int(rows[-1]["verdict"])] == head["verdict"]

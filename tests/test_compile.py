@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
-from keras_gpufix.compile import calibration, hardware, per_replica
+from keras_gpufix.compile import calibration, hardware
 from keras_gpufix.keras_internals import traced_functions
 from keras_gpufix.exceptions import GpufixWarning
 
@@ -112,24 +112,6 @@ def test_a_failing_batch_is_the_users_error_not_an_xla_fallback():
                          sample_batch=(x[:16, :5], y[:16]))  # wrong feature size
 
 
-def test_per_replica_step_matches_keras_own_train_step():
-    x, y = data(16)
-    ours, theirs = small_model(), small_model()  # same seed, same weights
-    for model in (ours, theirs):
-        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], jit_compile=False)
-    per_replica.install_per_replica_xla(ours)
-    logs = [m.train_on_batch(x, y, return_dict=True) for m in (ours, theirs)]
-    assert logs[0].keys() == logs[1].keys() == {"loss", "mae"}
-    for key in logs[0]:
-        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=1e-5)
-    for a, b in zip(ours.get_weights(), theirs.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_batch_size_skips_a_first_input_that_is_none():  # keras-team/keras#21630
-    assert int(per_replica.batch_size({"a": None, "b": tf.zeros((3, 2))})) == 3
-
-
 # -- sample steps and steps_per_execution -----------------------------------------
 
 
@@ -169,34 +151,33 @@ def _step_traces(model):
         "one_step_on_data"].experimental_get_tracing_count()
 
 
-def test_fit_reuses_the_step_traced_and_compiled_by_compile_model():
+def test_fit_runs_the_measured_steps_per_execution():
     x, y = data(512)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # (None, 8) batches
     model = small_model()
     report = kg.compile_model(model, "adam", "mse", mixed_precision=None,
                               sample_batch=dataset)
     assert report.calibration["k"] == 16 != report.steps_per_execution
-    step = traced_functions(model.train_function)["one_step_on_data"]
-    assert step.experimental_get_tracing_count() == 1  # calibration and final k share it
+    assert model.steps_per_execution == report.steps_per_execution
+    assert _step_traces(model) == 0  # made again for the measured value, not traced yet
     counter = CountBatchEnds()
     model.fit(dataset, epochs=2, verbose=0, callbacks=[counter])
     assert counter.calls == 2 * 64 // report.steps_per_execution  # the final k, not 16
-    assert traced_functions(model.train_function)["one_step_on_data"] is step
-    assert step.experimental_get_tracing_count() == 1  # fit traced (and compiled) nothing
+    assert _step_traces(model) == 1
     assert int(model.optimizer.iterations.numpy()) == 128
 
 
-def test_steps_per_execution_changed_after_compile_model_is_honoured():
+def test_the_sample_steps_train_function_is_kept_when_its_value_is_chosen():
     x, y = data(64)
     model = small_model()
     kg.compile_model(model, "adam", "mse", mixed_precision=None,
                      steps_per_execution=4, sample_batch=(x[:8], y[:8]))
-    model.steps_per_execution = 2
+    assert _step_traces(model) == 1  # traced (and XLA-compiled) by the sample step
     counter = CountBatchEnds()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[counter])
-    assert counter.calls == 4  # 8 steps, 2 per execution
+    assert counter.calls == 2  # 8 steps, 4 per execution
     assert int(model.optimizer.iterations.numpy()) == 8
-    assert _step_traces(model) == 1  # the loop was rebuilt around the same step
+    assert _step_traces(model) == 1  # fit traced nothing more for this shape
 
 
 def test_a_failed_sample_step_leaves_no_train_function():

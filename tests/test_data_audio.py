@@ -50,14 +50,58 @@ def test_log_mel_matches_librosa(name):
     assert np.max(np.abs(got - expected)) <= 1e-3
 
 
+@pytest.mark.parametrize("mel_norm", ["slaney", None])
 @pytest.mark.parametrize("mel_scale", ["slaney", "htk"])
-def test_filterbank_matches_librosa(mel_scale):
+def test_filterbank_matches_librosa(mel_scale, mel_norm):
     librosa = pytest.importorskip("librosa")
-    config = audio.AudioConfig(mel_scale=mel_scale, fmin=55.0)
+    config = audio.AudioConfig(mel_scale=mel_scale, fmin=55.0, mel_norm=mel_norm)
     expected = librosa.filters.mel(sr=config.sample_rate, n_fft=config.n_fft,
                                    n_mels=config.n_mels, fmin=config.fmin, fmax=config.fmax,
-                                   htk=mel_scale == "htk", norm="slaney")
+                                   htk=mel_scale == "htk", norm=mel_norm)
     np.testing.assert_allclose(audio.mel_filterbank(config), expected.T, atol=1e-7)
+
+
+def test_xtts_style_front_end_matches_librosa():
+    """RMS 0.1, HTK filterbank without area normalisation, ln(mel + 1e-6),
+    min-max per utterance: the recipe's formula on librosa's mel."""
+    librosa = pytest.importorskip("librosa")
+    config = audio.AudioConfig(normalize="rms", rms_level=0.1, mel_scale="htk", mel_norm=None,
+                               log="offset", log_offset=1e-6, feature_norm="minmax")
+    y = 0.6 * _speech(np.random.default_rng(11), 1.7, config.sample_rate).astype(np.float32)
+    y_rms = y * 0.1 / np.sqrt(np.mean(y.astype(np.float64) ** 2))
+    mel = librosa.feature.melspectrogram(
+        y=y_rms, sr=config.sample_rate, n_fft=config.n_fft, hop_length=config.hop_length,
+        win_length=config.win_length, n_mels=config.n_mels, fmax=config.fmax, power=1.0,
+        htk=True, norm=None)
+    log_mel = np.log(mel + 1e-6).T
+    expected = (log_mel - log_mel.min()) / (log_mel.max() - log_mel.min())
+    got = audio.extract_features(y, config).numpy()
+    assert got.shape == expected.shape
+    assert np.max(np.abs(got - expected)) <= 1e-3
+    assert (got.min(), got.max()) == (0.0, 1.0)
+    assert config.padding_value == pytest.approx(np.log(1e-6))
+    silent = audio.extract_features(np.zeros(4096, np.float32), config).numpy()
+    assert np.all(np.isfinite(silent))
+
+
+def test_ctc_asr_front_end_matches_the_recipe_tf_code():
+    """keras-io CTC ASR: |tf.signal.stft(256, 160, 384)| ** 0.5, no log, each
+    frame normalised across frequency. Its frames hold 256 samples from the
+    frame start; the builder centres the 256-sample window in n_fft=384, so
+    its frame t is the recipe's frame t of the clip 64 samples later."""
+    config = audio.AudioConfig(sample_rate=16000, n_fft=384, hop_length=160, win_length=256,
+                               center=False, features="linear", power=0.5, log=None,
+                               feature_norm="frame", pad_value=0.0)
+    y = _speech(np.random.default_rng(12), 1.3, 16000).astype(np.float32)
+    spectrogram = tf.signal.stft(y[64:], frame_length=256, frame_step=160, fft_length=384)
+    spectrogram = tf.math.pow(tf.abs(spectrogram), 0.5)
+    means = tf.math.reduce_mean(spectrogram, 1, keepdims=True)
+    stddevs = tf.math.reduce_std(spectrogram, 1, keepdims=True)
+    expected = ((spectrogram - means) / (stddevs + 1e-10)).numpy()
+    got = audio.extract_features(y, config).numpy()
+    assert got.shape == (config.num_frames(len(y)), 193)
+    assert np.max(np.abs(got - expected[: len(got)])) <= 1e-3
+    assert config.padding_value == 0.0
 
 
 def test_slaney_and_htk_differ():
@@ -354,11 +398,19 @@ def test_audio_config_round_trip_and_derived_values():
         ({"trim_top_db": 0}, "`trim_top_db` must be a number of dB > 0 (e.g. 20 or 60), or None "
                              "to keep the whole clip. Received: trim_top_db=0"),
         ({"trim_top_db": "20"}, "Received: trim_top_db='20'"),
-        ({"normalize": "rms"}, '`normalize` must be None or "peak". Received: normalize=\'rms\''),
+        ({"normalize": "lufs"}, '`normalize` must be None or "peak" or "rms". '
+                                "Received: normalize='lufs'"),
+        ({"rms_level": 0}, "`rms_level` must be > 0. Received: rms_level=0"),
+        ({"mel_norm": "area"}, '`mel_norm` must be "slaney" or None. Received: mel_norm=\'area\''),
+        ({"log": "log10"}, '`log` must be "floor" or "offset" or None. Received: log=\'log10\''),
+        ({"log_offset": -1e-6}, "`log_offset` must be > 0. Received: log_offset=-1e-06"),
+        ({"on_too_long": "crop"}, '`on_too_long="crop"` needs `max_seconds`'),
+        ({"on_too_long": "truncate", "max_seconds": 1.0},
+         '`on_too_long` must be "skip" or "crop". Received: on_too_long=\'truncate\''),
         ({"features": "mfcc"}, '`features` must be "mel" or "linear". Received: features=\'mfcc\''),
         ({"feature_norm": "global"}, '`feature_norm` must be None or "utterance"'),
         ({"pad_value": float("nan")}, "`pad_value` must be a finite number (e.g. 0.0), or None "
-                                      "for ln(log_floor). Received: pad_value=nan"),
+                                      "for silence (ln(log_floor)). Received: pad_value=nan"),
         ({"pad_value": True}, "Received: pad_value=True"),
     ],
 )
@@ -411,12 +463,14 @@ def test_every_audio_option_changes_the_fingerprint(tmp_path):
     pairs, _ = _corpus(tmp_path, count=2)
     changed = dict(CHANGED, sample_rate=22050, n_fft=1024, hop_length=256, win_length=256,
                    n_mels=32, fmin=20.0, fmax=4000.0, power=2.0, mel_scale="htk", center=False,
-                   log_floor=1e-6, max_seconds=30.0)
+                   log_floor=1e-6, max_seconds=30.0, rms_level=0.2, mel_norm=None,
+                   log="offset", log_offset=1e-5, on_too_long="crop")
     assert set(changed) == {f.name for f in dataclasses.fields(audio.AudioConfig)}
-    base = SpeechDatasetBuilder(pairs, audio=SMALL, verbose=0).fingerprint()
+    small = dataclasses.replace(SMALL, max_seconds=60.0)
+    base = SpeechDatasetBuilder(pairs, audio=small, verbose=0).fingerprint()
     seen = {base}
     for name, value in changed.items():
-        config = dataclasses.replace(SMALL, **{name: value})
+        config = dataclasses.replace(small, **{name: value})
         key = SpeechDatasetBuilder(pairs, audio=config, verbose=0).fingerprint()
         assert key not in seen, name
         seen.add(key)

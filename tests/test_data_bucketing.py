@@ -74,19 +74,23 @@ def test_real_speech_lengths_reach_090_with_at_most_9_shapes():
     assert plan.padding_efficiency >= 0.90 and len(plan.shapes) <= 9
 
 
+BATCHING = [{"batch_size": 16}, {"batch_size": 16, "batch_frames": 6000},
+            {"batch_frames": 9000, "batch_multiple": 4}]
+
+
 @pytest.mark.parametrize("drop_remainder", [False, True])
-@pytest.mark.parametrize("frame_budget", [None, 6000])
-def test_epoch_covers_every_utterance_with_bounded_shapes(drop_remainder, frame_budget):
+@pytest.mark.parametrize("batching", BATCHING)
+def test_epoch_covers_every_utterance_with_bounded_shapes(drop_remainder, batching):
     frames, text = _lengths()
-    plan = BucketPlan(frames, text, batch_size=16, num_buckets=5,
-                      frame_budget=frame_budget, drop_remainder=drop_remainder)
+    plan = BucketPlan(frames, text, num_buckets=5, drop_remainder=drop_remainder, **batching)
+    batch_frames = batching.get("batch_frames")
     batches = _epoch(plan, plan.epoch_dataset(shuffle=True, seed=1))
     seen = [u for members, _, _ in batches for u in members]
     assert len(seen) == len(set(seen))
     if not drop_remainder:
         assert sorted(seen) == list(range(len(frames)))
     else:
-        assert len(frames) - len(seen) < 16
+        assert len(frames) - len(seen) < plan.bucket_sizes.max()
     shapes = {(len(m), t, f) for m, f, t in batches}
     assert shapes == plan.shapes
     assert len(shapes) <= 5 + (0 if drop_remainder else 1)
@@ -96,8 +100,8 @@ def test_epoch_covers_every_utterance_with_bounded_shapes(drop_remainder, frame_
     for members, pad_frames, pad_text in batches:
         assert frames[members].max() <= pad_frames
         assert text[members].max() <= pad_text
-        if frame_budget:
-            assert len(members) * pad_frames <= max(frame_budget, pad_frames)
+        if batch_frames:
+            assert len(members) * pad_frames <= batch_frames
 
 
 def test_padding_efficiency_is_real_over_padded():
@@ -141,8 +145,13 @@ def test_static_dataset_matches_plan_shapes():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"batch_size": 0}, "`batch_size` must be >= 1. Received: batch_size=0"),
-        ({"batch_size": 4, "frame_budget": 0}, "`frame_budget` must be >= 1. Received: frame_budget=0"),
+        ({"batch_size": 0}, "`batch_size` must be an integer >= 1. Received: batch_size=0"),
+        ({"batch_size": 4, "batch_frames": 0},
+         "`batch_frames` must be an integer >= 1. Received: batch_frames=0"),
+        ({"batch_size": None}, "Pass `batch_size`, `batch_frames` or both"),
+        ({"batch_size": 4, "batch_multiple": 8}, "`batch_multiple` rounds the batch sizes"),
+        ({"batch_frames": 500}, r"`batch_frames` must hold the longest utterance \(\d+ frames\). "
+                                "Received: batch_frames=500"),
         ({"batch_size": 4, "num_buckets": 0}, "`num_buckets` must be >= 1. Received: num_buckets=0"),
     ],
 )
@@ -150,3 +159,30 @@ def test_invalid_arguments(kwargs, message):
     frames, text = _lengths(10)
     with pytest.raises(ValueError, match=message):
         BucketPlan(frames, text, **kwargs)
+
+
+def test_batch_frames_fills_short_buckets_and_rounds_to_a_multiple():
+    frames, text = _lengths()
+    fixed = BucketPlan(frames, text, batch_size=8, num_buckets=6)
+    budget = BucketPlan(frames, text, num_buckets=6, batch_frames=8 * int(frames.max()),
+                        batch_multiple=8)
+    assert budget.bucket_sizes.tolist() == [
+        n // 8 * 8 for n in 8 * int(frames.max()) // budget.boundaries]
+    assert budget.bucket_sizes[0] >= 4 * budget.bucket_sizes[-1] == 32
+    assert budget.num_batches < fixed.num_batches
+    odd = BucketPlan(frames, text, num_buckets=6, batch_frames=3 * int(frames.max()),
+                     batch_multiple=8)
+    assert odd.bucket_sizes[-1] == 3  # no multiple of 8 fits: the budget wins
+
+
+def test_many_cut_positions_are_searched_on_a_grid_close_to_exact(monkeypatch):
+    from keras_gpufix.data import bucketing
+
+    lengths = np.random.default_rng(1).integers(10, 6000, 4000)
+    monkeypatch.setattr(bucketing, "MAX_CUTS", 200)
+    boundaries, bucket_of = padding_buckets(lengths, 6)
+    monkeypatch.setattr(bucketing, "MAX_CUTS", 10**9)
+    exact_boundaries, exact_bucket_of = padding_buckets(lengths, 6)
+    grid, exact = (boundaries[bucket_of].sum(), exact_boundaries[exact_bucket_of].sum())
+    assert not np.array_equal(boundaries, exact_boundaries)  # the grid was used
+    assert np.all(lengths <= boundaries[bucket_of]) and exact <= grid <= 1.01 * exact

@@ -166,13 +166,13 @@ def test_transcript_without_vocabulary_characters(tmp_path):
     assert "no character of the vocabulary" in message and "line 3 (id 'gone'" in message
 
 
-def test_frame_budget_drop_remainder_and_nondeterministic(cached):
-    dataset = cached.build(batch_size=16, num_buckets=4, frame_budget=600,
+def test_batch_frames_drop_remainder_and_nondeterministic(cached):
+    dataset = cached.build(batch_size=16, num_buckets=4, batch_frames=600,
                            drop_remainder=True, deterministic=False, seed=1)
     batches = _epoch(dataset)
     assert len({(b[0].shape, b[2].shape) for b in batches}) <= 4
     for ids, text_len, mel, mel_len in batches:
-        assert mel.shape[0] * mel.shape[1] <= max(600, mel.shape[1])
+        assert mel.shape[0] * mel.shape[1] <= 600
     assert cached.report["batch_sizes"][0] > cached.report["batch_sizes"][-1]
 
 
@@ -434,3 +434,58 @@ def test_max_tokens_and_tokenizer_failures_are_bad_input(tmp_path, capsys):
     assert long == ["c3", "c4", "c5"]
     with pytest.raises(ValueError, match=r"5 utterance\(s\): line 4 .*longer than max_tokens=8"):
         SpeechDatasetBuilder(path, audio=AUDIO, text=text, on_bad_input="raise", verbose=0)
+
+
+def test_crop_caps_audio_and_tokens_before_bucketing_and_reports_them(corpus):
+    whole = audio_lib.AudioConfig(**{**AUDIO.__dict__, "max_seconds": None})
+    audio = audio_lib.AudioConfig(**{**AUDIO.__dict__, "max_seconds": 0.8, "on_too_long": "crop"})
+    text = TextConfig(max_tokens=20, on_too_long="crop")
+    reference = SpeechDatasetBuilder(corpus, audio=whole, verbose=0)
+    builder = SpeechDatasetBuilder(corpus, audio=audio, text=text, verbose=0)
+    assert builder.report["utterances"] == reference.report["utterances"]  # none skipped for length
+    tokens = {u.id: len(encode_text([u.text])[0]) for u in reference.utterances}
+    long_audio = {u.id for u in reference.utterances if u.info.seconds > 0.8}
+    long_text = {uid for uid, n in tokens.items() if n > 20}
+    assert long_audio and long_text
+    reasons = {c["id"]: c["reason"] for c in builder.report["cropped"]}
+    assert set(reasons) == long_audio | long_text
+    assert all(("cropped to max_seconds=0.8" in reasons[i]) == (i in long_audio) for i in reasons)
+    assert all(("cropped to max_tokens=20" in reasons[i]) == (i in long_text) for i in reasons)
+    max_frames = audio.num_frames(audio.max_samples)
+    full = _by_utterance(_epoch(reference.build(batch_size=4, num_buckets=3, shuffle=False)))
+    batches = _epoch(builder.build(batch_size=4, num_buckets=3, shuffle=False))
+    assert max(b[2].shape[1] for b in batches) == max_frames  # shapes bounded by the cap
+    assert max(b[0].shape[1] for b in batches) <= 20
+    assert sum(len(b[1]) for b in batches) == builder.report["utterances"]
+    interior = (audio.max_samples - audio.n_fft // 2) // audio.hop_length  # frames the crop leaves whole
+    for ids, text_len, mel, mel_len in batches:
+        for i in range(len(text_len)):
+            match = [k for k in full if k[: text_len[i]] == tuple(ids[i, : text_len[i]])]
+            whole = full[match[0]]
+            assert mel_len[i] == min(len(whole), max_frames)
+            np.testing.assert_allclose(mel[i, :min(interior, mel_len[i])],
+                                       whole[:min(interior, mel_len[i])], atol=1e-4)
+
+
+def test_crop_needs_a_cap():
+    with pytest.raises(ValueError, match='`on_too_long="crop"` needs `max_tokens`'):
+        TextConfig(on_too_long="crop")
+    with pytest.raises(ValueError, match="`on_too_long` must be \"skip\" or \"crop\". Received: on_too_long='cut'"):
+        TextConfig(max_tokens=5, on_too_long="cut")
+
+
+def test_batch_frames_batches_by_audio_budget(cached):
+    budget = 4 * int(max(_frames(u) for u in cached.utterances))
+    dataset = cached.build(num_buckets=3, batch_frames=budget, batch_multiple=2, seed=3,
+                           as_dict=True)
+    for _ in range(2):  # two epochs: every utterance once in each
+        batches = list(dataset.as_numpy_iterator())
+        ids = [i.decode() for b in batches for i in b["id"]]
+        assert sorted(ids) == sorted(u.id for u in cached.utterances)
+        shapes = {b["features"].shape for b in batches}
+        assert len(shapes) == cached.report["distinct_shapes"] <= 3 + 1
+        assert all(b["features"].shape[0] * b["features"].shape[1] <= budget for b in batches)
+    sizes = cached.report["batch_sizes"]
+    assert sizes[0] > sizes[-1] >= 4 and all(n % 2 == 0 for n in sizes)
+    with pytest.raises(ValueError, match=r"`batch_frames` must hold the longest utterance"):
+        cached.build(batch_frames=budget // 8)

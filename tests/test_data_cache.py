@@ -198,7 +198,7 @@ def test_killed_build_leaves_nothing_usable_and_rerun_matches_clean_build(corpus
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32"))
+            written = glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*", "*.f32"))
             if len(written) >= 2 or process.poll() is not None:
                 break
             time.sleep(0.05)
@@ -377,7 +377,7 @@ def test_ctrl_c_during_a_real_cache_build_is_one_line_exit_130_and_leaves_nothin
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:
-            if glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*.f32")):
+            if glob.glob(os.path.join(cache_dir, ".features-*.tmp-*", "features", "*", "*.f32")):
                 break
             time.sleep(0.05)
         assert process.poll() is None, process.communicate()
@@ -391,3 +391,22 @@ def test_ctrl_c_during_a_real_cache_build_is_one_line_exit_130_and_leaves_nothin
     ours = [line for line in stderr.splitlines() if not TF_LOG_LINE.match(line)]
     assert ours == ["keras-gpufix: interrupted; nothing half-written: the cache entry was not committed"]
     assert FeatureCache.leftovers(cache_dir) == [] and FeatureCache.entries(cache_dir) == []
+
+
+def test_feature_files_are_sharded_a_thousand_a_folder(tmp_path):
+    cache = FeatureCache(str(tmp_path), "1" * 64, count=1001, verbose=0)
+
+    def write(paths):
+        for index in range(1001):
+            with open(paths[index], "wb") as f:
+                f.write(np.full((1, 2), index, np.float32).tobytes())
+            yield index, 1, 8, bytes(8)
+
+    manifest, status = cache.open_or_build(write)
+    assert status == "miss" and manifest["frames"] == [1] * 1001
+    features = os.path.join(cache.path, "features")
+    assert sorted(os.listdir(features)) == ["0000", "0001"]
+    assert len(os.listdir(os.path.join(features, "0000"))) == 1000
+    np.testing.assert_array_equal(cache.read(1000), [[1000, 1000]])
+    got = cache.feature_path_tensor(tf.constant([0, 1000], tf.int64)).numpy()
+    assert [p.decode() for p in got] == [cache.feature_path(0), cache.feature_path(1000)]

@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_gpufix.data.corpus import Corpus, read_wav_header
 from keras_gpufix.exceptions import GpufixWarning
@@ -305,3 +306,28 @@ def test_float_wavs_with_nan_or_inf_are_bad_input(tmp_path):
                   "re-export the file with samples in [-1, 1] or remove it")]
     with pytest.raises(ValueError, match=r"3 utterance\(s\): line 2 \(id 'nan', file .*nan.wav\): NaN"):
         Corpus.from_pairs(pairs).scan(on_bad_input="raise")
+
+
+def test_kept_utterances_are_columns_with_a_sequence_view(tmp_path):
+    paths = []
+    for i, seconds in enumerate((0.2, 0.5, 0.3)):
+        paths.append(str(tmp_path / f"u{i}.wav"))
+        write_wav(paths[-1], _tone(seconds), 8000)
+    records = [{"id": f"u{i}", "path": p, "text": f"text {i}", "line": i + 1,
+                "speaker": "s1" if i else None, "duration": 0.5} for i, p in enumerate(paths)]
+    records.append(dict(records[0], line=4))  # a duplicate id: skipped
+    corpus = Corpus(records, "mem")
+    assert all(isinstance(v, np.ndarray) for v in (corpus.lines, corpus.durations,
+                                                   corpus.speaker_codes))
+    kept, skipped = corpus.scan()
+    assert [s["reason"] for s in skipped] == ["duplicate id 'u0' (first at line 1)"]
+    assert [u.id for u in kept] == ["u0", "u1", "u2"] and len(kept) == 3
+    assert kept.column("frames").tolist() == [read_wav_header(p).frames for p in paths]
+    assert kept.column("format_code").tolist() == [read_wav_header(p).format_code for p in paths]
+    assert kept[1].info == read_wav_header(paths[1]) and kept[1].speaker == "s1"
+    assert kept[0].speaker is None and kept[0].duration == 0.5
+    subset = kept.take([2, 0])
+    assert [u.id for u in subset] == ["u2", "u0"] and subset[0] == kept[2]
+    names = subset.lookup("id")(tf.constant([[1, 0]], tf.int64)).numpy().tolist()
+    assert names == [[b"u0", b"u2"]]
+    assert subset.string("text", 0) == "text 2"

@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 
-pytest.importorskip("librosa")
-
-from keras_gpufix.data import AudioConfig, SpeechDatasetBuilder, TextConfig  # noqa: E402
-from keras_gpufix.data.naive import naive_dataset  # noqa: E402
-from keras_gpufix.data.synthetic import make_synthetic_corpus  # noqa: E402
+from keras_gpufix.data import AudioConfig, SpeechDatasetBuilder, TextConfig
+from keras_gpufix.data.naive import naive_dataset
+from keras_gpufix.data.synthetic import make_synthetic_corpus
 
 
 @pytest.mark.parametrize("audio", [
@@ -43,3 +41,22 @@ def test_naive_batches_hold_the_builders_features_and_ids(tmp_path, audio):
 def test_naive_needs_a_corpus_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="metadata.csv"):
         naive_dataset(str(tmp_path), 2)
+
+
+def test_naive_reads_stereo_8_and_32_bit_pcm_as_the_builder_does(tmp_path):
+    audio, text = AudioConfig(n_mels=20), TextConfig()
+    corpus = make_synthetic_corpus(str(tmp_path / "corpus"), 1, min_seconds=0.5,
+                                   max_seconds=1.0, bad_files=("stereo", "pcm8", "pcm32"))
+    dataset, steps = naive_dataset(corpus, 1, audio, text, seed=0)
+    naive = {}
+    for (ids, _), (mel, _) in dataset.take(steps):
+        naive[tuple(ids[0].numpy())] = mel[0].numpy()
+    builder = SpeechDatasetBuilder(corpus, audio=audio, text=text, verbose=0)
+    assert not builder.report["skipped"]
+    kg = {}
+    for (ids, text_len), (mel, mel_len) in builder.build(batch_size=1, num_buckets=1,
+                                                         shuffle=False):
+        kg[tuple(ids[0, :int(text_len[0])].numpy())] = mel[0, :int(mel_len[0])].numpy()
+    assert len(naive) == len(kg) == 4 and naive.keys() == kg.keys()
+    for key, features in naive.items():
+        np.testing.assert_allclose(features, kg[key], atol=2e-2)

@@ -3,9 +3,11 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -119,9 +121,11 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     assert proc.returncode == 0 and result["exit_code"] == 0
     assert "slow script done" in lines[:-1]
     assert result["verdict"] == "input_bound"
-    wait = next(e for e in result["evidence"] if e["figure"] == "input_wait")
-    assert wait["value"] >= 0.5
-    assert wait["value"] == result["fits"][0]["monitor"]["input_wait"]
+    monitor = result["fits"][0]["monitor"]
+    assert monitor["verdict"] == "input_bound"  # the run's own judgement, not re-judged
+    top = result["evidence"][0]
+    assert top["source"] == "judgement" and top["value"] == monitor["cost_share"] >= 0.5
+    assert monitor["input_wait"] >= 0.5
     traces = [e for e in result["evidence"] if e["source"] == "XProf"]
     assert traces and traces[0]["value"] >= 20.0 and "input-bound" in traces[0]["text"]
     assert result["fits"][0]["stopped_by_diagnose"] is True
@@ -150,9 +154,9 @@ def test_variable_lengths_under_jit_are_recompiling(tmp_path):
     assert result["verdict"] == "recompiling"
     retracing = result["fits"][0]["retracing"]
     assert retracing["new_shapes"] == 20
+    assert retracing["verdict"] == result["fits"][0]["monitor"]["verdict"] == "recompiling"
     top = result["evidence"][0]
-    assert top["source"] == "RetracingMonitor" and top["value"] == retracing["recompile_share"]
-    assert f"{retracing['new_shapes']} distinct input shapes" in top["text"]
+    assert top["source"] == "judgement" and top["text"].startswith("fit 1: recompiling")
     assert result["fixes"][0]["verdict"] == "recompiling"
     assert result["scan"] == []
 
@@ -170,17 +174,103 @@ def test_healthy_script_keeps_its_exit_code(tmp_path):
     assert result["what_if"]["bound"] == "step"  # cached input: the step is the bound
 
 
-def test_text_report_and_failing_script(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text("print('before the error')\nraise RuntimeError('planted')\n")
-    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--",
-                           str(script)], capture_output=True, text=True, timeout=120,
+CRASHES_AT_STEP_7 = """\
+import numpy as np
+import keras
+
+
+class Boom(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 6:
+            raise ValueError("planted at step 7")
+
+
+x = np.random.rand(64, 4).astype("float32")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+print("before the error")
+model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[Boom()])
+"""
+
+
+def test_a_crash_is_named_with_where_and_the_steps_before_also_from_python_dash_c(tmp_path):
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--no-trace",
+                           "--no-what-if", "--log-dir", str(logs), "--", "python", "-c",
+                           CRASHES_AT_STEP_7], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 1
+    assert proc.returncode == 1  # as `python -c` exits
     assert "before the error" in proc.stdout
-    assert "RuntimeError: planted" in proc.stderr
-    assert "verdict: unknown" in proc.stdout and "(exit code 1)" in proc.stdout
-    assert "no training step was seen" in proc.stdout
+    assert "ValueError: planted at step 7" in proc.stderr  # the traceback, as python prints it
+    script = logs / "command.py"  # where -c code is saved, so its lines can be named
+    assert script.read_text() == CRASHES_AT_STEP_7
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("keras-gpufix diagnose:"))
+    assert lines[header].endswith("(exit code 1)")
+    # the 7th step's end hook raised: six steps were complete
+    assert lines[header + 1] == (f"ended by: ValueError: planted at step 7 (raised at "
+                                 f"{script}:8) after 6 training steps")
+    assert "verdict: unknown" in lines
+    assert not any("the script ran" in line for line in lines)
+    assert f"note: the -c code was saved as {script}: the lines below refer to it" in lines
+
+
+LONG_FIT = """\
+import os
+import time
+import numpy as np
+import keras
+
+
+class Marker(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.01)
+        if batch == 30:
+            open(os.environ["MARKER"], "w").close()
+
+
+x = np.random.rand(4096, 4).astype("float32")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+model.fit(x, x[:, :1], batch_size=4, epochs=100, verbose=0, callbacks=[Marker()])
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_prints_the_report_of_what_was_measured(tmp_path, signum):
+    script = tmp_path / "long.py"
+    script.write_text(LONG_FIT)
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-m", "keras_gpufix", "diagnose", "--json",
+                             "--no-trace", "--", "python", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MARKER=str(marker)),
+                            # as from a terminal, also when pytest runs as a background job
+                            # (which ignores SIGINT, and its children with it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signum)  # a job scheduler's time limit, or Ctrl-C
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["exit_code"] == 128 + signum
+    ended = result["ended_by"]
+    name = signal.Signals(signum).name
+    assert ended["kind"] == "signal" and ended["type"] == name
+    fit = result["fits"][0]
+    assert ended["steps_seen"] == fit["steps_run"] >= 31
+    assert ended["text"] == (f"{name} stopped the script after {fit['steps_run']} training "
+                             "steps; this report covers what was measured until then")
+    assert fit["monitor"]["step_time"]["count"] > 0  # what was measured is reported
+    assert "what_if" not in fit  # nothing more is measured after the signal
 
 
 def test_diagnose_argument_errors(tmp_path, capsys):
@@ -188,6 +278,10 @@ def test_diagnose_argument_errors(tmp_path, capsys):
     assert "the script to run is required" in capsys.readouterr().err
     assert main(["diagnose", "--", "python", str(tmp_path / "nope.py")]) == 2
     assert "script not found" in capsys.readouterr().err
+    assert main(["diagnose", "--", "python", "-c"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "keras-gpufix diagnose: error: `-c` needs the code to run: keras-gpufix diagnose -- "
+        "python -c 'CODE'")
 
 
 def test_static_scan_finds_each_trap(tmp_path):
@@ -223,35 +317,58 @@ def test_static_scan_finds_each_trap(tmp_path):
     assert "line 4" in first["detail"]
 
 
-def test_rank_orders_causes_by_measured_cost():
-    fits = [{
-        "index": 1, "wall_s": 10.0,
-        "monitor": {"input_wait": 0.3, "events": [],
-                    "step_time": {"count": 50, "p50_ms": 10.0, "p95_ms": 12.0}},
-        "retracing": {"verdict": "recompiling", "recompile_share": 0.6, "recompile_ms": 6000.0,
-                      "new_shapes": 9, "trace_count": 2, "median_step_ms": 5.0},
-    }]
+def _fit(verdict, cost_share=None, events=(), input_wait=0.0, count=50, **extra):
+    """One run's entry as diagnose collects it: the monitor's report of its verdict."""
+    return {"index": 1, "wall_s": 10.0, **extra,
+            "monitor": {"verdict": verdict, "cost_share": cost_share, "phase": None,
+                        "fix": "f", "because": [], "changed": None, "events": list(events),
+                        "input_wait": input_wait,
+                        "step_time": {"count": count, "p50_ms": 10.0, "p95_ms": 12.0,
+                                      "cv": 0.1}}}
+
+
+def test_rank_names_the_runs_verdict_and_orders_its_findings_by_cost():
+    stall = {"verdict": "periodic_stall", "cost_share": 0.14, "period": 5, "phase": "between",
+             "message": "from step 10: periodic_stall", "start_step": 10, "end_step": 60}
+    fits = [_fit("recompiling", 0.6, events=[stall])]
     scan = [{"trap": "no_prefetch", "file": "t.py", "line": 3, "why": "w", "fix": "f",
              "verdict": "input_bound"}]
     verdict, ranking, fixes = rank_causes(fits, scan)
     assert verdict == "recompiling"
-    assert [c["verdict"] for c in ranking] == ["recompiling", "input_bound"]
-    assert [(f["rank"], f["verdict"]) for f in fixes] == [(1, "recompiling"), (2, "input_bound")]
-    assert fixes[1]["where"] == ["t.py:3: w; f"]
+    assert [c["verdict"] for c in ranking] == ["recompiling", "periodic_stall"]
+    assert ranking[1]["score"] == 0.14  # a 14% stall is ranked, never dropped
+    # the input wait was measured (0%): the scan's input_bound finding is no fix
+    assert [(f["rank"], f["verdict"]) for f in fixes] == [(1, "recompiling"),
+                                                         (2, "periodic_stall")]
     assert rank_causes([], [])[0] == "unknown"  # nothing seen: never healthy
-    fits[0]["monitor"]["input_wait"] = 0.0
-    del fits[0]["retracing"]
-    assert rank_causes(fits, [])[0] == "healthy"
-    fits[0]["monitor"]["verdict"] = "unknown"  # timed, but too few steps for the monitor
-    assert rank_causes(fits, [])[0] == "unknown"
-    del fits[0]["monitor"]["verdict"]
-    fits[0]["model"] = {"run_eagerly": True}
-    assert rank_causes(fits, [])[0] == "eager_step"
+    # The run's verdict is the top line even where a live event cost more
+    fits = [_fit("input_bound", 0.25, events=[dict(stall, cost_share=0.4)])]
+    assert [c["verdict"] for c in rank_causes(fits, [])[1]] == ["input_bound", "periodic_stall"]
+    assert rank_causes([_fit("healthy")], [])[0] == "healthy"
+    assert rank_causes([_fit("unknown")], [])[0] == "unknown"  # too few steps
     eager = [{"trap": "run_eagerly", "file": "t.py", "line": 7, "why": "w", "fix": "f",
               "verdict": "eager_step", "training_path": True}]
-    verdict, ranking, fixes = rank_causes(fits, eager)
+    verdict, ranking, fixes = rank_causes([_fit("eager_step", 1.0)], eager)
+    assert verdict == "eager_step"
     assert ranking[0]["fix"].endswith("at t.py:7")  # the verdict table's text, filled
     assert fixes[0]["where"] == ["t.py:7: w; f"]
+
+
+def test_the_what_if_and_xprof_are_weighed_into_the_verdict_not_printed_beside_it():
+    xprof = {"traces": [{"start_step": 10, "end_step": 19, "reason": "step 10", "analysis": {
+        "classification": "moderately_input_bound", "input_percent": 12.0, "steps": 10,
+        "step_time_ms": 5.0, "conclusion": "MODERATELY input-bound"}}]}
+    fits = [_fit("healthy", profiler=xprof)]
+    verdict, ranking, _ = rank_causes(fits, [])
+    assert verdict == "healthy" and ranking == []
+    from keras_gpufix.diagnose.report import healthy_evidence
+
+    text = healthy_evidence(fits)[0]["text"]
+    assert "moderately_input_bound); the verdict stays healthy" in text
+    fits[0]["what_if"] = {"speedup_if_input_free": 1.66, "bound": "step", "method": "replay"}
+    verdict, ranking, _ = rank_causes(fits, [])
+    assert verdict == "input_bound"  # the input costs 40%: the what-if is believed, and said
+    assert "the step log read healthy" in ranking[0]["evidence"][0]["text"]
 
 
 def test_a_trace_xprof_could_not_analyse_is_said_so_never_step_zero():
@@ -375,8 +492,7 @@ def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_pa
         (os.path.join("pkg", "viz.py"), 3, "numpy_in_loop"): False,  # once per epoch
         (os.path.join("pkg", "decode.py"), 2, "numpy_in_loop"): False,  # inference only
     }
-    fits = [{"index": 1, "monitor": {"input_wait": 0.0, "events": [],
-                                     "step_time": {"count": 20, "p50_ms": 5.0, "p95_ms": 6.0}}}]
+    fits = [_fit("healthy", count=20)]
     verdict, _, fixes = rank_causes(fits, scan)
     assert verdict == "healthy"
     where = [w for fix in fixes for w in fix["where"]]

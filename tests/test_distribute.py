@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import distribute
+from keras_gpufix.data.synthetic import make_synthetic_corpus
+from keras_gpufix.data_service import DataServiceServer
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -105,28 +108,50 @@ def test_padded_bucketed_global_batches_train_under_mirrored(two_devices):
 # -- two worker processes ---------------------------------------------------------
 
 
-def test_multi_worker_two_processes_end_with_identical_weights(tmp_path):
+def _run_workers(tmp, scenarios, timeout=240, **env):
+    """Runs two `_multiworker_worker.py` on loopback ports picked free; returns
+    each worker's `{scenario: result}`. Every process is stopped by its PID."""
+    corpus = make_synthetic_corpus(tmp / "corpus", 41, min_seconds=0.2, max_seconds=1.0)
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     procs = []
     try:
         for index in range(2):
             tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
             procs.append(subprocess.Popen(
-                [sys.executable, str(TESTS / "_multiworker_worker.py"),
-                 str(tmp_path / f"worker{index}")],
-                env=_env(TF_CONFIG=json.dumps(tf_config)),
+                [sys.executable, str(TESTS / "_multiworker_worker.py"), str(tmp), corpus,
+                 *scenarios],
+                env=_env(TF_CONFIG=json.dumps(tf_config), **env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             ))
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-3000:]
-    reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
-    weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    return [{name: json.loads((tmp / f"{name}-{task}.json").read_text()) for name in scenarios}
+            for task in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """Both workers' results of every scenario, from one pair of processes;
+    a tf.data service dispatcher and worker run in this process meanwhile."""
+    servers = [DataServiceServer("dispatcher", verbose=0).start()]
+    servers.append(DataServiceServer("worker", dispatcher=servers[0].target, verbose=0).start())
+    try:
+        tmp = tmp_path_factory.mktemp("workers")
+        return _run_workers(tmp, ["coverage", "coverage_service", "weights", "straggler"],
+                            KG_TEST_SERVICE=servers[0].target, KG_TEST_LOG_DIR=str(tmp / "logs"))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_multi_worker_two_processes_end_with_identical_weights(two_workers):
+    reports = [worker["weights"] for worker in two_workers]
     for report in reports:
         assert report["strategy"] in ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")
         assert report["replicas"] == 2 and report["global_batch"] == 8
@@ -134,9 +159,44 @@ def test_multi_worker_two_processes_end_with_identical_weights(tmp_path):
         assert report["moved"] > 1e-3
     assert reports[0]["xla_devices"] == ["worker:0/CPU:0"]
     assert reports[1]["xla_devices"] == ["worker:1/CPU:0"]
-    assert sorted(weights[0]) == sorted(weights[1])
-    for key in weights[0]:
-        np.testing.assert_array_equal(weights[0][key], weights[1][key])
+    first, second = ([np.array(w) for w in r["weights"]] for r in reports)
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scenario", ["coverage", "coverage_service"])
+def test_builder_defaults_read_every_utterance_once_per_epoch_across_workers(
+        two_workers, scenario):
+    reports = [worker[scenario] for worker in two_workers]
+    utterances = reports[0]["utterances"]
+    assert reports[0]["remainder"] == 0
+    for epoch in range(2):
+        seen = reports[0]["epochs"][epoch] + reports[1]["epochs"][epoch]
+        assert len(seen) == len(set(seen)) == utterances, (
+            f"epoch {epoch}: {len(seen) - len(set(seen))} read twice, "
+            f"{utterances - len(set(seen))} never")
+        assert reports[0]["epochs"][epoch] and reports[1]["epochs"][epoch]
+    # Still a new draw every epoch.
+    assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
+
+
+def test_the_chief_names_the_planted_straggler_and_counts_samples_once(two_workers):
+    chief, slowed = (worker["straggler"] for worker in two_workers)
+    for worker in (chief, slowed):
+        job = worker["job"]
+        assert job["workers"] == 2 and not job["missing"]
+        assert job["straggler"]["task"] == 1 and job["straggler"]["phase"] == "input_wait"
+        # The job's samples/s, counted once, against samples consumed / wall time.
+        assert job["samples_per_s"] == pytest.approx(worker["true_samples_per_s"], rel=0.10)
+    waits = {w["task"]: w for w in chief["job"]["per_worker"]}
+    assert waits[1]["input_wait_ms"] > waits[0]["input_wait_ms"]
+    assert waits[0]["collective_wait_ms"] > waits[1]["collective_wait_ms"]
+    assert "(task 0): job of 2 workers" in chief["printed"]
+    assert "straggler: worker 1 (input_wait" in chief["printed"]
+    # The slowed worker says only that it is the cause; the chief says it once.
+    assert slowed["printed"].splitlines() == [chief["printed"].splitlines()[-1].replace(
+        "(task 0)", "(task 1)")]
 
 
 # -- in process: choices and errors -------------------------------------------------
@@ -292,3 +352,34 @@ def test_memory_growth_is_set_on_every_gpu(monkeypatch):
                         lambda devices=None, cross_device_ops=None: tf.distribute.get_strategy())
     kg.setup_strategy()
     assert grown == [("/physical_device:GPU:0", True), ("/physical_device:GPU:1", True)]
+
+
+def _tf_config(index, cluster=None):
+    cluster = cluster or {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def test_cluster_seed_is_the_same_on_every_worker_and_none_alone(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert distribute.cluster_seed() is None
+    seeds = []
+    for index in range(2):
+        monkeypatch.setenv("TF_CONFIG", _tf_config(index))
+        seeds.append(distribute.cluster_seed())
+    assert seeds[0] == seeds[1] and isinstance(seeds[0], int) and seeds[0] >= 0
+    monkeypatch.setenv("TF_CONFIG", _tf_config(0, {"worker": ["127.0.0.1:3", "127.0.0.1:4"]}))
+    assert distribute.cluster_seed() != seeds[0]
+    monkeypatch.setenv("TF_CONFIG", _tf_config(0, {"worker": ["127.0.0.1:1"]}))
+    assert distribute.cluster_seed() is None
+
+
+def test_builder_reports_the_remainder_and_the_cluster_seed(tmp_path, monkeypatch):
+    corpus = make_synthetic_corpus(tmp_path / "c", 11, min_seconds=0.2, max_seconds=0.5)
+    builder = kg.data.SpeechDatasetBuilder(corpus, verbose=0)
+    monkeypatch.setenv("TF_CONFIG", _tf_config(1))
+    dataset = builder.build(batch_size=4, num_buckets=2, drop_remainder=True, as_dict=True)
+    read = sum(len(batch["id"]) for batch in dataset)
+    assert builder.report["remainder"] == 11 - read == 3
+    assert builder.report["shuffle_seed"] == distribute.cluster_seed() is not None
+    builder.build(batch_size=4, num_buckets=2, seed=5)
+    assert builder.report["shuffle_seed"] == 5 and builder.report["remainder"] == 0

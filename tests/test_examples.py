@@ -15,16 +15,27 @@ import sys
 
 import numpy as np
 import pytest
+from edge_faults import TF_LOG_LINE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _run(args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+def _run(args, timeout=300, log_level="2"):
+    """stdout of an example run as a user runs it; `log_level=None` leaves
+    TF_CPP_MIN_LOG_LEVEL unset (TensorFlow's own log lines would show), and
+    then checks that none reached stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONUNBUFFERED"] = "1"
+    if log_level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = log_level
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if log_level is None:
+        noise = [line for line in proc.stderr.splitlines() if TF_LOG_LINE.match(line)
+                 or "cuInit" in line]
+        assert not noise, noise[:5]
     return proc.stdout
 
 
@@ -47,11 +58,12 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
     assert first["epochs_run"] == [0, 1]
     assert os.path.exists(os.path.join(out, "checkpoint", "latest.weights.h5"))
     assert os.path.exists(os.path.join(out, "tts.keras"))
-    # one bucket, features from the cache, the step compiled once inside compile_model:
-    # the monitor measures the input wait (instrumented) and fit traces nothing new
+    # one bucket, features from the cache: the monitor measures the input wait
+    # (instrumented) and fit traces only the train function made again for the
+    # measured steps_per_execution (its step and its loop, once each), not per batch
     assert first["verdict"] == "healthy", first
     assert first["input_wait"] is not None and first["input_wait"] < 0.2
-    assert first["retracing"]["trace_count"] == 0
+    assert first["retracing"]["trace_count"] <= 2
     # the builder's batches carry their lengths: speech throughput is reported
     assert first["audio_seconds_per_s"] > 0 and first["real_frames_per_s"] > 0
 
@@ -68,7 +80,7 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
 def test_tensorboard_snapshot_serves_scalars_and_profile(tmp_path):
     pytest.importorskip("tensorboard")
     result = _last_json(_run([os.path.join(EXAMPLES, "tensorboard_snapshot.py"),
-                              "--logdir", str(tmp_path / "logs"), "--json"]))
+                              "--logdir", str(tmp_path / "logs"), "--json"], log_level=None))
     assert result["ok"], result
     assert "step_timer/step_ms" in result["scalar_tags"]
     assert result["profile_runs"]

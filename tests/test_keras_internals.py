@@ -17,10 +17,12 @@ from keras_gpufix.keras_internals import (
     function_jit_compile,
     in_multi_worker_mode,
     input_datasets,
-    closure_cell,
+    batch_rows,
+    install_per_replica_xla,
     overrides_train_step,
     set_symbolic_build,
     symbolic_build,
+    tf_function_class,
     traced_functions,
 )
 
@@ -171,15 +173,29 @@ def test_compile_report_says_not_verified_when_the_step_cannot_be_read(monkeypat
     assert "not verified (the traced step could not be read" in report.reason
 
 
-def test_closure_cell_of_keras_train_function(monkeypatch):
-    monkeypatch.setattr(keras_internals, "_WARNED", set())
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile("sgd", "mse")
-    model.make_train_function()
-    cell = closure_cell(model.train_function, "one_step_on_data")
-    assert cell is not None and callable(cell.cell_contents)
-    with pytest.warns(GpufixWarning, match="'nothing_here'"):
-        assert closure_cell(model.train_function, "nothing_here") is None
+def test_per_replica_step_matches_keras_own_train_step():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    models = []
+    for _ in range(2):  # same seed, same weights
+        keras.utils.set_random_seed(0)
+        models.append(keras.Sequential([keras.Input((8,)),
+                                        keras.layers.Dense(16, activation="relu"),
+                                        keras.layers.Dense(1)]))
+    ours, theirs = models
+    for model in models:
+        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], jit_compile=False)
+    install_per_replica_xla(ours)
+    logs = [m.train_on_batch(x, y, return_dict=True) for m in (ours, theirs)]
+    assert logs[0].keys() == logs[1].keys() == {"loss", "mae"}
+    for key in logs[0]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=1e-5)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_rows_skips_a_first_input_that_is_none():  # keras-team/keras#21630
+    assert int(batch_rows({"a": None, "b": tf.zeros((3, 2))})) == 3
 
 
 def test_symbolic_build_creates_optimizer_and_metric_variables():
@@ -202,3 +218,22 @@ def test_set_symbolic_build_is_what_fit_calls():
     set_symbolic_build(model, build)
     model.fit(np.zeros((4, 3)), np.zeros((4, 1)), epochs=1, verbose=0)
     assert len(calls) == 1
+
+
+def test_tf_function_class_is_what_tf_function_makes():
+    calls = []
+    cls = tf_function_class()
+    original = cls.__call__
+
+    def counting(fn, *args, **kwargs):
+        calls.append(fn)
+        return original(fn, *args, **kwargs)
+
+    add_one = tf.function(lambda x: x + 1)
+    assert isinstance(add_one, cls)
+    cls.__call__ = counting
+    try:
+        assert int(add_one(tf.constant(1))) == 2
+    finally:
+        cls.__call__ = original
+    assert calls == [add_one]

@@ -7,14 +7,16 @@ import re
 import threading
 import time
 import types
+import warnings
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import profiling
-from keras_gpufix.analysis import slow_limit
+from keras_gpufix.analysis import THRESHOLDS, slow_limit
 from keras_gpufix.exceptions import GpufixWarning
 from planted import planted_dataset, tiny_model
 
@@ -81,7 +83,7 @@ def test_input_bound_run_is_traced_and_classified(input_bound_run):
     assert analysis["steps"] >= 4  # XProf may drop a partial first or last step
     assert analysis["step_time_ms"] > 0
     assert analysis["classification"] in ("highly_input_bound", "moderately_input_bound")
-    assert analysis["input_percent"] >= profiling.MODERATELY_INPUT_BOUND_PERCENT
+    assert analysis["input_percent"] >= THRESHOLDS["xprof_moderately_input_bound_percent"]
     assert "input-bound" in analysis["conclusion"]
     assert trigger.report()["traces"][0]["path"] == trace["path"]
 
@@ -162,9 +164,11 @@ def test_step_triggers_respect_max_traces_and_cooldown_over_two_fits(tmp_path):
 
 def test_slow_step_trigger_traces_the_next_steps(tmp_path):
     trigger = kg.ProfilerTrigger(str(tmp_path), trigger="slow_step", steps=4, warmup=5,
-                                 min_slow_ms=100, analyze=False, verbose=0)
+                                 analyze=False, verbose=0)
+    # The run's thresholds, one setting for every callback: the monitor's.
+    monitor = kg.GPUOscillationMonitor(thresholds={"min_slow_ms": 100}, nvml=False, verbose=0)
     stall = planted_dataset("periodic", batches=60, k=40, sleep=0.3)  # batch 40 stalls
-    tiny_model().fit(stall, epochs=1, verbose=0, callbacks=[trigger])
+    tiny_model().fit(stall, epochs=1, verbose=0, callbacks=[monitor, trigger])
     assert len(trigger.traces) == 1
     trace = trigger.traces[0]
     slow = int(re.match(r"slow step (\d+):", trace["reason"]).group(1))
@@ -200,19 +204,34 @@ def test_slow_step_is_timed_by_the_shared_stream_and_judged_by_the_one_rule(
     hooks.on_epoch_begin(0)
     for i in range(60):
         hooks.on_train_batch_begin(i)
-        # step 20: 2.9x the median cycle, under slow_factor=3 (the rule's limit: 33 ms)
-        clock["now"] += {20: 0.031, 45: 0.5}.get(i, 0.010)
+        # step 20: 1.8x the median cycle, under stall_factor=2 (the rule's limit: 22 ms)
+        clock["now"] += {20: 0.019, 45: 0.5}.get(i, 0.010)
         hooks.on_train_batch_end(i, {})
         clock["now"] += 0.4 if i == 30 else 0.001  # a callback stalls after step 30
     hooks.on_epoch_end(0)
     hooks.on_train_end()
     assert trigger.stream is timer.stream
     assert clock["reads"] == 2 * 60 + 1  # begin + end per step, and the stream's offset
-    assert slow_limit([0.011] * 16, factor=3.0, min_ms=5.0) == pytest.approx(0.033)
+    assert slow_limit([0.011] * 16, factor=THRESHOLDS["stall_factor"],
+                      min_ms=THRESHOLDS["min_slow_ms"]) == pytest.approx(0.022)
     assert [(t["start_step"], t["end_step"], t["reason"]) for t in trigger.traces] == [
         (32, 33, "slow step 31: 410.0 ms against a median of 11.0 ms"),  # between steps
         (46, 47, "slow step 45: 501.0 ms against a median of 11.0 ms"),  # in the step
     ]  # step 34, after the 1 s of saving the first trace, fired nothing
+
+
+def test_works_under_kg_watch_without_a_model(tmp_path):
+    # Issue 21: every hook failed with "cannot create weak reference to 'NoneType'".
+    trigger = kg.ProfilerTrigger(str(tmp_path), trigger=2, steps=2, analyze=False, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GpufixWarning)
+        with kg.watch([np.zeros((2, 3), np.float32)] * 12, callbacks=[trigger]) as watched:
+            for _ in watched:
+                pass
+    assert trigger.errors == []
+    assert [(t["start_step"], t["end_step"]) for t in trigger.traces] == [(2, 3)]
+    assert glob.glob(os.path.join(trigger.traces[0]["path"], "*.xplane.pb"))
+    assert trigger.report()["verdict"] == "unknown"  # 12 steps: too few to judge
 
 
 def test_tensorboard_profile_batch_in_the_same_list(tmp_path, monkeypatch):
@@ -294,7 +313,6 @@ def test_a_dropped_trigger_stops_its_trace_for_the_next_profiler(tmp_path):
     ({"steps": 0}, "steps"),
     ({"max_traces": 0}, "max_traces"),
     ({"cooldown": -1}, "cooldown"),
-    ({"slow_factor": 1.0}, "slow_factor"),
     ({"analysis_timeout": -1}, "analysis_timeout"),
 ])
 def test_arguments_are_checked(kwargs, match):

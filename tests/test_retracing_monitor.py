@@ -53,8 +53,8 @@ def test_seven_lengths_under_jit_cost_seven_compiles():
     assert sorted(s[0][1] for s in report["shapes"]) == list(LENGTHS)
     assert report["verdict"] == "recompiling"
     assert report["recompile_ms"] > 0 and 0 < report["recompile_share"] <= 1
-    slow = [e for e in report["shape_events"] if e["slow"]]
-    assert len(slow) >= 5 and all(e["cost_ms"] > 0 for e in slow)
+    recompiled = [e for e in report["shape_events"] if e["compiles"] and not e["first_compile"]]
+    assert len(recompiled) >= 5 and all(e["cost_ms"] > 0 for e in recompiled)
     # Keras traces with reduce_retracing=True: XLA recompiles without retracing.
     assert report["trace_count"] <= 3 < report["new_shapes"]
     assert set(report["trace_counts"]) == {"multi_step_on_iterator", "one_step_on_data"}
@@ -124,7 +124,6 @@ def test_an_eager_model_says_it_cannot_count():
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_new_shapes": 0}, "max_new_shapes"),
     ({"max_new_shapes": 2.5}, "max_new_shapes"),
-    ({"spike_factor": 1}, "spike_factor"),
 ])
 def test_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -143,12 +142,13 @@ def test_new_shapes_without_xla_and_slow_input_are_not_recompiles():
     seq_model(jit_compile=False).fit(ds, epochs=2, verbose=0, callbacks=[monitor])
     report = monitor.report()
     assert report["new_shapes"] >= 7
-    assert report["verdict"] == "healthy"
+    assert report["recompile_ms"] == 0.0
+    assert report["verdict"] == "input_bound"  # the run's one verdict: the loader's wait
 
 
 def test_every_step_at_a_new_shape_is_recompiling():
     rng = np.random.default_rng(1)
-    lengths = range(3, 15)  # 12 batches, no length repeats: no normal step to compare
+    lengths = range(3, 23)  # 20 batches, no length repeats: no normal step to compare
     x = [rng.random((BATCH, n, 4), dtype=np.float32) for n in lengths]
     ds = instrument(tf.data.Dataset.from_generator(
         lambda: ((a, a.mean(axis=(1, 2))[:, None]) for a in x),
@@ -159,7 +159,7 @@ def test_every_step_at_a_new_shape_is_recompiling():
     with pytest.warns(GpufixWarning, match="new input shapes"):
         seq_model(jit_compile=True).fit(ds, epochs=1, verbose=0, callbacks=[monitor])
     report = monitor.report()
-    assert report["new_shapes"] == 12
+    assert report["new_shapes"] == 20
     assert report["verdict"] == "recompiling"
     assert report["recompile_ms"] > 0
 
@@ -246,7 +246,8 @@ def test_custom_loop_eager_step_is_never_priced_as_a_recompile():
     assert report["new_shapes"] == 7  # the shapes are seen ...
     assert [e["cost_ms"] for e in report["shape_events"]] == [0.0] * 7  # ... and cost nothing
     assert report["recompile_ms"] == 0.0 and report["compiled"] is False
-    assert report["trace_count"] is None and report["verdict"] == "healthy"
+    assert report["trace_count"] is None
+    assert report["verdict"] == "eager_step"  # the judgement knows the step is eager
     assert any(n.startswith("train_step is not a tf.function") for n in report["notes"])
 
 
@@ -333,13 +334,12 @@ def test_without_instrumentation_slow_steps_are_not_priced_as_recompiles(jit_com
                                                callbacks=[monitor, oscillation])
     assert [str(w.message) for w in caught if issubclass(w.category, GpufixWarning)] == []
     report = monitor.report()
-    assert report["spikes"] >= 10 and report["spike_ms"] > 0  # the slow steps are seen ...
-    assert report["recompile_ms"] == 0.0  # ... and none is priced as a recompile
+    assert report["recompile_ms"] == 0.0  # no slow step is priced as a recompile
     assert report["compile_ms"] > 0  # the fit's one compile, at its first step
     assert [e["first_compile"] for e in report["shape_events"]] == [True]
-    assert report["verdict"] == "healthy"
     judged = oscillation.report()
     assert judged["verdict"] != "recompiling" and judged["events"]
+    assert report["verdict"] == judged["verdict"]  # one judgement, one verdict
     assert all("recompile_ms" not in e["evidence"] for e in judged["events"])
 
 

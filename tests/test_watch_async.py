@@ -138,7 +138,7 @@ def runs(request):
 def test_reading_the_loss_every_k_steps_is_healthy_at_the_synced_step_time(runs):
     before, after = runs["read_every_step"], runs["read_every_step_after"]
     refs = sorted([before["median_ms"], after["median_ms"]])
-    if {before["verdict"], after["verdict"]} != {"healthy"} or refs[1] > 1.25 * refs[0]:
+    if {before["verdict"], after["verdict"]} != {"healthy"} or refs[1] > 1.35 * refs[0]:
         # Other work on the host changed the step's time (real computing
         # under JAX) by more than is compared here: the reference itself was
         # not a steady healthy loop, so there is nothing to compare with.

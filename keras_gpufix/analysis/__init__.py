@@ -12,10 +12,15 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`                   |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
-| `detector`    | `judge` (no side effects), `OscillationDetector`             |
+| `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
+|               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
+|               | what-if weighed into it)                                     |
+| `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
+|               | job (samples/s counted once, the straggler and why)          |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge
+from keras_gpufix.analysis.detector import OscillationDetector, judge, weigh
+from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
     FIXES,
@@ -46,10 +51,13 @@ __all__ = [
     "fix_for",
     "is_recompiling",
     "judge",
+    "judge_job",
     "rank_causes",
     "recompile_cost",
     "slow_limit",
     "slow_mask",
     "step_compiled",
     "summarize_step_times",
+    "weigh",
+    "worker_summary",
 ]

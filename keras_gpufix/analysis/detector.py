@@ -5,8 +5,11 @@ effects. It judges by cost: the share of the cycle time (`input_wait +
 step + between`) lost to slow steps (their excess over the median, by the
 one slow-step rule `verdicts.slow_mask`), the phase where that excess lies,
 and its period (autocorrelation of the excess). `OscillationDetector`
-feeds records into a bounded window, judges it every `hop` records and
-turns persistent verdicts into events.
+feeds records into a bounded window, judges it every `hop` records, turns
+persistent verdicts into events and gives the run's one verdict
+(`OscillationDetector.verdict()`). `weigh` takes other evidence of the same
+run (an XProf trace, the what-if) into that verdict and says which reading
+it believes and why.
 """
 
 from collections import Counter, deque
@@ -16,8 +19,10 @@ import numpy as np
 from keras_gpufix.analysis.dispatch import fold_unsynced
 from keras_gpufix.analysis.step_log import StepLog, StepRecord
 from keras_gpufix.analysis.verdicts import (
+    FIXES,
     PHASES,
     THRESHOLDS,
+    TOO_FEW_STEPS,
     UNSYNCED_NOTE,
     fix_for,
     is_recompiling,
@@ -26,7 +31,7 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "OscillationDetector"]
+__all__ = ["judge", "weigh", "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -110,7 +115,10 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         compiled = [step_compiled(**h) for h in how]
         compile_s = 0.0
         if any(compiled):
-            med_step = float(np.median([r.step / max(1, r.steps) for r in rs]))
+            # The reference is the steps that did not compile; when every step
+            # compiled (a new shape at each), each whole step counts: an upper bound.
+            normal = [r.step / max(1, r.steps) for r, c in zip(rs, compiled) if not c]
+            med_step = float(np.median(normal)) if normal else 0.0
             compile_s = sum(recompile_cost(r.step, med_step, max(1, r.steps), **h)
                             for r, h, c in zip(rs, how, compiled) if c)
         recompiling, compile_share = is_recompiling(
@@ -312,6 +320,11 @@ class OscillationDetector:
         self.log = StepLog(window)
         self.reset()
 
+    def active_thresholds(self) -> dict:
+        """Every threshold this detector judges with (`THRESHOLDS`, the
+        constructor's overrides, then this run's `run_thresholds`)."""
+        return {**THRESHOLDS, **self.thresholds, **self.run_thresholds}
+
     def reset(self):
         """Forgets every record and event."""
         self._seen = 0
@@ -325,6 +338,8 @@ class OscillationDetector:
         self.judgements = 0
         self.last_judgement = None
         self._baseline_ms = None
+        # Overrides for this run only (a RetracingMonitor's max_new_shapes).
+        self.run_thresholds = {}
 
     def update(self, record, **signals):
         """Adds one record; returns a new event (dict) or None.
@@ -374,8 +389,8 @@ class OscillationDetector:
 
     def judge(self) -> dict:
         """`judge` of the current window (no side effects)."""
-        return judge(self._ring, self.thresholds, self._baseline_ms, self.jit, self.eager,
-                     len(self._shapes), self.synced)
+        return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit,
+                     self.eager, len(self._shapes), self.synced)
 
     def finish(self):
         """Judges the records not judged yet at the end of a run.
@@ -386,7 +401,7 @@ class OscillationDetector:
         verdict at once (`min_windows` does not apply). Returns a new event
         or None, like `update`.
         """
-        min_steps = self.thresholds.get("min_judge_steps", THRESHOLDS["min_judge_steps"])
+        min_steps = self.active_thresholds()["min_judge_steps"]
         if self._since_judgement == 0 or len(self._ring) < min_steps:
             return None
         return self._judge_now(1 if self.judgements == 0 else self.min_windows)
@@ -434,6 +449,49 @@ class OscillationDetector:
         judged = self.last_judgement is not None and self.last_judgement["verdict"] != "unknown"
         return "healthy" if judged else "unknown"
 
+    def verdict(self) -> dict:
+        """The run's one verdict so far (no side effects).
+
+        The verdict that covered the most steps among the events; before
+        any event, the judgement of the current window. Every output of a
+        run (the callbacks' console lines and `report()`, Keras `logs`,
+        TensorBoard, `kg.watch`, diagnose) names this verdict.
+
+        Returns:
+            A dict `verdict`, `fix`, `phase` (where the time goes),
+            `cost_share` (share of the time the cause cost, None for
+            `healthy` / `unknown`), `because` (sentences: what the verdict
+            rests on) and `changed` (the live events that said otherwise,
+            None when none did).
+        """
+        verdict = self.dominant_verdict()
+        judgement = None if self.events else self.judge()
+        if judgement is not None:
+            verdict = judgement["verdict"]
+        same = [e for e in self.events if e["verdict"] == verdict]
+        because = []
+        if same:
+            fix, phase, share = same[-1]["fix"], same[-1]["phase"], same[-1]["cost_share"]
+            because.append(f"{verdict} from step {same[0]['start_step']} to step "
+                           f"{same[-1]['end_step']}: {same[-1]['message']}")
+        elif judgement is not None and verdict not in ("healthy", "unknown"):
+            phase, share = judgement["phase"], judgement["cost_share"]
+            fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share)
+        else:
+            fix, phase, share = FIXES[verdict], None, None
+        others = [e for e in self.events if e["verdict"] != verdict]
+        changed = None
+        if others:  # the live events that said otherwise, and what changed
+            changed = ("during the run: " + ", ".join(
+                f"{e['verdict']} at steps {e['start_step']}-{e['end_step']}" for e in others)
+                + f"; {verdict} covered the most steps")
+        count = self.log.summary()["count"]
+        if verdict == "unknown" and count:
+            fix = TOO_FEW_STEPS.format(steps=count,
+                                       min_steps=self.active_thresholds()["min_judge_steps"])
+        return {"verdict": verdict, "fix": fix, "phase": phase, "cost_share": share,
+                "because": because, "changed": changed}
+
 
 def _event(judgement, start, end):
     verdict, ev = judgement["verdict"], judgement["evidence"]
@@ -471,3 +529,67 @@ def _message(verdict, start, ev, period, phase, share):
     parts.append("evidence: " + "+".join(ev["signals"]))
     return "; ".join(parts)
 
+
+
+def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
+    """The run's verdict with the other evidence of the same run weighed in.
+
+    The step log's verdict (`OscillationDetector.verdict()`) rests on every
+    step of the run. An XProf trace covers a few steps and counts
+    host-to-device copies as input; it never changes the verdict, and where
+    its classification disagrees the verdict says so and why. The what-if
+    times the input alone and the step alone side by side: when it finds
+    the input costing at least `input_wait_share` of a run judged
+    `healthy` (an input that competes with the step for the host's cores
+    reads 0% wait), the verdict becomes `input_bound`, and says that it
+    changed and why; a what-if finding nothing to gain leaves an
+    `input_bound` verdict standing (the replayed batch is cached, the run's
+    were not) and says so.
+
+    Args:
+        run: the dict of `OscillationDetector.verdict()`, with `input_wait`
+            (the run's input-wait share, None when not measured).
+        xprof: `profiling.analyze_trace` results of the run's traces (with
+            `start_step`, `end_step` when known). Defaults to None.
+        what_if: the what-if figures (`speedup_if_input_free`, `bound`,
+            `method`). Defaults to None.
+        thresholds: overrides of `THRESHOLDS`. Defaults to None.
+
+    Returns:
+        `run` with `verdict`, `fix`, `phase`, `cost_share` weighed and
+        `because` extended by one sentence per piece of evidence that
+        disagreed.
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    out = dict(run, because=list(run.get("because") or []))
+    verdict, wait = out["verdict"], out.get("input_wait")
+    waited = "not measured" if wait is None else f"{wait:.0%}"
+    speedup = (what_if or {}).get("speedup_if_input_free")
+    if speedup:
+        cost = 1.0 - 1.0 / speedup
+        if verdict == "healthy" and cost >= th["input_wait_share"]:
+            out.update(verdict="input_bound", phase="input_wait", cost_share=cost,
+                       fix=fix_for("input_bound"))
+            out["because"].append(
+                f"the step log read healthy (input wait {waited}), but with the input free "
+                f"the run would be {speedup:.2f}x faster: the input costs {cost:.0%} of the "
+                "run (it competes with the step for the host, so the wait reads low); the "
+                "what-if times both side by side, so the verdict is input_bound")
+        elif verdict == "input_bound" and speedup < th["min_speedup"]:
+            out["because"].append(
+                f"the what-if finds the run no faster with the input free ({speedup:.2f}x), "
+                f"but it replays one cached batch; the step log measured {waited} input "
+                "wait over the whole run, so the verdict stays input_bound")
+    for trace in xprof or ():
+        kind = trace.get("classification")
+        if kind is None:
+            continue
+        steps = (f" of steps {trace['start_step']}-{trace['end_step']}"
+                 if trace.get("start_step") is not None else "")
+        if (kind == "not_input_bound") == (out["verdict"] == "input_bound"):
+            out["because"].append(
+                f"XProf's trace{steps} reads input {trace.get('input_percent') or 0:.1f}% "
+                f"({kind}); the verdict stays {out['verdict']}: the trace covers "
+                f"{trace.get('steps') or 'a few'} steps and counts host-to-device copies as "
+                f"input, the step log's input wait ({waited}) covers every step")
+    return out

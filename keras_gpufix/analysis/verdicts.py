@@ -86,6 +86,18 @@ THRESHOLDS = {
     "max_new_shapes": 16,
     # Fewest steps (after warmup) a judgement is made on.
     "min_judge_steps": 8,
+    # A worker of a multi-worker job is the straggler when its own host time
+    # per step (input wait + between steps) exceeds the other workers' by
+    # this share of the job's cycle (analysis/job.py).
+    "straggler_share": 0.10,
+    # XProf's own classification of a trace by its input share
+    # (op_stats_to_input_pipeline_analysis.cc: kHighlyInfeedBoundThresholdInPercent,
+    # kModeratelyInfeedBoundThresholdInPercent), in percent of step time.
+    "xprof_highly_input_bound_percent": 20.0,
+    "xprof_moderately_input_bound_percent": 5.0,
+    # The what-if's speedup with the input free below which the run would be
+    # "no faster" (measurement noise of two short timings).
+    "min_speedup": 1.05,
     # Unsynced asynchronous steps (analysis.dispatch): a step at most this
     # share of the mean step is at dispatch cost; a period is looked for
     # over at least min_periods periods (fewer, and noise on a loaded host

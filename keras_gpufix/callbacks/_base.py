@@ -4,24 +4,27 @@
   (per callback and error type, at the user's line) and training goes on. Keras lets an exception
   raised in a callback propagate out of `fit`, which skips `on_train_end` of
   every callback (a profiler another callback started is then left running).
-- `GuardedCallback.siblings(cls)` finds our other callbacks in the running
-  `fit` (Keras gives a callback its model, never the list it is in).
-- `ScalarWriter` buffers TensorBoard scalars in memory and writes them at
-  epoch end, so logging costs nothing on the step path.
+  An exception raised by the user's own function (`on_detect`) is not ours:
+  it travels as a `UserError` and leaves the hook as itself, as Keras lets
+  any callback's exception leave `fit`.
+- `ScalarWriter` buffers TensorBoard scalars (and the verdict as text) in
+  memory and writes them at epoch end, so logging costs nothing on the step
+  path; every summary carries its description (TensorBoard shows it beside
+  the chart).
 """
 
 import functools
 import os
-import weakref
 
 import keras
 
 from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import callback_model
 
-__all__ = ["guarded", "GuardedCallback", "ScalarWriter"]
+__all__ = ["guarded", "GuardedCallback", "ScalarWriter", "UserError"]
 
-_ACTIVE = weakref.WeakSet()
+
+class UserError(Exception):
+    """Carries an exception of the user's own function (its `__cause__`) through our guards."""
 
 
 def guarded(hook):
@@ -31,15 +34,18 @@ def guarded(hook):
     def wrapper(self, *args, **kwargs):
         try:
             return hook(self, *args, **kwargs)
+        except UserError as exc:
+            error = exc.__cause__
         except Exception as exc:  # a monitor must never stop training
             self._report_failure(hook.__name__, exc)
             return None
+        raise error  # outside the handler: the user's traceback, not ours
 
     return wrapper
 
 
 class GuardedCallback(keras.callbacks.Callback):
-    """Base class: failure-safe hooks and sibling lookup.
+    """Base class: failure-safe hooks.
 
     `errors` keeps the first `MAX_ERRORS` failures (hook, type, message);
     each error type is warned once.
@@ -61,21 +67,6 @@ class GuardedCallback(keras.callbacks.Callback):
         warn(f"{type(self).__name__}.{where} failed and was skipped "
              f"({type(exc).__name__}: {exc}); training continues.")
 
-    def _activate(self):
-        _ACTIVE.add(self)
-
-    def _deactivate(self):
-        _ACTIVE.discard(self)
-
-    def siblings(self, cls):
-        """Our callbacks of type `cls` in the same running `fit`."""
-        model = callback_model(self)
-        return [
-            cb for cb in list(_ACTIVE)
-            if isinstance(cb, cls) and cb is not self
-            and callback_model(cb) is model
-        ]
-
 
 class ScalarWriter:
     """Buffered TensorBoard scalars under `log_dir/<run>`.
@@ -83,10 +74,41 @@ class ScalarWriter:
     Uses `tf.summary` (imported on first flush). Where TensorFlow is not
     installed (another Keras backend) it warns once and drops the scalars.
     At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
-    early).
+    early). Each scalar is written with its description from
+    `DESCRIPTIONS` (the tables of `StepTimer` and `GPUOscillationMonitor`);
+    a tag not listed there says which callback wrote it.
     """
 
     MAX_PENDING = 8192
+    DESCRIPTIONS = {
+        "step_timer/step_ms": "StepTimer, each step: cycle time per step in ms (input wait + "
+                              "step + time between steps)",
+        "step_timer/epoch_mean_ms": "StepTimer, epoch end: mean cycle time per step of the "
+                                    "epoch, ms",
+        "step_timer/epoch_p95_ms": "StepTimer, epoch end: 95th percentile of the epoch's cycle "
+                                   "times per step, ms",
+        "step_timer/epoch_cv": "StepTimer, epoch end: coefficient of variation (std / mean) of "
+                               "the epoch's cycle times",
+        "step_timer/samples_per_s": "StepTimer, epoch end: samples per second over the epoch",
+        "oscillation/cycle_ms": "GPUOscillationMonitor, each step: cycle time per step, ms",
+        "oscillation/input_wait_ms": "GPUOscillationMonitor, each step: time waiting for the "
+                                     "batch, per step, ms (measured by kg.data.instrument)",
+        "oscillation/between_ms": "GPUOscillationMonitor, each step: host time between steps "
+                                  "(callbacks, logging, checkpoints), per step, ms",
+        "oscillation/cv": "GPUOscillationMonitor, each judgement: coefficient of variation of "
+                          "the window's cycle times",
+        "oscillation/median_ms": "GPUOscillationMonitor, each judgement: median cycle time of "
+                                 "the window, ms",
+        "oscillation/slow_time_share": "GPUOscillationMonitor, each judgement: share of the "
+                                       "window's time lost to slow steps",
+        "oscillation/input_wait": "GPUOscillationMonitor, each judgement: share of the cycle "
+                                  "spent waiting for input",
+        "oscillation/gpu_util": "GPUOscillationMonitor, each judgement: mean GPU utilisation "
+                                "(NVML), percent",
+        "oscillation/verdict": "GPUOscillationMonitor, text, each event ('<verdict>: "
+                               "<message>. Fix: ...') and at the end of fit ('final: "
+                               "<verdict>. Fix: ...', the verdict of report())",
+    }
 
     def __init__(self, log_dir, run="keras_gpufix"):
         self.path = os.path.join(os.fspath(log_dir), run)
@@ -99,6 +121,11 @@ class ScalarWriter:
             self._pending.append((tag, float(value), int(step)))
             if len(self._pending) >= self.MAX_PENDING:
                 self.flush()
+
+    def text(self, tag, value, step):
+        """A text summary (the TensorBoard Text tab), written with the scalars."""
+        if not self._disabled:
+            self._pending.append((tag, str(value), int(step)))
 
     def flush(self):
         if self._disabled or not self._pending:
@@ -117,7 +144,10 @@ class ScalarWriter:
         pending, self._pending = self._pending, []
         with self._writer.as_default():
             for tag, value, step in pending:
-                tf.summary.scalar(tag, value, step=step)
+                description = self.DESCRIPTIONS.get(
+                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback")
+                summary = tf.summary.text if isinstance(value, str) else tf.summary.scalar
+                summary(tag, value, step=step, description=description)
         self._writer.flush()
 
     def close(self):

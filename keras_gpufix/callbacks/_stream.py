@@ -34,13 +34,36 @@ audio, read with the rest of the probe (no extra read per step), in `fit`
 and under `kg.watch` alike (when watch iterates the dataset itself; over
 an iterator or a generator it calls `drop_probe()`); other datasets leave
 them None.
+
+One judgement per run: the stream feeds its records to one
+`analysis.OscillationDetector` (the `GPUOscillationMonitor`'s in the run,
+else one with the default settings) and hands its judgements and events to
+every member (`_on_judgement`, `_on_event`), so every callback's report,
+console line and Keras `logs` name the run's one verdict
+(`OscillationDetector.verdict()`). A `RetracingMonitor` adds what it
+counts (traces, whether the step is compiled or eager) to the records and
+to the detector.
+
+Keras `logs` (documented keys, written by the first of our callbacks in the
+list, so History, CSVLogger, EarlyStopping and Keras's TensorBoard listed
+after it see them; every value a number):
+
+| key          | hook                 | value                                     |
+|--------------|----------------------|-------------------------------------------|
+| `step_ms`    | `on_train_batch_end` | the cycle per step (input wait + step +   |
+|              |                      | between), ms                              |
+| `step_ms`    | `on_epoch_end`       | the epoch's mean cycle per step, ms       |
+| `input_wait` | `on_epoch_end`       | the epoch's share of the cycle spent      |
+|              |                      | waiting for input (absent: not measured)  |
+| `verdict`    | `on_epoch_end`       | the run's verdict so far, as its index in |
+|              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
 """
 
 import time
 import weakref
 
-from keras_gpufix.analysis import StepRecord
-from keras_gpufix.callbacks._base import GuardedCallback, guarded
+from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
+from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
 from keras_gpufix.keras_internals import callback_model
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
@@ -60,10 +83,16 @@ class StepStream:
         last: `(index, steps, span_s, gap_s)` of the latest end hook, read
             right at that hook (for callbacks that act on the next step).
         input_probe: the `InputProbe` being read, or None.
+        detector: the run's one `OscillationDetector`.
+        jit, eager: whether the step is XLA-compiled (None: not known) and
+            whether it runs eagerly; the model's, refined by a
+            `RetracingMonitor`.
+        run_thresholds: thresholds for this run's judgement (a
+            `RetracingMonitor`'s `max_new_shapes`).
         synced: whether each step is timed where its device work ends (set
             by `kg.watch`; True once Keras handed logs to an end hook, which
             it turns into numbers first, waiting for the step; None: not
-            known). Given to the members' detectors with each record.
+            known). Given to the detector with each record.
     """
 
     # Reading the probe costs about half a millisecond while fit runs, so it
@@ -98,6 +127,14 @@ class StepStream:
         self._new_epoch = True
         self._shapes = set()
         self._closed = False
+        self.detector = OscillationDetector()
+        self._own_detector = True
+        self.jit = None
+        self.eager = False
+        self.run_thresholds = {}
+        self._tracer = None
+        self._traces = 0
+        self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
 
@@ -116,6 +153,14 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
+            model = callback_model(callback)
+            jit = getattr(model, "jit_compile", None)
+            stream.jit = jit if isinstance(jit, bool) else None
+            stream.eager = bool(getattr(model, "run_eagerly", False))
+        detector = getattr(callback, "detector", None)
+        if stream._own_detector and isinstance(detector, OscillationDetector):
+            stream.detector, stream._own_detector = detector, False
+            detector.reset()
         size = getattr(callback, "batch_size", None)
         if stream.batch_size is None and size is not None:
             stream.batch_size = size
@@ -157,6 +202,14 @@ class StepStream:
         wait = None if input_wait is None else float(input_wait)
         self._supplied = (wait, samples, shape, bool(split))
 
+    def count_traces(self, counter):
+        """Counts traces with `counter()` (total traces so far) at every end hook.
+
+        Each record then holds the traces of its step (`StepRecord.traces`).
+        """
+        self._tracer = counter
+        self._traces = counter()
+
     def drop_probe(self):
         """Stops reading the input probe (custom loops).
 
@@ -189,8 +242,12 @@ class StepStream:
         steps = max(1, batch - self._first + 1)
         gap = 0.0 if self._last_end is None else begin - self._last_end
         self._last_end = now
+        traces = 0
+        if self._tracer is not None:
+            total = self._tracer()
+            traces, self._traces = total - self._traces, total
         self._pending.append((self._global, steps, begin, now - begin, gap, self._epoch,
-                              self._new_epoch, self._supplied))
+                              self._new_epoch, self._supplied, traces))
         self.last = (self._global, steps, now - begin, gap)
         self._global += steps
         self._supplied = None
@@ -204,8 +261,11 @@ class StepStream:
             self.sync()
 
     def train_end(self):
-        """At the leader's train end hook."""
+        """At the leader's train end hook: the last records and the final judgement."""
         self.sync()
+        event = self.detector.finish()
+        if event is not None:
+            self._deliver("_on_event", event)
         self._closed = True
         if _OPEN.get(self.key) is self:
             del _OPEN[self.key]
@@ -228,8 +288,8 @@ class StepStream:
         probe = self.input_probe
         per_second = None if probe is None else probe.frames_per_second
         records = []
-        for (index, steps, begin, span, gap, epoch, first, supplied), wait, row, frames in zip(
-                pending, waits, rows, reals):
+        for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
+                frames in zip(pending, waits, rows, reals):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -262,9 +322,51 @@ class StepStream:
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
-                split=split))
+                split=split, traces=traces))
         for callback in self.members:
             callback._take_records(records)
+        self._judge(records)
+
+    def _judge(self, records):
+        """Feeds the run's one detector; hands its judgements and events to every member."""
+        det = self.detector
+        det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
+        det.synced = self.synced
+        for record in records:
+            self._add_to_epoch(record)
+            judged = det.judgements
+            event = det.update(record)
+            if det.judgements != judged:
+                self._deliver("_on_judgement", det.last_judgement,
+                              record.index + record.steps - 1)
+            if event is not None:
+                self._deliver("_on_event", event)
+
+    def _deliver(self, name, *args):
+        for callback in self.members:
+            try:
+                getattr(callback, name)(*args)
+            except UserError:  # the user's own function raised: Keras lets that propagate
+                raise
+            except Exception as exc:  # a monitor must never stop training
+                callback._report_failure(name, exc)
+
+    def _add_to_epoch(self, record):
+        epoch, cycle, wait, waited, steps = self._epoch_sums
+        if record.epoch != epoch:
+            epoch, cycle, wait, waited, steps = record.epoch, 0.0, 0.0, 0.0, 0
+        if record.input_wait is not None:
+            wait, waited = wait + record.input_wait, waited + record.cycle
+        self._epoch_sums = (epoch, cycle + record.cycle, wait, waited, steps + record.steps)
+
+    def epoch_logs(self, logs):
+        """Writes the epoch's `step_ms`, `input_wait` and `verdict` into Keras `logs`."""
+        epoch, cycle, wait, waited, steps = self._epoch_sums
+        if epoch == max(0, self._epoch) and steps:
+            logs["step_ms"] = cycle / steps * 1e3
+            if waited > 0:
+                logs["input_wait"] = wait / waited
+        logs["verdict"] = VERDICTS.index(self.detector.verdict()["verdict"])
 
     @property
     def shapes_seen(self):
@@ -296,7 +398,13 @@ class TimedCallback(GuardedCallback):
     - `_after_hook()`: after each end hook (a step, or N steps);
     - `_on_records(records)`: new `StepRecord`s, in order (every quarter
       second, before validation, at epoch end and at the end of training);
-    - `_epoch_done()`: at epoch end, after `_on_records`.
+    - `_epoch_done()`: at epoch end, after `_on_records`;
+    - `_on_judgement(judgement, step)`, `_on_event(event)`: the run's one
+      detector judged a window / reported an event.
+
+    `report()` of every subclass starts with the run's verdict
+    (`_verdict_report()`: `verdict`, `fix`, `phase`, `cost_share`,
+    `because`, `changed`, `errors`), then what the callback itself measured.
     """
 
     def __init__(self):
@@ -318,19 +426,30 @@ class TimedCallback(GuardedCallback):
     def _epoch_done(self):
         pass
 
+    def _on_judgement(self, judgement, step):
+        pass
+
+    def _on_event(self, event):
+        pass
+
     def _take_records(self, records):
         try:
-            detector = getattr(self, "detector", None)
-            if detector is not None:
-                detector.synced = self.stream.synced
             self._on_records(records)
         except Exception as exc:  # a monitor must never stop training
             self._report_failure("_on_records", exc)
 
+    def _verdict_report(self):
+        """The head of every `report()`: the run's one verdict (unknown before a run)."""
+        if self.stream is None:
+            verdict = {"verdict": "unknown", "fix": "no run was monitored yet",
+                       "phase": None, "cost_share": None, "because": [], "changed": None}
+        else:
+            verdict = self.stream.detector.verdict()
+        return {**verdict, "errors": list(self.errors)}
+
     @guarded
     def on_train_begin(self, logs=None):
         self.stream = None
-        self._activate()
         self.stream = StepStream.join(self)
         self._begin()
 
@@ -360,6 +479,9 @@ class TimedCallback(GuardedCallback):
                 if logs and stream.synced is None:
                     stream.synced = True  # Keras made the logs numbers: it waited for the step
                 stream.batch_end(batch)
+                if isinstance(logs, dict) and stream.last is not None:
+                    _, steps, span, gap = stream.last
+                    logs["step_ms"] = (span + gap) / steps * 1e3
             self._after_hook()
 
     @guarded
@@ -374,11 +496,12 @@ class TimedCallback(GuardedCallback):
         if self.stream is not None:
             if self.stream.leader is self:
                 self.stream.sync()
+                if isinstance(logs, dict):
+                    self.stream.epoch_logs(logs)
             self._epoch_done()
 
     @guarded
     def on_train_end(self, logs=None):
-        self._deactivate()
         if self.stream is not None:
             if self.stream.leader is self:
                 self.stream.train_end()

@@ -29,22 +29,34 @@ Logged TensorBoard scalars (run `keras_gpufix` under `log_dir`):
 |                              |               | steps                            |
 | `oscillation/input_wait`     | each judgement| input-wait share (when measured) |
 | `oscillation/gpu_util`       | each judgement| mean GPU utilisation (NVML)      |
-| `oscillation/verdict`        | each event    | index into `analysis.VERDICTS`   |
 
-Nothing is added to the Keras `logs` dict.
+Logged TensorBoard text (Text tab): `oscillation/verdict`, at each event
+(`<verdict>: <message>. Fix: <fix>`) and at the end of `fit` (`final:
+<verdict>. Fix: <fix>`, the verdict of `report()`).
+
+Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
+(each epoch), written by the first of our callbacks in the list (see
+`callbacks/_stream.py`).
+
+The monitor is the run's one judgement: its detector judges the records of
+every keras_gpufix callback in the `fit`, and their reports name its
+verdict. `on_detect` is the user's function: an exception it raises
+propagates out of `fit`, as from any Keras callback.
+
+Several workers (`MultiWorkerMirroredStrategy`) with a shared `log_dir`:
+at the end of `fit` each worker's monitor writes its summary there and
+judges the whole job (`analysis.judge_job`: samples/s counted once, each
+worker's step and input wait, the straggler and why). The chief prints the
+job's line; the other workers print nothing unless they are the
+straggler. `report()["job"]` holds the job's report.
 """
 
 import sys
+import time
 
-from keras_gpufix.analysis import (
-    FIXES,
-    THRESHOLDS,
-    TOO_FEW_STEPS,
-    VERDICTS,
-    OscillationDetector,
-    fix_for,
-)
-from keras_gpufix.callbacks._base import GuardedCallback, ScalarWriter
+from keras_gpufix.analysis import OscillationDetector
+from keras_gpufix.callbacks._base import ScalarWriter, UserError
+from keras_gpufix.callbacks._job import cluster_task, gather_job
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
@@ -68,8 +80,10 @@ class GPUOscillationMonitor(TimedCallback):
         log_dir: directory for TensorBoard scalars. Defaults to None.
         on_detect: called with each event dict; an object with an
             `on_oscillation(event)` method (such as `kg.ProfilerTrigger`)
-            gets that method called. Our callbacks with `on_oscillation` in
-            the same `fit` get every event without wiring. Defaults to None.
+            gets that method called. Our callbacks in the same `fit` get
+            every event without wiring. An exception it raises propagates
+            out of `fit` (it is the user's code, not the monitor's).
+            Defaults to None.
         nvml: sample GPU utilisation through NVML when possible.
             Defaults to True.
         verbose: 0 silent, 1 prints each event and a summary at the end of
@@ -108,6 +122,9 @@ class GPUOscillationMonitor(TimedCallback):
         self._writer = None
         self._firsts = [0, 0.0]  # epoch-first records: count, seconds
         self._said_step_times_only = False
+        self._task = None  # (index, chief, tasks) under a multi-worker strategy
+        self._began = 0.0
+        self.job = None
 
     @property
     def events(self):
@@ -115,12 +132,10 @@ class GPUOscillationMonitor(TimedCallback):
         return self.detector.events
 
     def _begin(self):
-        self.detector.reset()
         self._firsts = [0, 0.0]
-        model = callback_model(self)
-        jit = getattr(model, "jit_compile", None)
-        self.detector.jit = jit if isinstance(jit, bool) else None
-        self.detector.eager = bool(getattr(model, "run_eagerly", False))
+        self._task = cluster_task(callback_model(self))
+        self._began = time.time()
+        self.job = None
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
@@ -143,58 +158,70 @@ class GPUOscillationMonitor(TimedCallback):
             emit(f"GPUOscillationMonitor: GPU utilisation not sampled ({reason}); "
                  "judging from step times" + (
                      " and input wait." if self.stream.input_probe is not None
-                     or "tensorflow" in sys.modules else "."), self.verbose)
+                     or "tensorflow" in sys.modules else "."), self._voice)
 
     def _epoch_done(self):
         if self._writer is not None:
             self._writer.flush()
 
+    @property
+    def _voice(self):
+        """`verbose`, or 0 on a worker of a job that is not the chief."""
+        return self.verbose if self._task is None or self._task[1] else 0
+
     def _end(self):
-        event = self.detector.finish()
-        if event is not None:
-            self._emit(event)
+        # The stream's last records and final judgement came before this hook.
+        if self._task is not None and self.log_dir is not None:
+            try:
+                self._gather_job()
+            except Exception as exc:  # a shared folder that fails: one warning
+                self._report_failure("gather_job", exc)
         if self._sampler is not None:
             self._sampler.stop()
             if self._sampler.error is not None:
                 warn(f"NVML sampling stopped: {self._sampler.error}")
+        r = self.report()
         if self._writer is not None:
+            self._writer.text("oscillation/verdict", f"final: {r['verdict']}. Fix: {r['fix']}",
+                              max(0, self.detector.log.steps - 1))
             self._writer.close()
             self._writer = None
-        if self.verbose:
-            r = self.report()
-            st = r["step_time"]
-            if st["count"]:
-                wait = r["input_wait"]
-                emit(f"GPUOscillationMonitor: verdict {r['verdict']}; "
-                     f"{st['count']} steps, median {st['p50_ms']:.1f} ms, "
-                     f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
-                     + ("" if wait is None else f", input wait {wait:.0%}")
-                     + f", between steps {r['phases']['between']:.0%}"
-                     + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""),
-                     self.verbose)
+        st = r["step_time"]
+        if self._voice and self.job is None and st["count"]:  # in a job, the job's line says it
+            wait = r["input_wait"]
+            emit(f"GPUOscillationMonitor: verdict {r['verdict']}; "
+                 f"{st['count']} steps, median {st['p50_ms']:.1f} ms, "
+                 f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
+                 + ("" if wait is None else f", input wait {wait:.0%}")
+                 + f", between steps {r['phases']['between']:.0%}"
+                 + ("" if r["changed"] is None else f"; {r['changed']}")
+                 + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""),
+                 self._voice)
+
+    def _gather_job(self):
+        self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)
+        straggler = None if self.job is None else self.job["straggler"]
+        if self.job is not None and (self._task[1] or (
+                straggler is not None and straggler["task"] == self._task[0])):
+            emit(f"GPUOscillationMonitor (task {self._task[0]}): {self.job['message']}",
+                 self.verbose)
 
     def _on_records(self, records):
-        """Feeds the stream's records to the detector."""
+        """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         for record in records:
             if record.epoch_first:
                 self._firsts[0] += 1
                 self._firsts[1] += record.cycle
-            judged = self.detector.judgements
-            event = self.detector.update(record)
             if self._writer is not None:
                 step, per = record.index + record.steps - 1, 1e3 / record.steps
                 self._writer.add("oscillation/cycle_ms", record.cycle * per, step)
                 if record.input_wait is not None:
                     self._writer.add("oscillation/input_wait_ms", record.input_wait * per, step)
                 self._writer.add("oscillation/between_ms", record.between * per, step)
-                if self.detector.judgements != judged:
-                    self._log_judgement(step)
-            if event is not None:
-                self._emit(event)
 
-    def _log_judgement(self, step):
-        evidence = self.detector.last_judgement["evidence"]
-        if "median_ms" not in evidence:  # too few records to judge
+    def _on_judgement(self, judgement, step):
+        evidence = judgement["evidence"]
+        if self._writer is None or "median_ms" not in evidence:  # too few records to judge
             return
         self._writer.add("oscillation/cv", evidence["cv"], step)
         self._writer.add("oscillation/median_ms", evidence["median_ms"], step)
@@ -202,65 +229,49 @@ class GPUOscillationMonitor(TimedCallback):
         self._writer.add("oscillation/input_wait", evidence.get("input_wait"), step)
         self._writer.add("oscillation/gpu_util", evidence.get("gpu_util"), step)
 
-    def _emit(self, event):
-        emit(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}", self.verbose)
+    def _on_event(self, event):
+        emit(f"\nGPUOscillationMonitor: {event['message']}. Fix: {event['fix']}", self._voice)
         if self._writer is not None:
-            self._writer.add("oscillation/verdict", VERDICTS.index(event["verdict"]),
-                             event["end_step"])
-        targets = [] if self.on_detect is None else [self.on_detect]
-        targets += [cb for cb in self.siblings(GuardedCallback)
-                    if hasattr(cb, "on_oscillation") and cb is not self.on_detect]
-        for target in targets:
-            handler = getattr(target, "on_oscillation", target)
-            try:
-                handler(event)
-            except Exception as exc:
-                self._report_failure(f"on_detect({type(target).__name__})", exc)
+            self._writer.text("oscillation/verdict", f"{event['verdict']}: {event['message']}. "
+                                                     f"Fix: {event['fix']}", event["end_step"])
+        target = self.on_detect
+        if target is None or any(target is m for m in self.stream.members):
+            return  # our callbacks in the run get the event from the stream
+        try:
+            getattr(target, "on_oscillation", target)(event)
+        except Exception as exc:
+            raise UserError() from exc
 
     def report(self):
         """The run's diagnosis as a dict, readable at any time (no side effects).
 
         Returns:
-            `verdict` (dominant over the run; before any event, the judgement
-            of the current window; `healthy` when nothing was found,
-            `unknown` when too few steps were seen), `fix`, `phase` (where the
-            time goes), `events` (dicts with `verdict`, `phase`,
-            `start_step`, `end_step`, `cv`, `period`, `cost_share`,
-            `evidence`, `fix`, `message`), `step_time` (`StepLog.summary()`
-            of the records after warmup: per-step cycle figures,
-            `samples_per_s`, `phases`, `audio_seconds_per_s`,
-            `real_frames_per_s`), `phases` (share of the cycle per phase),
-            `input_wait` (share, None when not measured), `gpu_util` (mean,
-            None without NVML), `epoch_start_ms` (mean first step of an
-            epoch), `new_shapes` and `errors` (internal failures that were
-            skipped).
+            `verdict` (the run's one verdict, `OscillationDetector.verdict()`:
+            dominant over the run; before any event, the judgement of the
+            current window; `healthy` when nothing was found, `unknown` when
+            too few steps were seen), `fix`, `phase` (where the time goes),
+            `cost_share`, `because` (what the verdict rests on), `changed`
+            (the live events that said otherwise, or None), `errors` (internal failures
+            that were skipped): the head every keras_gpufix callback's
+            `report()` starts with. Then `events` (dicts with `verdict`,
+            `phase`, `start_step`, `end_step`, `cv`, `period`,
+            `cost_share`, `evidence`, `fix`, `message`), `step_time`
+            (`StepLog.summary()` of the records after warmup: per-step
+            cycle figures, `samples_per_s`, `phases`,
+            `audio_seconds_per_s`, `real_frames_per_s`), `phases` (share of
+            the cycle per phase), `input_wait` (share, None when not
+            measured), `gpu_util` (mean, None without NVML),
+            `epoch_start_ms` (mean first step of an epoch), `new_shapes` and
+            `job` (the multi-worker job's report, `analysis.judge_job`; None
+            outside a job or without `log_dir`).
         """
-        verdict = self.detector.dominant_verdict()
-        judgement = None
-        if not self.events:
-            judgement = self.detector.judge()
-            verdict = judgement["verdict"]
-        fixes = [e for e in self.events if e["verdict"] == verdict]
-        if fixes:
-            fix, phase = fixes[-1]["fix"], fixes[-1]["phase"]
-        elif judgement is not None and verdict not in ("healthy", "unknown"):
-            phase = judgement["phase"]
-            fix = fix_for(verdict, phase=phase, period=judgement["period"],
-                          share=judgement["cost_share"])
-        else:
-            fix, phase = FIXES[verdict], None
         summary = self.detector.log.summary()
-        if verdict == "unknown" and summary["count"]:
-            fix = TOO_FEW_STEPS.format(steps=summary["count"], min_steps=self.thresholds.get(
-                "min_judge_steps", THRESHOLDS["min_judge_steps"]))
         gpu_util = None
         if self._sampler is not None:
             gpu_util = self._sampler.mean_between(0.0, float("inf"))
         count, seconds = self._firsts
         return {
-            "verdict": verdict,
-            "fix": fix,
-            "phase": phase,
+            **self._verdict_report(),
             "events": [dict(e) for e in self.events],
             "step_time": summary,
             "phases": summary["phases"] or dict.fromkeys(("input_wait", "step", "between"), 0.0),
@@ -268,6 +279,5 @@ class GPUOscillationMonitor(TimedCallback):
             "gpu_util": gpu_util,
             "epoch_start_ms": seconds / count * 1e3 if count else None,
             "new_shapes": 0 if self.stream is None else self.stream.shapes_seen,
-            "errors": list(self.errors),
+            "job": self.job,
         }
-

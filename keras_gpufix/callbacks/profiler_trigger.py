@@ -7,9 +7,11 @@ A trace is armed by a trigger and starts at the next step:
 | `"oscillation"`  | `GPUOscillationMonitor` reports a verdict other than        |
 |                  | `healthy` (wired by `on_detect=`, or found in the same list)|
 | `"slow_step"`    | a cycle (a step and the host time before it: input, other   |
-|                  | callbacks) is slow by the one slow-step rule                |
-|                  | (`analysis.slow_limit`, `slow_factor` x the median of the   |
-|                  | recent cycles)                                              |
+|                  | callbacks) is a stall by the run's judgement: slower than   |
+|                  | `stall_factor` x the median of the recent cycles, by        |
+|                  | `min_slow_ms` (`analysis.slow_limit`, with the thresholds   |
+|                  | of the run's detector: `THRESHOLDS`, or a                   |
+|                  | `GPUOscillationMonitor`'s `thresholds`)                     |
 | `int` / `[int]`  | the training reaches that global step (0-based, across      |
 |                  | epochs)                                                     |
 
@@ -19,16 +21,19 @@ show "No step marker observed"). After each trace, with `analyze=True`,
 XProf's `input_pipeline_analyzer` runs headless in a background thread (it
 releases the GIL, so steps go on) and one line is printed: step time,
 input %, classification and XProf's conclusion, plus the TensorBoard
-command. At the end of `fit` it waits at most `analysis_timeout` seconds
+command; where XProf's reading disagrees with the run's verdict, the line
+says which the verdict believes and why (`analysis.weigh`). At the end of `fit` it waits at most `analysis_timeout` seconds
 for analyses still running (a trace of long steps can take minutes), so
 `fit` returns on time; a late analysis lands in `traces` and `report()`
 when it finishes. Traces land in `log_dir/plugins/profile/<run>/`.
 
 Steps are timed by the shared step stream (`callbacks/_stream.py`, one
 clock read per hook for all our callbacks): the trigger reads the latest
-step's span from it (`stream.last`) and times nothing itself. Nothing is
-written to the Keras `logs` dict or to TensorBoard scalars; the results are
-in `traces` and `report()`.
+step's span from it (`stream.last`) and times nothing itself; the run's
+events (`"oscillation"`) come from the stream's one judgement, with or
+without a `GPUOscillationMonitor` in the list, and with or without a model
+(`kg.watch` without `model=`). Keras `logs`: see `callbacks/_stream.py`;
+the traces are in `traces` and `report()`.
 """
 
 import threading
@@ -40,7 +45,7 @@ from collections import deque
 import numpy as np
 
 from keras_gpufix import profiling
-from keras_gpufix.analysis import slow_limit
+from keras_gpufix.analysis import slow_limit, weigh
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -92,14 +97,6 @@ class ProfilerTrigger(TimedCallback):
             Defaults to True.
         cooldown: steps after a trace before the next may start. Defaults
             to 100.
-        slow_factor: the slow-step rule's factor for `"slow_step"`: a
-            cycle (the step and the host time since the previous one)
-            slower than this x the median of the last 64 normal cycles (and
-            by 4 robust standard deviations, `analysis.slow_limit`) fires
-            it. Defaults to 3.0 (a trace is dear: the monitors' 1.25 would
-            fire on noise).
-        min_slow_ms: ... and by at least this many ms (scheduler jitter on
-            short steps is not worth a trace). Defaults to 5.0.
         warmup: steps at the start of each `fit` that never fire
             `"slow_step"` (compilation); neither do the first step of an
             epoch and the step after a trace (saving it). Defaults to 10.
@@ -130,8 +127,7 @@ class ProfilerTrigger(TimedCallback):
     MAX_SKIPPED = 100
 
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
-                 cooldown=100, slow_factor=3.0, min_slow_ms=5.0, warmup=10,
-                 analysis_timeout=5.0, verbose=1):
+                 cooldown=100, warmup=10, analysis_timeout=5.0, verbose=1):
         super().__init__()
         if not log_dir:
             raise ValueError(f"`log_dir` must be a directory path. Received: log_dir={log_dir!r}")
@@ -141,8 +137,6 @@ class ProfilerTrigger(TimedCallback):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(
                     f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
-        if not slow_factor > 1.0:
-            raise ValueError(f"`slow_factor` must be > 1. Received: slow_factor={slow_factor}")
         if not analysis_timeout >= 0:
             raise ValueError("`analysis_timeout` must be >= 0 (seconds). "
                              f"Received: analysis_timeout={analysis_timeout}")
@@ -152,8 +146,6 @@ class ProfilerTrigger(TimedCallback):
         self.max_traces = int(max_traces)
         self.analyze = analyze
         self.cooldown = int(cooldown)
-        self.slow_factor = float(slow_factor)
-        self.min_slow_ms = float(min_slow_ms)
         self.warmup = int(warmup)
         self.analysis_timeout = float(analysis_timeout)
         self.verbose = verbose
@@ -189,10 +181,13 @@ class ProfilerTrigger(TimedCallback):
 
     @guarded
     def on_oscillation(self, event):
-        """Arms a trace for a `GPUOscillationMonitor` event (not `healthy`)."""
+        """Arms a trace for an event of the run's judgement (not `healthy`)."""
         if "oscillation" in self._kinds and event.get("verdict") != "healthy":
             self._arm(f"oscillation: {event.get('verdict')} at steps "
                       f"{event.get('start_step')}-{event.get('end_step')}")
+
+    def _on_event(self, event):
+        self.on_oscillation(event)
 
     def _arm(self, reason):
         if self._armed is None and self._taken < self.max_traces:
@@ -265,9 +260,10 @@ class ProfilerTrigger(TimedCallback):
     # -- internals -------------------------------------------------------
 
     def _watch(self, step_time):
-        """Slow-step trigger: the one slow-step rule (`analysis.slow_limit`)
-        on the cycle (the step and the host time before it), against the
-        last `MEDIAN_WINDOW` normal cycles, renewed every 16."""
+        """Slow-step trigger: a stall by the run's thresholds (`analysis.slow_limit`
+        with `stall_factor`, `min_slow_ms`) on the cycle (the step and the host
+        time before it), against the last `MEDIAN_WINDOW` normal cycles (at
+        least `min_judge_steps` of them), renewed every 16."""
         if self._global > self.warmup:
             if self._threshold is not None and step_time > self._threshold:
                 self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
@@ -275,10 +271,12 @@ class ProfilerTrigger(TimedCallback):
                 return
             self._times.append(step_time)
             self._normal += 1
-            if self._normal >= 8 and (self._threshold is None or self._normal % 16 == 0):
+            th = self.stream.detector.active_thresholds()
+            if self._normal >= th["min_judge_steps"] and (
+                    self._threshold is None or self._normal % 16 == 0):
                 self._median = float(np.median(self._times))
-                self._threshold = slow_limit(self._times, self._median, factor=self.slow_factor,
-                                             min_ms=self.min_slow_ms)
+                self._threshold = slow_limit(self._times, self._median,
+                                             factor=th["stall_factor"], min_ms=th["min_slow_ms"])
 
     def _maybe_start(self, step):
         if self._taken >= self.max_traces:
@@ -288,8 +286,10 @@ class ProfilerTrigger(TimedCallback):
             return
         if step < self._retry_at:
             return
-        self._owner = types.SimpleNamespace(callback=weakref.ref(self),
-                                            model=weakref.ref(self.model))
+        model = self.model  # None under kg.watch without model=
+        self._owner = types.SimpleNamespace(
+            callback=weakref.ref(self),
+            model=(lambda: None) if model is None else weakref.ref(model))
         try:
             profiling.start_trace(self.log_dir, owner=self._owner, tag=f"steps_{step}")
         except profiling.ProfilerBusyError as exc:
@@ -366,12 +366,24 @@ class ProfilerTrigger(TimedCallback):
             else:
                 emit(f"\nProfilerTrigger: steps {trace['start_step']}-{trace['end_step']} "
                      f"({trace['reason']}): "
-                     f"{profiling.format_analysis(analysis, self.log_dir)}", self.verbose)
+                     f"{profiling.format_analysis(analysis, self.log_dir)}"
+                     + "".join(f" {b}." for b in self._weighed(trace)), self.verbose)
         self._pending = still
         if wait and still:
             emit(f"ProfilerTrigger: {len(still)} XProf analysis(es) still running after "
                  f"{self.analysis_timeout:g} s; fit returns now and each lands in "
                  "report() when it finishes.", self.verbose)
+
+    def _weighed(self, trace):
+        """What the run's verdict makes of this trace, where XProf disagrees with it."""
+        if self.stream is None:
+            return []
+        run = dict(self.stream.detector.verdict(),
+                   input_wait=self.stream.detector.log.summary()["input_wait"])
+        xprof = dict(trace["analysis"], start_step=trace["start_step"],
+                     end_step=trace["end_step"])
+        return [f"The run's verdict, {run['verdict']}: {b}"
+                for b in weigh(run, xprof=[xprof])["because"][len(run["because"]):]]
 
     def _stop_stale(self):
         """Stops a trace of ours left running by a `fit` that raised."""
@@ -392,15 +404,19 @@ class ProfilerTrigger(TimedCallback):
                                  f"ended by an exception was stopped and saved to {path}.")
 
     def report(self):
-        """The traces of this object and the triggers it skipped.
+        """The run's verdict, the traces of this object and the triggers it skipped.
 
         Returns:
-            A dict: `traces` (as in `traces`, each with `pending`: XProf is
-            still analysing it; its `analysis` arrives when it finishes),
-            `skipped`, `log_dir`, `tensorboard` (the command to open them).
+            A dict: the run's verdict, as every keras_gpufix callback's
+            `report()` starts (`verdict`, `fix`, `phase`, `cost_share`,
+            `because`, `changed`, `errors`), then `traces` (as in `traces`,
+            each with `pending`: XProf is still analysing it; its `analysis`
+            arrives when it finishes), `skipped`, `log_dir`, `tensorboard`
+            (the command to open them).
         """
         pending = {id(trace) for trace, thread in self._pending if thread.is_alive()}
         return {
+            **self._verdict_report(),
             "traces": [dict(t, pending=id(t) in pending) for t in self.traces],
             "skipped": list(self.skipped),
             "log_dir": str(self.log_dir),

@@ -13,40 +13,32 @@ Two ways a variable-length input makes training slow:
   it: they are read from a dataset that went through `kg.data.instrument`,
   or handed over by `kg.watch` in a custom loop.
 
-A step that compiles (a new trace, or a new shape under XLA) costs its time
-minus the median step: that is the estimated compile cost
-(`keras_gpufix.analysis.recompile_cost`, the one pricing). The first compile
-of functions never compiled before is unavoidable (`compile_ms`); every later
-one is a recompile (`recompile_ms`). A step that is not compiled (a plain
-Python function, `run_eagerly=True`, or a new shape without XLA) costs no
-compile and is never priced as one, however slow. The verdict is the one
-rule, `keras_gpufix.analysis.is_recompiling`: `recompiling` when compiles keep
-coming (a retrace after the first compile, a new shape compiled after the
-first epoch, or more than `max_new_shapes` shapes) and cost at least
-`THRESHOLDS["cost_share"]` of the fit time; a bounded set of buckets compiled
-once each in the first epoch is warm-up. Then one warning names the shapes
-(or the traces) and the fix.
+The monitor reports facts and judges nothing itself: it counts the traces
+of each step into the run's step records (`StepRecord.traces`), tells the
+run's one judgement (`analysis.OscillationDetector`, shared by every
+keras_gpufix callback of the run through the step stream) whether the step
+is XLA-compiled or eager, and reads its verdict: `recompiling` is decided
+there, by `analysis.is_recompiling`, like every other verdict. When the
+judgement reports `recompiling`, one warning names the shapes (or the
+traces) and the fix.
 
-Steps are timed, and shapes read every quarter second and at epoch end, by the
-shared step stream (`callbacks/_stream.py`, one clock and one probe read per hook for all
-our callbacks); per hook the monitor adds one read of the trace counter. Nothing is written to the Keras
-`logs` dict; results are in `report()`.
+A step that compiled (a new trace, or a new shape under XLA) costs its
+time minus the run's median cycle (`analysis.recompile_cost` against the
+one step log): the estimated compile cost. The first compile of functions
+never compiled before is unavoidable (`compile_ms`); every later one is a
+recompile (`recompile_ms`). A step that is not compiled (a plain Python
+function, `run_eagerly=True`, or a new shape without XLA) costs no compile.
+
+Per hook the stream reads the trace counter once; shapes come with the
+stream's records. Keras `logs`: see `callbacks/_stream.py`.
 """
 
 import sys
 import time
-from collections import deque
 
 import numpy as np
 
-from keras_gpufix.analysis import (
-    FIXES,
-    THRESHOLDS,
-    is_recompiling,
-    recompile_cost,
-    slow_mask,
-    step_compiled,
-)
+from keras_gpufix.analysis import FIXES, recompile_cost, step_compiled
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
@@ -55,7 +47,7 @@ from keras_gpufix.output import emit
 __all__ = ["RetracingMonitor"]
 
 _NO_PROBE = ("RetracingMonitor: input shapes are not visible (the dataset did not go "
-             "through kg.data.instrument); counting tf.function traces and slow steps "
+             "through kg.data.instrument); counting tf.function traces "
              "only. Pass the dataset through kg.data.instrument(ds) (kg.data builders "
              "do) to see which new shapes cost an XLA recompile.")
 
@@ -85,22 +77,18 @@ class RetracingMonitor(TimedCallback):
     the loop calls) pass the loop's own step functions as `functions`: their
     traces are counted, the input shapes each was traced for are listed, and
     a function that is not a `tf.function` (it runs eagerly) is said to
-    compile nothing, so no step of it is priced as a recompile.
+    compile nothing: the run's judgement is then `eager_step`.
 
     Args:
         functions: the custom loop's step functions (`tf.function`s, or
             plain Python functions, which are reported as not compiled).
             Defaults to None: the functions inside `model.train_function`.
-        max_new_shapes: distinct input shapes that may compile once each
-            without the run being `recompiling`. Defaults to None:
-            `THRESHOLDS["max_new_shapes"]` (16: `kg.data` with
-            `num_buckets=8` and its partial batches).
-        warn: warn once when the verdict becomes `recompiling`. Defaults
-            to True.
-        spike_factor: the slow-step rule's factor (`analysis.slow_mask`)
-            for `spikes`. Defaults to 3.0.
-        min_spike_ms: ... and its minimum excess over the median. Defaults
-            to 2.0.
+        max_new_shapes: the run's `THRESHOLDS["max_new_shapes"]`: distinct
+            input shapes that may compile once each without the run being
+            `recompiling`. Defaults to None: the judgement's own (16, or a
+            `GPUOscillationMonitor`'s `thresholds`).
+        warn: warn once when the run's verdict becomes `recompiling`.
+            Defaults to True.
         verbose: 0 silent, 1 prints a one-line summary at the end of `fit`
             and, once, that shapes are not visible. Defaults to 1.
 
@@ -119,12 +107,10 @@ class RetracingMonitor(TimedCallback):
     ...         train_step(x, y)
     """
 
-    MEDIAN_WINDOW = 256
     # Distinct input shapes listed and priced (bounded memory, as the stream's).
     MAX_SHAPES = 4096
 
-    def __init__(self, functions=None, max_new_shapes=None, warn=True, spike_factor=3.0,
-                 min_spike_ms=2.0, verbose=1):
+    def __init__(self, functions=None, max_new_shapes=None, warn=True, verbose=1):
         super().__init__()
         if functions is not None:
             if callable(functions):
@@ -136,17 +122,12 @@ class RetracingMonitor(TimedCallback):
                                  f"functions={functions!r}")
             functions = list(functions)
         self.functions = functions
-        if max_new_shapes is None:
-            max_new_shapes = THRESHOLDS["max_new_shapes"]
-        if not isinstance(max_new_shapes, (int, np.integer)) or max_new_shapes < 1:
+        if max_new_shapes is not None and (
+                not isinstance(max_new_shapes, (int, np.integer)) or max_new_shapes < 1):
             raise ValueError("`max_new_shapes` must be an integer >= 1. "
                              f"Received: max_new_shapes={max_new_shapes!r}")
-        if not spike_factor > 1.0:
-            raise ValueError(f"`spike_factor` must be > 1. Received: spike_factor={spike_factor}")
-        self.max_new_shapes = int(max_new_shapes)
+        self.max_new_shapes = None if max_new_shapes is None else int(max_new_shapes)
         self.warn = warn
-        self.spike_factor = float(spike_factor)
-        self.min_spike_ms = float(min_spike_ms)
         self.verbose = verbose
         self._told_no_probe = False
         # Shapes the watched functions were compiled for in earlier fits: a
@@ -161,19 +142,12 @@ class RetracingMonitor(TimedCallback):
         self._jit = None
         self._fresh = False
         self._baseline = 0
-        self._traces = 0
+        self._final = None  # the trace total at the end of the fit
         self._fit_t0 = time.time()
         self._fit_t1 = None
         self._global = 0
-        self._trace_deltas = {}  # hook index -> new traces, only hooks that traced
-        self._hooks_read = 0
-        # results
         self._seen = {}
-        self._events = []  # hooks at a new shape or with new traces
-        self._compiling = 0  # ... of which compiled
-        self._normal = deque(maxlen=self.MEDIAN_WINDOW)
-        self._spikes = 0
-        self._spike_ms = 0.0
+        self._events = []  # steps at a new shape or with new traces
         self._epoch = 0
         self._warned = False
         self.notes = []
@@ -184,13 +158,21 @@ class RetracingMonitor(TimedCallback):
             self._watch_functions()
         else:
             self._watch_train_function()
-        self._traces = self._baseline
         watched = tuple(self._functions.values())
         if len(watched) != len(self._watched) or any(
                 a is not b for a, b in zip(watched, self._watched)):
             self._watched, self._compiled_shapes = watched, set()
         # The functions' first compile is the compile, not a recompile.
         self._fresh = self._baseline == 0 and not self._compiled_shapes
+        # What the run's one judgement needs to know about the step.
+        if self._functions:
+            self.stream.count_traces(self._trace_total)
+        if self.functions is not None:
+            self.stream.jit = self._jit
+        if self._compiled is False:
+            self.stream.eager = True
+        if self.max_new_shapes is not None:
+            self.stream.run_thresholds["max_new_shapes"] = self.max_new_shapes
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
@@ -247,17 +229,10 @@ class RetracingMonitor(TimedCallback):
             total += int(function.experimental_get_tracing_count())
         return total
 
-    def _after_hook(self):
-        if not self._functions:
-            return
-        traces = self._trace_total()
-        if traces != self._traces:
-            self._trace_deltas[self.stream.hooks - 1] = traces - self._traces
-            self._traces = traces
-
     def _end(self):
         self._fit_t1 = time.time()
-        self._judge()
+        if self._functions:
+            self._final = self._trace_total()
         if self.verbose:
             r = self.report()
             traces = "?" if r["trace_count"] is None else r["trace_count"]
@@ -268,7 +243,7 @@ class RetracingMonitor(TimedCallback):
     # -- internals -------------------------------------------------------
 
     def _on_records(self, records):
-        """Judges the stream's records."""
+        """Notes the new shapes and traces of the stream's records."""
         # kg.watch supplies each batch's shapes itself: no probe, yet shapes seen.
         if (self.stream.input_probe is None and _NO_PROBE not in self.notes
                 and not self._seen and all(r.shape is None for r in records)):
@@ -276,12 +251,8 @@ class RetracingMonitor(TimedCallback):
             if not self._told_no_probe:
                 emit(_NO_PROBE, self.verbose)
             self._told_no_probe = True
-        batch_normal, events = [], len(self._events)
         for record in records:
-            # Time spent waiting for the batch is the input's, not a compile.
-            seconds, count, key = record.step, record.steps, record.shape
-            new_traces = self._trace_deltas.pop(self._hooks_read, 0)
-            self._hooks_read += 1
+            count, key = record.steps, record.shape
             if record.epoch_first and self._global:
                 self._epoch += 1
             self._global += count
@@ -291,27 +262,21 @@ class RetracingMonitor(TimedCallback):
                 self._note_too_many_shapes()
             if new_shape:
                 self._seen[key] = self._global - count
-            if new_shape or new_traces:
+            if new_shape or record.traces:
+                # Time spent waiting for the batch is the input's, not a compile.
                 event = {"step": self._global - count, "steps": count, "shape": key,
-                         "traces": new_traces, "step_ms": seconds * 1e3, "epoch": self._epoch,
-                         "compiled_before": key in self._compiled_shapes}
+                         "traces": record.traces, "step_ms": record.step * 1e3,
+                         "epoch": self._epoch, "compiled_before": key in self._compiled_shapes}
                 event["compiles"] = step_compiled(**self._how(event))
-                self._compiling += event["compiles"]
                 self._events.append(event)
                 if (new_shape and self._functions
                         and len(self._compiled_shapes) < self.MAX_SHAPES):
                     self._compiled_shapes.add(key)
-            elif not record.epoch_first:
-                batch_normal.append(seconds / count)
-        if batch_normal:
-            self._count_spikes(batch_normal)
-        if len(self._events) > events:
-            # A new compile is what makes a run recompiling: judge then (and
-            # at epoch end, as the median settles), not at every sync.
-            self._judge()
 
-    def _epoch_done(self):
-        self._judge()
+    def _on_event(self, event):
+        if event["verdict"] == "recompiling" and self.warn and not self._warned:
+            self._warned = True
+            warn(self._message(self._priced()))
 
     def _note_too_many_shapes(self):
         note = (f"more than {self.MAX_SHAPES} distinct input shapes: later ones are neither "
@@ -321,44 +286,24 @@ class RetracingMonitor(TimedCallback):
             self.notes.append(note)
 
     def _median_ms(self):
-        return float(np.median(self._normal)) * 1e3 if self._normal else None
-
-    def _slow(self, per_step_s):
-        """The slow-step rule (`analysis.slow_mask`) for these per-step
-        times, against the window of normal steps and its median."""
-        window = np.fromiter(self._normal, float, len(self._normal))
-        times = np.concatenate([window, np.asarray(per_step_s, float)])
-        mask = slow_mask(times, float(np.median(times if not window.size else window)),
-                         factor=self.spike_factor, min_ms=self.min_spike_ms)
-        return mask[window.size:]
-
-    def _count_spikes(self, per_step_s):
-        """Counts the slow steps among normal steps (never priced as compiles)."""
-        slow = self._slow(per_step_s)
-        self._normal.extend(per_step_s)
-        median = float(np.median(self._normal))
-        excess = np.asarray(per_step_s, float)[slow] - median
-        self._spikes += int(slow.sum())
-        self._spike_ms += float(np.maximum(excess, 0.0).sum()) * 1e3
+        """The run's median cycle per step (the one step log), or None before any step."""
+        return None if self.stream is None else self.stream.detector.log.summary()["p50_ms"]
 
     def _priced(self):
-        """Events with `compiles`, `first_compile`, `cost_ms` and `slow`.
+        """Events with `first_compile` and `cost_ms` (`analysis.recompile_cost`).
 
-        Priced by `analysis.recompile_cost` against the current median (with
-        no normal step yet, each whole step counts: an upper bound). A step
-        that did not compile costs 0. The first compile of functions never
-        compiled before is `first_compile`: a cost, not a recompile.
+        Priced against the run's median cycle (with no step logged yet, each
+        whole step counts: an upper bound). A step that did not compile
+        costs 0. The first compile of functions never compiled before is
+        `first_compile`: a cost, not a recompile.
         """
-        median_ms = self._median_ms()
-        slow = (self._slow([e["step_ms"] / e["steps"] / 1e3 for e in self._events])
-                if median_ms is not None else [True] * len(self._events))
+        median_ms = self._median_ms() or 0.0
         out = []
         first = self._fresh
-        for e, is_slow in zip(self._events, slow):
+        for e in self._events:
             e = dict(e)
-            e["cost_ms"] = recompile_cost(e["step_ms"] / 1e3, (median_ms or 0.0) / 1e3,
-                                          e["steps"], **self._how(e)) * 1e3
-            e["slow"] = bool(is_slow)
+            e["cost_ms"] = recompile_cost(e["step_ms"] / 1e3, median_ms / 1e3, e["steps"],
+                                          **self._how(e)) * 1e3
             e["first_compile"] = first and e["compiles"]
             first = first and not e["compiles"]
             out.append(e)
@@ -373,32 +318,18 @@ class RetracingMonitor(TimedCallback):
                 "jit": False if eager else self._jit,
                 "compiled_before": event["compiled_before"]}
 
+    def _trace_count(self):
+        """Traces during the fit (so far, while it runs)."""
+        if not self._functions:
+            return None
+        return (self._trace_total() if self._final is None else self._final) - self._baseline
+
     def _retraces(self, priced):
         """Traces in this fit after the functions' first compile."""
         if not self._functions:
             return 0
         first = sum(e["traces"] for e in priced if e["first_compile"])
-        return self._traces - self._baseline - first
-
-    def _verdict(self, priced):
-        """The one recompiling rule (`analysis.is_recompiling`) on this fit."""
-        recompiles = [e for e in priced if e["compiles"] and not e["first_compile"]]
-        late = sum(1 for e in recompiles if e["shape"] is not None and e["epoch"] > 0)
-        elapsed = (self._fit_t1 or time.time()) - self._fit_t0
-        recompiling, _ = is_recompiling(
-            sum(e["cost_ms"] for e in recompiles) / 1e3, elapsed,
-            retraces=self._retraces(priced), late_compiles=late, shapes=len(self._seen),
-            max_new_shapes=self.max_new_shapes)
-        return "recompiling" if recompiling else "healthy"
-
-    def _judge(self):
-        # Nothing compiled but the functions' first compile: nothing to price.
-        if not self.warn or self._warned or self._compiling <= self._fresh:
-            return
-        priced = self._priced()
-        if self._verdict(priced) == "recompiling":
-            self._warned = True
-            warn(self._message(priced))
+        return self._trace_count() - first
 
     def _traced_shapes(self):
         """Function name -> the input shapes of each of its traces (custom loops)."""
@@ -435,7 +366,7 @@ class RetracingMonitor(TimedCallback):
                                                       else " were")
             shapes = "".join(f" {name} was traced for {traces[-12:]}."
                              for name, traces in self._traced_shapes().items())
-            parts.append(f"{what} traced {self._traces - self._baseline} times in this fit, "
+            parts.append(f"{what} traced {self._trace_count()} times in this fit, "
                          f"{retraces} after the first compile.{shapes} Feed tensors of fixed "
                          "dtype and structure (no Python numbers or lists in the batch).")
         parts.append(f"Fix: {FIXES['recompiling']}.")
@@ -446,46 +377,40 @@ class RetracingMonitor(TimedCallback):
         return cost_ms / 1e3 / elapsed if elapsed > 0 else 0.0
 
     def report(self):
-        """What the monitor measured in the last (or current) `fit`.
+        """What the monitor counted in the last (or current) `fit`.
 
         Returns:
-            A dict: `trace_count` (traces during the fit, None when they
-            cannot be counted), `trace_counts` (function -> total traces),
-            `shapes` (distinct input shape keys, as lists, in order seen; at
-            most `MAX_SHAPES`, a note says when more were seen),
-            `new_shapes` (their number), `traced_shapes` (with
-            `functions`: name -> the input shapes of each trace),
-            `shape_events` (step, steps, shape, traces, step_ms, epoch (of
-            the fit, 0-based), compiled_before (the shape was compiled in an
-            earlier fit of the same functions), compiles, first_compile,
-            cost_ms, slow of each step at a new shape or with a new trace),
-            `spikes` (other slow steps: more than `spike_factor` x the
-            median) and `spike_ms` (their time above it; never priced as
-            recompiles), `median_step_ms`, `steps`, `compile_ms` (the first
-            compile of functions never compiled before: unavoidable, not a
-            recompile), `recompile_ms` (estimated cost of the other steps
-            that compiled: their time minus the median step; 0 when nothing
-            is compiled),
+            A dict: the run's verdict, as every keras_gpufix callback's
+            `report()` starts (`verdict`, `fix`, `phase`, `cost_share`,
+            `because`, `changed`, `errors`: the run's one judgement, which
+            judges `recompiling` from what this monitor counted); then
+            `trace_count` (traces during the fit, None when they cannot be
+            counted), `trace_counts` (function -> total traces), `shapes`
+            (distinct input shape keys, as lists, in order seen; at most
+            `MAX_SHAPES`, a note says when more were seen), `new_shapes`
+            (their number), `traced_shapes` (with `functions`: name -> the
+            input shapes of each trace), `shape_events` (step, steps,
+            shape, traces, step_ms, epoch (of the fit, 0-based),
+            compiled_before (the shape was compiled in an earlier fit of the
+            same functions), compiles, first_compile, cost_ms of each step
+            at a new shape or with a new trace), `median_step_ms` (the
+            run's median cycle per step, the compiles' reference), `steps`,
+            `compile_ms` (the first compile of functions never compiled
+            before: unavoidable, not a recompile), `recompile_ms`
+            (estimated cost of the other steps that compiled),
             `recompile_share` (of fit wall time), `compiled` (False when
             the step runs eagerly, None when not verified), `jit_compile`,
-            `retraces` (traces after the first compile), `verdict`
-            (`recompiling` or `healthy`, by `analysis.is_recompiling`),
-            `fix`, `notes`.
+            `retraces` (traces after the first compile), `notes`.
         """
         priced = self._priced()
-        verdict = self._verdict(priced)
         recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
-        fix = FIXES[verdict]
-        if verdict == "recompiling" and self._retraces(priced):
-            fix = ("feed tensors of fixed dtype and structure (no Python numbers or lists "
-                   "in the batch); " + fix)
-        notes = list(self.notes)
-        if not self._seen and self._spikes > self.max_new_shapes and self._jit is True:
-            notes.append(f"{self._spikes} slow steps cost {self._spike_ms:.0f} ms; under "
-                         "jit_compile=True new input shapes are the usual cause: instrument "
-                         "the dataset (kg.data.instrument) to confirm and name them")
+        head = self._verdict_report()
+        if head["verdict"] == "recompiling" and self._retraces(priced):
+            head["fix"] = ("feed tensors of fixed dtype and structure (no Python numbers or "
+                           "lists in the batch); " + head["fix"])
         return {
-            "trace_count": (self._traces - self._baseline) if self._functions else None,
+            **head,
+            "trace_count": self._trace_count(),
             "trace_counts": {n: int(f.experimental_get_tracing_count())
                              for n, f in self._functions.items()},
             "shapes": [_as_lists(k) for k in sorted(self._seen, key=self._seen.get)],
@@ -493,8 +418,6 @@ class RetracingMonitor(TimedCallback):
             "traced_shapes": self._traced_shapes(),
             "shape_events": [{k: (_as_lists(v) if k == "shape" and v is not None else v)
                               for k, v in e.items()} for e in priced],
-            "spikes": self._spikes,
-            "spike_ms": self._spike_ms,
             "median_step_ms": self._median_ms(),
             "steps": self._global,
             "compile_ms": sum(e["cost_ms"] for e in priced if e["first_compile"]),
@@ -503,7 +426,5 @@ class RetracingMonitor(TimedCallback):
             "compiled": self._compiled,
             "jit_compile": self._jit,
             "retraces": self._retraces(priced),
-            "verdict": verdict,
-            "fix": fix,
-            "notes": notes,
+            "notes": list(self.notes),
         }

@@ -26,7 +26,9 @@ Logged TensorBoard scalars (run `keras_gpufix` under `log_dir`):
 | `step_timer/epoch_cv`        | epoch end  | coefficient of variation               |
 | `step_timer/samples_per_s`   | epoch end  | when the batch size is known           |
 
-Nothing is added to the Keras `logs` dict.
+Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
+(each epoch), written by the first of our callbacks in the list (see
+`callbacks/_stream.py`).
 """
 
 from keras_gpufix.analysis import StepLog
@@ -125,3 +127,13 @@ class StepTimer(TimedCallback):
         `input_wait`, `audio_seconds_per_s`, `real_frames_per_s`,
         `steps_per_record`, ..."""
         return self.log.summary()
+
+    def report(self) -> dict:
+        """The run's verdict and this timer's summary.
+
+        Returns:
+            A dict: the run's verdict, as every keras_gpufix callback's
+            `report()` starts (`verdict`, `fix`, `phase`, `cost_share`,
+            `because`, `changed`, `errors`), then `step_time` (`summary()`).
+        """
+        return {**self._verdict_report(), "step_time": self.summary()}

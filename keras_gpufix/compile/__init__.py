@@ -9,9 +9,9 @@ Keras 3 (TensorFlow backend) has traps that cost speed silently:
   ("Trying to access resource ... located in device ...:1 from device ...:0")
   because Keras wraps the whole replicated step, all devices together, in one
   XLA cluster. `compile_model` compiles each replica's forward and backward
-  pass with XLA instead, with the gradient all-reduce and the optimizer update
-  outside XLA, and checks on a real batch what the traced train function
-  really runs.
+  pass with XLA instead (`keras_internals.install_per_replica_xla`), with the
+  gradient all-reduce and the optimizer update outside XLA, and checks on a
+  real batch what the traced train function really runs.
 - A dtype policy only applies to layers created after it is set.
 - Keras 3 has no `steps_per_execution` tuner; `compile_model` measures the
   per-execution overhead on a sample batch and picks the value.
@@ -19,14 +19,16 @@ Keras 3 (TensorFlow backend) has traps that cost speed silently:
 Choices are logged on the `keras_gpufix.compile` logger; problems that were
 worked around are one `GpufixWarning` each.
 
-The package holds one concern per module: `hardware` (device facts and
-whether a policy is fast here), `precision` (the dtype policy and the check
-of the built layers), `per_replica` (the per-replica XLA step and the
-multi-worker fixes), `verification` (whether XLA took, read from the traced
-step), `calibration` (the sample runner and `steps_per_execution`) and
-`entry` (`compile_model` and `CompileReport`). The names load on first use,
-so `keras_gpufix.compile.hardware` (what `kg.validate` needs) imports no
-TensorFlow until `device_info()` runs.
+`compile_model` is `model.compile` with the arguments it chose, then the
+checks that they took. The package holds one concern per module:
+`hardware` (device facts and whether a policy is fast here), `precision`
+(the dtype policy and the check of the built layers), `verification`
+(whether XLA took, read from the traced step), `calibration` (the sample
+runner and `steps_per_execution`) and `entry` (`compile_model` and
+`CompileReport`). What needs Keras internals (the per-replica XLA step,
+the multi-worker fixes, reading the traced step) is in `keras_internals`.
+The names load on first use, so `keras_gpufix.compile.hardware` (what
+`kg.validate` needs) imports no TensorFlow until `device_info()` runs.
 """
 
 from keras_gpufix._lazy import lazy_getattr

@@ -2,9 +2,7 @@
 
 `SampleRunner` runs Keras's train function built for `k` steps per
 execution on copies of the sample batch; `calibrate` times executions of 1
-and of k steps, and `choose_steps` derives the value. Keras bakes
-`steps_per_execution` into the traced loop, so `keep_train_function`
-rebuilds the loop around the step the sample steps traced and compiled.
+and of k steps, and `choose_steps` derives the value.
 
 The value is the smallest power of two that brings the measured
 per-execution overhead under `_TARGET_OVERHEAD` of the execution's time,
@@ -12,7 +10,6 @@ capped so callbacks still fire at least every `_MAX_EXECUTION_S` seconds
 and at `MAX_STEPS_PER_EXECUTION`.
 """
 
-import inspect
 import math
 import statistics
 import time
@@ -21,17 +18,12 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_gpufix.compile.per_replica import is_mirrored
-from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import closure_cell
 
 __all__ = [
     "MAX_STEPS_PER_EXECUTION",
     "SampleRunner",
     "choose_steps",
     "first_working",
-    "keep_train_function",
-    "warn_steps",
 ]
 
 _TARGET_OVERHEAD = 0.05
@@ -140,58 +132,3 @@ def choose_steps(calibration: dict, strategy, epoch_steps: Optional[int] = None)
             "MAX", strategy.run(lambda: tf.constant(k, tf.int64)), axis=None
         ))
     return k
-
-
-def warn_steps(why: str, strategy) -> None:
-    """The one warning that `steps_per_execution` fell back to 1, and why."""
-    known = (
-        " Keras 3 puts strategy.run inside a tf.cond in its multi-step loop, "
-        f"which {type(strategy).__name__} cannot run (keras-team/keras#19246)."
-        if is_mirrored(strategy) and strategy.num_replicas_in_sync > 1
-        else ""
-    )
-    warn(f"compile_model: steps_per_execution=1 because {why}.{known}")
-
-
-def keep_train_function(model, function, built_for: int, k: int) -> None:
-    """Leaves `model.train_function` ready for `fit` with `steps_per_execution=k`.
-
-    `function` is the train function the sample steps traced (and
-    XLA-compiled) for `built_for` steps per execution. Keras bakes
-    `steps_per_execution` into the traced loop, so for another `k` the loop
-    is built again around the same `one_step_on_data` `tf.function`: its
-    traces, and the XLA executable compiled per function and shape, are
-    reused, so `fit` on batches of the sample batch's spec and shape compiles
-    nothing. The kept function rebuilds itself the same way when
-    `model.steps_per_execution` is changed later.
-    """
-    model.steps_per_execution = k
-    if k != built_for:
-        function = _rebuild_sharing_step(model, function)
-
-    def train_function(iterator):
-        if model.steps_per_execution != k:
-            keep_train_function(model, function, k, model.steps_per_execution)
-            return model.train_function(iterator)
-        return function(iterator)
-
-    train_function.__wrapped__ = function
-    model.train_function = train_function
-
-
-def _rebuild_sharing_step(model, old):
-    """A new Keras train function whose loop calls `old`'s traced step."""
-    model.make_train_function(force=True)
-    new = model.train_function
-    step = closure_cell(old, "one_step_on_data")
-    multi = closure_cell(new, "multi_step_on_iterator")
-    loop = getattr(multi.cell_contents, "python_function", None) if multi else None
-    cells = [
-        closure_cell(new, "one_step_on_data"),
-        closure_cell(inspect.unwrap(loop), "one_step_on_data") if loop else None,
-    ]
-    if step is None or None in cells:  # closure_cell warned: fit traces its step again
-        return new
-    for cell in cells:  # not traced yet: the loop will call the old step
-        cell.cell_contents = step.cell_contents
-    return new

@@ -1,8 +1,11 @@
 """`compile_model` and its `CompileReport`: the entry that runs the concerns in order.
 
-The precision check (`precision`), the XLA decision (`verification`), the
-per-replica step (`per_replica`), the sample steps that verify the step and
-calibrate `steps_per_execution` (`calibration`), then one report.
+`compile_model` is `model.compile` with the arguments it chose, then the
+checks that they took: the precision check (`precision`), the XLA decision
+and what the traced step really compiles (`verification`), the sample steps
+that verify the step and measure `steps_per_execution` (`calibration`), then
+one report. The per-replica XLA step and the multi-worker fixes need Keras
+internals: they are `keras_internals` functions.
 """
 
 import dataclasses
@@ -16,15 +19,6 @@ from keras_gpufix.compile.calibration import (
     MAX_STEPS_PER_EXECUTION,
     choose_steps,
     first_working,
-    keep_train_function,
-    warn_steps,
-)
-from keras_gpufix.compile.per_replica import (
-    install_multi_worker_fixes,
-    install_per_replica_xla,
-    is_mirrored,
-    is_multi_worker,
-    remove_per_replica_xla,
 )
 from keras_gpufix.compile.precision import POLICIES, check_precision
 from keras_gpufix.compile.verification import (
@@ -36,9 +30,15 @@ from keras_gpufix.compile.verification import (
     xla_calls,
 )
 from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import symbolic_build
+from keras_gpufix.keras_internals import (
+    in_multi_worker_mode,
+    install_multi_worker_fixes,
+    install_per_replica_xla,
+    remove_per_replica_xla,
+    symbolic_build,
+)
 
-__all__ = ["CompileReport", "compile_model"]
+__all__ = ["CompileReport", "check_args", "compile_model"]
 
 logger = logging.getLogger("keras_gpufix.compile")
 
@@ -57,7 +57,8 @@ class CompileReport:
             `"mixed_bfloat16"`.
         loss_scaling: whether the optimizer is a `LossScaleOptimizer`
             (exactly one) because layers compute in float16.
-        steps_per_execution: the value set on the model.
+        steps_per_execution: the value set on the model (an int; with
+            `"auto"` and a `sample_batch`, the measured one).
         fallback_reason: why XLA was requested but is not used, or None.
         xla_scope: `"step"` (Keras compiles the whole step), `"per_replica"`
             (each replica's forward and backward pass; all-reduce and optimizer
@@ -128,11 +129,13 @@ def compile_model(
       bar) then fire once per execution.
 
     Weights, optimizer state and metrics are restored after the sample steps
-    (by assignment), and the train function they traced and XLA-compiled is
-    kept: `fit` on batches of the sample batch's spec and shape (a dataset
-    `sample_batch`: its element spec) traces and compiles nothing more.
-    Setting `model.steps_per_execution` afterwards is honoured (the loop is
-    rebuilt around the same compiled step).
+    (by assignment). When the measured `steps_per_execution` differs from the
+    one the sample steps ran (16 with `"auto"`), the train function is made
+    again for it (`model.make_train_function(force=True)`), so `fit` traces
+    and XLA-compiles its step once more: Keras bakes `steps_per_execution`
+    into the traced loop and has no public way to reuse a traced step in a
+    new loop. To change `steps_per_execution` later, set it and call
+    `model.make_train_function(force=True)`, as for any Keras model.
     Under `MultiWorkerMirroredStrategy` every worker must call
     `compile_model` with the same arguments (the steps are collective); the
     workers agree on the largest calibrated value.
@@ -166,7 +169,7 @@ def compile_model(
     print(report)
     ```
     """
-    _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
+    check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
     strategy = model.distribute_strategy
     replicas = int(strategy.num_replicas_in_sync)
@@ -175,7 +178,7 @@ def compile_model(
     policy, loss_scaling, optimizer = check_precision(
         model, optimizer, mixed_precision, compile_kwargs, reasons
     )
-    scope = "per_replica" if is_mirrored(strategy) else "step"
+    scope = "per_replica" if _is_mirrored(strategy) else "step"
     fallback = None
     if jit_compile:
         fallback = static_jit_blocker(model, scope, strategy, compile_kwargs)
@@ -195,9 +198,13 @@ def compile_model(
             ),
             **compile_kwargs,
         )
+    if use_jit and scope == "step" and not model.jit_compile:
+        fallback = f"Keras {keras.__version__} set jit_compile=False after compile"
+        warn_fallback(fallback)
+        use_jit = False
     if use_jit and scope == "per_replica":
         install_per_replica_xla(model)
-    if is_multi_worker(strategy):
+    if _is_multi_worker(strategy):
         install_multi_worker_fixes(model)
 
     report = CompileReport(
@@ -212,9 +219,9 @@ def compile_model(
     if batch is not None:
         _run_sample_steps(model, batch, strategy, report, steps_per_execution,
                           _epoch_steps(sample_batch), _element_spec(sample_batch))
-    elif model.steps_per_execution > 1 and is_mirrored(strategy) and replicas > 1:
+    elif model.steps_per_execution > 1 and _is_mirrored(strategy) and replicas > 1:
         model.steps_per_execution = report.steps_per_execution = 1
-        warn_steps(
+        _warn_steps(
             f"steps_per_execution={steps_per_execution} was not verified (no "
             "sample_batch) and fails under this strategy in Keras "
             f"{keras.__version__}; pass sample_batch= to verify it",
@@ -235,7 +242,12 @@ def compile_model(
     return report
 
 
-def _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch):
+def check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch) -> None:
+    """`compile_model`'s argument check (also the config's `compile` section's).
+
+    Raises:
+        ValueError: naming the first invalid argument and its value.
+    """
     if not isinstance(jit_compile, bool):
         raise ValueError(
             f"`jit_compile` must be True or False. Received: jit_compile={jit_compile!r}"
@@ -263,6 +275,30 @@ def _check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
             "`sample_batch` must be (x, y), (x, y, sample_weight) or a "
             f"tf.data.Dataset. Received: sample_batch of type {type(sample_batch).__name__}"
         )
+
+
+def _is_mirrored(strategy) -> bool:
+    return isinstance(
+        strategy,
+        (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy),
+    )
+
+
+def _is_multi_worker(strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and in_multi_worker_mode(strategy)
+
+
+def _warn_steps(why: str, strategy) -> None:
+    """The one warning that `steps_per_execution` fell back to 1, and why."""
+    known = (
+        " Keras 3 puts strategy.run inside a tf.cond in its multi-step loop, "
+        f"which {type(strategy).__name__} cannot run (keras-team/keras#19246)."
+        if _is_mirrored(strategy) and strategy.num_replicas_in_sync > 1
+        else ""
+    )
+    warn(f"compile_model: steps_per_execution=1 because {why}.{known}")
 
 
 def _first_batch(sample_batch):
@@ -339,7 +375,7 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
             report.fallback_reason = "the traced train function has no XLA call"
         if loop_error is not None:
             report.steps_per_execution = 1
-            warn_steps(
+            _warn_steps(
                 f"a train function with steps_per_execution={target} failed on "
                 f"the sample batch ({first_line(loop_error)})",
                 strategy,
@@ -355,7 +391,9 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
         model.train_function = None
         raise
     _restore(model, variables, saved)
-    keep_train_function(model, model.train_function, run.k, report.steps_per_execution)
+    if report.steps_per_execution != run.k:
+        model.steps_per_execution = report.steps_per_execution
+        model.make_train_function(force=True)
 
 
 def _restore(model, variables, saved):

@@ -1,24 +1,27 @@
 """TF-native WAV decoding, resampling and librosa-compatible speech features.
 
 `log_mel(waveform, config)` returns `ln(max(mel, log_floor))` laid out
-`(frames, n_mels)`, where `mel` is what
-`librosa.feature.melspectrogram(y, sr=sample_rate, n_fft=n_fft,
-hop_length=hop_length, win_length=win_length, center=center, power=power,
-n_mels=n_mels, fmin=fmin, fmax=fmax, htk=(mel_scale == "htk"),
-norm="slaney")` computes: a periodic Hann window of `win_length` centred in
+`(frames, n_mels)` (or `ln(mel + log_offset)`, or `mel` itself: `log`),
+where `mel` is what `librosa.feature.melspectrogram(y, sr=sample_rate,
+n_fft=n_fft, hop_length=hop_length, win_length=win_length, center=center,
+power=power, n_mels=n_mels, fmin=fmin, fmax=fmax, htk=(mel_scale == "htk"),
+norm=mel_norm)` computes: a periodic Hann window of `win_length` centred in
 `n_fft`, zero padding of `n_fft // 2` on both sides when `center`, the
-magnitude raised to `power`, and a Slaney-normalised triangular filterbank
-on the Slaney (default, what HiFi-GAN/XTTS vocoders expect) or HTK mel scale.
+magnitude raised to `power`, and a triangular filterbank on the Slaney
+(default, what HiFi-GAN vocoders expect) or HTK mel scale, area-normalised
+(`mel_norm="slaney"`, default) or with peak 1 (`mel_norm=None`, as
+torchaudio's and the XTTS recipe's filterbanks).
 
 `extract_features(waveform, config)` is what the dataset builder caches
 for one utterance, all in TF ops: leading/trailing silence trimmed as
 `librosa.effects.trim(y, top_db=trim_top_db, frame_length=n_fft,
-hop_length=hop_length)` does (`trim_top_db`), peak normalisation
-(`normalize="peak"`), the log-mel above or the log linear spectrogram
-`ln(max(|librosa.stft(y, ...)| ** power, log_floor))` with
-`n_fft // 2 + 1` bins (`features="linear"`), then per-utterance feature
-normalisation (`feature_norm="utterance"`). `feature_frames` gives its
-frame count without computing it.
+hop_length=hop_length)` does (`trim_top_db`, after cropping to
+`max_seconds` with `on_too_long="crop"`), peak or RMS normalisation (`normalize`), the
+log-mel above or the log linear spectrogram `ln(max(|librosa.stft(y,
+...)| ** power, log_floor))` with `n_fft // 2 + 1` bins
+(`features="linear"`), then feature normalisation (`feature_norm`: per bin
+over the utterance, per frame across frequency, or min-max to [0, 1]).
+`feature_frames` gives its frame count without computing it.
 
 `decode_wav(contents, info...)` reads the audio data chunk that
 `corpus.read_wav_header` located with `tf.io.decode_raw`, so 8/16/24/32-bit
@@ -41,6 +44,7 @@ import tensorflow as tf
 
 __all__ = [
     "AudioConfig",
+    "crop",
     "extract_features",
     "feature_frames",
     "log_linear",
@@ -55,8 +59,13 @@ __all__ = [
 
 
 FEATURES = ("mel", "linear")
-NORMALIZE = (None, "peak")
-FEATURE_NORM = (None, "utterance")
+NORMALIZE = (None, "peak", "rms")
+FEATURE_NORM = (None, "utterance", "frame", "minmax")
+MEL_NORM = ("slaney", None)
+LOG = ("floor", "offset", None)
+ON_TOO_LONG = ("skip", "crop")
+# Added to a standard deviation or range before dividing by it (feature_norm).
+_EPSILON = 1e-10
 
 
 def _is_number(value):
@@ -89,30 +98,47 @@ class AudioConfig:
             `"slaney"`.
         center: pad `n_fft // 2` zeros on both sides so frame `t` is centred
             on sample `t * hop_length`. Defaults to True.
-        log_floor: features are `ln(max(spectrogram, log_floor))`.
-            Defaults to 1e-5.
-        max_seconds: longer clips are bad input (skipped or raised).
-            Defaults to None (no limit).
+        mel_norm: `"slaney"` divides each mel filter by its bandwidth
+            (librosa's default); None keeps peak-1 triangles (HTK,
+            torchaudio's default, the XTTS recipe). Defaults to `"slaney"`.
+        log: the log form. `"floor"`: `ln(max(spectrogram, log_floor))`;
+            `"offset"`: `ln(spectrogram + log_offset)` (XTTS-style
+            recipes); None: no log, the spectrogram itself (keras-io's CTC
+            ASR uses `|STFT| ** 0.5`: `power=0.5`). Defaults to `"floor"`.
+        log_floor: the floor of `log="floor"`. Defaults to 1e-5.
+        log_offset: the offset of `log="offset"`. Defaults to 1e-6.
+        max_seconds: the longest clip; what happens to longer ones is
+            `on_too_long`. Defaults to None (no limit).
+        on_too_long: `"skip"`: clips longer than `max_seconds` are bad
+            input (skipped or raised, `on_bad_input`); `"crop"`: they keep
+            their first `max_seconds` (before trimming, so the length the
+            WAV header gives decides, as for skipping), so batch shapes
+            stay bounded, and `builder.report["cropped"]` lists them.
+            Defaults to `"skip"`.
         trim_top_db: trim leading and trailing frames quieter than this
             many dB below the loudest frame, as `librosa.effects.trim(y,
             top_db=trim_top_db, frame_length=n_fft, hop_length=hop_length)`
             (recipes often use 20 to 60). None keeps the whole clip.
             Defaults to None.
         normalize: `"peak"` scales each clip (after trimming) so its largest
-            absolute sample is 1.0 (silent clips are left alone); None
-            keeps the levels. Defaults to None.
+            absolute sample is 1.0; `"rms"` so its root mean square is
+            `rms_level` (silent clips are left alone); None keeps the
+            levels. Defaults to None.
+        rms_level: the target RMS of `normalize="rms"`. Defaults to 0.1.
         features: `"mel"` (`n_mels` log-mel bands) or `"linear"` (the log of
             `|STFT| ** power`, `n_fft // 2 + 1` bins, as ASR models on
             spectrograms use). Defaults to `"mel"`.
         pad_value: the value of padded feature frames in batches; None
-            means `ln(log_floor)` (silence). Recipes that normalise
-            features (`feature_norm="utterance"`) usually pad with 0.0.
-            Defaults to None.
+            means silence: `ln(log_floor)`, `ln(log_offset)`, or 0.0 with
+            `log=None`. Recipes that normalise features usually pad with
+            0.0. Defaults to None.
         feature_norm: `"utterance"` subtracts from each feature bin its mean
             over the utterance's frames and divides by its standard
-            deviation (+1e-10); statistics come from the real frames only,
-            never from padding. None keeps the log features. Defaults to
-            None.
+            deviation (+1e-10); `"frame"` does so for each frame across its
+            bins (keras-io's CTC ASR); `"minmax"` maps each utterance to
+            [0, 1]: `(x - min) / (max - min + 1e-10)` over all its values.
+            Statistics come from the real frames only, never from padding.
+            None keeps the log features. Defaults to None.
     """
 
     sample_rate: int = 22050
@@ -129,9 +155,14 @@ class AudioConfig:
     max_seconds: float | None = None
     trim_top_db: float | None = None
     normalize: str | None = None
+    rms_level: float = 0.1
     features: str = "mel"
     pad_value: float | None = None
     feature_norm: str | None = None
+    mel_norm: str | None = "slaney"
+    log: str | None = "floor"
+    log_offset: float = 1e-6
+    on_too_long: str = "skip"
 
     def __post_init__(self):
         for name in ("sample_rate", "n_fft", "hop_length", "n_mels"):
@@ -156,8 +187,10 @@ class AudioConfig:
             )
         if self.power <= 0:
             raise ValueError(f"`power` must be > 0. Received: power={self.power}")
-        if self.log_floor <= 0:
-            raise ValueError(f"`log_floor` must be > 0. Received: log_floor={self.log_floor}")
+        for name in ("log_floor", "log_offset", "rms_level"):
+            value = getattr(self, name)
+            if not (_is_number(value) and 0 < value < math.inf):
+                raise ValueError(f"`{name}` must be > 0. Received: {name}={value!r}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"`max_seconds` must be > 0. Received: max_seconds={self.max_seconds}")
         if self.trim_top_db is not None and not (_is_number(self.trim_top_db)
@@ -167,7 +200,8 @@ class AudioConfig:
                 f"the whole clip. Received: trim_top_db={self.trim_top_db!r}"
             )
         for name, allowed in (("normalize", NORMALIZE), ("features", FEATURES),
-                              ("feature_norm", FEATURE_NORM)):
+                              ("feature_norm", FEATURE_NORM), ("mel_norm", MEL_NORM),
+                              ("log", LOG), ("on_too_long", ON_TOO_LONG)):
             value = getattr(self, name)
             if value not in allowed:
                 choices = " or ".join("None" if a is None else f'"{a}"' for a in allowed)
@@ -175,8 +209,13 @@ class AudioConfig:
         if self.pad_value is not None and not (_is_number(self.pad_value)
                                                and math.isfinite(self.pad_value)):
             raise ValueError(
-                "`pad_value` must be a finite number (e.g. 0.0), or None for ln(log_floor). "
-                f"Received: pad_value={self.pad_value!r}"
+                "`pad_value` must be a finite number (e.g. 0.0), or None for silence "
+                f"(ln(log_floor)). Received: pad_value={self.pad_value!r}"
+            )
+        if self.on_too_long == "crop" and self.max_seconds is None:
+            raise ValueError(
+                '`on_too_long="crop"` needs `max_seconds` (the length to crop to). '
+                f"Received: on_too_long={self.on_too_long!r}, max_seconds=None"
             )
 
     @property
@@ -186,21 +225,30 @@ class AudioConfig:
 
     @property
     def padding_value(self) -> float:
-        """What padded feature frames hold: `pad_value`, or `ln(log_floor)`."""
-        return math.log(self.log_floor) if self.pad_value is None else float(self.pad_value)
+        """What padded feature frames hold: `pad_value`, or silence
+        (`ln(log_floor)`, `ln(log_offset)`, or 0.0 with `log=None`)."""
+        if self.pad_value is not None:
+            return float(self.pad_value)
+        return {"floor": math.log(self.log_floor), "offset": math.log(self.log_offset),
+                None: 0.0}[self.log]
+
+    @property
+    def max_samples(self) -> int | None:
+        """Samples of `max_seconds` at `sample_rate` (None without a limit)."""
+        return None if self.max_seconds is None else int(round(self.max_seconds * self.sample_rate))
 
     @property
     def frames_per_second(self) -> float:
         """Feature frames per second of audio: `sample_rate / hop_length`."""
         return self.sample_rate / self.hop_length
 
-    def num_frames(self, num_samples: int) -> int:
-        """Frames of a clip of `num_samples` (before trimming, an upper bound)."""
+    def num_frames(self, num_samples):
+        """Frames of a clip of `num_samples` (before trimming, an upper bound):
+        an int, or an int64 array for an array of sample counts."""
         if self.center:
-            num_samples += 2 * (self.n_fft // 2)
-        if num_samples < self.n_fft:
-            return 0
-        return 1 + (num_samples - self.n_fft) // self.hop_length
+            num_samples = num_samples + 2 * (self.n_fft // 2)
+        frames = 1 + (num_samples - self.n_fft) // self.hop_length
+        return np.maximum(frames, 0) if isinstance(frames, np.ndarray) else max(frames, 0)
 
 
 def _hz_to_mel(hz, htk):
@@ -222,11 +270,11 @@ def _mel_to_hz(mel, htk):
 
 
 def mel_filterbank(config: AudioConfig) -> np.ndarray:
-    """The Slaney-normalised mel filterbank, `(n_fft // 2 + 1, n_mels)` float32.
+    """The mel filterbank, `(n_fft // 2 + 1, n_mels)` float32.
 
     Same weights as `librosa.filters.mel(sr=sample_rate, n_fft=n_fft,
     n_mels=n_mels, fmin=fmin, fmax=fmax, htk=(mel_scale == "htk"),
-    norm="slaney")`, transposed.
+    norm=mel_norm)`, transposed.
     """
     htk = config.mel_scale == "htk"
     fmax = config.sample_rate / 2 if config.fmax is None else config.fmax
@@ -238,7 +286,8 @@ def mel_filterbank(config: AudioConfig) -> np.ndarray:
     lower = -ramps[:-2] / widths[:-1, None]
     upper = ramps[2:] / widths[1:, None]
     weights = np.maximum(0.0, np.minimum(lower, upper))
-    weights *= (2.0 / (edges[2:] - edges[:-2]))[:, None]
+    if config.mel_norm == "slaney":
+        weights *= (2.0 / (edges[2:] - edges[:-2]))[:, None]
     return weights.T.astype(np.float32)
 
 
@@ -271,13 +320,24 @@ def _magnitude(waveform, config, dtype=tf.float32):
         magnitude = squared
     elif config.power == 1.0:
         magnitude = tf.math.sqrt(squared)
+    elif config.power == 0.5:  # keras-io CTC ASR's |z| ** 0.5: two square roots beat tf.math.pow
+        magnitude = tf.math.sqrt(tf.math.sqrt(squared))
     else:
         magnitude = tf.math.pow(squared, config.power / 2.0)
     return tf.cast(magnitude, tf.float32)
 
 
+def _log(spectrogram, config):
+    """The log form of `config.log` (`spectrogram` float32 or float64)."""
+    if config.log == "floor":
+        return tf.math.log(tf.math.maximum(spectrogram, config.log_floor))
+    if config.log == "offset":
+        return tf.math.log(spectrogram + config.log_offset)
+    return spectrogram
+
+
 def log_mel(waveform, config: AudioConfig, filterbank: np.ndarray | None = None) -> tf.Tensor:
-    """Log-mel features of a waveform, librosa-compatible.
+    """Log-mel features of a waveform (`config.log`'s form), librosa-compatible.
 
     Args:
         waveform: float tensor `(..., samples)` at `config.sample_rate`.
@@ -295,16 +355,18 @@ def log_mel(waveform, config: AudioConfig, filterbank: np.ndarray | None = None)
     if filterbank is None:
         filterbank = mel_filterbank(config)
     mel = tf.tensordot(_magnitude(waveform, config), tf.constant(filterbank), axes=1)
-    return tf.math.log(tf.math.maximum(mel, config.log_floor))
+    return _log(mel, config)
 
 
 def log_linear(waveform, config: AudioConfig) -> tf.Tensor:
     """Log linear spectrogram of a waveform, librosa-compatible.
 
-    `ln(max(|STFT| ** power, log_floor))` where the STFT is
+    `ln(max(|STFT| ** power, log_floor))` (or `config.log`'s form) where the STFT is
     `librosa.stft(y, n_fft=n_fft, hop_length=hop_length,
     win_length=win_length, center=center)` (periodic Hann window, zero
-    padding), computed in double precision as librosa does.
+    padding), computed in double precision as librosa does (in single
+    precision with `log=None`, where no log magnifies the rounding of
+    faint bins).
 
     Args:
         waveform: float tensor `(..., samples)` at `config.sample_rate`.
@@ -317,8 +379,10 @@ def log_linear(waveform, config: AudioConfig) -> tf.Tensor:
         `frames == config.num_frames(samples)`.
     """
     waveform = tf.convert_to_tensor(waveform, tf.float32)
-    magnitude = _magnitude(waveform, config, tf.float64)
-    return tf.math.log(tf.math.maximum(magnitude, config.log_floor))
+    # The log of bins far below a frame's peak needs float64 (see `_magnitude`);
+    # without a log float32's rounding stays ~1e-7 of the peak, and costs half.
+    dtype = tf.float32 if config.log is None else tf.float64
+    return _log(_magnitude(waveform, config, dtype), config)
 
 
 def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
@@ -360,31 +424,57 @@ def trim_bounds(waveform, config: AudioConfig) -> tuple[tf.Tensor, tf.Tensor]:
     return start, end
 
 
-def _prepare_waveform(waveform, config, bounds=None):
-    """Trimmed (`trim_top_db`, at `bounds` when given) and peak-normalised
-    (`normalize`) clip."""
+def crop(waveform, config: AudioConfig) -> tf.Tensor:
+    """The first `max_seconds` of a clip with `on_too_long="crop"`, else the clip.
+
+    Args:
+        waveform: float32 `(samples,)` at `config.sample_rate`.
+        config: an `AudioConfig`.
+
+    Returns:
+        float32 `(min(samples, config.max_samples),)`.
+    """
     waveform = tf.convert_to_tensor(waveform, tf.float32)
+    if config.on_too_long == "crop":
+        waveform = waveform[:config.max_samples]
+    return waveform
+
+
+def _kept_span(waveform, config, bounds=None):
+    """The clip cropped to `max_seconds` (`crop`), then trimmed
+    (`trim_top_db`, at `bounds` of the cropped clip when given)."""
+    waveform = crop(waveform, config)
     if config.trim_top_db is not None:
         start, end = trim_bounds(waveform, config) if bounds is None else bounds
         waveform = waveform[start:end]
-    if config.normalize == "peak":
-        peak = tf.reduce_max(tf.abs(waveform))
-        waveform = waveform / tf.where(peak > 0.0, peak, 1.0)
+    return waveform
+
+
+def _prepare_waveform(waveform, config, bounds=None):
+    """The kept span (`_kept_span`), peak or RMS normalised (`normalize`)."""
+    waveform = _kept_span(waveform, config, bounds)
+    if config.normalize is not None:
+        if config.normalize == "peak":
+            level, target = tf.reduce_max(tf.abs(waveform)), 1.0
+        else:
+            level, target = tf.sqrt(tf.reduce_mean(tf.square(waveform))), config.rms_level
+        waveform = waveform * (target / tf.where(level > 0.0, level, target))
     return waveform
 
 
 def extract_features(waveform, config: AudioConfig, bounds=None) -> tf.Tensor:
     """The features the dataset builder computes (and caches) for one clip.
 
-    In order: silence trimming (`trim_top_db`), peak normalisation
-    (`normalize`), `log_mel` or `log_linear` (`features`), per-utterance
-    feature normalisation (`feature_norm`); see `AudioConfig`.
+    In order: cropping (`on_too_long="crop"`), silence trimming
+    (`trim_top_db`), peak or RMS normalisation (`normalize`),
+    `log_mel` or `log_linear` (`features`, `log`), feature normalisation
+    (`feature_norm`); see `AudioConfig`.
 
     Args:
         waveform: float32 `(samples,)` at `config.sample_rate`.
         config: an `AudioConfig`.
-        bounds: `(start, end)` that `trim_bounds(waveform, config)` gave
-            for this clip, to trim there without finding them again (the
+        bounds: `(start, end)` that `trim_bounds(crop(waveform, config),
+            config)` gave for this clip, to trim there without finding them again (the
             builder keeps them from its pass without a cache). Defaults to
             None (found here when `trim_top_db` is set).
 
@@ -394,17 +484,22 @@ def extract_features(waveform, config: AudioConfig, bounds=None) -> tf.Tensor:
     """
     waveform = _prepare_waveform(waveform, config, bounds)
     features = (log_mel if config.features == "mel" else log_linear)(waveform, config)
-    if config.feature_norm == "utterance":
-        mean, variance = tf.nn.moments(features, axes=[0], keepdims=True)
-        features = (features - mean) / (tf.sqrt(variance) + 1e-10)
+    if config.feature_norm in ("utterance", "frame"):
+        axis = 0 if config.feature_norm == "utterance" else 1
+        mean, variance = tf.nn.moments(features, axes=[axis], keepdims=True)
+        features = (features - mean) / (tf.sqrt(variance) + _EPSILON)
+    elif config.feature_norm == "minmax":
+        low, high = tf.reduce_min(features), tf.reduce_max(features)
+        features = (features - low) / (high - low + _EPSILON)
     return features
 
 
 def feature_frames(waveform, config: AudioConfig) -> tf.Tensor:
     """Frames `extract_features` returns for a clip, without computing them.
 
-    Equals `config.num_frames(samples)` unless `trim_top_db` is set, when
-    it depends on the clip's content (`trim_bounds`).
+    Equals `config.num_frames(samples)` of the kept samples (cropped to
+    `max_seconds` with `on_too_long="crop"`); with `trim_top_db` it
+    depends on the clip's content (`trim_bounds`).
 
     Args:
         waveform: float32 `(samples,)` at `config.sample_rate`.
@@ -413,12 +508,7 @@ def feature_frames(waveform, config: AudioConfig) -> tf.Tensor:
     Returns:
         int32 scalar.
     """
-    waveform = tf.convert_to_tensor(waveform, tf.float32)
-    if config.trim_top_db is None:
-        samples = tf.shape(waveform)[0]
-    else:
-        start, end = trim_bounds(waveform, config)
-        samples = end - start
+    samples = tf.shape(_kept_span(waveform, config))[0]
     if config.center:
         samples += 2 * (config.n_fft // 2)
     return tf.maximum(0, 1 + (samples - config.n_fft) // config.hop_length)
@@ -519,7 +609,7 @@ def resample(waveform, rate_in, rate_out) -> tf.Tensor:
 
 
 _LAYER_FIELDS = ("sample_rate", "n_fft", "hop_length", "win_length", "n_mels", "fmin", "fmax",
-                 "power", "mel_scale", "center", "log_floor")
+                 "power", "mel_scale", "center", "log_floor", "mel_norm", "log", "log_offset")
 
 
 @keras.saving.register_keras_serializable(package="keras_gpufix")
@@ -534,7 +624,8 @@ class LogMelSpectrogram(keras.layers.Layer):
     Args:
         sample_rate: as in `AudioConfig`, with the same default; likewise
             `n_fft`, `hop_length`, `win_length`, `n_mels`, `fmin`, `fmax`,
-            `power`, `mel_scale`, `center` and `log_floor`.
+            `power`, `mel_scale`, `center`, `log_floor`, `mel_norm`, `log`
+            and `log_offset`.
         **kwargs: standard layer arguments.
 
     Example:
@@ -555,8 +646,8 @@ class LogMelSpectrogram(keras.layers.Layer):
 
     @classmethod
     def from_audio_config(cls, config: AudioConfig, **kwargs) -> "LogMelSpectrogram":
-        """The layer for an `AudioConfig`'s log-mel (`max_seconds` and
-        `pad_value` do not apply to it).
+        """The layer for an `AudioConfig`'s log-mel (`max_seconds`,
+        `on_too_long`, `rms_level` and `pad_value` do not apply to it).
 
         Raises:
             ValueError: the config asks for what the layer does not do on a

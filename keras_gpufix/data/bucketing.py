@@ -7,7 +7,7 @@ before the first epoch, from the lengths the corpus scan measured:
 
 - buckets are runs of the utterances sorted by frames, chosen by dynamic
   programming to minimise the padded frames of an epoch
-  (`padding_buckets`): without `frame_budget` every bucket but the first
+  (`padding_buckets`): without `batch_frames` every bucket but the first
   holds whole batches (the first also the one partial batch), so no
   leftover is padded to a longer bucket; every batch is padded to its
   bucket's boundary, the longest clip of the bucket
@@ -16,9 +16,12 @@ before the first epoch, from the lengths the corpus scan measured:
   gave 0.879, 9 batch shapes each (`benchmarks/padding.py`);
 - the text dimension is padded per bucket too, to the longest transcript of
   that bucket or any shorter one (so it never grows across buckets);
-- each bucket's batch size is `batch_size`, or with a `frame_budget`
-  `min(batch_size, frame_budget // boundary)` (a fixed number of padded
-  frames per batch, so memory per step is flat);
+- each bucket's batch size is `batch_size`, or with `batch_frames` (an
+  audio budget, as NeMo/Lhotse's `batch_duration`) `batch_frames //
+  boundary` (at most `batch_size` when given), optionally rounded down to a
+  multiple of `batch_multiple`: short buckets carry as many padded frames
+  as long ones, so memory per step is flat and short clips come in larger
+  batches;
 - the leftovers of every bucket (fewer than a batch) are regrouped from the
   longest down into full batches of the bucket shape of their longest
   member, so only the very last group can be a partial batch.
@@ -32,7 +35,10 @@ together and the order of the batches.
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["BucketPlan", "padding_buckets"]
+__all__ = ["BucketPlan", "padding_buckets", "MAX_CUTS"]
+
+# Most cut positions the bucket search considers (its cost grows with their square).
+MAX_CUTS = 2048
 
 
 def _argsort(values):
@@ -45,7 +51,8 @@ def padding_buckets(lengths, num_buckets: int, step: int = 1):
     The utterances, sorted by length, are cut into at most `num_buckets`
     runs; each is padded to its longest member, and the cuts minimise
     `sum(run size * run max)` (exact dynamic programming over the allowed
-    cut positions). With `step > 1` every run but the first holds a
+    cut positions; beyond `MAX_CUTS` of them, over `MAX_CUTS` evenly spaced
+    ones, so a million utterances take about a second). With `step > 1` every run but the first holds a
     multiple of `step` utterances (whole batches; the first holds the
     remainder too); with `step == 1` cuts go only between different
     lengths.
@@ -73,6 +80,8 @@ def padding_buckets(lengths, num_buckets: int, step: int = 1):
         cuts = np.arange(n % step or step, n, step)
     else:
         cuts = np.flatnonzero(np.diff(ordered)) + 1
+    if len(cuts) > MAX_CUTS:  # the search is quadratic in the cut positions
+        cuts = np.unique(cuts[np.linspace(0, len(cuts) - 1, MAX_CUTS).round().astype(np.int64)])
     points = np.concatenate([[0], cuts, [n]]).astype(np.int64)
     atoms = len(points) - 1
     count = min(num_buckets, atoms)
@@ -109,12 +118,21 @@ class BucketPlan:
     Args:
         frames: frames of each utterance's features.
         text_lengths: ids in each utterance's transcript.
-        batch_size: utterances per batch (the cap with `frame_budget`).
+        batch_size: utterances per batch; with `batch_frames` the most
+            (None: no cap).
         num_buckets: number of length buckets. Defaults to 8.
-        frame_budget: padded frames per batch; each bucket's batch size is
-            `min(batch_size, frame_budget // boundary)`, at least 1.
+        batch_frames: padded frames per batch; each bucket's batch size is
+            `batch_frames // boundary` (capped by `batch_size`), so
+            `batch size x boundary <= batch_frames` for every batch.
             Defaults to None (every bucket uses `batch_size`).
         drop_remainder: leave out the one partial batch. Defaults to False.
+        batch_multiple: with `batch_frames`, round each bucket's batch size
+            down to a multiple of this (e.g. 8 for GPU kernels, or the
+            number of replicas) where one fits the budget. Defaults to None.
+
+    Raises:
+        ValueError: for invalid arguments, and when the longest utterance
+            alone has more than `batch_frames` frames.
 
     Attributes:
         boundaries: padded frames of each bucket (ascending).
@@ -127,25 +145,49 @@ class BucketPlan:
         shapes: the set of `(batch, text, frames)` shapes of an epoch.
     """
 
-    def __init__(self, frames, text_lengths, batch_size, num_buckets=8,
-                 frame_budget=None, drop_remainder=False):
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be >= 1. Received: batch_size={batch_size}")
-        if frame_budget is not None and frame_budget < 1:
-            raise ValueError(f"`frame_budget` must be >= 1. Received: frame_budget={frame_budget}")
+    def __init__(self, frames, text_lengths, batch_size=None, num_buckets=8,
+                 batch_frames=None, drop_remainder=False, batch_multiple=None):
+        self.check_batching(batch_size, batch_frames, batch_multiple)
         self.frames = np.asarray(frames, np.int64)
         self.text_lengths = np.asarray(text_lengths, np.int64)
+        if batch_frames is not None and self.frames.max() > batch_frames:
+            raise ValueError(
+                f"`batch_frames` must hold the longest utterance ({self.frames.max()} frames). "
+                f"Received: batch_frames={batch_frames}. Raise it, or cap the clips with "
+                'AudioConfig(max_seconds=..., on_too_long="crop")'
+            )
         self.boundaries, self.bucket_of = padding_buckets(
-            self.frames, num_buckets, batch_size if frame_budget is None else 1)
+            self.frames, num_buckets, batch_size if batch_frames is None else 1)
         text_max = np.zeros(len(self.boundaries), np.int64)
         np.maximum.at(text_max, self.bucket_of, self.text_lengths)
         self.text_boundaries = np.maximum(np.maximum.accumulate(text_max), 1)
-        if frame_budget is None:
+        if batch_frames is None:
             sizes = np.full(len(self.boundaries), batch_size)
         else:
-            sizes = np.clip(frame_budget // self.boundaries, 1, batch_size)
+            sizes = batch_frames // self.boundaries
+            if batch_size is not None:
+                sizes = np.minimum(sizes, batch_size)
+            if batch_multiple is not None:
+                sizes = np.where(sizes >= batch_multiple, sizes // batch_multiple * batch_multiple,
+                                 sizes)
         self.bucket_sizes = sizes.astype(np.int64)
         self._layout(drop_remainder)
+
+    @staticmethod
+    def check_batching(batch_size, batch_frames=None, batch_multiple=None):
+        """Raises the `ValueError` that these batching arguments deserve, if any."""
+        for name, value in (("batch_size", batch_size), ("batch_frames", batch_frames),
+                            ("batch_multiple", batch_multiple)):
+            if value is not None and (not isinstance(value, (int, np.integer))
+                                      or isinstance(value, bool) or value < 1):
+                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if batch_size is None and batch_frames is None:
+            raise ValueError("Pass `batch_size`, `batch_frames` or both. Received: "
+                             "batch_size=None, batch_frames=None")
+        if batch_multiple is not None and batch_frames is None:
+            raise ValueError("`batch_multiple` rounds the batch sizes that `batch_frames` "
+                             f"chooses. Received: batch_multiple={batch_multiple}, "
+                             "batch_frames=None")
 
     def _layout(self, drop_remainder):
         """Batches as slot lists; slot `s` is the s-th utterance in bucket order."""
@@ -235,16 +277,19 @@ class BucketPlan:
         return epoch.map(draw).unbatch()
 
     def static_dataset(self, shuffle=True, seed=None) -> tf.data.Dataset:
-        """Like `epoch_dataset`, but with a splittable source and a fixed layout.
+        """Like `epoch_dataset`, but with a splittable source and no random op.
 
         For tf.data service `distributed_epoch`: the source is
         `Dataset.range(num_batches)` (each batch goes whole to one worker)
-        and there is no `shuffle` in the pipeline (TF 2.21 then silently
+        and there is no random op in the pipeline (TF 2.21 then silently
         stops splitting: every worker produces the whole epoch). With
-        `shuffle`, bucket members and batch order are drawn once from `seed`.
+        `shuffle`, bucket members and batch order are computed from `seed`
+        (an int or a scalar int64 tensor: `keras_gpufix.data_service.service_epochs`
+        gives a new one each epoch; None is 0).
         """
         if shuffle:
-            value = tf.constant([0 if seed is None else seed, 0], tf.int64)
+            value = tf.stack([tf.cast(0 if seed is None else seed, tf.int64),
+                              tf.constant(0, tf.int64)])
             members = self._slot_to_utt(value)
             noise = tf.random.stateless_uniform([self.num_batches], value + [0, 1])
             order = _argsort(noise)

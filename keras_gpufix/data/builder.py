@@ -25,6 +25,7 @@ The builder is the input path a TTS/ASR team would want as the default:
 |---------------------------|----------------------------------------------------|
 | `utterances`              | utterances kept                                    |
 | `skipped`                 | list of dicts `id`, `path`, `line`, `reason`       |
+| `cropped`                 | kept but cropped (`on_too_long="crop"` of `AudioConfig` / `TextConfig`), dicts like `skipped`'s |
 | `speakers`                | speaker names; speaker id `i` is `speakers[i]` (None when the corpus has none) |
 | `languages`               | language names, like `speakers`                    |
 | `converted`               | counts of files handled: `mixed_down`, `resampled`, `re_encoded` (not 16-bit PCM) |
@@ -38,6 +39,8 @@ The builder is the input path a TTS/ASR team would want as the default:
 | `padding_efficiency`      | real / padded mel frames over an epoch             |
 | `text_padding_efficiency` | real / padded text ids over an epoch               |
 | `distinct_shapes`         | distinct `(batch, text, frames)` shapes per epoch  |
+| `remainder`               | utterances left out of each epoch (the partial batch with `drop_remainder`) |
+| `shuffle_seed`            | the shuffle's seed: `seed`, or under a multi-worker cluster the one every worker derives alike (`distribute.cluster_seed`) |
 | `prefetch_to_device`      | the device `build` prefetches to; None when not asked or ignored under a strategy |
 """
 
@@ -55,12 +58,16 @@ from keras_gpufix.data.cache import CACHE_FORMAT, FeatureCache, fingerprint
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
+from keras_gpufix.data_service import service_epochs
+from keras_gpufix.distribute import cluster_seed
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit, progress
 
 __all__ = ["SpeechDatasetBuilder"]
 
 AUTOTUNE = tf.data.AUTOTUNE
+# Transcripts per vectorised encoding call of the scan.
+_ENCODE_CHUNK = 1024
 
 
 def _map_on_every_core(dataset, fn, deterministic):
@@ -156,55 +163,73 @@ class SpeechDatasetBuilder:
         )
 
     def _scan(self):
-        kept, skipped = self.corpus.scan("skip", self.audio.max_seconds)
-        frames, usable = [], []
-        texts, reasons = encode_transcripts([u.text for u in kept], self.text)
-        for index, (utterance, reason) in enumerate(zip(kept, reasons)):
-            samples = audio_lib.resampled_length(
-                utterance.info.frames, utterance.info.sample_rate, self.audio.sample_rate
-            )
-            count = self.audio.num_frames(samples)
-            if reason is None and count == 0:
-                reason = f"clip of {samples} samples is shorter than one frame (n_fft={self.audio.n_fft})"
-            if reason is not None:
-                skipped.append({"id": utterance.id, "path": utterance.path,
-                                "line": utterance.line, "reason": reason})
-                continue
-            usable.append(index)
-            frames.append(count)
+        crop_audio = self.audio.on_too_long == "crop"
+        crop_text = self.text.on_too_long == "crop"
+        kept, skipped = self.corpus.scan("skip", None if crop_audio else self.audio.max_seconds)
+        values, text_lengths, reasons = self._encode(kept)
+        samples = audio_lib.resampled_length(kept.column("frames"), kept.column("sample_rate"),
+                                             self.audio.sample_rate)
+        frames = self.audio.num_frames(samples)
+        for index in np.flatnonzero(frames == 0):
+            if reasons[index] is None:
+                reasons[index] = (f"clip of {samples[index]} samples is shorter than one frame "
+                                  f"(n_fft={self.audio.n_fft})")
+        bad = np.array([reason is not None for reason in reasons], bool)
+        skipped.extend(self._entry(kept, index, reasons[index]) for index in np.flatnonzero(bad))
+        long_audio = crop_audio & (samples > (self.audio.max_samples or 0)) & ~bad
+        long_text = crop_text & (text_lengths > (self.text.max_tokens or 0)) & ~bad
+        cropped = []
+        for index in np.flatnonzero(long_audio | long_text):
+            what = []
+            if long_audio[index]:
+                seconds = kept.column("frames")[index] / kept.column("sample_rate")[index]
+                what.append(f"audio of {seconds:.2f} s cropped to "
+                            f"max_seconds={self.audio.max_seconds}")
+            if long_text[index]:
+                what.append(f"transcript of {text_lengths[index]} tokens cropped to "
+                            f"max_tokens={self.text.max_tokens}")
+            cropped.append(self._entry(kept, index, "; ".join(what)))
+        if crop_audio:
+            frames = np.minimum(frames, self.audio.num_frames(self.audio.max_samples))
         if skipped and self.on_bad_input == "raise":
             raise bad_input_error(self.corpus.source, sorted(skipped, key=lambda s: s["line"]))
-        if not frames:
+        usable = np.flatnonzero(~bad)
+        if not len(usable):
             reasons = "; ".join(f"{s['id']}: {s['reason']}" for s in skipped[:3])
             raise ValueError(
                 f"No usable utterance in {self.corpus.source} "
                 f"({len(skipped)} skipped; first: {reasons or 'the corpus is empty'})."
             )
-        self.utterances = [kept[i] for i in usable]
-        ids = tf.gather(texts, usable)
-        self._text_values = ids.flat_values.numpy().astype(np.int32)
-        self._text_splits = ids.row_splits.numpy().astype(np.int64)
-        self._text_lengths = np.diff(self._text_splits)
-        self._frames = np.array(frames, np.int64)
+        self.utterances = kept.take(usable)
+        position = np.arange(len(values)) - np.repeat(np.cumsum(text_lengths) - text_lengths,
+                                                      text_lengths)
+        keep = np.repeat(~bad, text_lengths)
+        if crop_text:
+            keep &= position < self.text.max_tokens
+            text_lengths = np.minimum(text_lengths, self.text.max_tokens)
+        self._text_values = tf.constant(values[keep])  # held once, by TensorFlow
+        self._text_lengths = text_lengths[usable].astype(np.int64)
+        self._text_splits = np.concatenate([[0], np.cumsum(self._text_lengths)])
+        self._frames = frames[usable].astype(np.int64)
         self._labels = {
-            name: np.array([-1 if getattr(u, name) is None else table.index(getattr(u, name))
-                            for u in self.utterances], np.int32)
+            name: self.utterances.column(name)
             for name, table in (("speaker", self.corpus.speakers), ("language", self.corpus.languages))
             if table is not None
         }
-        skipped.sort(key=lambda s: s["line"] if s["line"] is not None else -1)
-        infos = [u.info for u in self.utterances]
+        skipped.sort(key=lambda s: s["line"])
+        column = self.utterances.column
         self.report = {
             "utterances": len(self.utterances),
             "skipped": skipped,
+            "cropped": cropped,
             "speakers": self.corpus.speakers,
             "languages": self.corpus.languages,
             "converted": {
-                "mixed_down": sum(i.channels > 1 for i in infos),
-                "resampled": sum(i.sample_rate != self.audio.sample_rate for i in infos),
-                "re_encoded": sum((i.format_tag, i.bits) != (1, 16) for i in infos),
+                "mixed_down": int(np.sum(column("channels") > 1)),
+                "resampled": int(np.sum(column("sample_rate") != self.audio.sample_rate)),
+                "re_encoded": int(np.sum((column("format_tag") != 1) | (column("bits") != 16))),
             },
-            "seconds": float(sum(i.seconds for i in infos)),
+            "seconds": float(np.sum(column("frames") / column("sample_rate"))),
             "cache": None,
             "cache_path": None,
             "bucket_boundaries": None,
@@ -214,14 +239,47 @@ class SpeechDatasetBuilder:
             "padding_efficiency": None,
             "text_padding_efficiency": None,
             "distinct_shapes": None,
+            "remainder": None,
+            "shuffle_seed": None,
             "prefetch_to_device": None,
         }
-        if skipped:
-            listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}" for s in skipped[:3])
-            more = (f"; and {len(skipped) - 3} more: builder.report['skipped']" if len(skipped) > 3
-                    else "")
-            emit(f"Skipped {len(skipped)} of {len(skipped) + len(self.utterances)} utterances: "
-                 f"{listed}{more}.", self.verbose)
+        for verb, items in (("Skipped", skipped), ("Cropped", cropped)):
+            if items:
+                listed = "; ".join(f"{s['path']} (line {s['line']}): {s['reason']}"
+                                   for s in items[:3])
+                more = (f"; and {len(items) - 3} more: builder.report['{verb.lower()}']"
+                        if len(items) > 3 else "")
+                emit(f"{verb} {len(items)} of {len(skipped) + len(self.utterances)} utterances: "
+                     f"{listed}{more}.", self.verbose)
+
+    def _encode(self, kept):
+        """Ids of every transcript: `(values, lengths, reasons)`.
+
+        Encoded `_ENCODE_CHUNK` transcripts at a time, so the string ops'
+        temporaries stay small; the ids are held in the smallest integer
+        type that fits (uint8 for characters: a million transcripts of
+        100 characters are then 100 MB, not 400).
+        """
+        dtype = next(t for t in (np.uint8, np.uint16, np.int32)
+                     if self.text.num_ids <= np.iinfo(t).max + 1)
+        values, lengths, reasons = [], [], []
+        for start in range(0, len(kept), _ENCODE_CHUNK):
+            texts = [kept.string("text", i)
+                     for i in range(start, min(start + _ENCODE_CHUNK, len(kept)))]
+            ids, chunk_reasons = encode_transcripts(texts, self.text)
+            values.append(ids.flat_values.numpy().astype(dtype))
+            lengths.append(ids.row_lengths().numpy())
+            reasons.extend(chunk_reasons)
+        if not values:
+            return np.zeros(0, dtype), np.zeros(0, np.int64), reasons
+        return np.concatenate(values), np.concatenate(lengths).astype(np.int64), reasons
+
+    @staticmethod
+    def _entry(utterances, index, reason):
+        """A `report["skipped"]` / `["cropped"]` item for `utterances[index]`."""
+        utterance = utterances[index]
+        return {"id": utterance.id, "path": utterance.path, "line": utterance.line,
+                "reason": reason}
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the cached features."""
@@ -230,16 +288,16 @@ class SpeechDatasetBuilder:
             "cache_format": CACHE_FORMAT,
             "audio": dataclasses.asdict(self.audio),
             "text": self.text.description(),
-            "utterances": [[u.id, u.path, u.size, u.mtime_ns, u.text] for u in self.utterances],
+            "utterances": self.utterances.digest(),
         })
 
     def _waveform(self):
         """`index -> (samples,)` float32 waveform decoded from the WAV file at
-        `audio.sample_rate` (TF ops)."""
-        infos = [u.info for u in self.utterances]
-        paths = tf.constant([u.path for u in self.utterances])
+        `audio.sample_rate`, cropped to `max_seconds` with `on_too_long="crop"`
+        (TF ops)."""
+        path = self.utterances.lookup("path")
         columns = {
-            name: tf.constant([getattr(i, name) for i in infos], tf.int64)
+            name: tf.constant(self.utterances.column(name), tf.int64)
             for name in ("data_offset", "data_bytes", "format_code", "channels", "sample_rate")
         }
 
@@ -247,10 +305,12 @@ class SpeechDatasetBuilder:
         def waveform(index):
             field = {name: column[index] for name, column in columns.items()}
             samples = audio_lib.decode_wav(
-                tf.io.read_file(paths[index]), field["data_offset"], field["data_bytes"],
+                tf.io.read_file(path(index)), field["data_offset"], field["data_bytes"],
                 field["format_code"], field["channels"],
             )
-            return audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate)
+            return audio_lib.crop(
+                audio_lib.resample(samples, field["sample_rate"], self.audio.sample_rate),
+                self.audio)
 
         return waveform
 
@@ -280,12 +340,12 @@ class SpeechDatasetBuilder:
 
     def _read_features(self):
         """`index -> (frames, num_features)` features read from the cache."""
-        paths = tf.constant([self._cache.feature_path(i) for i in range(len(self.utterances))])
         num_features = self.audio.num_features
+        path = self._cache.feature_path_tensor
 
         @tf.autograph.experimental.do_not_convert  # plain TF ops: tracing stays fast
         def read(index):
-            features = FeatureCache.decode(tf.io.read_file(paths[index]), num_features)
+            features = FeatureCache.decode(tf.io.read_file(path(index)), num_features)
             return tf.ensure_shape(features, [None, num_features])
 
         return read
@@ -381,21 +441,26 @@ class SpeechDatasetBuilder:
             yield index, frames, data.nbytes, digest
             update(done)
 
-    def build(self, batch_size, num_buckets=8, shuffle=True, seed=None,
+    def build(self, batch_size=None, num_buckets=8, shuffle=True, seed=None,
               drop_remainder=False, prefetch_to_device=None, service=None,
-              deterministic=None, frame_budget=None, as_dict=False) -> tf.data.Dataset:
+              deterministic=None, batch_frames=None, batch_multiple=None,
+              as_dict=False) -> tf.data.Dataset:
         """Returns the training dataset.
 
         Args:
-            batch_size: utterances per batch (the largest, with
-                `frame_budget`). Under a distribution strategy this is the
-                global batch.
+            batch_size: utterances per batch; with `batch_frames` the
+                largest batch (None: no cap). Under a distribution strategy
+                this is the global batch. Defaults to None (then
+                `batch_frames` is needed).
             num_buckets: length buckets; an epoch has at most this many
                 batch shapes, plus one for the partial batch unless
                 `drop_remainder`. Defaults to 8.
             shuffle: draw bucket members and batch order anew each epoch.
                 Defaults to True.
-            seed: makes the shuffling reproducible. Defaults to None.
+            seed: makes the shuffling reproducible. Defaults to None (a
+                new draw each run; under a multi-worker cluster the seed
+                every worker derives alike, `keras_gpufix.distribute.cluster_seed()`,
+                so each utterance is read once per epoch across workers).
             drop_remainder: leave out the one partial batch. Defaults to
                 False.
             prefetch_to_device: a device string (e.g. `"/gpu:0"`) for
@@ -406,15 +471,28 @@ class SpeechDatasetBuilder:
             service: `"grpc://host:port"` of a tf.data service dispatcher:
                 loading and batching run on its workers
                 (`distributed_epoch`, each batch produced once per epoch);
-                bucket members and batch order are then drawn once from
-                `seed` (a `shuffle` in the pipeline would make every worker
-                produce the whole epoch). Workers must see the corpus (or
-                cache) paths. Defaults to None.
+                each epoch draws new bucket members and batch order here
+                and sends that epoch's pipeline to the service
+                (`keras_gpufix.data_service.service_epochs`). Start the servers with
+                `keras-gpufix data-service`; workers must see the corpus
+                (or cache) paths. Defaults to None.
             deterministic: passed to the parallel `map`; None keeps
                 `tf.data.Options.deterministic`. Defaults to None.
-            frame_budget: padded frames per batch; each bucket's batch size
-                becomes `min(batch_size, frame_budget // boundary)`.
-                Defaults to None.
+            batch_frames: batches by audio budget (NeMo/Lhotse's
+                `batch_duration`): each bucket's batch size becomes
+                `batch_frames // boundary` (at most `batch_size`), so every
+                batch holds at most `batch_frames` padded feature frames
+                (`audio.frames_per_second` frames a second) and short
+                clips come in larger batches; still one shape per bucket.
+                Under a distribution strategy the budget is global, like
+                `batch_size`: each batch is split across the replicas, so
+                a replica gets about `batch_frames / num_replicas` frames;
+                pass `batch_multiple=num_replicas` (or a multiple of it) for
+                even splits. Defaults to None (`batch_size` for every
+                bucket).
+            batch_multiple: with `batch_frames`, round each bucket's batch
+                size down to a multiple of this (8 suits GPU kernels) where
+                one fits the budget. Defaults to None.
             as_dict: yield named batches (see Returns). Defaults to False.
 
         Returns:
@@ -428,15 +506,21 @@ class SpeechDatasetBuilder:
             `speaker` and `language` (int32 `(B,)`, indices into
             `report["speakers"]` / `report["languages"]`; -1 for an
             utterance without one).
+
+        Raises:
+            ValueError: for invalid arguments, and when `batch_frames`
+                cannot hold the longest utterance.
         """
-        for name, value in (("batch_size", batch_size), ("num_buckets", num_buckets)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        BucketPlan.check_batching(batch_size, batch_frames, batch_multiple)
+        if not isinstance(num_buckets, (int, np.integer)) or num_buckets < 1:
+            raise ValueError(f"`num_buckets` must be an integer >= 1. Received: num_buckets={num_buckets!r}")
         if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
             raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
         self.prepare()
+        if shuffle and seed is None:
+            seed = cluster_seed()  # workers must draw the same epoch: Keras splits each batch
         plan = BucketPlan(self._frames, self._text_lengths, batch_size, num_buckets,
-                          frame_budget, drop_remainder)
+                          batch_frames, drop_remainder, batch_multiple)
         if plan.num_batches == 0:
             raise ValueError(
                 f"No batch to build: {len(self.utterances)} utterances with "
@@ -450,24 +534,29 @@ class SpeechDatasetBuilder:
             padding_efficiency=round(plan.padding_efficiency, 4),
             text_padding_efficiency=round(plan.text_padding_efficiency, 4),
             distinct_shapes=len(plan.shapes),
+            remainder=len(self.utterances) - sum(len(s) for s in plan.batch_slots),
+            shuffle_seed=seed if shuffle else None,
         )
         features = self._compute_features() if self._cache is None else self._read_features()
-        elements = (plan.static_dataset(shuffle, seed) if service
-                    else plan.epoch_dataset(shuffle, seed))
-        if self._cache is None:  # features computed here, every epoch
-            dataset = _map_on_every_core(elements, self._loader(features), deterministic)
-        else:
-            dataset = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
-                                   deterministic=deterministic)
-        window = plan.max_batch + 1
-        dataset = dataset.group_by_window(
-            key_func=lambda key, *_: key,
-            reduce_func=lambda key, batch: batch.batch(window),
-            window_size_func=lambda key: key % window,
-        ).map(self._batch_layout(as_dict))
+
+        def batches(elements):
+            if self._cache is None:  # features computed here, every epoch
+                loaded = _map_on_every_core(elements, self._loader(features), deterministic)
+            else:
+                loaded = elements.map(self._loader(features), num_parallel_calls=AUTOTUNE,
+                                      deterministic=deterministic)
+            window = plan.max_batch + 1
+            return loaded.group_by_window(
+                key_func=lambda key, *_: key,
+                reduce_func=lambda key, batch: batch.batch(window),
+                window_size_func=lambda key: key % window,
+            ).map(self._batch_layout(as_dict))
+
         if service:
-            dataset = dataset.apply(tf.data.experimental.service.distribute(
-                processing_mode="distributed_epoch", service=service))
+            dataset = service_epochs(lambda draw: batches(plan.static_dataset(shuffle, draw)),
+                                     service, seed)
+        else:
+            dataset = batches(plan.epoch_dataset(shuffle, seed))
         # Known cardinality: Keras shows progress and does not warn that the
         # input "ran out of data" at the end of the first epoch.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(plan.num_batches))
@@ -491,7 +580,7 @@ class SpeechDatasetBuilder:
 
     def _loader(self, features):
         """Loads one utterance and pads it to its batch's shape."""
-        text_values = tf.constant(self._text_values)
+        text_values = self._text_values
         text_splits = tf.constant(self._text_splits)
         mel_pad = self.audio.padding_value
         num_features = self.audio.num_features
@@ -502,7 +591,7 @@ class SpeechDatasetBuilder:
             mel_len = tf.shape(mel)[0]
             mel = tf.pad(mel, [[0, tf.cast(pad_frames, tf.int32) - mel_len], [0, 0]],
                          constant_values=mel_pad)
-            ids = text_values[text_splits[utterance]:text_splits[utterance + 1]]
+            ids = tf.cast(text_values[text_splits[utterance]:text_splits[utterance + 1]], tf.int32)
             text_len = tf.shape(ids)[0]
             ids = tf.pad(ids, [[0, tf.cast(pad_text, tf.int32) - text_len]])
             return key, utterance, ids, text_len, tf.ensure_shape(mel, [None, num_features]), mel_len
@@ -520,11 +609,11 @@ class SpeechDatasetBuilder:
         """Batched `(key, utterance, ids, text_len, mel, mel_len)` -> the user's layout."""
         if not as_dict:
             return lambda key, utterance, ids, text_len, mel, mel_len: ((ids, text_len), (mel, mel_len))
-        names = tf.constant([u.id for u in self.utterances])
+        names = self.utterances.lookup("id")
         labels = {name: tf.constant(values) for name, values in self._labels.items()}
 
         def named(key, utterance, ids, text_len, mel, mel_len):
-            batch = {"id": tf.gather(names, utterance), "tokens": ids, "tokens_len": text_len,
+            batch = {"id": names(utterance), "tokens": ids, "tokens_len": text_len,
                      "features": mel, "features_len": mel_len}
             batch.update({name: tf.gather(values, utterance) for name, values in labels.items()})
             return batch

@@ -26,7 +26,8 @@ the graph, so an audio file edited in place gives stale features.
   with a warning); `verify(full=True)` also re-hashes the contents.
 
 Layout: `cache_dir/features-<fingerprint>/{manifest.json, COMPLETE,
-features/<index>.f32}`; a feature file holds the raw float32 values of the
+features/<index // 1000>/<index>.f32}` (shards of 1000 files, so no folder
+holds a million); a feature file holds the raw float32 values of the
 `(frames, num_features)` array (`AudioConfig.num_features`), row by row,
 in this machine's byte order (little-endian on x86-64 and ARM), no header:
 the manifest has the frames. Features are computed and fingerprinted in
@@ -56,7 +57,10 @@ except ImportError:  # Windows
 
 __all__ = ["FeatureCache", "fingerprint", "writable_problem"]
 
-CACHE_FORMAT = 2  # 1: tf.io.serialize_tensor files (.tensor); 2: raw float32 (.f32)
+# 1: tf.io.serialize_tensor files (.tensor); 2: raw float32 (.f32); 3: the same in
+# shards of SHARD files. An entry of another format is a miss (never read).
+CACHE_FORMAT = 3
+SHARD = 1000
 ENTRY_PREFIX = "features-"
 LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -118,6 +122,20 @@ def writable_problem(path) -> "str | None":
     return None
 
 
+class _Paths:
+    """`paths[index]`: the feature file of `index` in a temporary entry folder."""
+
+    def __init__(self, cache, root):
+        self.cache = cache
+        self.root = root
+
+    def __len__(self):
+        return self.cache.count
+
+    def __getitem__(self, index):
+        return self.cache.feature_path(index, self.root)
+
+
 def _mib(size) -> str:
     return f"{size / 2**20:.1f} MiB"
 
@@ -147,7 +165,18 @@ class FeatureCache:
         self.path = os.path.join(self.cache_dir, self.name)
 
     def feature_path(self, index, root=None) -> str:
-        return os.path.join(root or self.path, "features", f"{index:07d}.f32")
+        """Where utterance `index`'s features are (under `root`, default the entry)."""
+        return os.path.join(root or self.path, "features", f"{index // SHARD:04d}",
+                            f"{index:07d}.f32")
+
+    def feature_path_tensor(self, index) -> tf.Tensor:
+        """`feature_path(index)` in TF ops, for an int64 tensor of indices
+        (no Python string per utterance)."""
+        return tf.strings.join([
+            os.path.join(self.path, "features", ""),
+            tf.strings.as_string(index // SHARD, width=4, fill="0"), os.sep,
+            tf.strings.as_string(index, width=7, fill="0"), ".f32",
+        ])
 
     @staticmethod
     def file_bytes(features) -> tf.Tensor:
@@ -337,12 +366,11 @@ class FeatureCache:
             raise
 
     def _build_in(self, tmp, write_features):
-        os.makedirs(os.path.join(tmp, "features"))
         count = self.count
+        for shard in range(0, max(count, 1), SHARD):
+            os.makedirs(os.path.dirname(self.feature_path(shard, tmp)))
         records = {}
-        for index, frames, size, digest in write_features(
-            [self.feature_path(i, tmp) for i in range(count)]
-        ):
+        for index, frames, size, digest in write_features(_Paths(self, tmp)):
             records[int(index)] = (int(frames), int(size), bytes(digest).hex())
         if sorted(records) != list(range(count)):
             raise RuntimeError("the feature writer must yield each index 0..n-1 exactly once")

@@ -35,6 +35,7 @@ Problems and what happens (`converted` ones are handled, never skipped):
 | clip longer than `max_seconds`            | skipped / raised                   |
 """
 
+import array
 import dataclasses
 import hashlib
 import json
@@ -42,10 +43,12 @@ import os
 import struct
 
 import numpy as np
+import tensorflow as tf
 
 from keras_gpufix.exceptions import warn
 
-__all__ = ["Corpus", "Utterance", "WavInfo", "bad_input_error", "read_wav_header", "FORMAT_CODES"]
+__all__ = ["Corpus", "Utterance", "Utterances", "WavInfo", "bad_input_error", "read_wav_header",
+           "FORMAT_CODES"]
 
 # Encodings the TF-native decoder in `audio.py` reads, keyed by
 # (WAVE format tag, bits per sample); the value is the decoder branch.
@@ -240,10 +243,76 @@ def _check_file(path, argument, what):
         raise ValueError(f"`{argument}` must be {what}. Received: {argument}={path!r} ({path} does not exist)")
 
 
-def _labels(records, key):
-    """Sorted distinct values of `key` over records, or None when no record has one."""
-    names = sorted({r[key] for r in records if r.get(key) is not None})
-    return names or None
+class _Strings:
+    """Many strings as one UTF-8 buffer and int64 offsets: no Python object each."""
+
+    def __init__(self, data: bytes, ends):
+        self.data = data
+        self.offsets = np.concatenate([[0], np.asarray(ends, np.int64)])
+
+    def raw(self, index) -> bytes:
+        return self.data[self.offsets[index]:self.offsets[index + 1]]
+
+    def __getitem__(self, index) -> str:
+        return self.raw(index).decode("utf-8", "surrogatepass")
+
+    def lookup(self, rows):
+        """`indices -> strings`: the strings of `rows[indices]` (a tensor of
+        any shape), cut from one constant buffer in TF ops (no tf.string
+        element per utterance is held)."""
+        buffer = tf.constant(self.data)
+        starts = tf.constant(self.offsets[rows])
+        lengths = tf.constant(self.offsets[rows + 1] - self.offsets[rows])
+        return lambda indices: tf.strings.substr(buffer, tf.gather(starts, indices),
+                                                 tf.gather(lengths, indices))
+
+
+_STRINGS = ("id", "path", "text")
+_LABELS = ("speaker", "language")
+
+
+class _Columns:
+    """Utterances added one by one into columns (`Corpus`'s storage)."""
+
+    def __init__(self):
+        self.buffers = {key: (bytearray(), array.array("q")) for key in _STRINGS}
+        self.line = array.array("q")
+        self.duration = array.array("d")
+        self.labels = {key: ({}, array.array("i")) for key in _LABELS}
+        self.reasons = {}
+
+    def __len__(self):
+        return len(self.line)
+
+    def add(self, id, path, text, line, reason=None, duration=None, speaker=None, language=None):
+        if reason is not None:
+            self.reasons[len(self.line)] = reason
+        values = {"id": str(id), "path": os.path.abspath(str(path)),
+                  "text": text if isinstance(text, str) else ""}
+        for key, value in values.items():
+            data, ends = self.buffers[key]
+            data += value.encode("utf-8", "surrogatepass")
+            ends.append(len(data))
+        self.line.append(int(line))
+        self.duration.append(np.nan if duration is None else float(duration))
+        for key, value in (("speaker", speaker), ("language", language)):
+            codes, column = self.labels[key]
+            column.append(-1 if value is None else codes.setdefault(value, len(codes)))
+
+
+def _label_table(names, codes, table, key):
+    """`(table, codes)`: `names` (local code per name) mapped onto `table`, or
+    onto their sorted list when `table` is None (None when there is no name)."""
+    if table is None:
+        table = sorted(names) or None
+    mapping = np.full(len(names) + 1, -1, np.int32)  # index -1: no label
+    position = {name: i for i, name in enumerate(table or ())}
+    for name, code in names.items():
+        if name not in position:
+            raise ValueError(f"`{key}s` must list every {key} of the corpus. "
+                             f"Received: {key}s={table!r:.200}, which lacks {name!r}")
+        mapping[code] = position[name]
+    return table, mapping[np.asarray(codes, np.int64)]
 
 
 class Corpus:
@@ -255,6 +324,11 @@ class Corpus:
     `Corpus.from_pairs([(wav_path, text), ...])`; combine corpora with
     `Corpus.concat`, hold out a validation set with `split`, then call
     `scan()`. `SpeechDatasetBuilder` scans for you.
+
+    The utterances are held in columns (ids, paths and transcripts as UTF-8
+    buffers, numbers as NumPy arrays), not one Python object each: a
+    million utterances cost well under 1 KB each (`benchmarks/corpus_scale.py`).
+    Paths are made absolute when the corpus is made.
 
     Args:
         records: list of dicts with keys `id`, `path`, `text`, `line` and,
@@ -277,16 +351,43 @@ class Corpus:
     """
 
     def __init__(self, records, source, name=None, speakers=None, languages=None):
-        self.records = [dict(r) for r in records]
+        if isinstance(records, _Columns):
+            columns = records
+        else:
+            columns = _Columns()
+            for record in records:
+                columns.add(**{k: record.get(k) for k in ("id", "path", "text", "line", "reason",
+                                                          "duration", "speaker", "language")})
         self.source = str(source)
         self.name = name or os.path.splitext(os.path.basename(self.source))[0]
-        self.speakers = speakers if speakers is not None else _labels(self.records, "speaker")
-        self.languages = languages if languages is not None else _labels(self.records, "language")
+        self.strings = {key: _Strings(bytes(data), ends)
+                        for key, (data, ends) in columns.buffers.items()}
+        self.lines = np.frombuffer(columns.line, np.int64).copy()
+        self.durations = np.frombuffer(columns.duration, np.float64).copy()
+        self.speakers, self.speaker_codes = _label_table(*columns.labels["speaker"], speakers,
+                                                         "speaker")
+        self.languages, self.language_codes = _label_table(*columns.labels["language"], languages,
+                                                           "language")
+        self.reasons = columns.reasons
+
+    def __len__(self):
+        return len(self.lines)
 
     @property
     def ids(self) -> list:
         """The utterance ids, in corpus order (bad lines included)."""
-        return [r["id"] for r in self.records]
+        return [self.strings["id"][i] for i in range(len(self))]
+
+    def _rows_into(self, columns, rows, prefix=""):
+        """Adds this corpus's `rows` to `columns` (ids prefixed by `prefix`)."""
+        for i in rows:
+            duration = self.durations[i]
+            columns.add(prefix + self.strings["id"][i], self.strings["path"][i],
+                        self.strings["text"][i], self.lines[i], self.reasons.get(i),
+                        None if np.isnan(duration) else duration,
+                        *(None if codes[i] < 0 else table[codes[i]] for codes, table in (
+                            (self.speaker_codes, self.speakers),
+                            (self.language_codes, self.languages))))
 
     @classmethod
     def from_path(cls, path) -> "Corpus":
@@ -310,6 +411,9 @@ class Corpus:
                 empty. Defaults to True.
         """
         path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"`corpus` folder {path} does not exist: check the path. "
+                             f"Received: corpus={path!r}")
         metadata = os.path.join(path, metadata)
         if os.path.isdir(metadata):
             raise ValueError(
@@ -322,11 +426,10 @@ class Corpus:
                 f"manifest, a list of (wav_path, text) pairs or a Corpus. Received: "
                 f"corpus={path!r} ({metadata} does not exist)"
             )
-        records, extra = [], []
+        columns, extra = _Columns(), []
 
         def record(uid, text, number, reason=None):
-            records.append({"id": uid, "path": os.path.join(path, "wavs", uid + ".wav"),
-                            "text": text, "line": number, "reason": reason})
+            columns.add(uid, os.path.join(path, "wavs", uid + ".wav"), text, number, reason)
 
         for number, raw in _read_lines(metadata):
             try:
@@ -336,7 +439,7 @@ class Corpus:
                        f"metadata line is not valid UTF-8 ({exc.reason} at byte {exc.start})")
                 continue
             fields = line.split("|")
-            if not records and [f.strip().lower() for f in fields[:2]] == ["id", "text"]:
+            if not len(columns) and [f.strip().lower() for f in fields[:2]] == ["id", "text"]:
                 continue
             if len(fields) < 2:
                 record(fields[0], None, number,
@@ -353,7 +456,7 @@ class Corpus:
                 f"(lines {listed}); only id|text|normalized_text were read and the "
                 "rest of each line was ignored."
             )
-        return cls(records, metadata, name=os.path.basename(os.path.normpath(path)))
+        return cls(columns, metadata, name=os.path.basename(os.path.normpath(path)))
 
     @classmethod
     def from_manifest(cls, path) -> "Corpus":
@@ -371,7 +474,7 @@ class Corpus:
         path = os.fspath(path)
         _check_file(path, "manifest", "a JSON Lines file")
         folder = os.path.dirname(os.path.abspath(path))
-        records = []
+        columns = _Columns()
         for number, raw in _read_lines(path):
             record, reason = {"id": f"line-{number}", "path": path, "text": None, "line": number}, None
             try:
@@ -392,20 +495,19 @@ class Corpus:
                 )
             elif isinstance(item, dict) and isinstance(item.get("audio_filepath"), str):
                 record.update(path=os.path.join(folder, item["audio_filepath"]))
-            record["reason"] = reason
-            records.append(record)
-        return cls(records, path)
+            columns.add(**record, reason=reason)
+        return cls(columns, path)
 
     @classmethod
     def from_pairs(cls, pairs) -> "Corpus":
         """Uses a list of `(wav_path, text)`; ids are the file stems and
         `line` is the 1-based position in the list."""
-        records = []
+        columns = _Columns()
         for number, pair in enumerate(pairs, start=1):
             wav_path, text = pair
             uid = os.path.splitext(os.path.basename(str(wav_path)))[0]
-            records.append({"id": uid, "path": str(wav_path), "text": text, "line": number})
-        return cls(records, "the list of (wav_path, text) pairs", name="pairs")
+            columns.add(uid, wav_path, text, number)
+        return cls(columns, "the list of (wav_path, text) pairs", name="pairs")
 
     @classmethod
     def concat(cls, corpora) -> "Corpus":
@@ -421,15 +523,15 @@ class Corpus:
         corpora = list(corpora)
         if not corpora or not all(isinstance(c, Corpus) for c in corpora):
             raise ValueError(f"`corpora` must be a non-empty list of Corpus. Received: corpora={corpora!r:.200}")
-        records, names = [], []
+        columns, names = _Columns(), []
         for corpus in corpora:
             name, count = corpus.name, 1
             while name in names:
                 count += 1
                 name = f"{corpus.name}-{count}"
             names.append(name)
-            records.extend({**r, "id": f"{name}/{r['id']}"} for r in corpus.records)
-        return cls(records, " + ".join(c.source for c in corpora), name="+".join(names))
+            corpus._rows_into(columns, range(len(corpus)), prefix=f"{name}/")
+        return cls(columns, " + ".join(c.source for c in corpora), name="+".join(names))
 
     def split(self, val_fraction, seed=0) -> tuple:
         """Splits into `(train, val)` by hashing each id with `seed`.
@@ -445,14 +547,19 @@ class Corpus:
         """
         if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
             raise ValueError(f"`val_fraction` must be between 0 and 1. Received: val_fraction={val_fraction!r}")
-        parts = ([], [])
-        for record in self.records:
-            digest = hashlib.sha256(f"{seed}\0{record['id']}".encode()).digest()
-            parts[int.from_bytes(digest[:8], "big") / 2**64 < val_fraction].append(record)
-        return tuple(
-            Corpus(part, f"{self.source} ({which} split)", self.name, self.speakers, self.languages)
-            for part, which in zip(parts, ("train", "validation"))
-        )
+        held_out = np.array([
+            int.from_bytes(hashlib.sha256(f"{seed}\0".encode() + self.strings["id"].raw(i))
+                           .digest()[:8], "big") / 2**64 < val_fraction
+            for i in range(len(self))
+        ], bool)
+        parts = []
+        for rows, which in ((np.flatnonzero(~held_out), "train"),
+                            (np.flatnonzero(held_out), "validation")):
+            columns = _Columns()
+            self._rows_into(columns, rows)
+            parts.append(Corpus(columns, f"{self.source} ({which} split)", self.name,
+                                self.speakers, self.languages))
+        return tuple(parts)
 
     def scan(self, on_bad_input="skip", max_seconds=None):
         """Reads every WAV header and sorts utterances into kept and skipped.
@@ -468,8 +575,9 @@ class Corpus:
                 (no limit).
 
         Returns:
-            `(kept, skipped)`: a list of `Utterance` in corpus order, and a
-            list of dicts with keys `id`, `path`, `line`, `reason`.
+            `(kept, skipped)`: the kept `Utterances` in corpus order (a
+            sequence of `Utterance`, held in columns), and a list of dicts
+            with keys `id`, `path`, `line`, `reason`.
 
         Raises:
             ValueError: with `on_bad_input="raise"`, listing the first bad
@@ -480,15 +588,15 @@ class Corpus:
             raise ValueError(
                 f'`on_bad_input` must be "skip" or "raise". Received: on_bad_input={on_bad_input!r}'
             )
-        kept, skipped, seen = [], [], {}
-        for record in self.records:
-            uid, path, text = record["id"], record["path"], record["text"]
-            reason, info, stat = record.get("reason"), None, None
-            if reason is None and uid in seen:
-                reason = f"duplicate id {uid!r} (first at line {seen[uid]})"
-            if reason is None and (not isinstance(text, str) or not text.strip()):
+        count = len(self)
+        facts = np.zeros((count, len(_FACTS)), np.int64)
+        problems = {}
+        for i in range(count):
+            reason = self.reasons.get(i)
+            if reason is None and not self.strings["text"][i].strip():
                 reason = "empty or whitespace-only transcript"
             if reason is None:
+                path = self.strings["path"][i]
                 try:
                     stat = os.stat(path)
                     info = read_wav_header(path)
@@ -499,16 +607,119 @@ class Corpus:
                     reason = str(exc)
             if reason is None and max_seconds is not None and info.seconds > max_seconds:
                 reason = f"clip of {info.seconds:.2f} s is longer than max_seconds={max_seconds}"
-            if reason is not None:
-                skipped.append({"id": uid, "path": path, "line": record["line"], "reason": reason})
-                continue
-            seen[uid] = record["line"]
-            kept.append(Utterance(uid, os.path.abspath(path), text, record["line"],
-                                  stat.st_size, stat.st_mtime_ns, info, record.get("speaker"),
-                                  record.get("language"), record.get("duration")))
+            if reason is None:
+                facts[i] = [stat.st_size, stat.st_mtime_ns] + [
+                    getattr(info, name) for name in _FACTS[2:]]
+            else:
+                problems[i] = reason
+        self._mark_duplicates(problems)
+        kept = np.ones(count, bool)
+        kept[list(problems)] = False
+        rows = np.flatnonzero(kept)
+        skipped = [{"id": self.strings["id"][i], "path": self.strings["path"][i],
+                    "line": int(self.lines[i]), "reason": problems[i]} for i in sorted(problems)]
         if skipped and on_bad_input == "raise":
             raise bad_input_error(self.source, skipped)
-        return kept, skipped
+        return Utterances(self, rows, facts[rows]), skipped
+
+    def _mark_duplicates(self, problems):
+        """A later line with the id of a kept one is a duplicate (whatever
+        else is wrong with it, unless the line itself could not be read)."""
+        hashes = np.fromiter((hash(self.strings["id"].raw(i)) for i in range(len(self))),
+                             np.int64, len(self))
+        order = np.lexsort((np.arange(len(self)), hashes))
+        same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])
+        groups = {}
+        for position in same:  # rows sharing a hash: compare the ids themselves
+            for row in order[position:position + 2]:
+                groups.setdefault(self.strings["id"].raw(row), set()).add(int(row))
+        for uid, rows in groups.items():
+            rows = sorted(rows)
+            first = next((r for r in rows if r not in problems), None)
+            if first is None:
+                continue
+            for row in rows:
+                if row > first and row not in self.reasons:
+                    problems[row] = (f"duplicate id {uid.decode('utf-8')!r} "
+                                     f"(first at line {self.lines[first]})")
+
+
+# Integer facts of each kept utterance: its file's size and mtime, then its WAV header.
+_FACTS = ("size", "mtime_ns", "sample_rate", "channels", "bits", "format_tag", "frames",
+          "data_offset", "data_bytes")
+
+
+class Utterances:
+    """The kept utterances of a `Corpus.scan`, in columns; a sequence of `Utterance`.
+
+    `utterances[i]` makes the `Utterance` of one; `column(name)` gives a
+    NumPy column of all of them (`line`, `duration`, `speaker` and
+    `language` codes, or a `WavInfo` / file fact: `size`, `mtime_ns`,
+    `sample_rate`, `channels`, `bits`, `format_tag`, `format_code`,
+    `frames`, `data_offset`, `data_bytes`); `string(name, i)` one string
+    (`id`, `path`, `text`) and `lookup(name)` a TF function from indices to
+    those strings; `take(indices)` a subset.
+
+    Args:
+        corpus: the `Corpus` scanned.
+        rows: int64 row of each kept utterance in `corpus`.
+        facts: int64 `(len(rows), len(_FACTS))`.
+    """
+
+    def __init__(self, corpus, rows, facts):
+        self.corpus = corpus
+        self.rows = np.asarray(rows, np.int64)
+        self.facts = facts
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, index) -> Utterance:
+        row, strings, corpus = self.rows[index], self.corpus.strings, self.corpus
+        facts = dict(zip(_FACTS, (int(v) for v in self.facts[index])))
+        labels = [None if codes[row] < 0 else table[codes[row]] for codes, table in (
+            (corpus.speaker_codes, corpus.speakers), (corpus.language_codes, corpus.languages))]
+        duration = corpus.durations[row]
+        return Utterance(strings["id"][row], strings["path"][row], strings["text"][row],
+                         int(corpus.lines[row]), facts.pop("size"), facts.pop("mtime_ns"),
+                         WavInfo(**facts), *labels, None if np.isnan(duration) else float(duration))
+
+    def column(self, name) -> np.ndarray:
+        if name == "format_code":  # WavInfo.format_code of each
+            tags, bits = self.column("format_tag"), self.column("bits")
+            codes = np.zeros(len(self), np.int64)
+            for (tag, size), code in FORMAT_CODES.items():
+                codes[(tags == tag) & (bits == size)] = code
+            return codes
+        if name in _FACTS:
+            return self.facts[:, _FACTS.index(name)]
+        return {"line": self.corpus.lines, "duration": self.corpus.durations,
+                "speaker": self.corpus.speaker_codes,
+                "language": self.corpus.language_codes}[name][self.rows]
+
+    def string(self, name, index) -> str:
+        return self.corpus.strings[name][self.rows[index]]
+
+    def lookup(self, name):
+        """`indices -> string tensor` of `name` (`id`, `path`, `text`), in TF ops."""
+        return self.corpus.strings[name].lookup(self.rows)
+
+    def take(self, indices) -> "Utterances":
+        indices = np.asarray(indices, np.int64)
+        return Utterances(self.corpus, self.rows[indices], self.facts[indices])
+
+    def digest(self) -> str:
+        """SHA-256 of every id, path, transcript, file size and mtime, in order."""
+        digest = hashlib.sha256()
+        for name in _STRINGS:
+            strings = self.corpus.strings[name]
+            for row in self.rows:
+                digest.update(strings.raw(row) + b"\0")
+        digest.update(np.ascontiguousarray(self.facts[:, :2]).tobytes())
+        return digest.hexdigest()
 
 
 def _manifest_problem(item):

@@ -81,8 +81,12 @@ class TextConfig:
             character options above are then not used. Defaults to None.
         vocab_size: with `tokenizer`, ids must be in `[0, vocab_size)`
             (`num_ids`); an utterance with another id is bad input.
-        max_tokens: transcripts with more ids are bad input (skipped and
-            reported, or raised). Defaults to None (no limit).
+        max_tokens: the most ids of a transcript; what happens to longer
+            ones is `on_too_long`. Defaults to None (no limit).
+        on_too_long: `"skip"`: transcripts with more than `max_tokens` ids
+            are bad input (skipped and reported, or raised); `"crop"`: the
+            dataset builder keeps their first `max_tokens` ids and lists
+            them in `builder.report["cropped"]`. Defaults to `"skip"`.
 
     Example:
 
@@ -100,6 +104,7 @@ class TextConfig:
     tokenizer: object = None
     vocab_size: int = None
     max_tokens: int = None
+    on_too_long: str = "skip"
 
     def __post_init__(self):
         if not self.vocabulary or len(set(self.vocabulary)) != len(self.vocabulary):
@@ -120,6 +125,15 @@ class TextConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if self.on_too_long not in ("skip", "crop"):
+            raise ValueError(
+                f'`on_too_long` must be "skip" or "crop". Received: on_too_long={self.on_too_long!r}'
+            )
+        if self.on_too_long == "crop" and self.max_tokens is None:
+            raise ValueError(
+                '`on_too_long="crop"` needs `max_tokens` (the length to crop to). '
+                f"Received: on_too_long={self.on_too_long!r}, max_tokens=None"
+            )
 
     @property
     def num_ids(self) -> int:
@@ -166,15 +180,16 @@ def encode_text(texts, config: TextConfig = TextConfig()) -> tf.RaggedTensor:
     Returns:
         int32 `tf.RaggedTensor` `(batch, None)`.
     """
-    chars = tf.strings.unicode_split(normalize_text(texts, config), "UTF-8")
+    # Code points (4 bytes a character), not one tf.string per character.
+    chars = tf.strings.unicode_decode(normalize_text(texts, config), "UTF-8")
     table = tf.lookup.StaticHashTable(
         tf.lookup.KeyValueTensorInitializer(
-            tf.constant(list(config.vocabulary)),
+            tf.constant([ord(c) for c in config.vocabulary], tf.int64),
             tf.range(1, len(config.vocabulary) + 1, dtype=tf.int32),
         ),
         default_value=-1,
     )
-    ids = tf.ragged.map_flat_values(table.lookup, chars)
+    ids = tf.ragged.map_flat_values(lambda codes: table.lookup(tf.cast(codes, tf.int64)), chars)
     if config.unknown == "oov":
         return tf.ragged.map_flat_values(
             lambda x: tf.where(x < 0, len(config.vocabulary) + 1, x), ids
@@ -201,32 +216,36 @@ def _tokenize(text, config):
 def encode_transcripts(texts, config: TextConfig = TextConfig()):
     """Ids of every transcript, and why each one is unusable (or None).
 
-    Characters go through `encode_text` in one vectorised call; a
-    `config.tokenizer` is called once per transcript. A transcript is
+    Characters go through `encode_text` in one vectorised call (the
+    builder calls it on chunks of a few thousand, so the string ops'
+    temporaries stay small at a million transcripts); a `config.tokenizer`
+    is called once per transcript. A transcript is
     unusable when it has no id, when the tokenizer fails or returns ids
-    outside `[0, vocab_size)`, or when it has more than `max_tokens` ids.
+    outside `[0, vocab_size)`, or when it has more than `max_tokens` ids
+    with `on_too_long="skip"` (with `"crop"` the caller crops).
 
     Args:
-        texts: list of str.
+        texts: list of str, or a 1-D string tensor (UTF-8).
         config: a `TextConfig`.
 
     Returns:
         `(ids, reasons)`: int32 `tf.RaggedTensor` `(len(texts), None)`
         (unusable transcripts have no ids) and a list of str or None.
     """
+    texts = tf.convert_to_tensor(texts, tf.string)
     if config.tokenizer is None:
         ids = encode_text(texts, config)
         reasons = [None if n else "transcript has no character of the vocabulary after normalisation"
                    for n in ids.row_lengths().numpy()]
     else:
         rows, reasons = [], []
-        for text in texts:
-            row, reason = _tokenize(text, config)
+        for text in texts.numpy():
+            row, reason = _tokenize(text.decode("utf-8"), config)
             rows.append(np.zeros(0, np.int32) if row is None else row)
             reasons.append(reason)
         values = np.concatenate(rows) if rows else np.zeros(0, np.int32)
         ids = tf.RaggedTensor.from_row_lengths(values, [len(r) for r in rows])
-    if config.max_tokens is not None:
+    if config.max_tokens is not None and config.on_too_long == "skip":
         for i, n in enumerate(ids.row_lengths().numpy()):
             if reasons[i] is None and n > config.max_tokens:
                 reasons[i] = f"transcript of {n} tokens is longer than max_tokens={config.max_tokens}"

@@ -18,7 +18,10 @@ known traps, and the environment is recorded (`environment`).
 
 `run_diagnosis` returns one dict; `verdict` is the cause that cost the most
 measured time (`rank_causes`), `healthy` when none did. Every figure in it
-was measured in this run.
+was measured in this run. A script that raises keeps its traceback and exit
+code, and `ended_by` names the exception, where it was raised and the
+training steps before; SIGTERM or SIGINT ends the script the same way, and
+the report of what was measured is still returned (and printed).
 
 After each run that timed steps, the what-if (`what_if`) measures how fast
 the input alone supplies batches and how fast the step alone consumes

@@ -1,6 +1,7 @@
 """Custom training loops: Python iteration over tf.data datasets and the steps between.
 
-While the script runs, three TensorFlow entry points are wrapped:
+While the script runs, three TensorFlow entry points are wrapped (the
+`tf.function` class is not exported: `keras_internals.tf_function_class`):
 
 | entry point                 | what diagnose learns                                   |
 |-----------------------------|--------------------------------------------------------|
@@ -101,7 +102,13 @@ class _Loop:
             self.dataset = iterator.dataset
         self.clock.epoch()
         self.source.iterator = iterator.iterator
-        return iter(self.watched)  # ends the previous epoch, if open
+        from keras_gpufix.callbacks._stream import stream_of
+
+        epoch = iter(self.watched)  # ends the previous epoch, if open
+        stream = stream_of(self.watched.callbacks)
+        if stream is not None and self.patch.step_info["eager"]:
+            stream.eager = True  # the run's judgement gets the direct evidence of eager_step
+        return epoch
 
     def finish(self):
         self.watched.close()
@@ -211,10 +218,11 @@ class LoopPatch:
     def __enter__(self):
         import tensorflow as tf
 
+        from keras_gpufix.keras_internals import tf_function_class
 
         library = _library_prefixes()
         patch = self
-        function_cls = type(tf.function(lambda: None))
+        function_cls = tf_function_class()
 
         def user_frame(depth):
             frame = sys._getframe(depth)

@@ -1,11 +1,10 @@
-"""The report: rank the measured causes and print the diagnosis for people."""
+"""The report: rank the runs' findings (never re-judging them) and print the diagnosis."""
 
 from keras_gpufix import analysis
-from keras_gpufix.analysis import THRESHOLDS
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
-__all__ = ["rank_causes", "format_report", "healthy_evidence", "trace_evidence"]
+__all__ = ["rank_causes", "run_verdict", "format_report", "healthy_evidence", "trace_evidence"]
 
 
 def _pct(x):
@@ -23,65 +22,58 @@ def _input_wait(fit):
     return (fit.get("phases") or {}).get("input_share") if wait is None else wait
 
 
-def _eager_cause(fit, label, wait, scan):
-    """The `eager_step` candidate of one run (direct evidence), or None."""
-    step = fit.get("step") or {}
-    if step.get("eager"):
-        where = step.get("eager_where")
-        text = (f"{label}: the gradient step ran eagerly (a GradientTape outside any "
-                f"tf.function, at {where})")
-    elif (fit.get("model") or {}).get("run_eagerly"):
-        where = next((f"{f['file']}:{f['line']}" for f in scan if f["trap"] == "run_eagerly"),
-                     "the model's compile (run_eagerly=True)")
-        text = f"{label}: fit ran with run_eagerly=True: every op of the step ran from Python"
-    else:
+def _xprof(fit):
+    """The run's analysed XProf traces, as `analysis.weigh` takes them."""
+    return [dict(t["analysis"], start_step=t.get("start_step"), end_step=t.get("end_step"))
+            for t in (fit.get("profiler") or {}).get("traces", [])
+            if "classification" in (t.get("analysis") or {})]
+
+
+def run_verdict(fit):
+    """The run's one verdict: its monitor's, with its XProf traces and what-if
+    weighed in (`analysis.weigh`); None when the run has no monitor report."""
+    monitor = fit.get("monitor") or {}
+    if "verdict" not in monitor:
         return None
-    share = 1.0 - (wait or 0.0)
-    return ("eager_step", share, {"source": "diagnose", "figure": "step_share", "value": share,
-                                  "text": text, "where": where})
+    run = {k: monitor.get(k) for k in ("verdict", "fix", "phase", "cost_share", "because",
+                                        "changed")}
+    run["input_wait"] = _input_wait(fit)
+    what_if = fit.get("what_if") or {}
+    return analysis.weigh(run, xprof=_xprof(fit),
+                          what_if=what_if if what_if.get("speedup_if_input_free") else None)
+
+
+def _where(fit, verdict, scan):
+    """Where an `eager_step` was seen: the measured eager gradient, or the script's line."""
+    if verdict != "eager_step":
+        return None
+    where = (fit.get("step") or {}).get("eager_where")
+    return where or next((f"{f['file']}:{f['line']}" for f in scan
+                          if f["trap"] == "run_eagerly"), "the model's compile (run_eagerly=True)")
 
 
 def _fit_causes(fit, scan):
-    """(verdict, cost share, evidence) candidates measured in one run."""
-    out = []
-    monitor = fit.get("monitor") or {}
-    st = monitor.get("step_time") or {}
+    """(verdict, cost share, evidence) of one run: its verdict and its live events."""
+    run = run_verdict(fit)
+    if run is None:
+        return []
     label = _label(fit)
-    wait = _input_wait(fit)
-    eager = _eager_cause(fit, label, wait, scan) if st.get("count") else None
-    if eager:
-        out.append(eager)
-    if wait is not None and wait >= THRESHOLDS["input_wait_share"]:
-        out.append(("input_bound", wait, {
-            "source": "GPUOscillationMonitor", "figure": "input_wait", "value": wait,
-            "text": f"{label}: {_pct(wait)} of step time spent waiting for the next batch "
-                    f"({st.get('count')} steps, median {st.get('p50_ms', 0):.1f} ms, "
-                    f"p95 {st.get('p95_ms', 0):.1f} ms)"}))
-    retr = fit.get("retracing") or {}
-    if retr.get("verdict") == "recompiling":
-        share = retr.get("recompile_share") or 0.0
-        out.append(("recompiling", share, {
-            "source": "RetracingMonitor", "figure": "recompile_share", "value": share,
-            "text": f"{label}: {retr.get('new_shapes')} distinct input shapes, "
-                    f"{retr.get('recompile_ms') or 0:.0f} ms spent at new shapes "
-                    f"({_pct(share)} of the run's wall time, median step "
-                    f"{retr.get('median_step_ms') or 0:.1f} ms), "
-                    f"{retr.get('trace_count')} train-step traces"}))
-    for event in monitor.get("events") or []:
-        verdict = event["verdict"]
-        if verdict in ("input_bound", "recompiling") and any(c[0] == verdict for c in out):
-            continue
-        ev = event.get("evidence") or {}
-        share = event.get("cost_share") or ev.get("slow_time_share") or ev.get("input_wait") or 0.0
-        out.append((verdict, share, {
-            "source": "GPUOscillationMonitor", "figure": "event", "value": share,
-            "text": f"{label}: {event['message']}", "period": event.get("period"),
-            "phase": event.get("phase")}))
-    for trace in (fit.get("profiler") or {}).get("traces", []):
-        a = trace.get("analysis") or {}
-        if a.get("classification") == "highly_input_bound":
-            out.append(("input_bound", (a.get("input_percent") or 0) / 100,
-                        _trace_item(fit, trace)))
+    events = (fit.get("monitor") or {}).get("events") or []
+    out = []
+    if run["verdict"] not in ("healthy", "unknown"):
+        period = next((e.get("period") for e in events if e["verdict"] == run["verdict"]), None)
+        out.append((run["verdict"], run["cost_share"] or 0.0, {
+            "source": "judgement", "figure": "cost_share", "value": run["cost_share"],
+            "text": f"{label}: {run['verdict']}" + "".join(f"; {b}" for b in run["because"]),
+            "period": period, "phase": run["phase"],
+            "where": _where(fit, run["verdict"], scan)}))
+    for event in events:
+        if event["verdict"] != "healthy":
+            out.append((event["verdict"], event.get("cost_share") or 0.0, {
+                "source": "GPUOscillationMonitor", "figure": "event",
+                "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
+                "period": event.get("period"), "phase": event.get("phase"),
+                "where": _where(fit, event["verdict"], scan)}))
     return out
 
 
@@ -103,49 +95,57 @@ def trace_evidence(fits):
             if "classification" in (trace.get("analysis") or {})]
 
 
-def _ruled_out(fits, ranking):
-    """Verdicts this run measured absent: their static findings are not ranked as fixes.
+def _ruled_out(fits, verdict):
+    """Verdicts the run's judgement had the evidence for and did not give.
 
-    `input_bound` when every timed run waited less than the threshold for
-    input and no what-if found the input costing that share either (an
-    input competing for the cores reads 0% wait); `eager_step` when steps
-    were timed and none ran eagerly.
+    Their static findings are not ranked as fixes: `input_bound` when the
+    input wait was measured, `eager_step` and `recompiling` (traces or
+    shapes counted) when steps were judged. A cause it cannot see
+    (`dispatch_bound` without GPU utilisation) keeps its findings.
     """
-    timed = [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
-    if not timed:
+    judged = _judged(fits)
+    if not judged:
         return set()
-    out = set()
-    limit = THRESHOLDS["input_wait_share"]
-    speedups = [(f.get("what_if") or {}).get("speedup_if_input_free") for f in timed]
-    if all(_input_wait(f) is not None and _input_wait(f) < limit for f in timed) and not any(
-            z and 1 - 1 / z >= limit for z in speedups):
-        out.add("input_bound")
-    if not any(c["verdict"] == "eager_step" for c in ranking):
-        out.add("eager_step")
+    out = {"eager_step"} - {verdict}
+    if all(_input_wait(f) is not None for f in judged):
+        out |= {"input_bound"} - {verdict}
+    if any((f.get("retracing") or {}).get("trace_count") is not None
+           or (f.get("monitor") or {}).get("new_shapes") for f in judged):
+        out |= {"recompiling"} - {verdict}
     return out
 
 
-def rank_causes(fits, scan=()):
-    """Ranks the measured causes; returns (verdict, ranking, fixes).
+def _main(fits):
+    """The run the verdict is about: the judged run that timed the most steps."""
+    judged = _judged(fits)
+    return max(judged, key=lambda f: (f.get("monitor") or {})["step_time"]["count"]) \
+        if judged else None
 
-    The causes measured in each run (input wait, recompile time, time lost
-    to slow steps, an eager step) are ranked by the share of time each cost
-    (`keras_gpufix.analysis.rank_causes`, with the one verdict table and
-    thresholds); static findings never make a verdict, they point at the
-    lines to change for it; findings off the training path
-    (`training_path` False) are never fixes, nor are findings of a cause
-    the run measured absent (`input_bound` with little input wait and no
-    what-if gain, `eager_step` with no eager step).
+
+def rank_causes(fits, scan=()):
+    """Ranks the runs' findings; returns (verdict, ranking, fixes).
+
+    Nothing is judged here: the verdict is the one judgement of the run
+    that timed the most steps (its monitor's verdict, with its XProf
+    traces and what-if weighed in by `analysis.weigh`), and the ranking
+    orders every run's verdict and live events by the share of time each
+    cost (`keras_gpufix.analysis.rank_causes`), the verdict first. Static
+    findings never make a verdict: they point at the lines to change for
+    a ranked cause; findings off the training path (`training_path`
+    False) are never fixes, nor are findings of a cause the judgement had
+    the evidence for and did not give (`_ruled_out`).
 
     Returns:
-        `verdict` (`healthy` when steps were timed and no cause was
-        measured, `unknown` when no training step was seen), `ranking` (list
-        of dicts `verdict`, `score`, `evidence`, `fix`, best first) and
-        `fixes` (ranked list of dicts `rank`, `verdict`, `fix`, `where`:
-        `file:line` of the matching scan findings).
+        `verdict` (`healthy` when steps were judged and no cause was
+        found, `unknown` when no run was judged), `ranking` (list of dicts
+        `verdict`, `score`, `evidence`, `fix`, best first) and `fixes`
+        (ranked list of dicts `rank`, `verdict`, `fix`, `where`: `file:line`
+        of the matching scan findings).
     """
     ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
-    verdict = ranking[0]["verdict"] if ranking else "healthy" if _judged(fits) else "unknown"
+    main = _main(fits)
+    verdict = "unknown" if main is None else run_verdict(main)["verdict"]
+    ranking.sort(key=lambda c: c["verdict"] != verdict)  # stable: the verdict first
     fixes, used = [], set()
     for cause in ranking:
         where = [f for f in scan if f.get("verdict") == cause["verdict"]
@@ -158,7 +158,7 @@ def rank_causes(fits, scan=()):
         fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where]})
-    ruled_out = _ruled_out(fits, ranking)
+    ruled_out = _ruled_out(fits, verdict)
     for f in scan:  # code that training does not run, or a cause measured absent, is no fix
         if (id(f) not in used and f.get("verdict") is not None and f.get("training_path", True)
                 and f["verdict"] not in ruled_out):
@@ -172,7 +172,7 @@ def rank_causes(fits, scan=()):
 def _judged(fits):
     """The runs whose steps were timed and numerous enough for the monitor to judge."""
     return [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")
-            and (f.get("monitor") or {}).get("verdict") != "unknown"]
+            and (f.get("monitor") or {}).get("verdict") not in (None, "unknown")]
 
 
 def healthy_evidence(fits):
@@ -186,10 +186,9 @@ def healthy_evidence(fits):
                          "step between iterations of a tf.data dataset): nothing was measured, "
                          "so nothing can be judged"}]
     if not _judged(fits):
-        return [{"source": "diagnose", "figure": "steps", "value": max(counts),
-                 "text": f"{_label(f)}: {n} steps timed after the warm-up, too few to judge "
-                         f"(at least {THRESHOLDS['min_judge_steps']} are needed): run longer "
-                         "(a larger --steps)"} for f, n in zip(fits, counts) if n]
+        return [{"source": "GPUOscillationMonitor", "figure": "steps", "value": n,
+                 "text": f"{_label(f)}: {(f.get('monitor') or {}).get('fix')} (a larger --steps)"}
+                for f, n in zip(fits, counts) if n]
     for fit in fits:
         monitor = fit.get("monitor") or {}
         st = monitor.get("step_time") or {}
@@ -204,15 +203,20 @@ def healthy_evidence(fits):
                             + ("" if wait is None else f", input wait {_pct(wait)}")
                             + (f", {retr['trace_count']} train-step traces"
                                if retr.get("trace_count") is not None else "")
-                            + "; no cause measured: the steps are compute-bound"})
+                            + "; no cause measured: the steps are compute-bound"
+                            + "".join(f"; {b}" for b in [*(run_verdict(fit) or {}).get(
+                                "because", []), monitor.get("changed")] if b)})
     return out
 
 
 def format_report(result):
     """The diagnosis as text for people."""
-    lines = [f"keras-gpufix diagnose: {' '.join(result['command'])} "
+    command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
+    lines = [f"keras-gpufix diagnose: {command} "
              f"(exit code {result['exit_code']})",
              f"verdict: {result['verdict']}"]
+    if result.get("ended_by"):
+        lines.insert(1, f"ended by: {result['ended_by']['text']}")
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]

@@ -8,8 +8,11 @@ import math
 import os
 import platform
 import runpy
+import signal
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -72,18 +75,12 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _monitor_window(total_steps, warmup):
-    """A detector window that can judge twice within `total_steps`."""
-    if not total_steps:
-        return 96
-    return int(max(8, min(96, (total_steps - warmup - 2) / 1.5)))
-
-
-def _stop_after(steps):
-    """A callback that stops `fit` after `steps` steps (counting steps_per_execution)."""
+def _step_counter(steps=None):
+    """A callback that counts `fit`'s steps (counting steps_per_execution) and,
+    with `steps`, stops `fit` after that many."""
     import keras
 
-    class StopAfter(keras.callbacks.Callback):
+    class StepCounter(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.seen, self.stopped, self._first = 0, False, 0
@@ -96,11 +93,11 @@ def _stop_after(steps):
 
         def on_train_batch_end(self, batch, logs=None):
             self.seen += max(1, batch - self._first + 1)
-            if self.seen >= steps:
+            if steps and self.seen >= steps:
                 self.model.stop_training = True
                 self.stopped = True
 
-    return StopAfter()
+    return StepCounter()
 
 
 class FitPatch:
@@ -180,10 +177,9 @@ class FitPatch:
                 mine[key] = existing[0]
                 continue
             if key == "monitor":
-                mine[key] = cls(window=_monitor_window(total, warmup), warmup=warmup,
-                                log_dir=run_dir, verbose=verbose)
+                mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
-                mine[key] = cls()
+                mine[key] = cls(verbose=verbose)
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
@@ -230,12 +226,12 @@ class FitPatch:
         user = list(arguments.get("callbacks") or [])
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
-        stop = _stop_after(self.steps) if self.steps else None
+        counter = _step_counter(self.steps)
         cycles = Cycles()
-        arguments["callbacks"] = user + ours + [cycle_callback(cycles)] + ([stop] if stop else [])
+        arguments["callbacks"] = user + ours + [cycle_callback(cycles), counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
-        return bound, mine, stop, info, (x if dataset else None, cycles)
+        return bound, mine, counter, info, (x if dataset else None, cycles)
 
     def fit_what_if(self, model, dataset, cycles):
         """The what-if of one fit (`what_if.py`), or a dict with the reason it was not measured."""
@@ -251,8 +247,8 @@ class FitPatch:
 
     def _fit(self, original, model, args, kwargs):
         try:
-            bound, mine, stop, info, (dataset, cycles) = self._prepare(original, model, args,
-                                                                        kwargs)
+            bound, mine, counter, info, (dataset, cycles) = self._prepare(original, model, args,
+                                                                           kwargs)
         except Exception as exc:  # never break the user's fit
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
@@ -267,7 +263,8 @@ class FitPatch:
             raise
         finally:
             entry["wall_s"] = time.perf_counter() - t0
-            entry["stopped_by_diagnose"] = bool(stop and stop.stopped)
+            entry["stopped_by_diagnose"] = counter.stopped
+            entry["steps_run"] = counter.seen
             entry["model"] = {
                 "name": model.name,
                 "jit_compile": getattr(model, "jit_compile", None),
@@ -290,13 +287,19 @@ _QUIET_NOTE = ("TensorFlow's own log lines were hidden (TF_CPP_MIN_LOG_LEVEL=2);
 
 
 def _resolve(command):
-    """(kind, target, argv) for `python train.py ARGS`, `train.py ARGS` or `-m mod ARGS`."""
+    """(kind, target, argv) for `python train.py ARGS`, `train.py ARGS`, `-m mod ARGS`
+    or `-c CODE ARGS` (target: the code)."""
     command = list(command)
     if command and os.path.basename(command[0]).startswith("python") and (
             len(command) == 1 or not command[0].endswith(".py")):
         command = command[1:]
     if not command:
         raise ValueError("no script given: use `keras-gpufix diagnose -- python train.py ARGS`")
+    if command[0] == "-c":
+        if len(command) < 2:
+            raise ValueError("`-c` needs the code to run: keras-gpufix diagnose -- python -c "
+                             "'CODE'")
+        return "code", command[1], ["-c", *command[2:]]
     if command[0] == "-m":
         if len(command) < 2:
             raise ValueError("`-m` needs a module name")
@@ -305,21 +308,86 @@ def _resolve(command):
             raise ValueError(f"no module named {command[1]!r}")
         return "module", command[1], [spec.origin, *command[2:]]
     if not os.path.isfile(command[0]):
-        raise ValueError(f"script not found: {command[0]}")
+        raise ValueError(f"script not found: {command[0]} (diagnose runs a script file, "
+                         "`-m module` or `-c CODE`)")
     return "script", os.path.abspath(command[0]), command
+
+
+def _user_frames(exc):
+    """The traceback frames of `exc` outside keras_gpufix and runpy (the script's and
+    the libraries' it called)."""
+    import keras_gpufix
+
+    ours = os.path.dirname(keras_gpufix.__file__) + os.sep
+    return [f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith(ours) and f.filename != runpy.__file__]
 
 
 def _stopped_in_next(exc, steps):
     """The note for a loop that called `next()` itself when --steps ended it."""
-    import keras_gpufix
-
-    ours = os.path.dirname(keras_gpufix.__file__) + os.sep
-    user = [f for f in traceback.extract_tb(exc.__traceback__)
-            if not f.filename.startswith(ours) and f.filename != runpy.__file__]
+    user = _user_frames(exc)
     where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
     return (f"--steps {steps} ended the loop inside its own next() call{where}: the script "
             "stopped there (a `for` loop over the dataset would have ended cleanly and the "
             "script run on)")
+
+
+class Terminated(BaseException):
+    """SIGTERM (a job scheduler's time limit) while the script ran."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_end_the_script(patch):
+    """SIGTERM raises `Terminated` in the script (SIGINT raises KeyboardInterrupt), so
+    the run unwinds and its report is printed; the what-ifs still to come are
+    skipped. A second SIGTERM kills at once. Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        patch.what_if = False
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _ended_by(exc, steps_seen):
+    """What ended the script early: a dict `kind` (`exception` or `signal`), `type`,
+    `message`, `raised_at` (file:line), `script_line` (the script's own line that led
+    there, when `raised_at` is in a library), `steps_seen` and `text`."""
+    steps = f"after {steps_seen} training step{'s' * (steps_seen != 1)}"
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        name = str(exc) if isinstance(exc, Terminated) else "SIGINT"
+        return {"kind": "signal", "type": name, "message": "", "raised_at": None,
+                "script_line": None, "steps_seen": steps_seen,
+                "text": f"{name} stopped the script {steps}; this report covers what was "
+                        "measured until then"}
+    frames = _user_frames(exc)
+    libraries = tuple({sysconfig.get_paths()[k] + os.sep for k in
+                       ("stdlib", "platstdlib", "purelib", "platlib")})
+    own = [f for f in frames if not f.filename.startswith(libraries)]
+    raised = frames[-1] if frames else None
+    line = own[-1] if own and own[-1] is not raised else None
+    where = "" if raised is None else f" (raised at {raised.filename}:{raised.lineno}" + (
+        f", from {line.filename}:{line.lineno})" if line else ")")
+    message = str(exc)
+    lines = [m for m in message.splitlines() if m.strip()]
+    return {"kind": "exception", "type": type(exc).__name__, "message": message,
+            "raised_at": raised and f"{raised.filename}:{raised.lineno}",
+            "script_line": line and f"{line.filename}:{line.lineno}",
+            "steps_seen": steps_seen,
+            "text": f"{type(exc).__name__}" + (f": {lines[0]}" if lines else "")
+                    + (" ..." if len(lines) > 1 else "") + f"{where} {steps}"}
 
 
 def _exit_code(code):
@@ -355,22 +423,28 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
-        command: `["python", "train.py", *args]`, `["train.py", *args]` or
-            `["-m", "package.module", *args]`.
+        command: `["python", "train.py", *args]`, `["train.py", *args]`,
+            `["-m", "package.module", *args]` or `["python", "-c", code, *args]`
+            (the code is saved as `log_dir/command.py` and run from there).
         steps: stop every `fit` after this many steps. Defaults to None
             (the script's own length).
-        log_dir: where profiler traces go. Defaults to a new folder under
-            the system temp dir.
+        log_dir: where the TensorBoard scalars and profiler traces of
+            each run go (`fit_1/`, `loop_2/`, ...). Defaults to a new folder
+            under the system temp dir.
         trace: take XProf traces (ProfilerTrigger). Defaults to True.
         what_if: after each run, measure the input alone and the step
             alone (`what_if.py`, a few seconds). Defaults to True.
         verbose: the monitors print their events (1) or not (0).
 
     Returns:
-        A JSON-ready dict: `command`, `exit_code` (the script's),
-        `verdict`, `evidence` (of the verdict), `ranking`, `fixes`
-        (ranked), `scan`, `environment`, `fits` (one per `fit`: the
-        monitors' reports), `what_if` (of the longest run: `input_batches_per_s`,
+        A JSON-ready dict: `command`, `exit_code` (the script's: 1 when it
+        raised, 128 + the signal's number when SIGTERM or SIGINT stopped
+        it), `ended_by` (None, or what stopped the script early: `kind`
+        `exception` or `signal`, `type`, `message`, `raised_at` and
+        `script_line` as file:line, `steps_seen`, `text`), `verdict`,
+        `evidence` (of the verdict), `ranking`, `fixes` (ranked), `scan`,
+        `environment`, `fits` (one per `fit` or custom loop: the monitors'
+        reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
         `step_batches_per_s`, `speedup_if_input_free`, ...), `traces`
         (XProf evidence), `log_dir`, `notes`.
 
@@ -380,20 +454,28 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     if steps is not None and steps < 1:
         raise ValueError(f"`steps` must be >= 1. Received: steps={steps}")
     kind, target, argv = _resolve(command)
-    script = argv[0]
-    scan = scan_script(script)
     log_dir = log_dir or tempfile.mkdtemp(prefix="keras_gpufix_diagnose_")
+    notes = []
+    if kind == "code":  # saved as a file: tracebacks and the scan name its lines
+        os.makedirs(log_dir, exist_ok=True)
+        code, target = target, os.path.join(log_dir, "command.py")
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(code)
+        notes.append(f"the -c code was saved as {target}: the lines below refer to it")
+    script = target if kind == "code" else argv[0]
+    scan = scan_script(script)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = list(argv)
-    if kind == "script":
-        sys.path.insert(0, os.path.dirname(target))
+    if kind != "module":
+        sys.path.insert(0, os.getcwd() if kind == "code" else os.path.dirname(target))
     exit_code = 0
+    ended = None
     quiet = import_tensorflow_quietly()  # TensorFlow's log lines would bury the report
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
                       verbose=verbose) as patch, \
-                LoopPatch(patch):
+                LoopPatch(patch) as loops, _signals_end_the_script(patch):
             try:
                 if kind == "module":
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -401,29 +483,39 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                     runpy.run_path(target, run_name="__main__")
             except SystemExit as exc:
                 exit_code = _exit_code(exc.code)
-            except KeyboardInterrupt:
-                traceback.print_exc()
-                exit_code = 130
+            except (KeyboardInterrupt, Terminated) as exc:
+                patch.what_if = False
+                ended = exc
+                exit_code = 128 + getattr(exc, "signum", 2)
             except BaseException as exc:
                 if isinstance(exc, StepsReached) or isinstance(exc.__cause__, StepsReached):
                     patch.notes.append(_stopped_in_next(exc, steps))
                 else:
                     traceback.print_exc()
+                    ended = exc
                     exit_code = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
                     sys.stderr.flush()
+    if ended is not None:
+        seen = sum(f.get("steps_run") or 0 for f in patch.fits) + loops.step_calls
+        ended = _ended_by(ended, seen)
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
     if verdict in ("healthy", "unknown"):
         evidence = healthy_evidence(patch.fits)
+    if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
+        evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],
+                     "text": f"nothing to judge: the script stopped after {ended['steps_seen']} "
+                             "training steps (ended by, above)"}]
     evidence += [t for t in traces if t not in evidence]
     return _jsonable({
         "command": list(command),
         "exit_code": exit_code,
+        "ended_by": ended,
         "verdict": verdict,
         "evidence": evidence,
         "ranking": ranking,
@@ -434,5 +526,5 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "what_if": _main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
-        "notes": patch.notes + ([_QUIET_NOTE] if quiet else []),
+        "notes": notes + patch.notes + ([_QUIET_NOTE] if quiet else []),
     })

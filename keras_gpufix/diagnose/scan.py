@@ -20,45 +20,46 @@ import ast
 import os
 import sys
 
+from keras_gpufix.analysis import fix_for
+
 __all__ = ["TRAPS", "scan_script"]
 
-# Static traps: id -> (related verdict, why, fix).
+# Static traps: id -> (the measured verdict it would produce, why, and what to
+# change on that line). The fix of the verdict is the one verdict table's
+# (`analysis.FIXES`); `jit_compile_false` produces no verdict of its own (XLA
+# off is slower, not oscillating), so it is listed but never ranked as a fix.
 TRAPS = {
     "py_function_in_map": (
         "input_bound",
         "`tf.py_function`/`tf.numpy_function` inside `Dataset.map` runs Python per "
-        "element under the GIL: the map cannot run in parallel",
-        "compute features with TF ops (kg.data.log_mel) or once into a feature cache "
-        "(kg.data.SpeechDatasetBuilder(cache_dir=...))",
+        "element under the GIL: the map cannot run in parallel; compute the features with "
+        "TF ops (kg.data.log_mel) or once into a feature cache",
     ),
     "python_generator": (
         "input_bound",
         "a Python generator feeds the model: every batch is produced by Python, one at a "
-        "time, with no parallelism or prefetch",
-        "build a tf.data pipeline (kg.data.SpeechDatasetBuilder, or "
-        "Dataset.from_tensor_slices + map(num_parallel_calls=AUTOTUNE) + prefetch)",
+        "time, with no parallelism or prefetch; build a tf.data pipeline "
+        "(kg.data.SpeechDatasetBuilder)",
     ),
     "no_prefetch": (
         "input_bound",
         "the tf.data pipeline has no `prefetch`: the next batch is prepared only after "
-        "the step that needs it asked for it",
-        "end the pipeline with `.prefetch(tf.data.AUTOTUNE)`",
+        "the step that needs it asked for it; end the pipeline with "
+        "`.prefetch(tf.data.AUTOTUNE)`",
     ),
     "run_eagerly": (
         "eager_step",
         "`run_eagerly=True` runs every op from Python: no graph, no XLA",
-        "remove run_eagerly=True (use it only to debug)",
     ),
     "jit_compile_false": (
-        "healthy",
-        "`jit_compile=False` turns XLA off: no op fusion",
-        "kg.compile_model(model, ..., jit_compile=True) (with bucketed shapes)",
+        None,
+        "`jit_compile=False` turns XLA off: no op fusion; kg.compile_model(model, ..., "
+        "jit_compile=True) with bucketed shapes",
     ),
     "numpy_in_loop": (
         "dispatch_bound",
         "`.numpy()` inside a loop copies to the host and waits for the device at every "
-        "iteration",
-        "keep values as tensors inside the loop; convert once after it",
+        "iteration; keep values as tensors inside the loop and convert once after it",
     ),
 }
 
@@ -391,8 +392,10 @@ def scan_script(path):
         A list of findings, the script's first, each file's sorted by line,
         each a dict with `trap` (a key of `TRAPS`), `file` (relative to the
         working directory when under it), `line`, `code`
-        (the source line), `detail`, `why`, `fix`, `verdict` (the measured
-        cause it would produce) and `training_path` (False for code that
+        (the source line), `detail`, `why` (with what to change on the
+        line), `verdict` (the measured cause it would produce, None for a
+        hint that produces none), `fix` (the verdict's, from the one
+        verdict table; None without a verdict) and `training_path` (False for code that
         training does not run: such a finding is never ranked as a fix).
         A file that is not valid Python gives one finding with trap
         `syntax_error`.
@@ -425,7 +428,9 @@ def scan_script(path):
             if (f["trap"], f["line"]) in seen:
                 continue
             seen.add((f["trap"], f["line"]))
-            verdict, why, fix = TRAPS[f["trap"]]
+            verdict, why = TRAPS[f["trap"]]
+            where = f"{_shown(current)}:{f['line']}"
+            fix = None if verdict is None else fix_for(verdict, where=where)
             code = lines[f["line"] - 1].strip() if 0 < f["line"] <= len(lines) else ""
             if f["function"] is None:  # module level: an import's __main__ block never runs
                 on_path = current == path or not f["in_main"]

@@ -32,6 +32,8 @@ input, nothing more.
 import statistics
 import time
 
+from keras_gpufix.analysis import THRESHOLDS
+
 __all__ = ["Cycles", "cycle_callback", "input_rate", "fit_replay", "replay_rate", "what_if",
            "format_what_if"]
 
@@ -207,7 +209,8 @@ def format_what_if(result):
     if not x or not y or z is None:
         return (f"what-if: not measured ({result.get('reason', 'no steady cycles')}); "
                 f"the run went at {result.get('observed_batches_per_s') or 0:.1f} batches/s")
-    gain = f"{z:.2f}x faster" if z >= 1.05 else f"no faster ({z:.2f}x)"
+    faster = z >= THRESHOLDS["min_speedup"]
+    gain = f"{z:.2f}x faster" if faster else f"no faster ({z:.2f}x)"
     how = "" if result.get("method") == "replay" else " (step as measured in the run)"
     if result["bound"] == "input":
         return (f"what-if: input supplies {x:.1f} batches/s, the step consumes {y:.1f} "
@@ -217,5 +220,5 @@ def format_what_if(result):
             f"batches/s: the step is the bound (the input could feed a step {x / y:.1f}x "
             f"faster); with input free the run would be {gain}"
             + (" (the input competes with the step for the host)"
-               if z >= 1.05 and result.get("method") == "replay" else "")
+               if faster and result.get("method") == "replay" else "")
             + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")

@@ -1,0 +1,120 @@
+"""`keras-gpufix demo`, run once as a user runs it after a plain install: TensorFlow's
+log level unset, `import librosa` failing. The tests share that one run (it costs
+about 30 s): its report, and its TensorBoard log dir read from the event files and
+trace folders (no browser, no screenshot)."""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from edge_faults import TF_LOG_LINE
+
+from keras_gpufix.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAYS = ("naive", "keras_gpufix")
+
+
+def without_librosa(folder):
+    """A `PYTHONPATH` entry whose `sitecustomize` makes `import librosa` fail, as on a
+    plain install (no extras)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write("import sys\n"
+                "class _NoLibrosa:\n"
+                "    def find_spec(self, name, path=None, target=None):\n"
+                "        if name.split('.')[0] == 'librosa':\n"
+                "            raise ImportError('librosa is blocked: a plain install has none')\n"
+                "sys.meta_path.insert(0, _NoLibrosa())\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """(completed process, work folder) of one `keras-gpufix demo` run."""
+    tmp = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([without_librosa(str(tmp / "no_librosa")), REPO])
+    blocked = subprocess.run([sys.executable, "-c", "import librosa"], env=env,
+                             capture_output=True, text=True)
+    assert blocked.returncode != 0 and "librosa is blocked" in blocked.stderr
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--dir",
+                           str(tmp / "demo"), "--utterances", "24", "--epochs", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, tmp / "demo"
+
+
+def _events(run_dir):
+    """{tag: [(step, description), ...]} of the scalars in a TensorBoard run folder."""
+    import tensorflow as tf
+
+    found = collections.defaultdict(list)
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                found[value.tag].append((event.step, value.metadata.summary_description))
+    return found
+
+
+def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(demo):
+    proc, workdir = demo
+    out = proc.stdout
+    # our own output is what is left: no TensorFlow/absl log line, no Keras warning
+    assert not [line for line in (out + proc.stderr).splitlines() if TF_LOG_LINE.match(line)]
+    assert "shuffle=True" not in out + proc.stderr
+    assert "TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo" in out  # how to see them
+    assert "24 utterances kept, 1 skipped" in out
+    assert "bad_truncated" in out
+    lines = out.splitlines()
+    naive = next(i for i, line in enumerate(lines) if line.startswith("naive:"))
+    fast = next(i for i, line in enumerate(lines) if line.startswith("keras_gpufix:"))
+    result = next(line for line in lines if line.startswith("result:"))
+    assert naive < fast < lines.index(result)
+    # one verdict per way, each in its own section
+    verdicts = [i for i, line in enumerate(lines) if line.strip().startswith("verdict:")]
+    assert len(verdicts) == 2 and naive < verdicts[0] < fast < verdicts[1]
+    rates = re.findall(r"then (\d+) utterances/s", out)
+    assert len(rates) == 2
+    naive_rate, fast_rate = (int(r) for r in rates)
+    winner, loser = (("keras_gpufix", "naive") if fast_rate >= naive_rate
+                     else ("naive", "keras_gpufix"))
+    assert f"{winner} is " in result and f"x faster than {loser}" in result \
+        or "equally fast" in result
+    assert f"tensorboard --logdir {workdir / 'logs'} (runs naive and keras_gpufix" in out
+    assert main(["validate", str(workdir / "demo.yaml")]) == 0
+
+
+def test_demo_log_dir_holds_the_two_ways_as_runs_with_one_steady_state_trace_each(demo):
+    proc, workdir = demo
+    logs = workdir / "logs"
+    runs = {os.path.relpath(root, logs) for root, _, files in os.walk(logs)
+            if any(f.startswith("events.out.tfevents.") for f in files)}
+    assert runs == set(WAYS)  # side by side, not one inside the other
+    for way in WAYS:
+        events = _events(logs / way)
+        steps = [s for s, _ in events["step_timer/step_ms"]]
+        assert len(steps) >= 5 and steps == sorted(steps), way
+        # epoch ends, from the per-epoch scalar: the first epoch is steps 0..first_end
+        first_end, second_end = sorted(s for s, _ in events["step_timer/epoch_mean_ms"])
+        traces = os.listdir(logs / way / "plugins" / "profile")
+        assert len(traces) == 1, (way, traces)
+        start = int(re.search(r"_steps_(\d+)$", traces[0]).group(1))
+        # steady state: after the first epoch (its compiles) and the second's first step
+        assert first_end + 1 < start <= second_end, (way, start, first_end, second_end)
+        # the report names the same steps, in each way's own section
+        section = proc.stdout.split("\nkeras_gpufix:")[way == "keras_gpufix"]
+        assert f"XProf trace of steps {start}-" in section and "(epoch 2)" in section, way
+
+
+def test_every_demo_scalar_has_a_description(demo):
+    _, workdir = demo
+    for way in WAYS:
+        events = _events(workdir / "logs" / way)
+        assert {"step_timer/step_ms", "oscillation/cycle_ms"} <= set(events), way
+        for tag, written in events.items():
+            assert all(description.strip() for _, description in written), (way, tag)

@@ -26,6 +26,20 @@ What it measures, per step, on every Keras backend:
 |                  | (an epoch's first step also gets the time taken to create |
 |                  | its iterator and to end and release the previous one)     |
 | step + between   | the rest of the cycle: the loop body, up to the next `next()` |
+|                  | (`step_done()` splits it: the step up to that call, then  |
+|                  | `between`)                                                |
+
+Asynchronous devices (a GPU; JAX; TensorFlow's asynchronous eager
+execution): a step call returns when its work is queued, and the host waits
+only where it reads a value back. So at each step's end (the next `next()`,
+or `step_done()`) watch waits for the device work queued so far, as `fit`
+does by reading the logs (`sync=True`, the default): TensorFlow's
+`tf.test.experimental.sync_devices()`, JAX's `block_until_ready` on the
+live arrays (on what `step_done(outputs)` was given, when it was),
+`torch.cuda.synchronize()`. Time `next()` then spends is input, not the
+device's queue. With `sync=False` steps are timed at dispatch: the input
+wait is not measured (None; the loop's whole cycle is its step) and the
+detector judges a loop that reads a value every k steps per k steps.
 
 Releasing a `tf.data` iterator joins its prefetch threads, which took up
 to 0.28 s on the 2-core test host: that is input time, not the loop's.
@@ -49,16 +63,18 @@ import time
 
 import keras
 
+from keras_gpufix.analysis import UNSYNCED_NOTE
 from keras_gpufix.callbacks._stream import stream_of
 from keras_gpufix.callbacks.gpu_oscillation_monitor import GPUOscillationMonitor
 from keras_gpufix.exceptions import warn
+from keras_gpufix.output import emit
 
 __all__ = ["watch", "Watched"]
 
 _END = object()
 
 
-def watch(iterable, callbacks=None, model=None) -> "Watched":
+def watch(iterable, callbacks=None, model=None, sync=True) -> "Watched":
     """Wraps the iterable of a custom training loop so it is monitored.
 
     Args:
@@ -69,14 +85,20 @@ def watch(iterable, callbacks=None, model=None) -> "Watched":
             Keras's own). Defaults to None: one `kg.GPUOscillationMonitor()`.
         model: the model being trained, given to the callbacks
             (`callback.model`). Defaults to None.
+        sync: wait at each step's end for the device work queued so far,
+            so that a step is timed where its work ends (on a GPU, JAX or
+            TensorFlow's asynchronous eager execution; it gives up the
+            overlap of the host's next step with the device's work, as
+            `fit` does). Defaults to True. False: steps are timed at
+            dispatch, the input wait is not measured.
 
     Returns:
         A `Watched`: iterate it where the loop iterated `iterable`; use it
         as a context manager so the run's end is seen.
 
     Raises:
-        ValueError: `iterable` cannot be iterated, or `callbacks` is not a
-            list of Keras callbacks.
+        ValueError: `iterable` cannot be iterated, `callbacks` is not a
+            list of Keras callbacks, or `sync` is not a bool.
 
     Example:
 
@@ -87,7 +109,7 @@ def watch(iterable, callbacks=None, model=None) -> "Watched":
     >>> watched.report()["verdict"]
     'input_bound'
     """
-    return Watched(iterable, callbacks=callbacks, model=model)
+    return Watched(iterable, callbacks=callbacks, model=model, sync=sync)
 
 
 class Watched:
@@ -95,10 +117,12 @@ class Watched:
 
     Made by `kg.watch(...)`; see there. `callbacks` is the list of
     callbacks it drives, `epoch` the number of epochs begun, `steps` the
-    number of batches handed out over the run.
+    number of batches handed out over the run, `synced` whether the steps
+    are timed where their device work ends (False after `sync=False`, or
+    once a sync failed).
     """
 
-    def __init__(self, iterable, callbacks=None, model=None):
+    def __init__(self, iterable, callbacks=None, model=None, sync=True):
         if not hasattr(iterable, "__iter__"):
             raise ValueError(
                 "`iterable` must be iterable (a tf.data.Dataset, a "
@@ -114,9 +138,14 @@ class Watched:
                 "`callbacks` must be a list of keras.callbacks.Callback. "
                 f"Received: {type(wrong[0]).__name__}"
             )
+        if not isinstance(sync, bool):
+            raise ValueError(f"`sync` must be True or False. Received: sync={sync!r}")
         self.iterable = iterable
         self.callbacks = callbacks
         self.model = model
+        self.sync = sync
+        self.synced = sync
+        self._device_sync = None
         params = {}
         try:
             params["steps"] = len(iterable)
@@ -145,8 +174,12 @@ class Watched:
         # counts the batches made from `on_train_begin` / `on_epoch_begin`.
         if not self._running:
             self._running = True
+            self.synced = self.sync
+            if self.sync:
+                self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
             self._stream = stream_of(self.callbacks)
+            self._tell_stream()
             if self._stream is not None and not _is_dataset(self.iterable):
                 # Its batches need not be those an instrumented dataset
                 # recorded, in order (an iterator made before the run).
@@ -174,6 +207,57 @@ class Watched:
         if self._running:
             self._running = False
             self._hooks.on_train_end()
+            self._say_unsynced()
+
+    def step_done(self, outputs=None):
+        """Ends the current step here: the rest of the loop body is `between`.
+
+        Call it right after the training step. With `sync=True` it first
+        waits for the step's device work: on JAX for `outputs` (what the
+        step returned: its loss, its new state), elsewhere, or when
+        `outputs` is None, for all work queued. Without it the step ends
+        at the next `next()`. A call outside a step does nothing.
+
+        Args:
+            outputs: what the step returned. Defaults to None.
+        """
+        if self._open is not None:
+            self._open.end_step(outputs)
+
+    def _wait(self, outputs=None):
+        """Waits for the device work queued so far (never raises)."""
+        if not self.synced or self._device_sync is None:
+            return
+        try:
+            if outputs is not None and keras.backend.backend() == "jax":
+                import jax
+
+                jax.block_until_ready(outputs)
+            else:
+                self._device_sync()
+        except Exception as exc:  # a monitor never stops training
+            self.synced = False
+            self._tell_stream()
+            warn(f"kg.watch could not wait for step {self.steps}'s device work "
+                 f"({type(exc).__name__}: {exc}); from here steps are timed at dispatch "
+                 "and the input wait is not measured.")
+
+    def _tell_stream(self):
+        """Lets the step stream (and our monitors' detectors) know whether steps are synced."""
+        if self._stream is not None:
+            self._stream.synced = self.synced
+
+    def _say_unsynced(self):
+        """Says once how to get per-step times, when steps were judged per period."""
+        if self.synced:
+            return
+        for callback in self.callbacks:
+            judgement = getattr(getattr(callback, "detector", None), "last_judgement", None)
+            period = (judgement or {}).get("evidence", {}).get("unsynced_period")
+            if period:
+                emit("kg.watch: " + UNSYNCED_NOTE.format(period=period) + ".",
+                     getattr(callback, "verbose", 1))
+                return
 
     def _end_epoch(self, failed=False):
         if self._open is not None:
@@ -194,19 +278,48 @@ class Watched:
                 return callback.report()
         return {}
 
-    def _supply(self, wait, element):
+    def _supply(self, wait, element, split):
         """Hands the shared step log this step's input wait and batch facts."""
         wait, self._carry = wait + self._carry, 0.0
         if self._stream is None:
             return
         try:
             samples, shape = _batch_facts(element)
-            self._stream.supply(wait, samples=samples, shape=shape, split=False)
+            self._stream.supply(wait if self.synced else None, samples=samples, shape=shape,
+                                split=split and self.synced)
         except Exception as exc:  # a monitor never stops training
             if not self._failed:
                 self._failed = True
                 warn(f"kg.watch could not hand step {self.steps} to the monitors "
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
+
+
+def _sync_call(backend):
+    """The call that waits for the device work queued on `backend`, or None.
+
+    None where steps run synchronously (the NumPy backend, torch without
+    CUDA, TensorFlow's synchronous eager execution on CPUs alone): there is
+    nothing to wait for.
+
+    Args:
+        backend: `keras.backend.backend()`.
+    """
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.config.experimental.get_synchronous_execution() and all(
+                d.device_type == "CPU" for d in tf.config.list_logical_devices()):
+            return None
+        return tf.test.experimental.sync_devices
+    if backend == "jax":
+        import jax
+
+        return lambda: jax.block_until_ready(jax.live_arrays())
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.synchronize if torch.cuda.is_available() else None
+    return None
 
 
 def _is_dataset(iterable):
@@ -232,18 +345,22 @@ class _Epoch:
         self.epoch = epoch
         self.batch = -1
         self.step_open = False
+        self.split = False  # the loop calls step_done()
         self.done = False
 
     def __iter__(self):
         return self
 
-    def _end_step(self):
+    def end_step(self, outputs=None, split=True):
+        """Ends the open step where its device work ends (`step_done`: split)."""
         if self.step_open:
             self.step_open = False
+            self.split = split
+            self.watched._wait(outputs)
             self.watched._hooks.on_train_batch_end(self.batch)
 
     def end(self, failed=False):
-        self._end_step()
+        self.end_step(split=self.split)
         if not self.done:
             self.done = True
             start = time.perf_counter()
@@ -253,7 +370,7 @@ class _Epoch:
                 self.watched._hooks.on_epoch_end(self.epoch)
 
     def __next__(self):
-        self._end_step()
+        self.end_step(split=False)
         if self.done:
             raise StopIteration
         watched = self.watched
@@ -271,7 +388,7 @@ class _Epoch:
         wait = time.perf_counter() - start
         self.batch += 1
         watched.steps += 1
-        watched._supply(wait, element)
+        watched._supply(wait, element, self.split)
         self.step_open = True
         watched._hooks.on_train_batch_begin(self.batch)
         return element

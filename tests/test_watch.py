@@ -226,3 +226,74 @@ def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
         with kg.watch(batches(4), callbacks=[Recorder()]) as watched:
             assert sum(1 for _ in watched) == 4
     assert len([w for w in caught if issubclass(w.category, kg.GpufixWarning)]) == 1
+
+
+def test_each_step_end_waits_for_the_device_unless_sync_is_off(monkeypatch):
+    from keras_gpufix import watched as watched_module
+
+    waits = []
+    monkeypatch.setattr(watched_module, "_sync_call", lambda backend: lambda: waits.append(1))
+    with pytest.raises(ValueError, match="`sync` must be True or False. Received: sync='yes'"):
+        kg.watch(batches(), sync="yes")
+    timer = kg.StepTimer()
+    with kg.watch(batches(12), callbacks=[timer]) as watched:
+        for step, _ in enumerate(watched):
+            if step >= 1:
+                watched.step_done()  # ends the step: the rest of the body is `between`
+                watched.step_done()  # outside a step: nothing
+    assert len(waits) == 12 and watched.synced
+    records = timer.records()
+    assert all(r.input_wait is not None for r in records)
+    # A step is split once the loop was seen to call step_done at its end.
+    assert [r.split for r in records] == [False, False] + [True] * 10
+
+    waits.clear()
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    timer = kg.StepTimer()
+    with kg.watch(batches(12), callbacks=[monitor, timer], sync=False) as watched:
+        for _ in watched:
+            watched.step_done()
+    assert waits == [] and not watched.synced and monitor.detector.synced is False
+    # Timed at dispatch: no input wait is claimed; the cycle is the step.
+    assert all(r.input_wait is None and r.between == 0.0 and not r.split
+               for r in timer.records())
+    assert monitor.report()["input_wait"] is None
+
+
+def test_a_failing_sync_is_one_warning_and_the_steps_are_unsynced_after(monkeypatch):
+    from keras_gpufix import watched as watched_module
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(watched_module, "_sync_call", lambda backend: broken)
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    timer = kg.StepTimer()
+    with pytest.warns(kg.GpufixWarning, match="could not wait for step 1's device work") as caught:
+        with kg.watch(batches(6), callbacks=[monitor, timer]) as watched:
+            assert sum(1 for _ in watched) == 6
+    assert len([w for w in caught if issubclass(w.category, kg.GpufixWarning)]) == 1
+    assert not watched.synced and monitor.detector.synced is False
+    assert [r.input_wait is None for r in timer.records()] == [False] + [True] * 5
+
+
+def test_the_sync_of_each_backend(monkeypatch):
+    import types
+
+    from keras_gpufix.watched import _sync_call
+
+    assert _sync_call("numpy") is None  # synchronous: nothing to wait for
+    tf = pytest.importorskip("tensorflow")
+    assert _sync_call("tensorflow") is None  # synchronous eager execution on a CPU
+    tf.config.experimental.set_synchronous_execution(False)
+    try:
+        assert _sync_call("tensorflow") is tf.test.experimental.sync_devices
+    finally:
+        tf.config.experimental.set_synchronous_execution(True)
+    pytest.importorskip("jax")
+    _sync_call("jax")()  # blocks on the live arrays: none pending here
+    cuda = types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert _sync_call("torch") is cuda.synchronize
+    cuda.is_available = lambda: False
+    assert _sync_call("torch") is None

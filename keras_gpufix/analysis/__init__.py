@@ -11,6 +11,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`                   |
+| `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
 |               | what-if weighed into it)                                     |
@@ -26,6 +27,7 @@ from keras_gpufix.analysis.verdicts import (
     PHASES,
     THRESHOLDS,
     TOO_FEW_STEPS,
+    UNSYNCED_NOTE,
     VERDICTS,
     fix_for,
     is_recompiling,
@@ -44,6 +46,7 @@ __all__ = [
     "StepRecord",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "UNSYNCED_NOTE",
     "VERDICTS",
     "fix_for",
     "is_recompiling",

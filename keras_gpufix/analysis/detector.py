@@ -16,12 +16,14 @@ from collections import Counter, deque
 
 import numpy as np
 
+from keras_gpufix.analysis.dispatch import fold_unsynced
 from keras_gpufix.analysis.step_log import StepLog, StepRecord
 from keras_gpufix.analysis.verdicts import (
     FIXES,
     PHASES,
     THRESHOLDS,
     TOO_FEW_STEPS,
+    UNSYNCED_NOTE,
     fix_for,
     is_recompiling,
     recompile_cost,
@@ -75,7 +77,7 @@ def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
 
 
 def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
-          shapes_seen=0) -> dict:
+          shapes_seen=0, synced=None) -> dict:
     """Judges a window of step records; no side effects.
 
     Args:
@@ -88,6 +90,10 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         jit: whether the step is XLA-compiled (new shapes then compile).
         eager: the step is known to run eagerly (direct evidence).
         shapes_seen: distinct input shapes seen in the run so far.
+        synced: whether each step was timed to the end of its device work
+            (`kg.watch` syncs; None: not known). Unless True, unsynced
+            asynchronous steps (`dispatch.fold_unsynced`) are judged per
+            period, `evidence["unsynced_period"]` says so.
 
     Returns:
         A dict `verdict`, `phase` (where the time goes: `input_wait`,
@@ -127,6 +133,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             rs = [r for r, c in zip(rs, compiled) if not c]
             if len(rs) < th["min_judge_steps"]:
                 return _judgement("unknown", {"signals": [], "records": len(rs)})
+    # Unsynced asynchronous steps (issue 26): judge each period of k steps.
+    folded = None if synced else fold_unsynced(rs, th)
+    rs = folded or rs
     n = np.array([max(1, r.steps) for r in rs], np.float64)
     waits_known = all(r.input_wait is not None for r in rs)
     phase = {
@@ -161,6 +170,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     }
     if not waits_known:
         ev["phases"]["input_wait"] = None
+    if folded:
+        ev["signals"].append("unsynced_dispatch")
+        ev["unsynced_period"] = int(n[0])
     split = all(r.split for r in rs)
     new_shape = np.array([r.new_shape or r.traces > 0 for r in rs])
     if seen_shapes:
@@ -255,6 +267,8 @@ class OscillationDetector:
         jit: whether the step is XLA-compiled (new shapes compile).
             Defaults to None (not known: new shapes are not priced).
         eager: the step runs eagerly. Defaults to False.
+        synced: each step is timed to the end of its device work (see
+            `judge`). Defaults to None (not known).
         **thresholds: overrides of `keras_gpufix.analysis.THRESHOLDS`
             (`slow_factor`, `cost_share`, `input_wait_share`, ...).
 
@@ -274,7 +288,7 @@ class OscillationDetector:
     MAX_EVENTS = 100
 
     def __init__(self, window=96, hop=None, warmup=5, min_windows=2, jit=None, eager=False,
-                 **thresholds):
+                 synced=None, **thresholds):
         unknown = set(thresholds) - set(THRESHOLDS)
         if unknown:
             raise ValueError(f"Unknown thresholds {sorted(unknown)}; expected some of "
@@ -301,6 +315,7 @@ class OscillationDetector:
         self.min_windows = min_windows
         self.jit = jit
         self.eager = eager
+        self.synced = synced
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -374,8 +389,8 @@ class OscillationDetector:
 
     def judge(self) -> dict:
         """`judge` of the current window (no side effects)."""
-        return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit, self.eager,
-                     len(self._shapes))
+        return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit,
+                     self.eager, len(self._shapes), self.synced)
 
     def finish(self):
         """Judges the records not judged yet at the end of a run.
@@ -509,6 +524,8 @@ def _message(verdict, start, ev, period, phase, share):
     if "slow_steps_at_new_shapes" in ev:
         parts.append(f"{ev['slow_steps_at_new_shapes']} of {ev['slow_steps']} "
                      f"slow steps at new input shapes ({ev['recompile_share']:.0%} of time)")
+    if "unsynced_period" in ev:
+        parts.append(UNSYNCED_NOTE.format(period=ev["unsynced_period"]))
     parts.append("evidence: " + "+".join(ev["signals"]))
     return "; ".join(parts)
 

@@ -32,6 +32,7 @@ __all__ = [
     "PHASE_FIXES",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "UNSYNCED_NOTE",
     "fix_for",
     "slow_limit",
     "slow_mask",
@@ -97,6 +98,12 @@ THRESHOLDS = {
     # The what-if's speedup with the input free below which the run would be
     # "no faster" (measurement noise of two short timings).
     "min_speedup": 1.05,
+    # Unsynced asynchronous steps (analysis.dispatch): a step at most this
+    # share of the mean step is at dispatch cost; a period is looked for
+    # over at least min_periods periods (fewer, and noise on a loaded host
+    # lines up by chance).
+    "dispatch_share": 0.25,
+    "min_periods": 8,
 }
 
 PHASE_FIXES = {
@@ -126,6 +133,13 @@ PHASE_FIXES = {
 TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
+)
+
+#: Said with a judgement of unsynced asynchronous steps (analysis.dispatch).
+UNSYNCED_NOTE = (
+    "steps timed at dispatch, each ending where the host read a value every {period} "
+    "steps (asynchronous execution): judged per {period} steps; for per-step times let "
+    "kg.watch sync at each step's end (sync=True, the default) or read a value every step"
 )
 
 FIXES = {

@@ -89,6 +89,10 @@ class StepStream:
             `RetracingMonitor`.
         run_thresholds: thresholds for this run's judgement (a
             `RetracingMonitor`'s `max_new_shapes`).
+        synced: whether each step is timed where its device work ends (set
+            by `kg.watch`; True once Keras handed logs to an end hook, which
+            it turns into numbers first, waiting for the step; None: not
+            known). Given to the detector with each record.
     """
 
     # Reading the probe costs about half a millisecond while fit runs, so it
@@ -109,6 +113,7 @@ class StepStream:
         self.sampler = None
         self.hooks = 0
         self.last = None
+        self.synced = None
         self._offset = time.time() - time.perf_counter()
         self._cursor = None
         self._supplied = None
@@ -185,13 +190,17 @@ class StepStream:
         the probe of an instrumented dataset.
 
         Args:
-            input_wait: seconds spent in `next()`.
+            input_wait: seconds spent in `next()`, or None when that time
+                is not input alone (steps timed at dispatch: `next()` may
+                queue behind the device's pending work); the record's step
+                is then the whole cycle.
             samples: the batch's leading dimension, or None.
             shape: a hashable key of the batch's shapes, or None.
             split: whether begin -> end holds only the step (False: the
                 whole loop body). Defaults to False.
         """
-        self._supplied = (float(input_wait), samples, shape, bool(split))
+        wait = None if input_wait is None else float(input_wait)
+        self._supplied = (wait, samples, shape, bool(split))
 
     def count_traces(self, counter):
         """Counts traces with `counter()` (total traces so far) at every end hook.
@@ -292,7 +301,9 @@ class StepStream:
                 shape = probe.shape_key(row)
                 size = probe.batch_size(shape)
                 samples = size * steps if size else samples
-            if wait is None:
+            if wait is None and supplied is not None:  # unsynced: only the cycle is real
+                input_wait, step, between = None, span + gap, 0.0
+            elif wait is None:
                 input_wait, step, between = None, span, gap
             elif supplied is not None or wait <= gap:
                 input_wait, step, between = wait, span, max(0.0, gap - wait)
@@ -320,6 +331,7 @@ class StepStream:
         """Feeds the run's one detector; hands its judgements and events to every member."""
         det = self.detector
         det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
+        det.synced = self.synced
         for record in records:
             self._add_to_epoch(record)
             judged = det.judgements
@@ -464,6 +476,8 @@ class TimedCallback(GuardedCallback):
         stream = self.stream
         if stream is not None:
             if stream.leader is self:
+                if logs and stream.synced is None:
+                    stream.synced = True  # Keras made the logs numbers: it waited for the step
                 stream.batch_end(batch)
                 if isinstance(logs, dict) and stream.last is not None:
                     _, steps, span, gap = stream.last

@@ -41,6 +41,7 @@ BENCHMARKS = {
     "map_parallelism": (["--rounds", "4"], []),
     "what_if": (["--quick"], []),
     "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
+    "async_sync": (["--rounds", "3", "--lengths", "2000"], ["--full"]),
 }
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "overrides_train_step",
     "remove_per_replica_xla",
     "set_symbolic_build",
+    "step_jit_compile",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
@@ -310,7 +311,18 @@ def install_per_replica_xla(model) -> None:
         return _with_replica_axis(logs) if multi_worker else logs
 
     multi_worker = _multi_worker(model.distribute_strategy)
+    train_step.per_replica_xla = True  # step_jit_compile reads it
     model.train_step = train_step
+
+
+def step_jit_compile(model):
+    """Whether `fit`'s step is XLA-compiled: True under the per-replica XLA
+    step (`model.jit_compile` is False there: Keras's own XLA is off),
+    else `model.jit_compile`; None when it is not a bool (no model)."""
+    if getattr(getattr(model, "train_step", None), "per_replica_xla", False):
+        return True
+    jit = getattr(model, "jit_compile", None)
+    return jit if isinstance(jit, bool) else None
 
 
 def remove_per_replica_xla(model) -> None:

@@ -79,7 +79,8 @@ def equivalence():
             steps_per_execution=1, sample_batch=(x, y),
         )
     restored = all(np.array_equal(a, b) for a, b in zip(initial, model.get_weights()))
-    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    retracing = kg.RetracingMonitor(verbose=0)
+    model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, callbacks=[retracing])
     diff = max(
         float(np.max(np.abs(a - b)))
         for a, b in zip(model.get_weights(), reference.get_weights())
@@ -93,6 +94,7 @@ def equivalence():
         "restored_after_sample_step": restored,
         "max_abs_diff": diff,
         "moved": moved,
+        "retracing_jit_compile": retracing.report()["jit_compile"],
         **report_dict(report),
     }
 

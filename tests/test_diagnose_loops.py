@@ -69,8 +69,8 @@ def test_custom_loop_named_right(mode, verdict):
 
 
 def test_steps_stops_a_healthy_tf_function_loop():
-    # 60 steps, past the first epoch's cache filling: 14 steps (9 judged) read
-    # input_bound at ~20 % input wait under load (stop 19's note)
+    # 60 steps (of the first epoch's 64): at 14 steps (9 judged) its ~10 %
+    # input wait crossed the 20 % input_bound line under load (stop 19's note)
     proc, result = _diagnose("function", steps=60)
     assert proc.returncode == 3
     assert result["verdict"] == "healthy", result["evidence"]  # cached input, compiled step
@@ -80,8 +80,8 @@ def test_steps_stops_a_healthy_tf_function_loop():
     assert "done" in proc.stdout  # the script ran on after its loop ended
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
-    # 14 cycles after the first step was seen; the monitor's warm-up drops 5
-    assert loop["monitor"]["step_time"]["count"] == 14 - 5
+    # 60 cycles after the first step was seen; the monitor's warm-up drops 5
+    assert loop["monitor"]["step_time"]["count"] == 60 - 5
     assert loop["epochs"] == 1
     assert result["what_if"]["method"] == "replay"  # the observed tf.function, replayed
     assert result["what_if"]["step_batches_per_s"] > 0 and result["what_if"]["cycles"] > 0

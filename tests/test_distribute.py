@@ -74,6 +74,7 @@ def test_compile_model_under_mirrored_really_compiles_each_replica(two_devices):
     # Read from the traced train function: one XLA call per replica device.
     assert result["jit_compile"] is True
     assert result["xla_scope"] == "per_replica"
+    assert result["retracing_jit_compile"] is True  # the monitors read the same XLA state
     assert result["xla_devices"] == ["CPU:0", "CPU:1"]
     assert result["fallback_reason"] is None
 

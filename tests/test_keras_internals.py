@@ -19,6 +19,7 @@ from keras_gpufix.keras_internals import (
     input_datasets,
     batch_rows,
     install_per_replica_xla,
+    step_jit_compile,
     overrides_train_step,
     set_symbolic_build,
     symbolic_build,
@@ -186,6 +187,9 @@ def test_per_replica_step_matches_keras_own_train_step():
     for model in models:
         model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], jit_compile=False)
     install_per_replica_xla(ours)
+    # the per-replica step is XLA though Keras's own flag says False
+    assert (step_jit_compile(ours), step_jit_compile(theirs), step_jit_compile(None)) == (
+        True, False, None)
     logs = [m.train_on_batch(x, y, return_dict=True) for m in (ours, theirs)]
     assert logs[0].keys() == logs[1].keys() == {"loss", "mae"}
     for key in logs[0]:

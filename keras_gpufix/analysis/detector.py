@@ -539,7 +539,7 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     host-to-device copies as input; it never changes the verdict, and where
     its classification disagrees the verdict says so and why. The what-if
     times the input alone and the step alone side by side: when it finds
-    the input costing at least `input_wait_share` of a run judged
+    the input costing at least `what_if_share` of a run judged
     `healthy` (an input that competes with the step for the host's cores
     reads 0% wait), the verdict becomes `input_bound`, and says that it
     changed and why; a what-if finding nothing to gain leaves an
@@ -567,7 +567,7 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     speedup = (what_if or {}).get("speedup_if_input_free")
     if speedup:
         cost = 1.0 - 1.0 / speedup
-        if verdict == "healthy" and cost >= th["input_wait_share"]:
+        if verdict == "healthy" and cost >= th["what_if_share"]:
             out.update(verdict="input_bound", phase="input_wait", cost_share=cost,
                        fix=fix_for("input_bound"))
             out["because"].append(

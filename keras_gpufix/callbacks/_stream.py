@@ -64,7 +64,7 @@ import weakref
 
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.keras_internals import callback_model
+from keras_gpufix.keras_internals import callback_model, step_jit_compile
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
@@ -154,8 +154,7 @@ class StepStream:
             stream.leader = callback
             stream._open()
             model = callback_model(callback)
-            jit = getattr(model, "jit_compile", None)
-            stream.jit = jit if isinstance(jit, bool) else None
+            stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):

@@ -41,7 +41,12 @@ import numpy as np
 from keras_gpufix.analysis import FIXES, recompile_cost, step_compiled
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
-from keras_gpufix.keras_internals import concrete_functions, function_jit_compile, traced_functions
+from keras_gpufix.keras_internals import (
+    concrete_functions,
+    function_jit_compile,
+    step_jit_compile,
+    traced_functions,
+)
 from keras_gpufix.output import emit
 
 __all__ = ["RetracingMonitor"]
@@ -207,7 +212,7 @@ class RetracingMonitor(TimedCallback):
         if self._functions:
             self._baseline = self._trace_total()
             self._compiled = True
-            self._jit = getattr(model, "jit_compile", None)
+            self._jit = step_jit_compile(model)
         elif getattr(model, "run_eagerly", False):
             self._compiled = False
             self.notes.append("cannot count traces: the model runs eagerly "
@@ -217,7 +222,7 @@ class RetracingMonitor(TimedCallback):
                               "pass the loop's step functions: "
                               "RetracingMonitor(functions=[train_step])")
         else:
-            self._jit = getattr(model, "jit_compile", None)
+            self._jit = step_jit_compile(model)
             self.notes.append(
                 "cannot count traces: model.train_function "
                 f"({type(train_function).__name__}) holds no "

@@ -104,6 +104,12 @@ THRESHOLDS = {
     # on a cached input in a short loop it read 1.19x-1.37x (true ~1.0), so
     # it decides only at a gain that error cannot make (1 / (1 - 0.3) = 1.43x).
     "what_if_share": 0.30,
+    # compile_model's measured steps_per_execution (compile/calibration.py):
+    # the smallest k whose per-execution overhead is under this share of the
+    # execution's time, capped so callbacks fire at least every
+    # `spe_max_execution_s` seconds.
+    "spe_overhead_share": 0.05,
+    "spe_max_execution_s": 1.0,
     # Unsynced asynchronous steps (analysis.dispatch): a step at most this
     # share of the mean step is at dispatch cost; a period is looked for
     # over at least min_periods periods (fewer, and noise on a loaded host

@@ -5,8 +5,8 @@ execution on copies of the sample batch; `calibrate` times executions of 1
 and of k steps, and `choose_steps` derives the value.
 
 The value is the smallest power of two that brings the measured
-per-execution overhead under `_TARGET_OVERHEAD` of the execution's time,
-capped so callbacks still fire at least every `_MAX_EXECUTION_S` seconds
+per-execution overhead under `THRESHOLDS["spe_overhead_share"]` of the execution's time,
+capped so callbacks still fire at least every `THRESHOLDS["spe_max_execution_s"]` seconds
 and at `MAX_STEPS_PER_EXECUTION`.
 """
 
@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_gpufix.analysis.verdicts import THRESHOLDS
 
 __all__ = [
     "MAX_STEPS_PER_EXECUTION",
@@ -26,8 +27,6 @@ __all__ = [
     "first_working",
 ]
 
-_TARGET_OVERHEAD = 0.05
-_MAX_EXECUTION_S = 1.0
 MAX_STEPS_PER_EXECUTION = 64
 _CALIBRATION_CALLS = (9, 3)  # timed calls of 1 step and of K steps
 
@@ -118,10 +117,10 @@ def first_working(model, batch, strategy, k: int, element_spec=None) -> tuple:
 def choose_steps(calibration: dict, strategy, epoch_steps: Optional[int] = None) -> int:
     """`steps_per_execution` from a `SampleRunner.calibrate()` measurement."""
     overhead, step = calibration["overhead_s"], calibration["step_s"]
-    f = _TARGET_OVERHEAD
+    f = THRESHOLDS["spe_overhead_share"]
     needed = overhead * (1 - f) / (f * step)
     k = 1 if needed <= 1 else 2 ** math.ceil(math.log2(needed))
-    cap = max(1, min(MAX_STEPS_PER_EXECUTION, int(_MAX_EXECUTION_S / step)))
+    cap = max(1, min(MAX_STEPS_PER_EXECUTION, int(THRESHOLDS["spe_max_execution_s"] / step)))
     k = min(k, cap)
     if epoch_steps is not None:
         # Callbacks fire once per execution: keep at least 8 per epoch.

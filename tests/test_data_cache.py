@@ -373,7 +373,9 @@ def test_read_only_cache_folder_is_refused_with_the_validate_reason(corpus, tmp_
 def test_ctrl_c_during_a_real_cache_build_is_one_line_exit_130_and_leaves_nothing(corpus,
                                                                                  tmp_path):
     cache_dir = str(tmp_path / "cache")
-    process = _spawn(corpus, cache_dir, 0.5, "cli")
+    # 2 s per utterance: after the first file, the build has seconds left on
+    # a loaded host (at 0.5 s it could finish before the signal came: exit 0).
+    process = _spawn(corpus, cache_dir, 2.0, "cli")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:

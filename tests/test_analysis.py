@@ -563,3 +563,42 @@ def test_weigh_says_which_reading_it_believes_and_why():
     assert agree["verdict"] == "input_bound" and agree["because"] == []
     stays = weigh(bound, what_if={"speedup_if_input_free": 1.0})
     assert stays["verdict"] == "input_bound" and "stays input_bound" in stays["because"][0]
+
+
+def uneven(n, seed=0, lengths=None, shapes=True):
+    """StepRecords of batches of uneven length: the step grows with the length."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice(np.arange(40, 400, 24), n) if lengths is None else lengths
+    step = 0.00005 * lengths * (1 + 0.03 * rng.standard_normal(n))
+    return [StepRecord(index=i, steps=1, input_wait=0.0002, step=float(s), between=0.0003,
+                       shape=((16, int(t), 80),) if shapes else None)
+            for i, (s, t) in enumerate(zip(step, lengths))]
+
+
+@pytest.mark.parametrize("shapes", [True, False])
+def test_work_between_uneven_steps_every_5_is_a_periodic_stall_between(shapes):
+    rs = uneven(200, shapes=shapes)
+    median = float(np.median([r.cycle for r in rs]))
+    for i in range(0, 200, 5):  # a callback doing 0.8x a median step every 5th batch
+        rs[i] = rs[i]._replace(between=rs[i].between + 0.8 * median)
+    judgement = judge(rs[-96:])
+    assert (judgement["verdict"], judgement["phase"], judgement["period"]) == (
+        "periodic_stall", "between", 5)
+    assert 0.10 <= judgement["cost_share"] <= 0.16  # 0.8 / 5.8 = 14%
+    assert judge(uneven(200, shapes=shapes)[-96:])["verdict"] == "healthy"
+
+
+def test_uneven_steps_are_judged_against_steps_of_their_own_shape():
+    # Lengths cycling in order (an unshuffled bucketed dataset): the long
+    # buckets are slow every 8 steps, but not slower than steps of their shape.
+    cycled = uneven(200, lengths=np.resize(np.arange(50, 450, 50), 200))
+    assert judge(cycled[-96:])["verdict"] == "healthy"
+    # A stall inside the step every 5th step, 0.8x the median step, on
+    # uneven lengths seen once or twice each (the Theil-Sen line's expectation)
+    rs = uneven(200, seed=1, lengths=np.random.default_rng(1).integers(40, 400, 200))
+    median = float(np.median([r.step for r in rs]))
+    for i in range(0, 200, 5):
+        rs[i] = rs[i]._replace(step=rs[i].step + 0.8 * median)
+    judgement = judge(rs[-96:])
+    assert (judgement["verdict"], judgement["phase"], judgement["period"]) == (
+        "periodic_stall", "step", 5)

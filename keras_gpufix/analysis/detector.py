@@ -262,16 +262,18 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     # alone (the cycles in step with the period) costs >= cost_share. The
     # period is looked for in the cycles' excess, then in each phase's: a
     # phase's excess counts in slow cycles and where it alone would make
-    # its cycle slow (work between uneven steps, whose own variation hides
-    # it in the cycle); it costs its excess in step over the other cycles'.
+    # its cycle slow; it costs its excess in step over the other cycles'.
+    # The wait and the time between steps are looked at even when the
+    # slow cycles lost little: work there every k steps hides in the cycle
+    # when the steps are uneven (their own variation is not a stall).
     phase_excess = {
         p: np.where(slow | slow_mask(expected + dev[p], expected, th["slow_factor"],
                                      th["min_slow_ms"], spread=False),
                     np.maximum(0.0, dev[p]), 0.0)
         for p in PHASES}
-    sources = list(phase_excess.items())
+    sources = [(p, phase_excess[p]) for p in ("input_wait", "between")]
     if lost_share >= th["cost_share"] and lost * 1e3 >= th["min_lost_ms"]:
-        sources.insert(0, ("cycle", excess))
+        sources = [("cycle", excess)] + list(phase_excess.items())
     for source, x in sources:
         period, acf = _period(x, th["acf_threshold"])
         if period is None:

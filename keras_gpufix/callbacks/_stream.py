@@ -2,11 +2,17 @@
 
 All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
 `StepStream`. The clock is read once per hook (`time.perf_counter`; wall
-times come from one offset taken when the stream opens): at the begin hook
-of the last member and the end hook of the first (the leader), so the span
-holds the step and not our own hooks. Work that callbacks listed before ours
-do in `on_train_batch_end` counts in the step: list keras_gpufix callbacks
-first. The stream reads
+times come from one offset taken when the stream opens), around the whole
+callback list: at `on_train_begin` the stream puts a marker at the front of
+the running `keras.callbacks.CallbackList` (it ends the step at
+`on_train_batch_end`, before any other callback runs) and one at its back
+(it begins the step at `on_train_batch_begin`, after every other callback
+ran; `keras_internals.surround_callbacks`), so the span holds the step
+alone and every callback's work, the user's wherever they listed them, lies
+in `between`. Where no CallbackList runs the hooks, the begin hook of the
+last member and the end hook of the first (the leader) frame the step: our
+own hooks then fall in `between`, and work that callbacks listed before
+ours do in `on_train_batch_end` counts in the step. The stream reads
 the input probe of a dataset that went through `kg.data.instrument`
 (batched: every `SYNC_SECONDS`, before validation, at epoch end and at the
 end of training; each hook once), turns every hook into one
@@ -62,9 +68,11 @@ after it see them; every value a number):
 import time
 import weakref
 
+import keras
+
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.keras_internals import callback_model, step_jit_compile
+from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
@@ -93,6 +101,8 @@ class StepStream:
             by `kg.watch`; True once Keras handed logs to an end hook, which
             it turns into numbers first, waiting for the step; None: not
             known). Given to the detector with each record.
+        framed: whether markers at the front and back of the running
+            CallbackList time the step (else the members' own hooks do).
     """
 
     # Reading the probe costs about half a millisecond while fit runs, so it
@@ -134,6 +144,8 @@ class StepStream:
         self.run_thresholds = {}
         self._tracer = None
         self._traces = 0
+        self.framed = False
+        self._unframe = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
@@ -153,6 +165,9 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
+            stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
+                                                 _Edge(stream, end=False))
+            stream.framed = stream._unframe is not None
             model = callback_model(callback)
             stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
@@ -232,6 +247,15 @@ class StepStream:
         self._first = batch
         self._begin = time.perf_counter()
 
+    def end_hook(self, batch, logs):
+        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`."""
+        if logs and self.synced is None:
+            self.synced = True  # Keras made the logs numbers: it waited for the step
+        self.batch_end(batch)
+        if isinstance(logs, dict) and self.last is not None:
+            _, steps, span, gap = self.last
+            logs["step_ms"] = (span + gap) / steps * 1e3
+
     def batch_end(self, batch):
         """At the leader's end hook."""
         if self._begin is None:
@@ -261,6 +285,9 @@ class StepStream:
 
     def train_end(self):
         """At the leader's train end hook: the last records and the final judgement."""
+        if self._unframe is not None:
+            self._unframe()
+            self._unframe = None
         self.sync()
         event = self.detector.finish()
         if event is not None:
@@ -373,6 +400,43 @@ class StepStream:
         return len(self._shapes)
 
 
+class _Edge(keras.callbacks.Callback):
+    """A stream's marker at the front (`end=True`) or back of a CallbackList.
+
+    The front marker ends each step at `on_train_batch_end` before any
+    other callback runs; the back marker begins it at
+    `on_train_batch_begin` after all of them ran. A failure is reported by
+    the stream's leader, never raised into the user's loop.
+    """
+
+    def __init__(self, stream, end):
+        super().__init__()
+        self._stream = stream
+        self._end = end
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._end:
+            self._guard(self._stream.batch_begin, batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._end:
+            self._guard(self._stream.end_hook, batch, logs)
+
+    def _guard(self, hook, *args):
+        stream = self._stream
+        if stream._closed or not stream.framed:
+            return
+        try:
+            hook(*args)
+            return
+        except UserError as exc:  # the user's own function raised: Keras lets that propagate
+            error = exc.__cause__
+        except Exception as exc:  # a monitor must never stop training
+            stream.leader._report_failure(f"step marker {hook.__name__}", exc)
+            return
+        raise error  # outside the handler: the user's traceback, not ours
+
+
 def stream_of(callbacks):
     """The `StepStream` our callbacks in `callbacks` joined, or None.
 
@@ -457,7 +521,8 @@ class TimedCallback(GuardedCallback):
     # Each stream hook is called by one member: the leader (the first), but a
     # step's begin by the last member, so that the last member's begin and
     # the leader's end frame the step tightly: our own hooks fall in
-    # `between`, not in the step.
+    # `between`, not in the step. Where the stream's markers frame the step
+    # around the whole callback list (`StepStream.framed`), they do instead.
 
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
@@ -467,20 +532,15 @@ class TimedCallback(GuardedCallback):
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
         stream = self.stream
-        if stream is not None and stream.members[-1] is self:
+        if stream is not None and stream.members[-1] is self and not stream.framed:
             stream.batch_begin(batch)
 
     @guarded
     def on_train_batch_end(self, batch, logs=None):
         stream = self.stream
         if stream is not None:
-            if stream.leader is self:
-                if logs and stream.synced is None:
-                    stream.synced = True  # Keras made the logs numbers: it waited for the step
-                stream.batch_end(batch)
-                if isinstance(logs, dict) and stream.last is not None:
-                    _, steps, span, gap = stream.last
-                    logs["step_ms"] = (span + gap) / steps * 1e3
+            if stream.leader is self and not stream.framed:
+                stream.end_hook(batch, logs)
             self._after_hook()
 
     @guarded

@@ -602,3 +602,25 @@ def test_uneven_steps_are_judged_against_steps_of_their_own_shape():
     judgement = judge(rs[-96:])
     assert (judgement["verdict"], judgement["phase"], judgement["period"]) == (
         "periodic_stall", "step", 5)
+
+
+def test_locate_periodic_names_the_line_the_slow_cycles_spend_their_extra_time_at():
+    from keras_gpufix.analysis import locate_periodic
+
+    rng = np.random.default_rng(0)
+    cycles, samples = [], []
+    for i in range(100):  # the step (line 10) every cycle, plots (line 14) every 5th
+        counts = {"loop.py:10": int(rng.integers(4, 7)), "loop.py:12": int(rng.integers(0, 2))}
+        if i % 5 == 3:
+            counts["loop.py:14"] = 20
+        cycles.append(0.002 * sum(counts.values()))
+        samples.append(counts)
+    place, share = locate_periodic(cycles, samples, period=5)
+    assert place == "loop.py:14" and share > 0.9
+    # noise alone, or too few cycles, names nothing
+    flat = [{"loop.py:10": int(rng.integers(4, 7)), "loop.py:12": int(rng.integers(0, 4))}
+            for _ in range(100)]
+    assert locate_periodic([0.002 * sum(c.values()) for c in flat], flat, period=5) is None
+    assert locate_periodic(cycles[:9], samples[:9], period=5) is None
+    assert fix_for("periodic_stall", phase="loop_body", period=5, share=0.2,
+                   where="loop.py:14").endswith("move it off the step path, at loop.py:14")

@@ -34,7 +34,7 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "weigh", "OscillationDetector"]
+__all__ = ["judge", "weigh", "locate_periodic", "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -121,6 +121,50 @@ def _expected_step(shapes, step, min_steps):
         elif line is not None and sizes[shape] is not None:
             base[rows] = max(0.0, line[0] + line[1] * sizes[shape])
     return base
+
+
+def locate_periodic(cycles, samples, period, thresholds=None):
+    """Where the work every `period` steps runs, from stack samples.
+
+    A sampler counts, in each cycle, where the program was (a source line)
+    at regular instants. The cycles in step with the period (the offset
+    holding the most excess over the median cycle, as the detector finds
+    it) spend extra time; the line that holds most of their extra samples
+    over the other cycles' is where the periodic work runs.
+
+    Args:
+        cycles: seconds of each cycle (the part that was sampled), oldest
+            first.
+        samples: one dict per cycle, location -> samples taken there.
+        period: the stall's period, in cycles.
+        thresholds: overrides of `THRESHOLDS` (`locate_share`).
+
+    Returns:
+        `(location, share)`: the location and the share of the in-step
+        cycles' extra samples it holds; None when no location holds
+        `locate_share` of them by at least `locate_z` standard errors (or
+        too few cycles were sampled).
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    t = np.asarray(cycles, dtype=np.float64)
+    if not period or period < 2 or t.size < 2 * period or len(samples) != t.size:
+        return None
+    on = _in_step(np.maximum(0.0, t - np.median(t)), period)
+    places = sorted({place for counts in samples for place in counts})
+    if not places or on.all():
+        return None
+    counts = np.array([[c.get(place, 0) for place in places] for c in samples], np.float64)
+    extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
+    total = float(extra[extra > 0].sum())
+    best = int(np.argmax(extra))
+    if total <= 0 or extra[best] / total < th["locate_share"]:
+        return None
+    # its extra must stand out of its own cycle-to-cycle spread (picking the
+    # offset with the most excess favours some line by chance)
+    spread = np.sqrt(counts[on, best].var() / on.sum() + counts[~on, best].var() / (~on).sum())
+    if extra[best] < th["locate_z"] * max(spread, 1e-12) and spread > 0:
+        return None
+    return places[best], float(extra[best] / total)
 
 
 def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):

@@ -122,6 +122,15 @@ THRESHOLDS = {
     # not move the median; a shape seen fewer times is expected from a
     # Theil-Sen line of step time vs elements per batch over the shapes.
     "shape_min_steps": 3,
+    # diagnose names the line where periodic work runs (stack samples of
+    # the slow cycles, `analysis.locate_periodic`) only when that line
+    # holds at least half the slow cycles' extra samples: the work, not
+    # the step's noise, is then where they spend their extra time.
+    "locate_share": 0.5,
+    # ... and by this many standard errors of its samples per cycle: the
+    # offset in step with the period is the one with the most excess, which
+    # favours some line by about 2 standard errors on noise alone.
+    "locate_z": 4.0,
 }
 
 PHASE_FIXES = {
@@ -226,6 +235,8 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         raise ValueError(f"`verdict` must be one of {VERDICTS}. Received: verdict={verdict!r}")
     text = PHASE_FIXES[phase] if verdict == "periodic_stall" and phase in PHASE_FIXES \
         else FIXES[verdict]
+    if verdict == "periodic_stall" and fields.get("where"):
+        text += ", at {where}"  # located (diagnose's stack samples of the slow cycles)
     values = _Fields({k: v for k, v in fields.items() if v is not None})
     if isinstance(values.get("share"), float):
         values["share"] = f"{values['share']:.0%}"

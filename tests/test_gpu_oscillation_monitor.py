@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix.exceptions import GpufixWarning
-from planted import SleepEvery, StepWork, planted_dataset, tiny_model
+from planted import FEATURES, SleepEvery, StepWork, planted_dataset, tiny_model
 
 REPORT_KEYS = {"verdict", "fix", "phase", "cost_share", "because", "changed", "errors",
                "events", "step_time", "input_wait", "gpu_util", "epoch_start_ms", "new_shapes"}
@@ -192,3 +192,23 @@ def test_work_of_a_callback_listed_first_between_uneven_steps_is_found_between()
     assert (report["verdict"], report["phase"]) == ("periodic_stall", "between")
     assert [e["period"] for e in report["events"] if e["verdict"] == "periodic_stall"][0] == 5
     assert report["phases"]["between"] > 0.1
+
+
+class EagerSpeech(keras.Model):
+    def compile(self, optimizer="adam", loss="mse", run_eagerly=True, **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, run_eagerly=run_eagerly,  # here
+                        **kwargs)
+
+
+def test_the_eager_step_fix_names_the_compile_override_that_made_it_eager():
+    inp = keras.Input((FEATURES,))
+    model = EagerSpeech(inp, keras.layers.Dense(1)(inp))
+    model.compile()
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    model.fit(planted_dataset("healthy", batches=30), epochs=1, verbose=0, callbacks=[monitor])
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, start=1) if text.rstrip().endswith("# here"))
+    report = monitor.report()
+    assert report["verdict"] == "eager_step"
+    assert report["fix"].endswith(f", at {__file__}:{line}")
+    assert report["events"][0]["fix"] == report["fix"]

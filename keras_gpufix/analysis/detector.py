@@ -388,6 +388,9 @@ class OscillationDetector:
         eager: the step runs eagerly. Defaults to False.
         synced: each step is timed to the end of its device work (see
             `judge`). Defaults to None (not known).
+        eager_where: `file:line` where the step was made eager (a
+            `run_eagerly=True`, an eager gradient), named by the
+            `eager_step` fix. Defaults to None (not known: "at ?").
         **thresholds: overrides of `keras_gpufix.analysis.THRESHOLDS`
             (`slow_factor`, `cost_share`, `input_wait_share`, ...).
 
@@ -407,7 +410,7 @@ class OscillationDetector:
     MAX_EVENTS = 100
 
     def __init__(self, window=96, hop=None, warmup=5, min_windows=2, jit=None, eager=False,
-                 synced=None, **thresholds):
+                 synced=None, eager_where=None, **thresholds):
         unknown = set(thresholds) - set(THRESHOLDS)
         if unknown:
             raise ValueError(f"Unknown thresholds {sorted(unknown)}; expected some of "
@@ -435,6 +438,7 @@ class OscillationDetector:
         self.jit = jit
         self.eager = eager
         self.synced = synced
+        self.eager_where = eager_where
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -550,11 +554,15 @@ class OscillationDetector:
                 return None
         elif self._streak[1] < (1 if verdict in ("recompiling", "eager_step") else min_windows):
             return None
-        event = _event(judgement, start, end)
+        event = _event(judgement, start, end, self._where(verdict))
         self._current = event
         if len(self.events) < self.MAX_EVENTS:
             self.events.append(event)
         return event
+
+    def _where(self, verdict):
+        """The file:line a verdict's fix names (the eager step's), or None."""
+        return self.eager_where if verdict == "eager_step" else None
 
     def dominant_verdict(self) -> str:
         """The verdict that covered the most steps: `healthy` if none was
@@ -595,7 +603,8 @@ class OscillationDetector:
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
         elif judgement is not None and verdict not in ("healthy", "unknown"):
             phase, share = judgement["phase"], judgement["cost_share"]
-            fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share)
+            fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
+                          where=self._where(verdict))
         else:
             fix, phase, share = FIXES[verdict], None, None
         others = [e for e in self.events if e["verdict"] != verdict]
@@ -612,7 +621,7 @@ class OscillationDetector:
                 "because": because, "changed": changed}
 
 
-def _event(judgement, start, end):
+def _event(judgement, start, end, where=None):
     verdict, ev = judgement["verdict"], judgement["evidence"]
     period, phase, share = judgement["period"], judgement["phase"], judgement["cost_share"]
     return {
@@ -624,7 +633,7 @@ def _event(judgement, start, end):
         "period": period,
         "cost_share": share,
         "evidence": ev,
-        "fix": fix_for(verdict, phase=phase, period=period, share=share),
+        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where),
         "message": _message(verdict, start, ev, period, phase, share),
     }
 

@@ -65,6 +65,7 @@ after it see them; every value a number):
 |              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
 """
 
+import os
 import time
 import weakref
 
@@ -95,6 +96,9 @@ class StepStream:
         jit, eager: whether the step is XLA-compiled (None: not known) and
             whether it runs eagerly; the model's, refined by a
             `RetracingMonitor`.
+        eager_where: `file:line` where the step was made eager (the line
+            of a user's `compile` override that hands `run_eagerly` to
+            Keras), named by the `eager_step` fix; None when not known.
         run_thresholds: thresholds for this run's judgement (a
             `RetracingMonitor`'s `max_new_shapes`).
         synced: whether each step is timed where its device work ends (set
@@ -141,6 +145,7 @@ class StepStream:
         self._own_detector = True
         self.jit = None
         self.eager = False
+        self.eager_where = None
         self.run_thresholds = {}
         self._tracer = None
         self._traces = 0
@@ -171,6 +176,7 @@ class StepStream:
             model = callback_model(callback)
             stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
+            stream.eager_where = _compile_site(model) if stream.eager else None
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -357,6 +363,7 @@ class StepStream:
         """Feeds the run's one detector; hands its judgements and events to every member."""
         det = self.detector
         det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
+        det.eager_where = self.eager_where
         det.synced = self.synced
         for record in records:
             self._add_to_epoch(record)
@@ -398,6 +405,31 @@ class StepStream:
     def shapes_seen(self):
         """Distinct input shapes seen (at most `MAX_SHAPES`)."""
         return len(self._shapes)
+
+
+def _compile_site(model):
+    """`file:line` of the call in the user's `compile` override that hands
+    `run_eagerly` on (`super().compile(..., run_eagerly=...)`), or None
+    (no override, or its source is not readable)."""
+    import ast
+    import inspect
+    import textwrap
+
+    method = getattr(type(model), "compile", None)
+    code = getattr(method, "__code__", None)
+    if code is None or code.co_filename.startswith(_KERAS_DIR):
+        return None
+    try:
+        lines, first = inspect.getsourcelines(method)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and any(k.arg == "run_eagerly" for k in n.keywords)]
+    return f"{code.co_filename}:{first + calls[0].lineno - 1}" if calls else None
+
+
+_KERAS_DIR = os.path.dirname(keras.__file__) + os.sep
 
 
 class _Edge(keras.callbacks.Callback):

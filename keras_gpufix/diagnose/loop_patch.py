@@ -177,6 +177,7 @@ class _Loop:
         stream = stream_of(self.watched.callbacks)
         if stream is not None and self.patch.step_info["eager"]:
             stream.eager = True  # the run's judgement gets the direct evidence of eager_step
+            stream.eager_where = self.patch.step_info["eager_where"]
         return epoch
 
     def finish(self):

@@ -137,7 +137,7 @@ def locate_periodic(cycles, samples, period, thresholds=None):
             first.
         samples: one dict per cycle, location -> samples taken there.
         period: the stall's period, in cycles.
-        thresholds: overrides of `THRESHOLDS` (`locate_share`).
+        thresholds: overrides of `THRESHOLDS` (`locate_share`, `locate_z`).
 
     Returns:
         `(location, share)`: the location and the share of the in-step

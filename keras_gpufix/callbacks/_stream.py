@@ -50,9 +50,10 @@ console line and Keras `logs` name the run's one verdict
 counts (traces, whether the step is compiled or eager) to the records and
 to the detector.
 
-Keras `logs` (documented keys, written by the first of our callbacks in the
-list, so History, CSVLogger, EarlyStopping and Keras's TensorBoard listed
-after it see them; every value a number):
+Keras `logs` (documented keys, every value a number; the batch's `step_ms`
+is written by the stream's front marker, so every callback sees it, the
+epoch's keys by the first of our callbacks in the list, so History,
+CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 
 | key          | hook                 | value                                     |
 |--------------|----------------------|-------------------------------------------|
@@ -426,7 +427,8 @@ def _compile_site(model):
         return None
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
              and any(k.arg == "run_eagerly" for k in n.keywords)]
-    return f"{code.co_filename}:{first + calls[0].lineno - 1}" if calls else None
+    return (f"{code.co_filename}:{first + min(c.lineno for c in calls) - 1}" if calls
+            else None)
 
 
 _KERAS_DIR = os.path.dirname(keras.__file__) + os.sep

@@ -34,6 +34,7 @@ __all__ = [
     "remove_per_replica_xla",
     "set_symbolic_build",
     "step_jit_compile",
+    "surround_callbacks",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
@@ -386,3 +387,52 @@ def install_multi_worker_fixes(model) -> None:
             symbolic_build(model, data_batch)
 
     set_symbolic_build(model, maybe_symbolic_build)
+
+
+def surround_callbacks(callback, first, last, depth: int = 16):
+    """Puts `first` before and `last` after every callback of the running
+    `keras.callbacks.CallbackList` that holds `callback`.
+
+    Called from `callback.on_train_begin`: Keras keeps no reference to the
+    CallbackList of a `fit` (or of a user's loop, or `kg.watch`'s), so it
+    is found on the call stack, as the `self` of the frame running that
+    hook. Its `callbacks` list is replaced, not changed in place: the loop
+    over the old list (the hook being run) goes on unchanged, and every
+    later hook runs `first`, the callbacks, then `last`. Callbacks of the
+    class of `first` or `last` already there (left by a run that ended by
+    an exception) are taken out.
+
+    Returns:
+        A function that takes `first` and `last` out again, or None where
+        no CallbackList holding `callback` runs the hook (the caller then
+        keeps its own timing).
+    """
+    import sys
+
+    import keras
+
+    try:
+        frame = sys._getframe(1)
+        for _ in range(depth):
+            if frame is None:
+                return None
+            hooks = frame.f_locals.get("self")
+            if isinstance(hooks, keras.callbacks.CallbackList) and any(
+                    c is callback for c in hooks.callbacks):
+                break
+            frame = frame.f_back
+        else:
+            return None
+        stale = (type(first), type(last))
+        hooks.callbacks = [first] + [c for c in hooks.callbacks
+                                     if not isinstance(c, stale)] + [last]
+    except Exception as exc:
+        _off("the running keras.callbacks.CallbackList (its `callbacks` list)", exc)
+        return None
+    finally:
+        frame = None  # no reference cycle through the stack
+
+    def restore():
+        hooks.callbacks = [c for c in hooks.callbacks if c is not first and c is not last]
+
+    return restore

@@ -6,12 +6,14 @@ sleeping on every batch: input-bound) or "periodic" (sleeping on every k-th
 batch: a periodic stall).
 
 `StepWork` and `SleepEvery` plant time in the other two phases of the cycle
-through callbacks: `StepWork` listed BEFORE our callbacks sleeps inside the
-step's span (a heavier step, optionally heavier every k-th step), and
-`SleepEvery` listed AFTER them sleeps between steps (a checkpoint-like
-callback). Sleeping makes the planted times independent of the machine.
+through callbacks: `StepWork` sleeps inside the model's train function (a
+heavier step, optionally heavier every k-th step), and `SleepEvery` sleeps
+in its `on_train_batch_end`, between steps (a checkpoint-like callback),
+wherever it is listed. Sleeping makes the planted times independent of the
+machine.
 """
 
+import functools
 import time
 
 import keras
@@ -45,24 +47,39 @@ def planted_dataset(kind, batches=240, batch_size=16, k=7, sleep=0.02, seed=0):
 class StepWork(keras.callbacks.Callback):
     """Adds `seconds` to every step (and `extra` more on every `every`-th).
 
-    List it before the keras_gpufix callbacks: its `on_train_batch_end` then
-    runs inside the span they time as the step.
+    It wraps the model's train function from `on_train_begin` to
+    `on_train_end`, so the sleep lies inside the step (what `fit`,
+    `train_on_batch` and so a `CallbackList` loop or `kg.watch` call),
+    wherever the callback is listed.
     """
 
     def __init__(self, seconds, every=None, extra=0.0):
         super().__init__()
         self.seconds, self.every, self.extra = seconds, every, extra
+        self._original = None
 
-    def on_train_batch_end(self, batch, logs=None):
-        slow = self.every and batch % self.every == 0
-        time.sleep(self.seconds + (self.extra if slow else 0.0))
+    def on_train_begin(self, logs=None):
+        self.model.make_train_function()  # returns it only when it was made before
+        original = self._original = self.model.train_function
+        calls = iter(range(1 << 62))
+
+        @functools.wraps(original)
+        def train_function(*args, **kwargs):
+            slow = self.every and next(calls) % self.every == 0
+            time.sleep(self.seconds + (self.extra if slow else 0.0))
+            return original(*args, **kwargs)
+
+        self.model.train_function = train_function
+
+    def on_train_end(self, logs=None):
+        self.model.train_function = self._original
 
 
 class SleepEvery(keras.callbacks.Callback):
     """Sleeps `seconds` after every `k`-th step (a checkpoint-like callback).
 
-    List it after the keras_gpufix callbacks: the sleep then lies between
-    steps.
+    The sleep lies between steps wherever it is listed (the step stream
+    times the step around the whole callback list).
     """
 
     def __init__(self, k, seconds):

@@ -563,3 +563,64 @@ def test_weigh_says_which_reading_it_believes_and_why():
     assert agree["verdict"] == "input_bound" and agree["because"] == []
     stays = weigh(bound, what_if={"speedup_if_input_free": 1.0})
     assert stays["verdict"] == "input_bound" and "stays input_bound" in stays["because"][0]
+
+
+def uneven(n, seed=0, lengths=None, shapes=True):
+    """StepRecords of batches of uneven length: the step grows with the length."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice(np.arange(40, 400, 24), n) if lengths is None else lengths
+    step = 0.00005 * lengths * (1 + 0.03 * rng.standard_normal(n))
+    return [StepRecord(index=i, steps=1, input_wait=0.0002, step=float(s), between=0.0003,
+                       shape=((16, int(t), 80),) if shapes else None)
+            for i, (s, t) in enumerate(zip(step, lengths))]
+
+
+@pytest.mark.parametrize("shapes", [True, False])
+def test_work_between_uneven_steps_every_5_is_a_periodic_stall_between(shapes):
+    rs = uneven(200, shapes=shapes)
+    median = float(np.median([r.cycle for r in rs]))
+    for i in range(0, 200, 5):  # a callback doing 0.6x a median step every 5th batch
+        rs[i] = rs[i]._replace(between=rs[i].between + 0.6 * median)
+    judgement = judge(rs[-96:])
+    assert (judgement["verdict"], judgement["phase"], judgement["period"]) == (
+        "periodic_stall", "between", 5)
+    assert 0.10 <= judgement["cost_share"] <= 0.13  # 0.6 / 5.6 = 11%
+    assert judge(uneven(200, shapes=shapes)[-96:])["verdict"] == "healthy"
+
+
+def test_uneven_steps_are_judged_against_steps_of_their_own_shape():
+    # Lengths cycling in order (an unshuffled bucketed dataset): the long
+    # buckets are slow every 8 steps, but not slower than steps of their shape.
+    cycled = uneven(200, lengths=np.resize(np.arange(50, 450, 50), 200))
+    assert judge(cycled[-96:])["verdict"] == "healthy"
+    # A stall inside the step every 5th step, 0.6x the median step, on
+    # uneven lengths seen once or twice each (the Theil-Sen line's expectation)
+    rs = uneven(200, seed=2, lengths=np.random.default_rng(2).integers(40, 400, 200))
+    median = float(np.median([r.step for r in rs]))
+    for i in range(0, 200, 5):
+        rs[i] = rs[i]._replace(step=rs[i].step + 0.6 * median)
+    judgement = judge(rs[-96:])
+    assert (judgement["verdict"], judgement["phase"], judgement["period"]) == (
+        "periodic_stall", "step", 5)
+
+
+def test_locate_periodic_names_the_line_the_slow_cycles_spend_their_extra_time_at():
+    from keras_gpufix.analysis import locate_periodic
+
+    rng = np.random.default_rng(0)
+    cycles, samples = [], []
+    for i in range(100):  # the step (line 10) every cycle, plots (line 14) every 5th
+        counts = {"loop.py:10": int(rng.integers(4, 7)), "loop.py:12": int(rng.integers(0, 2))}
+        if i % 5 == 3:
+            counts["loop.py:14"] = 20
+        cycles.append(0.002 * sum(counts.values()))
+        samples.append(counts)
+    place, share = locate_periodic(cycles, samples, period=5)
+    assert place == "loop.py:14" and share > 0.9
+    # noise alone, or too few cycles, names nothing
+    flat = [{"loop.py:10": int(rng.integers(4, 7)), "loop.py:12": int(rng.integers(0, 4))}
+            for _ in range(100)]
+    assert locate_periodic([0.002 * sum(c.values()) for c in flat], flat, period=5) is None
+    assert locate_periodic(cycles[:9], samples[:9], period=5) is None
+    assert fix_for("periodic_stall", phase="loop_body", period=5, share=0.2,
+                   where="loop.py:14").endswith("move it off the step path, at loop.py:14")

@@ -317,6 +317,39 @@ def test_static_scan_finds_each_trap(tmp_path):
     assert "line 4" in first["detail"]
 
 
+EAGER_SUBCLASS = """\
+import numpy as np
+import keras
+
+
+class Speech(keras.Model):
+    def compile(self, optimizer="adam", loss="mse", run_eagerly=True, **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, run_eagerly=run_eagerly, **kwargs)
+
+
+inp = keras.Input((8,))
+model = Speech(inp, keras.layers.Dense(1)(inp))
+model.compile()
+x = np.random.rand(256, 8).astype("float32")
+model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+"""
+
+
+def test_run_eagerly_handed_to_super_compile_is_located(tmp_path):
+    # the literal and a parameter defaulting to True, in a compile override
+    literal = tmp_path / "literal.py"
+    literal.write_text(EAGER_SUBCLASS.replace("run_eagerly=run_eagerly", "run_eagerly=True"))
+    assert [(f["trap"], f["line"]) for f in scan_script(literal)] == [("run_eagerly", 7)]
+    proc, result, _ = diagnose(tmp_path, EAGER_SUBCLASS, steps=20, trace=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["verdict"] == "eager_step"
+    (finding,) = result["scan"]
+    assert (finding["line"], finding["detail"]) == (
+        7, "`run_eagerly` defaults to True in `compile` (line 6)")
+    assert result["fixes"][0]["fix"].endswith(f"at {finding['file']}:7")
+    assert finding["file"].endswith("train.py")
+
+
 def _fit(verdict, cost_share=None, events=(), input_wait=0.0, count=50, **extra):
     """One run's entry as diagnose collects it: the monitor's report of its verdict."""
     return {"index": 1, "wall_s": 10.0, **extra,

@@ -58,6 +58,11 @@ def test_custom_loop_named_right(mode, verdict):
         assert result["fixes"][0]["fix"].endswith(f"at {loop['step']['eager_where']}")
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
+    if mode == "between":  # the loop-body line of the work every 5 steps (stack samples)
+        assert loop["step"]["stall_where"].endswith(f"custom_loop.py:{_line('time.sleep(0.05)')}")
+        assert result["fixes"][0]["fix"].endswith(f", at {loop['step']['stall_where']}")
+    else:
+        assert loop["step"]["stall_where"] is None
     if mode == "slow_input":  # the time in next() of the loop's iterator
         assert loop["phases"]["input_share"] > 0.5
         # what-if: the step function replayed alone is far faster than the input

@@ -1,12 +1,16 @@
 import sys
+import time
 import types
 import warnings
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix.exceptions import GpufixWarning
-from planted import SleepEvery, StepWork, planted_dataset, tiny_model
+from planted import FEATURES, SleepEvery, StepWork, planted_dataset, tiny_model
 
 REPORT_KEYS = {"verdict", "fix", "phase", "cost_share", "because", "changed", "errors",
                "events", "step_time", "input_wait", "gpu_util", "epoch_start_ms", "new_shapes"}
@@ -151,3 +155,60 @@ def test_nvml_failure_mid_run_warns_once_and_training_finishes(monkeypatch):
 def test_bad_on_detect_is_rejected():
     with pytest.raises(ValueError, match="`on_detect`"):
         kg.GPUOscillationMonitor(on_detect=42)
+
+
+class HostWorkEvery(keras.callbacks.Callback):
+    """Host work every `k`-th batch of `factor` x the median cycle so far (a
+    user's logging callback), whatever the host's load makes that cycle."""
+
+    def __init__(self, k=5, factor=1.0):
+        super().__init__()
+        self.k, self.factor = k, factor
+        self.cycles, self.last = [], None
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self.last is not None and (batch - 1) % self.k:  # a cycle without the work
+            self.cycles.append(now - self.last)
+        if batch % self.k == 0 and self.cycles:
+            time.sleep(self.factor * float(np.median(self.cycles)))
+        self.last = time.perf_counter() if batch % self.k == 0 else now
+
+
+def test_work_of_a_callback_listed_first_between_uneven_steps_is_found_between():
+    # Batches of uneven length (no kg.data.instrument: shapes unknown), the
+    # step growing with the length, as CTC ASR or MelGAN batches do.
+    lengths = np.random.default_rng(0).integers(16, 400, 150)
+    ds = tf.data.Dataset.from_tensor_slices(lengths).map(
+        lambda n: (tf.random.uniform([16, n, 32]), tf.zeros([16, 1]))).prefetch(2)
+    inp = keras.Input((None, 32))
+    hidden = keras.layers.Dense(128, activation="relu")(inp)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(hidden)))
+    model.compile("adam", "mse", jit_compile=False)
+    work, monitor = HostWorkEvery(5), kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[work, monitor])  # the user's callback first
+    report = monitor.report()
+    assert report["step_time"]["cv"] > 0.3  # uneven steps
+    assert (report["verdict"], report["phase"]) == ("periodic_stall", "between")
+    assert [e["period"] for e in report["events"] if e["verdict"] == "periodic_stall"][0] == 5
+    assert report["phases"]["between"] > 0.1
+
+
+class EagerSpeech(keras.Model):
+    def compile(self, optimizer="adam", loss="mse", run_eagerly=True, **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, run_eagerly=run_eagerly,  # here
+                        **kwargs)
+
+
+def test_the_eager_step_fix_names_the_compile_override_that_made_it_eager():
+    inp = keras.Input((FEATURES,))
+    model = EagerSpeech(inp, keras.layers.Dense(1)(inp))
+    model.compile()
+    monitor = kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    model.fit(planted_dataset("healthy", batches=30), epochs=1, verbose=0, callbacks=[monitor])
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, start=1) if text.rstrip().endswith("# here"))
+    report = monitor.report()
+    assert report["verdict"] == "eager_step"
+    assert report["fix"].endswith(f", at {__file__}:{line}")
+    assert report["events"][0]["fix"] == report["fix"]

@@ -20,6 +20,7 @@ from keras_gpufix.keras_internals import (
     batch_rows,
     install_per_replica_xla,
     step_jit_compile,
+    surround_callbacks,
     overrides_train_step,
     set_symbolic_build,
     symbolic_build,
@@ -241,3 +242,55 @@ def test_tf_function_class_is_what_tf_function_makes():
     finally:
         cls.__call__ = original
     assert calls == [add_one]
+
+
+class _Calls(keras.callbacks.Callback):
+    def __init__(self, name, log, surround=False):
+        super().__init__()
+        self.name, self.log, self.surround, self.restore = name, log, surround, None
+
+    def on_train_begin(self, logs=None):
+        self.log.append(f"{self.name}.train_begin")
+        if self.surround:
+            self.restore = surround_callbacks(self, _Marker("first", self.log),
+                                              _Marker("last", self.log))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.log.append(self.name)
+
+
+class _Marker(_Calls):
+    pass
+
+
+@pytest.mark.parametrize("loop", ["fit", "callback_list"])
+def test_surround_callbacks_frames_the_running_callback_list(loop):
+    log = []
+    user, ours = _Calls("user", log), _Calls("ours", log, surround=True)
+    if loop == "fit":
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((2, 3)), np.zeros((2, 1)), batch_size=1, verbose=0,
+                  callbacks=[user, ours])
+    else:
+        hooks = keras.callbacks.CallbackList([user, ours])
+        hooks.on_train_begin()
+        for batch in range(2):
+            hooks.on_train_batch_end(batch)
+    # the hook being run goes on over the old list (each callback once), then
+    # every later hook runs the first callback before, the last after the others
+    assert log[:2] == ["user.train_begin", "ours.train_begin"]
+    assert log[2:] == ["first", "user", "ours", "last"] * 2
+    assert ours.restore is not None and surround_callbacks(user, user, user) is None
+    if loop == "callback_list":
+        ours.restore()
+        assert hooks.callbacks == [user, ours]
+
+
+def test_surround_callbacks_takes_out_markers_a_failed_run_left():
+    log = []
+    ours = _Calls("ours", log, surround=True)
+    hooks = keras.callbacks.CallbackList([ours])
+    hooks.on_train_begin()
+    hooks.on_train_begin()  # a second run, without on_train_end
+    assert [c.name for c in hooks.callbacks] == ["first", "ours", "last"]

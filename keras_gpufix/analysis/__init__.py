@@ -14,12 +14,13 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
-|               | what-if weighed into it)                                     |
+|               | what-if weighed into it), `locate_periodic` (the line where  |
+|               | periodic work runs, from stack samples)                      |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge, weigh
+from keras_gpufix.analysis.detector import OscillationDetector, judge, locate_periodic, weigh
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
@@ -52,6 +53,7 @@ __all__ = [
     "is_recompiling",
     "judge",
     "judge_job",
+    "locate_periodic",
     "rank_causes",
     "recompile_cost",
     "slow_limit",

@@ -2,9 +2,12 @@
 
 `judge(records)` looks at a window of `StepRecord`s and has no side
 effects. It judges by cost: the share of the cycle time (`input_wait +
-step + between`) lost to slow steps (their excess over the median, by the
-one slow-step rule `verdicts.slow_mask`), the phase where that excess lies,
-and its period (autocorrelation of the excess). `OscillationDetector`
+step + between`) lost to slow steps (their excess over the expected
+cycle, by the one slow-step rule `verdicts.slow_mask`: the median cycle,
+its step expected from steps of the same input shape, so batches of uneven
+length are not slow steps), the phase where that excess lies, and its
+period (autocorrelation of the excess, of the cycle or of one phase: work
+between uneven steps shows in its own phase). `OscillationDetector`
 feeds records into a bounded window, judges it every `hop` records, turns
 persistent verdicts into events and gives the run's one verdict
 (`OscillationDetector.verdict()`). `weigh` takes other evidence of the same
@@ -31,7 +34,7 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "weigh", "OscillationDetector"]
+__all__ = ["judge", "weigh", "locate_periodic", "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -69,6 +72,99 @@ def _in_step(excess, period):
     offsets = np.arange(excess.size) % period
     best = int(np.argmax(np.bincount(offsets, weights=excess, minlength=period)))
     return offsets == best
+
+
+def _elements(shape):
+    """Elements per batch of a shape key (`((B, T, F), (B,))`), or None."""
+    try:
+        return float(sum(np.prod([int(d) for d in leaf]) for leaf in shape))
+    except (TypeError, ValueError):
+        return None
+
+
+def _theil_sen(x, y):
+    """`(intercept, slope)` of the Theil-Sen line through points (x, y), or None."""
+    dx = x[None, :] - x[:, None]
+    dy = y[None, :] - y[:, None]
+    pairs = np.triu(dx != 0, k=1)
+    if not pairs.any():
+        return None
+    slope = float(np.median(dy[pairs] / dx[pairs]))
+    return float(np.median(y - slope * x)), slope
+
+
+def _expected_step(shapes, step, min_steps):
+    """Each record's expected step time (per step), from steps of its own shape.
+
+    The median step of the record's input shape when that shape was seen
+    `min_steps` times; otherwise the Theil-Sen line of step time vs
+    elements per batch over the shapes' medians (robust to a stalled
+    step); without shapes (or with one), the median step. So steps of
+    uneven length (speech batches) are not slow steps, and a stall is
+    measured against steps like its own.
+    """
+    base = np.full(step.size, float(np.median(step)))
+    groups = {}
+    for i, shape in enumerate(shapes):
+        if shape is not None:
+            groups.setdefault(shape, []).append(i)
+    if len(groups) < 2:
+        return base
+    medians = {shape: float(np.median(step[rows])) for shape, rows in groups.items()}
+    sizes = {shape: _elements(shape) for shape in groups}
+    sized = [shape for shape in groups if sizes[shape] is not None]
+    line = _theil_sen(np.array([sizes[s] for s in sized]),
+                      np.array([medians[s] for s in sized])) if len(sized) >= 2 else None
+    for shape, rows in groups.items():
+        if len(rows) >= min_steps:
+            base[rows] = medians[shape]
+        elif line is not None and sizes[shape] is not None:
+            base[rows] = max(0.0, line[0] + line[1] * sizes[shape])
+    return base
+
+
+def locate_periodic(cycles, samples, period, thresholds=None):
+    """Where the work every `period` steps runs, from stack samples.
+
+    A sampler counts, in each cycle, where the program was (a source line)
+    at regular instants. The cycles in step with the period (the offset
+    holding the most excess over the median cycle, as the detector finds
+    it) spend extra time; the line that holds most of their extra samples
+    over the other cycles' is where the periodic work runs.
+
+    Args:
+        cycles: seconds of each cycle (the part that was sampled), oldest
+            first.
+        samples: one dict per cycle, location -> samples taken there.
+        period: the stall's period, in cycles.
+        thresholds: overrides of `THRESHOLDS` (`locate_share`, `locate_z`).
+
+    Returns:
+        `(location, share)`: the location and the share of the in-step
+        cycles' extra samples it holds; None when no location holds
+        `locate_share` of them by at least `locate_z` standard errors (or
+        too few cycles were sampled).
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    t = np.asarray(cycles, dtype=np.float64)
+    if not period or period < 2 or t.size < 2 * period or len(samples) != t.size:
+        return None
+    on = _in_step(np.maximum(0.0, t - np.median(t)), period)
+    places = sorted({place for counts in samples for place in counts})
+    if not places or on.all():
+        return None
+    counts = np.array([[c.get(place, 0) for place in places] for c in samples], np.float64)
+    extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
+    total = float(extra[extra > 0].sum())
+    best = int(np.argmax(extra))
+    if total <= 0 or extra[best] / total < th["locate_share"]:
+        return None
+    # its extra must stand out of its own cycle-to-cycle spread (picking the
+    # offset with the most excess favours some line by chance)
+    spread = np.sqrt(counts[on, best].var() / on.sum() + counts[~on, best].var() / (~on).sum())
+    if extra[best] < th["locate_z"] * max(spread, 1e-12) and spread > 0:
+        return None
+    return places[best], float(extra[best] / total)
 
 
 def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
@@ -146,17 +242,25 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     cycle = phase["input_wait"] + phase["step"] + phase["between"]
     total = float(np.dot(cycle, n))
     med = float(np.median(cycle))
-    slow = slow_mask(cycle, med, th["slow_factor"], th["min_slow_ms"], spread=False)
-    excess = np.where(slow, cycle - med, 0.0)
+    # Each phase's expected time: its median, and for the step the median
+    # of steps of the same input shape (`_expected_step`); each cycle is
+    # judged against its own expected cycle, so uneven steps are not slow.
+    base = {p: np.full(cycle.size, float(np.median(x))) for p, x in phase.items()}
+    if not folded:  # a folded record holds k steps of several shapes
+        base["step"] = _expected_step([r.shape for r in rs], phase["step"],
+                                      th["shape_min_steps"])
+    expected = med + base["step"] - float(np.median(phase["step"]))
+    slow = slow_mask(cycle, expected, th["slow_factor"], th["min_slow_ms"], spread=False)
+    excess = np.where(slow, cycle - expected, 0.0)
     lost = float(np.dot(excess, n))
     lost_share = lost / total if total > 0 else 0.0
     mean = float(cycle.mean())
     cv = float(cycle.std() / mean) if mean > 0 else 0.0
+    dev = {p: x - base[p] for p, x in phase.items()}
     where = None
     if slow.any():  # where the slow steps' excess lies, phase by phase
-        phase_excess = {p: float(np.dot(np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0),
-                                        n))
-                        for p, x in phase.items()}
+        phase_excess = {p: float(np.dot(np.where(slow, np.maximum(0.0, dev[p]), 0.0), n))
+                        for p in PHASES}
         where = max(PHASES, key=lambda p: phase_excess[p])
     ev = {
         "signals": ["step_time"] + (["input_wait"] if waits_known else []),
@@ -199,26 +303,41 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         util = ev["gpu_util"] = float(np.mean(utils))
 
     # periodic_stall: the excess recurs with a period and the recurring part
-    # alone (the slow cycles in step with the period) costs >= cost_share.
+    # alone (the cycles in step with the period) costs >= cost_share. The
+    # period is looked for in the cycles' excess, then in each phase's: a
+    # phase's excess counts in slow cycles and where it alone would make
+    # its cycle slow; it costs its excess in step over the other cycles'.
+    # The wait and the time between steps are looked at even when the
+    # slow cycles lost little: work there every k steps hides in the cycle
+    # when the steps are uneven (their own variation is not a stall).
+    phase_excess = {
+        p: np.where(slow | slow_mask(expected + dev[p], expected, th["slow_factor"],
+                                     th["min_slow_ms"], spread=False),
+                    np.maximum(0.0, dev[p]), 0.0)
+        for p in PHASES}
+    sources = [(p, phase_excess[p]) for p in ("input_wait", "between")]
     if lost_share >= th["cost_share"] and lost * 1e3 >= th["min_lost_ms"]:
-        phase_excess = {p: np.where(slow, np.maximum(0.0, x - np.median(x)), 0.0)
-                        for p, x in phase.items()}
-        for source, x in [("cycle", excess)] + list(phase_excess.items()):
-            period, acf = _period(x, th["acf_threshold"])
-            if period is None:
-                continue
-            on = _in_step(x, period)
-            share = float(np.dot(excess[on], n[on])) / total if total > 0 else 0.0
-            if share < th["cost_share"]:
-                continue  # noise that lines up by chance costs little in step
-            stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
-            if stall_phase == "step" and not split and not new_shape.any():
-                # A fixed-shape step does not cost more every k steps; work
-                # on a schedule in an unsplit loop body does.
-                stall_phase = "loop_body"
-            ev.update(period=period, autocorrelation=acf, period_from=source,
-                      periodic_time_share=share)
-            return _judgement("periodic_stall", ev, period, stall_phase, share)
+        sources = [("cycle", excess)] + list(phase_excess.items())
+    for source, x in sources:
+        period, acf = _period(x, th["acf_threshold"])
+        if period is None:
+            continue
+        on = _in_step(x, period)
+        if source == "cycle":
+            cost = float(np.dot(x[on], n[on]))
+        else:
+            cost = float(np.dot(dev[source][on] - np.median(dev[source][~on]), n[on]))
+        share = cost / total if total > 0 else 0.0
+        if share < th["cost_share"] or cost * 1e3 < th["min_lost_ms"]:
+            continue  # noise that lines up by chance costs little in step
+        stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
+        if stall_phase == "step" and not split and not new_shape.any():
+            # A fixed-shape step does not cost more every k steps; work
+            # on a schedule in an unsplit loop body does.
+            stall_phase = "loop_body"
+        ev.update(period=period, autocorrelation=acf, period_from=source,
+                  periodic_time_share=share)
+        return _judgement("periodic_stall", ev, period, stall_phase, share)
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
@@ -227,8 +346,8 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             return _judgement("input_bound", ev, phase="input_wait", cost_share=1.0 - util)
         if wait_share is None or wait_share < th["input_wait_share"]:
             return _judgement("dispatch_bound", ev, phase="step", cost_share=1.0 - util)
-    stalls = slow_mask(cycle, med, th["stall_factor"], th["min_slow_ms"])
-    stalled = float(np.dot(np.where(stalls, cycle - med, 0.0), n))
+    stalls = slow_mask(cycle, expected, th["stall_factor"], th["min_slow_ms"])
+    stalled = float(np.dot(np.where(stalls, cycle - expected, 0.0), n))
     ev["stall_time_share"] = stalled / total if total > 0 else 0.0
     if (ev["stall_time_share"] >= th["irregular_share"]
             and stalled * 1e3 >= 5 * th["min_lost_ms"]):
@@ -269,6 +388,9 @@ class OscillationDetector:
         eager: the step runs eagerly. Defaults to False.
         synced: each step is timed to the end of its device work (see
             `judge`). Defaults to None (not known).
+        eager_where: `file:line` where the step was made eager (a
+            `run_eagerly=True`, an eager gradient), named by the
+            `eager_step` fix. Defaults to None (not known: "at ?").
         **thresholds: overrides of `keras_gpufix.analysis.THRESHOLDS`
             (`slow_factor`, `cost_share`, `input_wait_share`, ...).
 
@@ -288,7 +410,7 @@ class OscillationDetector:
     MAX_EVENTS = 100
 
     def __init__(self, window=96, hop=None, warmup=5, min_windows=2, jit=None, eager=False,
-                 synced=None, **thresholds):
+                 synced=None, eager_where=None, **thresholds):
         unknown = set(thresholds) - set(THRESHOLDS)
         if unknown:
             raise ValueError(f"Unknown thresholds {sorted(unknown)}; expected some of "
@@ -316,6 +438,7 @@ class OscillationDetector:
         self.jit = jit
         self.eager = eager
         self.synced = synced
+        self.eager_where = eager_where
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -431,11 +554,15 @@ class OscillationDetector:
                 return None
         elif self._streak[1] < (1 if verdict in ("recompiling", "eager_step") else min_windows):
             return None
-        event = _event(judgement, start, end)
+        event = _event(judgement, start, end, self._where(verdict))
         self._current = event
         if len(self.events) < self.MAX_EVENTS:
             self.events.append(event)
         return event
+
+    def _where(self, verdict):
+        """The file:line a verdict's fix names (the eager step's), or None."""
+        return self.eager_where if verdict == "eager_step" else None
 
     def dominant_verdict(self) -> str:
         """The verdict that covered the most steps: `healthy` if none was
@@ -476,7 +603,8 @@ class OscillationDetector:
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
         elif judgement is not None and verdict not in ("healthy", "unknown"):
             phase, share = judgement["phase"], judgement["cost_share"]
-            fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share)
+            fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
+                          where=self._where(verdict))
         else:
             fix, phase, share = FIXES[verdict], None, None
         others = [e for e in self.events if e["verdict"] != verdict]
@@ -493,7 +621,7 @@ class OscillationDetector:
                 "because": because, "changed": changed}
 
 
-def _event(judgement, start, end):
+def _event(judgement, start, end, where=None):
     verdict, ev = judgement["verdict"], judgement["evidence"]
     period, phase, share = judgement["period"], judgement["phase"], judgement["cost_share"]
     return {
@@ -505,7 +633,7 @@ def _event(judgement, start, end):
         "period": period,
         "cost_share": share,
         "evidence": ev,
-        "fix": fix_for(verdict, phase=phase, period=period, share=share),
+        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where),
         "message": _message(verdict, start, ev, period, phase, share),
     }
 

@@ -116,6 +116,21 @@ THRESHOLDS = {
     # lines up by chance).
     "dispatch_share": 0.25,
     "min_periods": 8,
+    # Steps of one input shape whose median is that shape's expected step
+    # (the detector judges a step against steps of its own shape, so
+    # uneven lengths are not slow steps): 3, so one stall among them does
+    # not move the median; a shape seen fewer times is expected from a
+    # Theil-Sen line of step time vs elements per batch over the shapes.
+    "shape_min_steps": 3,
+    # diagnose names the line where periodic work runs (stack samples of
+    # the slow cycles, `analysis.locate_periodic`) only when that line
+    # holds at least half the slow cycles' extra samples: the work, not
+    # the step's noise, is then where they spend their extra time.
+    "locate_share": 0.5,
+    # ... and by this many standard errors of its samples per cycle: the
+    # offset in step with the period is the one with the most excess, which
+    # favours some line by about 2 standard errors on noise alone.
+    "locate_z": 4.0,
 }
 
 PHASE_FIXES = {
@@ -220,6 +235,8 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         raise ValueError(f"`verdict` must be one of {VERDICTS}. Received: verdict={verdict!r}")
     text = PHASE_FIXES[phase] if verdict == "periodic_stall" and phase in PHASE_FIXES \
         else FIXES[verdict]
+    if verdict == "periodic_stall" and fields.get("where"):
+        text += ", at {where}"  # located (diagnose's stack samples of the slow cycles)
     values = _Fields({k: v for k, v in fields.items() if v is not None})
     if isinstance(values.get("share"), float):
         values["share"] = f"{values['share']:.0%}"
@@ -242,7 +259,10 @@ def slow_limit(times, median: float = None, factor: float = None,
 
     Args:
         times: seconds per step (1-D, not empty): the reference steps.
-        median: the reference; defaults to the median of `times`.
+        median: the reference: one number, or one per step of `times`
+            (each step's expected time, e.g. the median of steps of its
+            own input shape: `analysis.detector`); defaults to the median
+            of `times`.
         factor: defaults to `THRESHOLDS["slow_factor"]`.
         min_ms: defaults to `THRESHOLDS["min_slow_ms"]`.
         spread: apply the spread condition. Defaults to True. The detector
@@ -251,17 +271,17 @@ def slow_limit(times, median: float = None, factor: float = None,
             steps, every 3rd, widen the spread themselves).
 
     Returns:
-        The limit, in seconds per step.
+        The limit, in seconds per step (one per step for a per-step `median`).
     """
     t = np.asarray(times, dtype=np.float64)
-    med = float(np.median(t)) if median is None else float(median)
+    med = np.median(t) if median is None else np.asarray(median, dtype=np.float64)
     factor = THRESHOLDS["slow_factor"] if factor is None else factor
     min_ms = THRESHOLDS["min_slow_ms"] if min_ms is None else min_ms
-    limit = max(factor * med, med + min_ms / 1e3)
+    limit = np.maximum(factor * med, med + min_ms / 1e3)
     if spread:
         mad = 1.4826 * float(np.median(np.abs(t - med)))
-        limit = max(limit, med + THRESHOLDS["spread_factor"] * mad)
-    return limit
+        limit = np.maximum(limit, med + THRESHOLDS["spread_factor"] * mad)
+    return float(limit) if limit.ndim == 0 else limit
 
 
 def slow_mask(times, median: float = None, factor: float = None,

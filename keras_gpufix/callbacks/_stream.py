@@ -2,11 +2,17 @@
 
 All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
 `StepStream`. The clock is read once per hook (`time.perf_counter`; wall
-times come from one offset taken when the stream opens): at the begin hook
-of the last member and the end hook of the first (the leader), so the span
-holds the step and not our own hooks. Work that callbacks listed before ours
-do in `on_train_batch_end` counts in the step: list keras_gpufix callbacks
-first. The stream reads
+times come from one offset taken when the stream opens), around the whole
+callback list: at `on_train_begin` the stream puts a marker at the front of
+the running `keras.callbacks.CallbackList` (it ends the step at
+`on_train_batch_end`, before any other callback runs) and one at its back
+(it begins the step at `on_train_batch_begin`, after every other callback
+ran; `keras_internals.surround_callbacks`), so the span holds the step
+alone and every callback's work, the user's wherever they listed them, lies
+in `between`. Where no CallbackList runs the hooks, the begin hook of the
+last member and the end hook of the first (the leader) frame the step: our
+own hooks then fall in `between`, and work that callbacks listed before
+ours do in `on_train_batch_end` counts in the step. The stream reads
 the input probe of a dataset that went through `kg.data.instrument`
 (batched: every `SYNC_SECONDS`, before validation, at epoch end and at the
 end of training; each hook once), turns every hook into one
@@ -44,9 +50,10 @@ console line and Keras `logs` name the run's one verdict
 counts (traces, whether the step is compiled or eager) to the records and
 to the detector.
 
-Keras `logs` (documented keys, written by the first of our callbacks in the
-list, so History, CSVLogger, EarlyStopping and Keras's TensorBoard listed
-after it see them; every value a number):
+Keras `logs` (documented keys, every value a number; the batch's `step_ms`
+is written by the stream's front marker, so every callback sees it, the
+epoch's keys by the first of our callbacks in the list, so History,
+CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 
 | key          | hook                 | value                                     |
 |--------------|----------------------|-------------------------------------------|
@@ -59,12 +66,15 @@ after it see them; every value a number):
 |              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
 """
 
+import os
 import time
 import weakref
 
+import keras
+
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.keras_internals import callback_model, step_jit_compile
+from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
@@ -87,12 +97,17 @@ class StepStream:
         jit, eager: whether the step is XLA-compiled (None: not known) and
             whether it runs eagerly; the model's, refined by a
             `RetracingMonitor`.
+        eager_where: `file:line` where the step was made eager (the line
+            of a user's `compile` override that hands `run_eagerly` to
+            Keras), named by the `eager_step` fix; None when not known.
         run_thresholds: thresholds for this run's judgement (a
             `RetracingMonitor`'s `max_new_shapes`).
         synced: whether each step is timed where its device work ends (set
             by `kg.watch`; True once Keras handed logs to an end hook, which
             it turns into numbers first, waiting for the step; None: not
             known). Given to the detector with each record.
+        framed: whether markers at the front and back of the running
+            CallbackList time the step (else the members' own hooks do).
     """
 
     # Reading the probe costs about half a millisecond while fit runs, so it
@@ -131,9 +146,12 @@ class StepStream:
         self._own_detector = True
         self.jit = None
         self.eager = False
+        self.eager_where = None
         self.run_thresholds = {}
         self._tracer = None
         self._traces = 0
+        self.framed = False
+        self._unframe = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
@@ -153,9 +171,13 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
+            stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
+                                                 _Edge(stream, end=False))
+            stream.framed = stream._unframe is not None
             model = callback_model(callback)
             stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
+            stream.eager_where = _compile_site(model) if stream.eager else None
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -232,6 +254,15 @@ class StepStream:
         self._first = batch
         self._begin = time.perf_counter()
 
+    def end_hook(self, batch, logs):
+        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`."""
+        if logs and self.synced is None:
+            self.synced = True  # Keras made the logs numbers: it waited for the step
+        self.batch_end(batch)
+        if isinstance(logs, dict) and self.last is not None:
+            _, steps, span, gap = self.last
+            logs["step_ms"] = (span + gap) / steps * 1e3
+
     def batch_end(self, batch):
         """At the leader's end hook."""
         if self._begin is None:
@@ -261,6 +292,9 @@ class StepStream:
 
     def train_end(self):
         """At the leader's train end hook: the last records and the final judgement."""
+        if self._unframe is not None:
+            self._unframe()
+            self._unframe = None
         self.sync()
         event = self.detector.finish()
         if event is not None:
@@ -330,6 +364,7 @@ class StepStream:
         """Feeds the run's one detector; hands its judgements and events to every member."""
         det = self.detector
         det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
+        det.eager_where = self.eager_where
         det.synced = self.synced
         for record in records:
             self._add_to_epoch(record)
@@ -371,6 +406,69 @@ class StepStream:
     def shapes_seen(self):
         """Distinct input shapes seen (at most `MAX_SHAPES`)."""
         return len(self._shapes)
+
+
+def _compile_site(model):
+    """`file:line` of the call in the user's `compile` override that hands
+    `run_eagerly` on (`super().compile(..., run_eagerly=...)`), or None
+    (no override, or its source is not readable)."""
+    import ast
+    import inspect
+    import textwrap
+
+    method = getattr(type(model), "compile", None)
+    code = getattr(method, "__code__", None)
+    if code is None or code.co_filename.startswith(_KERAS_DIR):
+        return None
+    try:
+        lines, first = inspect.getsourcelines(method)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and any(k.arg == "run_eagerly" for k in n.keywords)]
+    return (f"{code.co_filename}:{first + min(c.lineno for c in calls) - 1}" if calls
+            else None)
+
+
+_KERAS_DIR = os.path.dirname(keras.__file__) + os.sep
+
+
+class _Edge(keras.callbacks.Callback):
+    """A stream's marker at the front (`end=True`) or back of a CallbackList.
+
+    The front marker ends each step at `on_train_batch_end` before any
+    other callback runs; the back marker begins it at
+    `on_train_batch_begin` after all of them ran. A failure is reported by
+    the stream's leader, never raised into the user's loop.
+    """
+
+    def __init__(self, stream, end):
+        super().__init__()
+        self._stream = stream
+        self._end = end
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._end:
+            self._guard(self._stream.batch_begin, batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._end:
+            self._guard(self._stream.end_hook, batch, logs)
+
+    def _guard(self, hook, *args):
+        stream = self._stream
+        if stream._closed or not stream.framed:
+            return
+        try:
+            hook(*args)
+            return
+        except UserError as exc:  # the user's own function raised: Keras lets that propagate
+            error = exc.__cause__
+        except Exception as exc:  # a monitor must never stop training
+            stream.leader._report_failure(f"step marker {hook.__name__}", exc)
+            return
+        raise error  # outside the handler: the user's traceback, not ours
 
 
 def stream_of(callbacks):
@@ -457,7 +555,8 @@ class TimedCallback(GuardedCallback):
     # Each stream hook is called by one member: the leader (the first), but a
     # step's begin by the last member, so that the last member's begin and
     # the leader's end frame the step tightly: our own hooks fall in
-    # `between`, not in the step.
+    # `between`, not in the step. Where the stream's markers frame the step
+    # around the whole callback list (`StepStream.framed`), they do instead.
 
     @guarded
     def on_epoch_begin(self, epoch, logs=None):
@@ -467,20 +566,15 @@ class TimedCallback(GuardedCallback):
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
         stream = self.stream
-        if stream is not None and stream.members[-1] is self:
+        if stream is not None and stream.members[-1] is self and not stream.framed:
             stream.batch_begin(batch)
 
     @guarded
     def on_train_batch_end(self, batch, logs=None):
         stream = self.stream
         if stream is not None:
-            if stream.leader is self:
-                if logs and stream.synced is None:
-                    stream.synced = True  # Keras made the logs numbers: it waited for the step
-                stream.batch_end(batch)
-                if isinstance(logs, dict) and stream.last is not None:
-                    _, steps, span, gap = stream.last
-                    logs["step_ms"] = (span + gap) / steps * 1e3
+            if stream.leader is self and not stream.framed:
+                stream.end_hook(batch, logs)
             self._after_hook()
 
     @guarded

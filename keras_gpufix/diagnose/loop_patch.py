@@ -11,6 +11,15 @@ While the script runs, three TensorFlow entry points are wrapped (the
 | `tf.function` calls         | each call of a function that computes gradients is a   |
 |                             | step                                                   |
 
+While a custom loop trains, a sampler thread looks at the main thread's
+stack every `_StackSampler.INTERVAL` seconds during the loop body (from
+`next()` returning a batch to the next `next()` call: never while the loop
+waits for input) and counts, per cycle, the line of the loop's own frame it
+was at. When the run's verdict is `periodic_stall`,
+`analysis.locate_periodic` names the line where the slow cycles spend their
+extra time (`entry["step"]["stall_where"]`): the work the loop body runs
+every k steps.
+
 An iterator becomes a training loop at the first `next()` after which a
 step was seen; from then on its batches come through `kg.watch` (each
 training iterator is one of its epochs), which fires the monitors' Keras
@@ -27,8 +36,11 @@ itself gets the exception: diagnose ends the script there, cleanly
 
 import os
 import sys
+import threading
 import time
+from collections import Counter, deque
 
+from keras_gpufix.analysis import locate_periodic
 from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rate, what_if
 
 __all__ = ["LoopPatch", "StepsReached"]
@@ -49,6 +61,62 @@ def _library_prefixes():
 
 def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class _StackSampler:
+    """Samples which line of the loop's frame the main thread is at, per cycle.
+
+    A daemon thread wakes every `INTERVAL` seconds; while a cycle's loop
+    body runs (`begin` .. `end`) it reads the main thread's stack
+    (`sys._current_frames()`, a few microseconds, no tracing hook) and
+    counts the line of the loop's own frame. The last `MAX_CYCLES`
+    cycles are kept: their loop-body seconds and their counts.
+    """
+
+    INTERVAL = 0.002
+    MAX_CYCLES = 4096
+
+    def __init__(self):
+        self.main = threading.main_thread().ident
+        self.cycles = deque(maxlen=self.MAX_CYCLES)  # (seconds, Counter of "file:line")
+        self._code = None
+        self._counts = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="keras-gpufix-sampler",
+                                        daemon=True)
+        self._thread.start()
+
+    def begin(self, code):
+        """A loop body starts in the frame running `code` (the loop's)."""
+        self._code = code
+        self._counts = Counter()
+
+    def end(self, seconds):
+        """The loop body of `seconds` ended (the loop asks for the next batch)."""
+        counts, self._counts = self._counts, None
+        if counts is not None:
+            self.cycles.append((seconds, counts))
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(self.INTERVAL):
+            counts, code = self._counts, self._code
+            if counts is None:
+                continue
+            frame = sys._current_frames().get(self.main)
+            while frame is not None and frame.f_code is not code:
+                frame = frame.f_back
+            if frame is not None:
+                counts[_where(frame)] += 1
+            frame = None
+
+    def locate(self, period):
+        """`(file:line, share)` of the work every `period` cycles, or None."""
+        cycles = list(self.cycles)
+        return locate_periodic([c[0] for c in cycles], [c[1] for c in cycles], period)
 
 
 class _Current:
@@ -92,6 +160,7 @@ class _Loop:
         self.cycles = 0
         self.clock = Cycles()
         self.dataset = None  # the first training dataset, for the what-if
+        self.sampler = _StackSampler()
         self.wait_s = 0.0  # time in next() of the training iterators
         self.busy_s = 0.0  # from next() returning to the next call: step + between
         self.t0 = time.perf_counter()
@@ -108,9 +177,11 @@ class _Loop:
         stream = stream_of(self.watched.callbacks)
         if stream is not None and self.patch.step_info["eager"]:
             stream.eager = True  # the run's judgement gets the direct evidence of eager_step
+            stream.eager_where = self.patch.step_info["eager_where"]
         return epoch
 
     def finish(self):
+        self.sampler.stop()
         self.watched.close()
         self.entry["epochs"] = self.watched.epoch
         self.entry["wall_s"] = time.perf_counter() - self.t0
@@ -120,6 +191,17 @@ class _Loop:
         self.entry["phases"] = {"input_wait_s": self.wait_s, "step_and_between_s": self.busy_s,
                                 "input_share": self.wait_s / cycle if cycle else None}
         self.patch.fits_patch.collect(self.entry, self.mine)
+        self.entry["step"]["stall_where"] = self._stall_where()
+
+    def _stall_where(self):
+        """The loop-body line of the run's periodic stall (stack samples), or None."""
+        monitor = self.entry.get("monitor") or {}
+        periods = [e.get("period") for e in monitor.get("events") or ()
+                   if e.get("verdict") == "periodic_stall" and e.get("period")]
+        if monitor.get("verdict") != "periodic_stall" or not periods:
+            return None
+        found = self.sampler.locate(periods[-1])
+        return found and found[0]
 
 
 class _WatchedIterator:
@@ -159,6 +241,7 @@ class _WatchedIterator:
             self.open = False
             loop.cycles += 1
             busy = now - self.returned
+            loop.sampler.end(busy)
             loop.busy_s += busy
             step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
             loop.clock.add(now - self.called, busy - step)
@@ -177,6 +260,7 @@ class _WatchedIterator:
         self.in_step = patch.step_s
         loop.wait_s += self.returned - now
         self.open = True
+        loop.sampler.begin(sys._getframe(1).f_code)  # the loop's own frame asked
         return element
 
     next = __next__

@@ -44,7 +44,10 @@ def run_verdict(fit):
 
 
 def _where(fit, verdict, scan):
-    """Where an `eager_step` was seen: the measured eager gradient, or the script's line."""
+    """Where an `eager_step` was seen: the measured eager gradient, or the script's line;
+    where a loop's `periodic_stall` runs: the loop-body line its slow cycles were sampled at."""
+    if verdict == "periodic_stall":
+        return (fit.get("step") or {}).get("stall_where")
     if verdict != "eager_step":
         return None
     where = (fit.get("step") or {}).get("eager_where")

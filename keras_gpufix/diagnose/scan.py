@@ -83,6 +83,16 @@ def _const(node, value):
     return isinstance(node, ast.Constant) and node.value is value
 
 
+def _defaults(func):
+    """A function's parameters that have a default: name -> default node."""
+    args = func.args
+    positional = args.posonlyargs + args.args
+    out = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]],
+                   args.defaults))
+    out.update((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None)
+    return out
+
+
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
@@ -139,6 +149,7 @@ class _Scanner(ast.NodeVisitor):
         self.findings = []
         self.loops = []  # the enclosing loops, innermost last
         self.functions = []  # the enclosing function names, innermost last
+        self.function_nodes = []  # the enclosing function definitions, innermost last
         self.calls = {}  # function name -> names it calls (its own body)
         self.refs = {}  # function name -> names its own body refers to (calls, callbacks, defs)
         self.in_main = False  # inside `if __name__ == "__main__":`
@@ -192,7 +203,9 @@ class _Scanner(ast.NodeVisitor):
         self.refs.setdefault(node.name, set()).update(_refs(node))
         saved, self.loops = self.loops, []  # a loop around a def does not run its body
         self.functions.append(node.name)
+        self.function_nodes.append(node)
         self.generic_visit(node)
+        self.function_nodes.pop()
         self.functions.pop()
         self.loops = saved
 
@@ -233,6 +246,11 @@ class _Scanner(ast.NodeVisitor):
             self.add("python_generator", node, "Dataset.from_generator")
         if "run_eagerly" in kwargs and _const(kwargs["run_eagerly"], True):
             self.add("run_eagerly", node)
+        elif "run_eagerly" in kwargs and self._true_parameter(kwargs["run_eagerly"]):
+            # `def compile(self, ..., run_eagerly=True): super().compile(...,
+            # run_eagerly=run_eagerly)`: the line that hands it to Keras
+            self.add("run_eagerly", node, f"`{kwargs['run_eagerly'].id}` defaults to True in "
+                     f"`{self.functions[-1]}` (line {self.function_nodes[-1].lineno})")
         if name == "run_functions_eagerly" and node.args and _const(node.args[0], True):
             self.add("run_eagerly", node, "tf.config.run_functions_eagerly(True)")
         if "jit_compile" in kwargs and _const(kwargs["jit_compile"], False):
@@ -245,6 +263,11 @@ class _Scanner(ast.NodeVisitor):
                     isinstance(x, ast.Name) and x.id in self.gen_vars)):
                 self.add("python_generator", node, "a Python generator passed to fit")
         self.generic_visit(node)
+
+    def _true_parameter(self, value):
+        """`value` is a parameter of the enclosing function whose default is True."""
+        return (isinstance(value, ast.Name) and bool(self.function_nodes)
+                and _const(_defaults(self.function_nodes[-1]).get(value.id), True))
 
     def visit_Assign(self, node):
         if _const(node.value, True) and any(

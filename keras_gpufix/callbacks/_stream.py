@@ -64,6 +64,7 @@ import weakref
 
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
+from keras_gpufix.callbacks._step_shapes import StepShapes
 from keras_gpufix.keras_internals import callback_model, step_jit_compile
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
@@ -89,6 +90,9 @@ class StepStream:
             `RetracingMonitor`.
         run_thresholds: thresholds for this run's judgement (a
             `RetracingMonitor`'s `max_new_shapes`).
+        step_shapes: the `StepShapes` probe of fit's XLA train step (the
+            input shapes of a plain `tf.data` dataset), or None;
+            `step_shapes_note` says why it could not be attached.
         synced: whether each step is timed where its device work ends (set
             by `kg.watch`; True once Keras handed logs to an end hook, which
             it turns into numbers first, waiting for the step; None: not
@@ -132,6 +136,7 @@ class StepStream:
         self.jit = None
         self.eager = False
         self.run_thresholds = {}
+        self.step_shapes = self.step_shapes_note = None
         self._tracer = None
         self._traces = 0
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
@@ -156,6 +161,7 @@ class StepStream:
             model = callback_model(callback)
             stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
+            stream._watch_step_shapes(model)
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -177,6 +183,29 @@ class StepStream:
     @property
     def input_probe(self):
         return None if self._cursor is None else self._cursor.probe
+
+    # -- input shapes seen inside fit's train step (issue 22) --------------
+
+    def _watch_step_shapes(self, model):
+        """Under XLA, watches each step's input shapes inside `model.train_function`.
+
+        There a new shape compiles the step, and a plain `tf.data` dataset
+        (not through `kg.data.instrument`) shows no shape otherwise. Sets
+        `step_shapes` (a `StepShapes`, or None) and `step_shapes_note` (why
+        they cannot be watched, or None).
+        """
+        self.step_shapes, self.step_shapes_note = None, None
+        if self.jit and not self.eager and model is not None:
+            try:
+                self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+            except Exception as exc:  # a monitor must never stop training
+                self.step_shapes_note = f"the train step's input shapes cannot be watched: {exc!r}"
+
+    def _step_shape_keys(self, pending):
+        """Per pending hook, the shape key the train step saw (or None)."""
+        if self.step_shapes is None:
+            return [None] * len(pending)
+        return self.step_shapes.take([p[1] for p in pending])
 
     # -- the custom-loop wrapper's call ------------------------------------
 
@@ -287,8 +316,9 @@ class StepStream:
         probe = self.input_probe
         per_second = None if probe is None else probe.frames_per_second
         records = []
+        seen_in_step = self._step_shape_keys(pending)
         for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
-                frames in zip(pending, waits, rows, reals):
+                frames, in_step in zip(pending, waits, rows, reals, seen_in_step):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -300,6 +330,8 @@ class StepStream:
                 shape = probe.shape_key(row)
                 size = probe.batch_size(shape)
                 samples = size * steps if size else samples
+            if shape is None:
+                shape = in_step
             if wait is None and supplied is not None:  # unsynced: only the cycle is real
                 input_wait, step, between = None, span + gap, 0.0
             elif wait is None:

@@ -1,0 +1,172 @@
+"""StepShapes: the input shapes of every `fit` step, seen inside the train step.
+
+Under `jit_compile=True` XLA compiles the step once per concrete input
+shape, while Keras traces it once (`reduce_retracing=True`): trace counts
+see nothing, the shapes show it. A dataset that went through
+`kg.data.instrument` hands them over; a plain `tf.data` dataset does not.
+So the stream puts a probe on the path of each step inside
+`model.train_function` (`keras_internals.step_on_data_cell`), before
+Keras first traces it: in the graph, next to the step and outside its XLA
+cluster, it writes the shapes of the batch (the batch itself is neither
+read nor changed) into a ring of `CAPACITY` rows in a host variable, with
+a step counter. The stream reads the ring with its other measurements
+(every quarter second and at epoch end: two variable reads), never per
+step. One probe per train function: it stays in the traced graph (later
+fits of the model reuse it), where it costs a few small host ops per step
+(`benchmarks` / the module tests give the figure).
+
+Under a `tf.distribute` strategy the batch is per replica: the shape of a
+tensor is its first replica's with the rows of all replicas, i.e. the
+shape of the batch the dataset made.
+"""
+
+import numpy as np
+
+from keras_gpufix.keras_internals import plain_variable, step_on_data_cell, traced_functions
+
+__all__ = ["StepShapes"]
+
+
+class StepShapes:
+    """Each train step's input shapes, written by a probe inside the step.
+
+    Use `StepShapes.attach(model)` at `on_train_begin`, then `take(counts)`
+    with the steps of each hook, in order.
+    """
+
+    # Rows of the ring: steps between two reads (the stream reads at least
+    # every 1024 hooks; with steps_per_execution > 4 older rows are lost,
+    # and their hooks have no shape).
+    CAPACITY = 4096
+    # Distinct shape keys remembered to pick a hook's new shape (bounded).
+    MAX_KEYS = 4096
+
+    def __init__(self, strategy):
+        import tensorflow as tf
+
+        self._strategy = strategy
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self._count = plain_variable(tf.zeros((), tf.int64))
+        self._ring = None
+        self._layout = None  # per tensor of the batch: (rank, replicas)
+        self._next = 0
+        self._keys = {}
+        self._seen = set()
+        self.error = None  # why the probe stopped recording (it never raises)
+
+    @classmethod
+    def attach(cls, model):
+        """The probe of `model.train_function`, installed on first use.
+
+        Returns:
+            `(probe, note)`: the `StepShapes` to read (None when the shapes
+            cannot be watched) and, when they cannot, why (None when there
+            is nothing to say: no Keras train function).
+        """
+        train_function = getattr(model, "train_function", None)
+        if train_function is None:
+            return None, None
+        cell = step_on_data_cell(train_function)
+        if cell is None:
+            return None, ("model.train_function is not the one Keras 3 makes: its steps' "
+                          "input shapes cannot be watched")
+        probe = getattr(cell.cell_contents, "step_shapes", None)
+        if probe is None:
+            traced = traced_functions(train_function)
+            if any(f.experimental_get_tracing_count() for f in traced.values()):
+                return None, ("the train step was traced before keras_gpufix callbacks joined "
+                              "(an earlier fit without them): its input shapes cannot be "
+                              "watched in this fit")
+            probe = cls(model.distribute_strategy)
+            cell.cell_contents = probe._wrap(cell.cell_contents)
+        probe._next = int(probe._count.numpy())  # steps of fits not watched are skipped
+        return probe, None
+
+    def _wrap(self, step):
+        def probed_step(data):
+            if self.error is None:
+                try:
+                    self._record(data)
+                except Exception as exc:  # the probe must never stop training
+                    self.error = f"the train step's input shapes cannot be watched: {exc!r}"
+            return step(data)
+
+        probed_step.step_shapes = self
+        probed_step.__wrapped__ = step
+        return probed_step
+
+    def _record(self, data):
+        """Writes the batch's shapes into the ring (graph or eager)."""
+        import tensorflow as tf
+
+        layout, shapes = [], []
+        for value in tf.nest.flatten(data):
+            parts = self._strategy.experimental_local_results(value)
+            if not parts or not all(isinstance(p, tf.Tensor) and p.shape.rank is not None
+                                    for p in parts):
+                continue
+            layout.append((parts[0].shape.rank, len(parts)))
+            shapes.extend(parts)
+        width = sum(rank * replicas for rank, replicas in layout)
+        with tf.device("/cpu:0"):
+            if self._ring is None and width:
+                with tf.init_scope():
+                    self._ring = plain_variable(tf.fill((self.CAPACITY, width), -1))
+                self._layout = layout
+            index = self._count.assign_add(1) - 1
+            if self._ring is None:
+                return
+            if layout == self._layout:
+                row = tf.concat([tf.shape(s, out_type=tf.int32) for s in shapes], 0)
+            else:  # another structure than the ring's: this step's shape is unknown
+                row = tf.fill((self._ring.shape[1],), -1)
+            self._ring.scatter_nd_update([[index % self.CAPACITY]], [row])
+
+    def take(self, counts):
+        """The shape key of each hook, for hooks of `counts` steps each, in order.
+
+        A hook's key is that of its first batch at a shape this probe had
+        not seen, else of its last batch: `((B, T, F), (B, 1), ...)`, one
+        tuple per tensor of rank >= 1, as `kg.data.instrument`'s. None for
+        a hook whose rows were overwritten or never written (a step that
+        did not run: the end of an epoch of unknown length).
+        """
+        keys = [None] * len(counts)
+        total = int(self._count.numpy())
+        if total == self._next or self._ring is None:
+            self._next = total
+            return keys
+        rows = self._ring.numpy()
+        pos = self._next
+        for i, steps in enumerate(counts):
+            end = min(pos + int(steps), total)
+            picked = None
+            for step in range(max(pos, total - self.CAPACITY), end):
+                key = self._key(rows[step % self.CAPACITY])
+                if key is not None and (picked is None or picked in self._seen):
+                    picked = key
+            if picked is not None and len(self._seen) < self.MAX_KEYS:
+                self._seen.update(k for k in (self._key(rows[s % self.CAPACITY]) for s in
+                                              range(max(pos, total - self.CAPACITY), end)) if k)
+            keys[i] = picked
+            pos = end
+        self._next = total
+        return keys
+
+    def _key(self, row):
+        raw = row.tobytes()
+        key = self._keys.get(raw)
+        if key is None and raw not in self._keys:
+            key = None if np.any(row < 0) else self._to_key(row)
+            if len(self._keys) < self.MAX_KEYS:
+                self._keys[raw] = key
+        return key
+
+    def _to_key(self, row):
+        out, pos = [], 0
+        for rank, replicas in self._layout:
+            parts = [row[pos + r * rank:pos + (r + 1) * rank] for r in range(replicas)]
+            pos += rank * replicas
+            if rank:
+                out.append((int(sum(p[0] for p in parts)),) + tuple(int(d) for d in parts[0][1:]))
+        return tuple(out)

@@ -38,7 +38,7 @@ class StepShapes:
     # every 1024 hooks; with steps_per_execution > 4 older rows are lost,
     # and their hooks have no shape).
     CAPACITY = 4096
-    # Distinct shape keys remembered to pick a hook's new shape (bounded).
+    # Distinct shape keys remembered to tell a hook's new shape (bounded).
     MAX_KEYS = 4096
 
     def __init__(self, strategy):
@@ -50,7 +50,6 @@ class StepShapes:
         self._ring = None
         self._layout = None  # per tensor of the batch: (rank, replicas)
         self._next = 0
-        self._keys = {}
         self._seen = set()
         self.error = None  # why the probe stopped recording (it never raises)
 
@@ -108,19 +107,23 @@ class StepShapes:
             layout.append((parts[0].shape.rank, len(parts)))
             shapes.extend(parts)
         width = sum(rank * replicas for rank, replicas in layout)
+        if self._ring is None and width:
+            with tf.init_scope(), tf.device("/cpu:0"):
+                self._ring = plain_variable(tf.fill((self.CAPACITY, width), -1))
+            self._layout = layout
+        # No device scope for the Shape ops: TensorFlow places a metadata op
+        # with its input (on a GPU its output is in host memory), so no batch
+        # is copied to read its shape. The rest is a few small host ops.
+        dims = None
+        if self._ring is not None and layout == self._layout:
+            dims = [tf.shape(s, out_type=tf.int32) for s in shapes]
         with tf.device("/cpu:0"):
-            if self._ring is None and width:
-                with tf.init_scope():
-                    self._ring = plain_variable(tf.fill((self.CAPACITY, width), -1))
-                self._layout = layout
-            index = self._count.assign_add(1) - 1
+            count = self._count.assign_add(1)  # step k's row goes to (k + 1) % CAPACITY
             if self._ring is None:
                 return
-            if layout == self._layout:
-                row = tf.concat([tf.shape(s, out_type=tf.int32) for s in shapes], 0)
-            else:  # another structure than the ring's: this step's shape is unknown
-                row = tf.fill((self._ring.shape[1],), -1)
-            self._ring.scatter_nd_update([[index % self.CAPACITY]], [row])
+            # Another structure than the ring's: this step's shape is unknown.
+            row = tf.fill((self._ring.shape[1],), -1) if dims is None else tf.concat(dims, 0)
+            self._ring.scatter_update(tf.IndexedSlices(row[None], count[None] % self.CAPACITY))
 
     def take(self, counts):
         """The shape key of each hook, for hooks of `counts` steps each, in order.
@@ -131,36 +134,37 @@ class StepShapes:
         a hook whose rows were overwritten or never written (a step that
         did not run: the end of an epoch of unknown length).
         """
-        keys = [None] * len(counts)
         total = int(self._count.numpy())
-        if total == self._next or self._ring is None:
+        first = max(self._next, total - self.CAPACITY)  # older rows are overwritten
+        if total <= first or self._ring is None:
             self._next = total
-            return keys
-        rows = self._ring.numpy()
-        pos = self._next
-        for i, steps in enumerate(counts):
-            end = min(pos + int(steps), total)
-            picked = None
-            for step in range(max(pos, total - self.CAPACITY), end):
-                key = self._key(rows[step % self.CAPACITY])
-                if key is not None and (picked is None or picked in self._seen):
-                    picked = key
-            if picked is not None and len(self._seen) < self.MAX_KEYS:
-                self._seen.update(k for k in (self._key(rows[s % self.CAPACITY]) for s in
-                                              range(max(pos, total - self.CAPACITY), end)) if k)
-            keys[i] = picked
-            pos = end
+            return [None] * len(counts)
+        # One pass over the new rows: few distinct shapes, each converted once.
+        ring = self._ring.numpy()
+        rows = ring[np.arange(first + 1, total + 1) % self.CAPACITY]
+        as_bytes = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1] * 4)))
+        _, at, which = np.unique(as_bytes.ravel(), return_index=True, return_inverse=True)
+        shape_keys = [self._key(rows[i]) for i in at]
+        new_at = np.sort(np.array([i for i, k in zip(at, shape_keys)
+                                   if k is not None and k not in self._seen], np.int64))
+        if len(self._seen) < self.MAX_KEYS:
+            self._seen.update(k for k in shape_keys if k is not None)
+        counts = np.asarray(counts, np.int64)
+        ends = self._next + np.cumsum(counts)
+        lo = np.maximum(ends - counts - first, 0)  # each hook's rows, from `first`
+        hi = np.minimum(ends, total) - first
+        if len(new_at):  # the first new shape at or after each hook's first row
+            new = new_at[np.minimum(np.searchsorted(new_at, lo), len(new_at) - 1)]
+            has_new = (new >= lo) & (new < hi)
+        else:
+            new, has_new = lo, np.zeros(len(lo), bool)
+        pick = which[np.clip(np.where(has_new, new, hi - 1), 0, len(which) - 1)]
+        keys = [shape_keys[k] if ok else None for k, ok in zip(pick.tolist(), (hi > lo).tolist())]
         self._next = total
         return keys
 
     def _key(self, row):
-        raw = row.tobytes()
-        key = self._keys.get(raw)
-        if key is None and raw not in self._keys:
-            key = None if np.any(row < 0) else self._to_key(row)
-            if len(self._keys) < self.MAX_KEYS:
-                self._keys[raw] = key
-        return key
+        return None if np.any(row < 0) else self._to_key(row)
 
     def _to_key(self, row):
         out, pos = [], 0

@@ -35,6 +35,11 @@ and under `kg.watch` alike (when watch iterates the dataset itself; over
 an iterator or a generator it calls `drop_probe()`); other datasets leave
 them None.
 
+Input shapes in `fit` under XLA: when the model's step is XLA-compiled,
+the leader puts a probe inside `model.train_function`
+(`callbacks/_step_shapes.py`) and reads each step's input shapes from it
+with the rest (any dataset; an instrumented one's shapes come first).
+
 One judgement per run: the stream feeds its records to one
 `analysis.OscillationDetector` (the `GPUOscillationMonitor`'s in the run,
 else one with the default settings) and hands its judgements and events to

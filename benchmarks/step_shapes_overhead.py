@@ -4,7 +4,7 @@
 
 Under `jit_compile=True` the step stream of the keras_gpufix callbacks puts
 a probe on the path of every step inside `model.train_function`
-(`keras_gpufix/callbacks/_step_shapes.py`): a few host ops per step that
+(`keras_gpufix/_step_shapes.py`): a few host ops per step that
 write the batch's shapes into a ring, read by the stream every quarter
 second. Two identical tiny models (a step of under a millisecond on a CPU,
 so the probe's share is as large as it gets), one fixed-shape in-memory
@@ -32,7 +32,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_gpufix.callbacks._step_shapes import StepShapes  # noqa: E402
+from keras_gpufix._step_shapes import StepShapes  # noqa: E402
 from _results import add_out_argument, write_results  # noqa: E402
 
 

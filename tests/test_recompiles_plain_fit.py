@@ -69,11 +69,11 @@ def test_many_lengths_in_a_plain_fit_are_recompiling_with_the_shapes_named():
 def test_the_oscillation_monitor_alone_names_recompiling():
     # The probe belongs to the step stream, not to RetracingMonitor.
     monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GpufixWarning)
-        seq_model().fit(length_batches(MANY), epochs=2, steps_per_epoch=8, verbose=0,
-                        callbacks=[monitor])
-    assert monitor.report()["verdict"] == "recompiling"
+    seq_model().fit(length_batches(MANY), epochs=2, steps_per_epoch=8, verbose=0,
+                    callbacks=[monitor])
+    report = monitor.report()
+    assert report["verdict"] == "recompiling"
+    assert "pad_to_bucket_boundary" in report["fix"]
 
 
 def test_one_length_is_not_recompiling():
@@ -90,10 +90,8 @@ def test_one_length_is_not_recompiling():
 def test_the_probe_changes_neither_the_data_nor_the_training():
     plain, probed = seq_model(), seq_model()
     plain.fit(length_batches(MANY[:8]), epochs=1, verbose=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GpufixWarning)
-        probed.fit(length_batches(MANY[:8]), epochs=1, verbose=0,
-                   callbacks=[kg.RetracingMonitor(verbose=0)])
+    probed.fit(length_batches(MANY[:8]), epochs=1, verbose=0,
+               callbacks=[kg.RetracingMonitor(verbose=0)])
     for a, b in zip(plain.get_weights(), probed.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -101,10 +99,8 @@ def test_the_probe_changes_neither_the_data_nor_the_training():
 def test_with_steps_per_execution_each_execution_names_a_new_shape():
     # 3 batches per execution, run inside Keras's own tf.while_loop.
     monitor = kg.RetracingMonitor(verbose=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GpufixWarning)
-        seq_model(steps_per_execution=3).fit(length_batches(list(range(3, 18))), epochs=1,
-                                             verbose=0, callbacks=[monitor])
+    seq_model(steps_per_execution=3).fit(length_batches(list(range(3, 18))), epochs=1,
+                                         verbose=0, callbacks=[monitor])
     report = monitor.report()
     assert report["steps"] == 15
     # One shape per execution: the first of its three (each new).
@@ -187,7 +183,7 @@ def test_under_mirrored_strategy_the_global_batch_shapes_are_seen(tmp_path):
 
 
 def test_the_ring_gives_each_hook_its_new_shape_and_none_for_lost_rows(monkeypatch):
-    from keras_gpufix.callbacks._step_shapes import StepShapes
+    from keras_gpufix._step_shapes import StepShapes
 
     monkeypatch.setattr(StepShapes, "CAPACITY", 8)
     probe = StepShapes(tf.distribute.get_strategy())
@@ -205,3 +201,19 @@ def test_the_ring_gives_each_hook_its_new_shape_and_none_for_lost_rows(monkeypat
     for n in range(7, 17):  # 10 steps into a ring of 8: the first 2 are overwritten
         step(n)
     assert probe.take([1] * 10) == [None, None] + [key[n] for n in range(9, 17)]
+
+
+def test_after_compile_model_sample_steps_the_shapes_are_still_seen():
+    # compile_model's sample steps trace the step fit reuses: the probe goes in first.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    ds = length_batches(MANY)
+    kg.compile_model(model, optimizer="sgd", loss="mse", jit_compile=True,
+                     steps_per_execution=1, sample_batch=ds)
+    monitor = kg.RetracingMonitor(verbose=0)
+    with pytest.warns(GpufixWarning, match=r"latest: new shape"):
+        model.fit(ds, epochs=2, steps_per_epoch=8, verbose=0, callbacks=[monitor])
+    report = monitor.report()
+    assert report["verdict"] == "recompiling"
+    assert [s[0][1] for s in report["shapes"]] == MANY

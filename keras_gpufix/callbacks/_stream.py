@@ -37,7 +37,7 @@ them None.
 
 Input shapes in `fit` under XLA: when the model's step is XLA-compiled,
 the leader puts a probe inside `model.train_function`
-(`callbacks/_step_shapes.py`) and reads each step's input shapes from it
+(`keras_gpufix/_step_shapes.py`) and reads each step's input shapes from it
 with the rest (any dataset; an instrumented one's shapes come first).
 
 One judgement per run: the stream feeds its records to one
@@ -69,7 +69,7 @@ import weakref
 
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.callbacks._step_shapes import StepShapes
+from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.keras_internals import callback_model, step_jit_compile
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
@@ -201,10 +201,7 @@ class StepStream:
         """
         self.step_shapes, self.step_shapes_note = None, None
         if self.jit and not self.eager and model is not None:
-            try:
-                self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
-            except Exception as exc:  # a monitor must never stop training
-                self.step_shapes_note = f"the train step's input shapes cannot be watched: {exc!r}"
+            self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
 
     def _step_shape_keys(self, pending):
         """Per pending hook, the shape key the train step saw (or None)."""

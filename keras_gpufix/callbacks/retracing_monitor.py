@@ -11,7 +11,7 @@ Two ways a variable-length input makes training slow:
   while the trace count stays at 2 (Keras traces with `reduce_retracing=
   True`, so the second trace has `None` dimensions). Only the shapes show
   it: in `fit` under XLA a probe inside the train step reads each batch's
-  shapes from any dataset (`callbacks/_step_shapes.py`, installed by the
+  shapes from any dataset (`keras_gpufix/_step_shapes.py`, installed by the
   step stream for every keras_gpufix callback), a dataset that went
   through `kg.data.instrument` hands them over, and so does `kg.watch` in
   a custom loop.

@@ -4,9 +4,10 @@ Under `jit_compile=True` XLA compiles the step once per concrete input
 shape, while Keras traces it once (`reduce_retracing=True`): trace counts
 see nothing, the shapes show it. A dataset that went through
 `kg.data.instrument` hands them over; a plain `tf.data` dataset does not.
-So the stream puts a probe on the path of each step inside
-`model.train_function` (`keras_internals.step_on_data_cell`), before
-Keras first traces it: in the graph, next to the step and outside its XLA
+So the step stream of the callbacks (and `kg.compile_model`, before its
+sample steps trace the step `fit` reuses) puts a probe on the path of each
+step inside `model.train_function` (`keras_internals.step_on_data_cell`),
+before Keras first traces it: in the graph, next to the step and outside its XLA
 cluster, it writes the shapes of the batch (the batch itself is neither
 read nor changed) into a ring of `CAPACITY` rows in a host variable, with
 a step counter. The stream reads the ring with its other measurements
@@ -60,8 +61,15 @@ class StepShapes:
         Returns:
             `(probe, note)`: the `StepShapes` to read (None when the shapes
             cannot be watched) and, when they cannot, why (None when there
-            is nothing to say: no Keras train function).
+            is nothing to say: no Keras train function). It never raises.
         """
+        try:
+            return cls._attach(model)
+        except Exception as exc:  # a monitor must never stop training
+            return None, f"the train step's input shapes cannot be watched: {exc!r}"
+
+    @classmethod
+    def _attach(cls, model):
         train_function = getattr(model, "train_function", None)
         if train_function is None:
             return None, None

@@ -208,12 +208,11 @@ def test_after_compile_model_sample_steps_the_shapes_are_still_seen():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(8),
                               keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
-    ds = length_batches(MANY)
+    ds = length_batches([5, 9, 13, 17])
     kg.compile_model(model, optimizer="sgd", loss="mse", jit_compile=True,
                      steps_per_execution=1, sample_batch=ds)
     monitor = kg.RetracingMonitor(verbose=0)
-    with pytest.warns(GpufixWarning, match=r"latest: new shape"):
-        model.fit(ds, epochs=2, steps_per_epoch=8, verbose=0, callbacks=[monitor])
+    model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])
     report = monitor.report()
-    assert report["verdict"] == "recompiling"
-    assert [s[0][1] for s in report["shapes"]] == MANY
+    assert [s[0][1] for s in report["shapes"]] == [5, 9, 13, 17]
+    assert not any("not visible" in n for n in report["notes"])

@@ -42,6 +42,7 @@ BENCHMARKS = {
     "what_if": (["--quick"], []),
     "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
     "async_sync": (["--rounds", "3", "--lengths", "2000"], ["--full"]),
+    "step_shapes_overhead": (["--quick"], []),
 }
 
 

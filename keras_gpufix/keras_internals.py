@@ -31,10 +31,12 @@ __all__ = [
     "install_multi_worker_fixes",
     "install_per_replica_xla",
     "overrides_train_step",
+    "plain_variable",
     "remove_per_replica_xla",
     "set_symbolic_build",
     "step_jit_compile",
     "surround_callbacks",
+    "step_on_data_cell",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
@@ -436,3 +438,44 @@ def surround_callbacks(callback, first, last, depth: int = 16):
         hooks.callbacks = [c for c in hooks.callbacks if c is not first and c is not last]
 
     return restore
+def step_on_data_cell(train_function):
+    """The closure cell holding the per-batch step Keras's train function calls.
+
+    Keras 3.15.1's `TensorFlowTrainer._make_function` keeps
+    `one_step_on_data` (the `tf.function` of one step, wrapped to turn
+    `tf.experimental.Optional` inputs into None) in a closure cell shared by
+    `model.train_function` and the `multi_step_on_iterator` it calls (inside
+    that `tf.function`'s `tf.while_loop` when `steps_per_execution > 1`).
+    Setting the cell's `cell_contents` before `multi_step_on_iterator` is
+    first traced puts another callable on every step's path; Keras has no
+    public hook there. Checked on Keras 3.15.1, TensorFlow 2.21.0.
+
+    Returns:
+        The cell, or None (with one `GpufixWarning` when `train_function`
+        is a plain function without it: Keras moved it) for anything else.
+    """
+    code = getattr(train_function, "__code__", None)
+    if code is None or not train_function.__closure__:
+        return None
+    try:
+        cell = train_function.__closure__[code.co_freevars.index("one_step_on_data")]
+        if not callable(cell.cell_contents):
+            raise TypeError(f"one_step_on_data is a {type(cell.cell_contents).__name__}")
+        return cell
+    except (ValueError, TypeError) as exc:
+        _off("the one_step_on_data closure cell of model.train_function", exc)
+        return None
+
+
+def plain_variable(initial_value):
+    """A `tf.Variable` on this device, outside any distribution strategy.
+
+    Under `strategy.scope()` a `tf.Variable` becomes a `MirroredVariable`
+    (one copy per replica, kept in sync); a probe's bookkeeping needs one
+    plain variable. TensorFlow 2.21.0 applies the strategy's variable
+    creator only to `tf.Variable(...)` itself: constructing
+    `resource_variable_ops.ResourceVariable` directly skips it.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.ResourceVariable(initial_value, trainable=False)

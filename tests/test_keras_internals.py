@@ -21,7 +21,9 @@ from keras_gpufix.keras_internals import (
     install_per_replica_xla,
     step_jit_compile,
     surround_callbacks,
+    step_on_data_cell,
     overrides_train_step,
+    plain_variable,
     set_symbolic_build,
     symbolic_build,
     tf_function_class,
@@ -294,3 +296,49 @@ def test_surround_callbacks_takes_out_markers_a_failed_run_left():
     hooks.on_train_begin()
     hooks.on_train_begin()  # a second run, without on_train_end
     assert [c.name for c in hooks.callbacks] == ["first", "ours", "last"]
+def test_step_on_data_cell_is_the_step_every_batch_goes_through():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", steps_per_execution=2)
+    model.make_train_function()
+    cell = step_on_data_cell(model.train_function)
+    step, seen = cell.cell_contents, []
+
+    def counting(data):
+        seen.append(data)
+        return step(data)
+
+    cell.cell_contents = counting  # before Keras first traces the train function
+    model.fit(np.zeros((8, 3)), np.zeros((8, 1)), batch_size=2, epochs=1, verbose=0)
+    assert len(seen) == 1  # traced once, inside multi_step_on_iterator's while loop
+    assert traced_functions(model.train_function)["multi_step_on_iterator"] \
+        .experimental_get_tracing_count() == 1
+
+
+def test_step_on_data_cell_of_other_functions():
+    assert step_on_data_cell(None) is None
+    assert step_on_data_cell(tf.function(lambda it: it)) is None  # tf.keras style
+    assert step_on_data_cell(lambda it: it) is None  # no closure
+
+    def outer():
+        one_step_on_data = 1
+
+        def function(iterator):
+            return one_step_on_data
+
+        return function
+
+    (first, second), warned = _twice(lambda: step_on_data_cell(outer()))
+    assert first is None and second is None and len(warned) == 1
+    assert "one_step_on_data" in warned[0]
+
+
+def test_plain_variable_under_a_strategy_is_not_mirrored():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        mirrored = tf.Variable(0)
+        plain = plain_variable(tf.constant(0))
+    assert isinstance(mirrored, tf.distribute.DistributedValues)
+    assert not isinstance(plain, tf.distribute.DistributedValues)
+    assert not plain.trainable
+    plain.assign_add(2)
+    assert int(plain.numpy()) == 2

@@ -41,6 +41,11 @@ and under `kg.watch` alike (when watch iterates the dataset itself; over
 an iterator or a generator it calls `drop_probe()`); other datasets leave
 them None.
 
+Input shapes in `fit` under XLA: when the model's step is XLA-compiled,
+the leader puts a probe inside `model.train_function`
+(`keras_gpufix/_step_shapes.py`) and reads each step's input shapes from it
+with the rest (any dataset; an instrumented one's shapes come first).
+
 One judgement per run: the stream feeds its records to one
 `analysis.OscillationDetector` (the `GPUOscillationMonitor`'s in the run,
 else one with the default settings) and hands its judgements and events to
@@ -72,6 +77,7 @@ import weakref
 
 import keras
 
+from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
 from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
@@ -102,6 +108,9 @@ class StepStream:
             Keras), named by the `eager_step` fix; None when not known.
         run_thresholds: thresholds for this run's judgement (a
             `RetracingMonitor`'s `max_new_shapes`).
+        step_shapes: the `StepShapes` probe of fit's XLA train step (the
+            input shapes of a plain `tf.data` dataset), or None;
+            `step_shapes_note` says why it could not be attached.
         synced: whether each step is timed where its device work ends (set
             by `kg.watch`; True once Keras handed logs to an end hook, which
             it turns into numbers first, waiting for the step; None: not
@@ -148,6 +157,7 @@ class StepStream:
         self.eager = False
         self.eager_where = None
         self.run_thresholds = {}
+        self.step_shapes = self.step_shapes_note = None
         self._tracer = None
         self._traces = 0
         self.framed = False
@@ -178,6 +188,7 @@ class StepStream:
             stream.jit = step_jit_compile(model)
             stream.eager = bool(getattr(model, "run_eagerly", False))
             stream.eager_where = _compile_site(model) if stream.eager else None
+            stream._watch_step_shapes(model)
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -199,6 +210,26 @@ class StepStream:
     @property
     def input_probe(self):
         return None if self._cursor is None else self._cursor.probe
+
+    # -- input shapes seen inside fit's train step (issue 22) --------------
+
+    def _watch_step_shapes(self, model):
+        """Under XLA, watches each step's input shapes inside `model.train_function`.
+
+        There a new shape compiles the step, and a plain `tf.data` dataset
+        (not through `kg.data.instrument`) shows no shape otherwise. Sets
+        `step_shapes` (a `StepShapes`, or None) and `step_shapes_note` (why
+        they cannot be watched, or None).
+        """
+        self.step_shapes, self.step_shapes_note = None, None
+        if self.jit and not self.eager and model is not None:
+            self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+
+    def _step_shape_keys(self, pending):
+        """Per pending hook, the shape key the train step saw (or None)."""
+        if self.step_shapes is None:
+            return [None] * len(pending)
+        return self.step_shapes.take([p[1] for p in pending])
 
     # -- the custom-loop wrapper's call ------------------------------------
 
@@ -321,8 +352,9 @@ class StepStream:
         probe = self.input_probe
         per_second = None if probe is None else probe.frames_per_second
         records = []
+        seen_in_step = self._step_shape_keys(pending)
         for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
-                frames in zip(pending, waits, rows, reals):
+                frames, in_step in zip(pending, waits, rows, reals, seen_in_step):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -334,6 +366,8 @@ class StepStream:
                 shape = probe.shape_key(row)
                 size = probe.batch_size(shape)
                 samples = size * steps if size else samples
+            if shape is None:
+                shape = in_step
             if wait is None and supplied is not None:  # unsynced: only the cycle is real
                 input_wait, step, between = None, span + gap, 0.0
             elif wait is None:

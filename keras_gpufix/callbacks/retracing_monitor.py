@@ -10,8 +10,11 @@ Two ways a variable-length input makes training slow:
 - under `jit_compile=True` XLA compiles once per distinct input shape,
   while the trace count stays at 2 (Keras traces with `reduce_retracing=
   True`, so the second trace has `None` dimensions). Only the shapes show
-  it: they are read from a dataset that went through `kg.data.instrument`,
-  or handed over by `kg.watch` in a custom loop.
+  it: in `fit` under XLA a probe inside the train step reads each batch's
+  shapes from any dataset (`keras_gpufix/_step_shapes.py`, installed by the
+  step stream for every keras_gpufix callback), a dataset that went
+  through `kg.data.instrument` hands them over, and so does `kg.watch` in
+  a custom loop.
 
 The monitor reports facts and judges nothing itself: it counts the traces
 of each step into the run's step records (`StepRecord.traces`), tells the
@@ -247,15 +250,25 @@ class RetracingMonitor(TimedCallback):
 
     # -- internals -------------------------------------------------------
 
+    def _no_shapes_note(self):
+        """Why no shapes are seen: no instrument, and (under XLA) why the
+        train step's own probe could not watch them."""
+        stream = self.stream
+        why = stream.step_shapes_note or getattr(stream.step_shapes, "error", None)
+        return _NO_PROBE if why is None else f"{_NO_PROBE} Under XLA: {why}."
+
     def _on_records(self, records):
         """Notes the new shapes and traces of the stream's records."""
-        # kg.watch supplies each batch's shapes itself: no probe, yet shapes seen.
-        if (self.stream.input_probe is None and _NO_PROBE not in self.notes
-                and not self._seen and all(r.shape is None for r in records)):
-            self.notes.append(_NO_PROBE)
-            if not self._told_no_probe:
-                emit(_NO_PROBE, self.verbose)
-            self._told_no_probe = True
+        # kg.watch supplies each batch's shapes itself, and fit's XLA step has
+        # its own probe: no instrument, yet shapes seen.
+        if (self.stream.input_probe is None and not self._seen
+                and all(r.shape is None for r in records)):
+            note = self._no_shapes_note()
+            if note not in self.notes:
+                self.notes.append(note)
+                if not self._told_no_probe:
+                    emit(note, self.verbose)
+                self._told_no_probe = True
         for record in records:
             count, key = record.steps, record.shape
             if record.epoch_first and self._global:
@@ -359,9 +372,11 @@ class RetracingMonitor(TimedCallback):
             listed = ", ".join(str(s) for s in shapes[:12])
             more = f" and {len(shapes) - 12} more" if len(shapes) > 12 else ""
             late = sum(1 for e in at_shapes if e["epoch"] > 0)
+            latest = at_shapes[-1]
             parts.append(f"{len(at_shapes)} steps compiled at new input shapes "
-                         f"(jit_compile={self._jit}), {late} after the first epoch. "
-                         f"Shapes seen: {listed}{more}.")
+                         f"(jit_compile={self._jit}), {late} after the first epoch; latest: "
+                         f"new shape {latest['shape']} at step {latest['step']}, "
+                         f"{len(shapes)} distinct shapes. Shapes seen: {listed}{more}.")
         retraces = self._retraces(priced)
         if retraces:
             if self.functions is None:

@@ -18,7 +18,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis.verdicts import THRESHOLDS
+from keras_gpufix.keras_internals import step_jit_compile
 
 __all__ = [
     "MAX_STEPS_PER_EXECUTION",
@@ -51,6 +53,10 @@ class SampleRunner:
             self.element_spec = None  # the batch's own static shapes then
         model.steps_per_execution = k
         model.make_train_function(force=True)
+        if step_jit_compile(model):
+            # The sample steps trace the step `fit` reuses: the probe of its
+            # input shapes goes in first, or fit's monitors could not see them.
+            StepShapes.attach(model)
 
     def _iterator(self, n):
         ds = tf.data.Dataset.from_tensors(self.batch)

@@ -30,6 +30,7 @@ __all__ = [
     "input_datasets",
     "install_multi_worker_fixes",
     "install_per_replica_xla",
+    "map_function_stateful",
     "overrides_train_step",
     "remove_per_replica_xla",
     "set_symbolic_build",
@@ -386,3 +387,27 @@ def install_multi_worker_fixes(model) -> None:
             symbolic_build(model, data_batch)
 
     set_symbolic_build(model, maybe_symbolic_build)
+
+
+def map_function_stateful(dataset) -> "bool | None":
+    """Whether the function of a `map` (or `filter`) dataset holds a stateful op.
+
+    tf.data parallelizes a stateless `map` given no `num_parallel_calls` by
+    itself (`map_parallelization`, on by default), never a stateful one (a
+    `numpy_function`, a random op). TensorFlow 2.21.0: the dataset's
+    `_map_func` (`_predicate` for `filter`) is a `StructuredFunctionWrapper`
+    whose `function` is the traced concrete function; each op of its graph
+    has `_is_stateful`.
+
+    Returns:
+        True or False; None for a dataset without such a function, or (with
+        one `GpufixWarning`) when the structure changed.
+    """
+    wrapper = getattr(dataset, "_map_func", None) or getattr(dataset, "_predicate", None)
+    if wrapper is None:
+        return None
+    try:
+        return any(op._is_stateful for op in wrapper.function.graph.get_operations())
+    except Exception as exc:  # any change in TF's private structure
+        _off("a tf.data map function's graph (StructuredFunctionWrapper.function)", exc)
+        return None

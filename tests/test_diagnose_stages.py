@@ -62,6 +62,7 @@ def test_the_slow_python_stage_is_named_by_its_line_and_the_others_are_not(tmp_p
     assert [s["where"] for s in stages] == [fast[2], fast[0], slow, fast[1], fast[3]]
     assert [s["op"] for s in stages] == ["from_tensor_slices", "map", "map", "map", "batch"]
     assert [s["python"] for s in stages] == [False, False, True, False, False]
+    assert [s["stateful"] for s in stages] == [None, False, True, False, None]
     assert stages[2]["function"] == f"{script}:{_line(THREE_STAGES, 'def slow_features')}"
     assert stages[0]["per_batch"] == 8 and stages[4]["per_batch"] == 1
     # the located fix of input_bound names the Python stage, its rate, fix and gain
@@ -109,11 +110,18 @@ def test_judge_stages_names_the_stage_whose_addition_costs_most():
 
 def test_judge_stages_fix_by_kind_and_no_stage_below_the_share():
     serial = [_stage("from_tensor_slices", "t.py:1", 1000.0),
-              _stage("map", "t.py:2", 1 / 0.011, parallel=None)]
+              _stage("map", "t.py:2", 1 / 0.011, parallel=None, stateful=True)]
     slow = judge_stages(serial, cpus=4)["slow"]
     assert slow["kind"] == "parallel" and "AUTOTUNE" in slow["fix"]
-    # a quarter of the map's 10 ms per batch is left with 4 cores: 11 -> 3.5 ms
-    assert slow["predicted_gain"] == pytest.approx(11 / 3.5)
+    # a third of the map's 10 ms per batch is left with 4 cores (one stays with
+    # the step): 11 -> 1 + 10 / 3 ms
+    assert slow["predicted_gain"] == pytest.approx(11 / (1 + 10 / 3))
+    assert judge_stages(serial, cpus=2)["slow"]["predicted_gain"] == pytest.approx(1.0)
+    # tf.data parallelizes a stateless map by itself: no parallelism to gain, cache it
+    serial[1]["stateful"] = False
+    assert judge_stages(serial, cpus=4)["slow"]["kind"] == "cache"
+    serial[1]["parallel"] = 1  # ... unless num_parallel_calls=1 was given
+    assert judge_stages(serial, cpus=4)["slow"]["kind"] == "parallel"
     source = judge_stages([_stage("from_generator", "t.py:1", 10.0, python=True),
                            _stage("batch", "t.py:2", 10.0)])["slow"]
     assert source["kind"] == "python" and source["where"] == "t.py:1"
@@ -121,6 +129,12 @@ def test_judge_stages_fix_by_kind_and_no_stage_below_the_share():
             _stage("map", "t.py:3", 1 / 0.022, parallel=-1)]  # 10, 6 and 6 ms of 22
     out = judge_stages(even)
     assert out["slow"] is None and out["input_per_s"] == pytest.approx(1 / 0.022)
+    # a stage after the slow one that reads faster (tf.data fused it) takes no share
+    fused = judge_stages([_stage("range", "t.py:1", 1 / 0.001),
+                          _stage("map", "t.py:2", 1 / 0.021, stateful=True),
+                          _stage("batch", "t.py:3", 1 / 0.011)], cpus=2)
+    assert [s["share"] for s in fused["stages"]] == pytest.approx([1 / 21, 20 / 21, 0.0])
+    assert fused["input_per_s"] == pytest.approx(1 / 0.011)
     unmeasured = judge_stages([_stage("range", None, None)])
     assert unmeasured["slow"] is None and unmeasured["input_per_s"] is None
 

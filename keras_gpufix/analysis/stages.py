@@ -32,7 +32,6 @@ from keras_gpufix.analysis.verdicts import STAGE_FIXES, THRESHOLDS
 
 __all__ = ["stages_needed", "judge_stages"]
 
-_ELEMENTWISE = ("map", "filter", "flat_map", "interleave", "batch", "padded_batch")
 
 
 def stages_needed(verdict, what_if=None) -> bool:
@@ -54,10 +53,18 @@ def stages_needed(verdict, what_if=None) -> bool:
 
 
 def _kind(stage, first):
-    """`python`, `parallel`, `source` or `cache`: which fix the stage gets."""
+    """`python`, `parallel`, `source` or `cache`: which fix the stage gets.
+
+    A `map` or `interleave` runs one element at a time when given
+    `num_parallel_calls=1`, or none: tf.data then parallelizes a stateless
+    `map` by itself (`map_parallelization`, as it does `batch`:
+    `parallel_batch`), not a stateful one nor an `interleave`.
+    """
     if stage.get("python"):
         return "python"
-    if stage.get("op") in _ELEMENTWISE and stage.get("parallel") in (None, 1):
+    parallel, op = stage.get("parallel"), stage.get("op")
+    if op in ("map", "interleave") and (parallel == 1 or parallel is None and not (
+            op == "map" and stage.get("stateful") is False)):
         return "parallel"
     return "source" if first else "cache"
 
@@ -72,7 +79,8 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
             (file:line of the stage's Python function, or None), `python`
             (the stage runs Python per element), `parallel`
             (`num_parallel_calls` as given: None, an int, or -1 for
-            AUTOTUNE) and `batches_per_s` (rate of the pipeline up to and
+            AUTOTUNE), `stateful` (a map's function holds a stateful op;
+            None: not known) and `batches_per_s` (rate of the pipeline up to and
             including this stage, in batches/s of the final dataset; None
             when not measured).
         step_per_s: batches/s the step alone consumes, with the run's time
@@ -82,7 +90,7 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
 
     Returns:
         A dict: `stages` (each input stage with `cost_ms` per final batch,
-        `share` of the pipeline's time and `kind`), `input_per_s` (the whole
+        `share` of the time per batch of the slowest prefix and `kind`), `input_per_s` (the whole
         pipeline's rate), `demand_per_s`, `observed_per_s`, and `slow`
         (None when no stage holds `stage_share` of the time; else the slow
         stage's dict with `fix`, `saved_ms`, `predicted_per_s` and
@@ -91,28 +99,30 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
     """
     out = {"stages": [], "input_per_s": None, "demand_per_s": step_per_s,
            "observed_per_s": observed_per_s, "slow": None}
-    before = 0.0
+    before = longest = 0.0
     for index, stage in enumerate(stages):
         rate = stage.get("batches_per_s")
         item = dict(stage, kind=_kind(stage, index == 0), cost_ms=None, share=None)
         if rate:
             now = 1.0 / rate
             item["cost_ms"] = 1000.0 * max(0.0, now - before)
-            before = now
+            before, longest = now, max(longest, now)
         out["stages"].append(item)
     measured = [s for s in out["stages"] if s["cost_ms"] is not None]
     if not measured or before <= 0:
         return out
     out["input_per_s"] = 1.0 / before
-    for stage in measured:
-        stage["share"] = stage["cost_ms"] / (1000.0 * before)
+    for stage in measured:  # of the slowest prefix: a later stage may run faster (fused)
+        stage["share"] = min(1.0, stage["cost_ms"] / (1000.0 * longest))
     slow = max(measured, key=lambda s: s["cost_ms"])
     if slow["share"] < THRESHOLDS["stage_share"]:
         return out
     kind = slow["kind"]
-    # parallelism divides the stage's time by the cores; the other fixes
-    # (TF ops, a cache) take the stage off the per-batch path
-    kept = 1.0 / max(1, cpus) if kind == "parallel" else 0.0
+    # parallelism divides the stage's time by the cores but one, which stays
+    # with the step (its dispatch on a GPU host, all of it on a CPU host: on
+    # a 2-core VM, AUTOTUNE on a stateful map gave 0.60x-1.54x, three runs);
+    # the other fixes (TF ops, a cache) take the stage off the per-batch path
+    kept = 1.0 / max(1, cpus - 1) if kind == "parallel" else 0.0
     # the stage's share of the input's time, applied to the time the input
     # takes in the run's cycle (the drains alone run at another speed than
     # the run: a share carries over, an absolute time does not)

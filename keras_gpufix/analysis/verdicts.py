@@ -158,8 +158,8 @@ STAGE_FIXES = {
     ),
     "parallel": (
         "`{op}` at {where}{function} runs one element at a time "
-        "(num_parallel_calls={parallel}): pass num_parallel_calls=tf.data.AUTOTUNE "
-        "({cpus} cores)"
+        "(num_parallel_calls={parallel}; tf.data parallelizes only a stateless map by "
+        "itself): pass num_parallel_calls=tf.data.AUTOTUNE ({cpus} cores)"
     ),
     "source": (
         "the source at {where}{function} reads slowly: cache what it reads (`.cache()` "

@@ -256,14 +256,16 @@ def measure_stages(dataset, sites, seconds=SECONDS):
 
     Returns:
         A dict `stages` (source first: the recorded site's fields, `op` the
-        dataset's class name where none was recorded, and
-        `elements_per_s` (as drained), `per_batch` (elements per final
+        dataset's class name where none was recorded, and `stateful` (a
+        map's function holds a stateful op: tf.data does not parallelize
+        it by itself; None for other stages), `elements_per_s` (as drained), `per_batch` (elements per final
         batch) and `batches_per_s` (the pull's own cost per element,
         `pull_ms`, taken off); `error` where a prefix could not be
         drained), `cpus` (cores usable), `pull_ms` (what pulling one element
         of a `range` costs, drained the same way) and `seconds` (spent).
     """
     from keras_gpufix.compile.hardware import usable_cpus
+    from keras_gpufix.keras_internals import map_function_stateful
 
     import tensorflow as tf
 
@@ -281,8 +283,8 @@ def measure_stages(dataset, sites, seconds=SECONDS):
         site = sites.site_of(node) or {"op": type(node).__name__.strip("_"), "where": None,
                                        "function": None, "python": False, "parallel": None,
                                        "batch_size": None}
-        stage = dict(site, elements_per_s=None, per_batch=_per_final(chain, index, sites),
-                     batches_per_s=None)
+        stage = dict(site, stateful=map_function_stateful(node), elements_per_s=None,
+                     per_batch=_per_final(chain, index, sites), batches_per_s=None)
         try:
             stage["elements_per_s"] = drain_rate(node, each)
         except Exception as exc:  # a prefix that cannot run alone is left unmeasured

@@ -30,13 +30,14 @@ __all__ = [
     "input_datasets",
     "install_multi_worker_fixes",
     "install_per_replica_xla",
+    "map_function_stateful",
     "overrides_train_step",
     "plain_variable",
     "remove_per_replica_xla",
     "set_symbolic_build",
     "step_jit_compile",
-    "surround_callbacks",
     "step_on_data_cell",
+    "surround_callbacks",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
@@ -479,3 +480,25 @@ def plain_variable(initial_value):
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False)
+def map_function_stateful(dataset) -> "bool | None":
+    """Whether the function of a `map` (or `filter`) dataset holds a stateful op.
+
+    tf.data parallelizes a stateless `map` given no `num_parallel_calls` by
+    itself (`map_parallelization`, on by default), never a stateful one (a
+    `numpy_function`, a random op). TensorFlow 2.21.0: the dataset's
+    `_map_func` (`_predicate` for `filter`) is a `StructuredFunctionWrapper`
+    whose `function` is the traced concrete function; each op of its graph
+    has `_is_stateful`.
+
+    Returns:
+        True or False; None for a dataset without such a function, or (with
+        one `GpufixWarning`) when the structure changed.
+    """
+    wrapper = getattr(dataset, "_map_func", None) or getattr(dataset, "_predicate", None)
+    if wrapper is None:
+        return None
+    try:
+        return any(op._is_stateful for op in wrapper.function.graph.get_operations())
+    except Exception as exc:  # any change in TF's private structure
+        _off("a tf.data map function's graph (StructuredFunctionWrapper.function)", exc)
+        return None

@@ -69,6 +69,10 @@ def test_custom_loop_named_right(mode, verdict):
         what_if = result["what_if"]
         assert what_if["bound"] == "input" and what_if["method"] == "replay"
         assert what_if["speedup_if_input_free"] > 2
+        # the located fix: the numpy_function map by its line, not the map after it
+        stage = result["fixes"][0]["stage"]
+        assert stage["where"].endswith(f"custom_loop.py:{_line('numpy_function(slow')}")
+        assert stage["function"].endswith(f"custom_loop.py:{_line('def slow')}")
     if mode == "eager":  # no function to replay: the step as measured in the run
         assert result["what_if"]["method"] == "in_run"
 

@@ -17,6 +17,7 @@ from keras_gpufix.keras_internals import (
     function_jit_compile,
     in_multi_worker_mode,
     input_datasets,
+    map_function_stateful,
     batch_rows,
     install_per_replica_xla,
     step_jit_compile,
@@ -342,3 +343,20 @@ def test_plain_variable_under_a_strategy_is_not_mirrored():
     assert not plain.trainable
     plain.assign_add(2)
     assert int(plain.numpy()) == 2
+def test_map_function_stateful_tells_what_tf_data_parallelizes_itself(monkeypatch):
+    source = tf.data.Dataset.range(8)
+    assert map_function_stateful(source.map(lambda x: x * 2)) is False
+    assert map_function_stateful(source.map(
+        lambda x: x + tf.random.uniform([], 0, 5, tf.int64))) is True
+    assert map_function_stateful(source.map(
+        lambda x: tf.numpy_function(lambda v: v, [x], tf.int64))) is True
+    assert map_function_stateful(source.filter(lambda x: x > 2)) is False
+    assert map_function_stateful(source.batch(2)) is None
+
+    class Moved:  # a TensorFlow whose wrapper keeps the function elsewhere
+        _map_func = object()
+
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    results, messages = _twice(lambda: map_function_stateful(Moved()))
+    assert results == [None, None]
+    assert len(messages) == 1 and "StructuredFunctionWrapper.function" in messages[0]

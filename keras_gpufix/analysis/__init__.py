@@ -18,14 +18,18 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | periodic work runs, from stack samples)                      |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
+| `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
+|               | fix and predicted gain; `stages_needed`                      |
 """
 
 from keras_gpufix.analysis.detector import OscillationDetector, judge, locate_periodic, weigh
 from keras_gpufix.analysis.job import judge_job, worker_summary
+from keras_gpufix.analysis.stages import judge_stages, stages_needed
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
     FIXES,
     PHASES,
+    STAGE_FIXES,
     THRESHOLDS,
     TOO_FEW_STEPS,
     UNSYNCED_NOTE,
@@ -43,6 +47,7 @@ __all__ = [
     "FIXES",
     "OscillationDetector",
     "PHASES",
+    "STAGE_FIXES",
     "StepLog",
     "StepRecord",
     "THRESHOLDS",
@@ -53,11 +58,13 @@ __all__ = [
     "is_recompiling",
     "judge",
     "judge_job",
+    "judge_stages",
     "locate_periodic",
     "rank_causes",
     "recompile_cost",
     "slow_limit",
     "slow_mask",
+    "stages_needed",
     "step_compiled",
     "summarize_step_times",
     "weigh",

@@ -30,6 +30,7 @@ __all__ = [
     "FIXES",
     "PHASES",
     "PHASE_FIXES",
+    "STAGE_FIXES",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
     "UNSYNCED_NOTE",
@@ -131,6 +132,11 @@ THRESHOLDS = {
     # offset in step with the period is the one with the most excess, which
     # favours some line by about 2 standard errors on noise alone.
     "locate_z": 4.0,
+    # The slow stage of an input pipeline (analysis.stages) is named when its
+    # cost is at least this share of the pipeline's time per batch: below
+    # half, no one stage is the bottleneck and fixing it alone cannot double
+    # the input's rate (Plumber ranks stages the same way, by their share).
+    "stage_share": 0.5,
 }
 
 PHASE_FIXES = {
@@ -153,6 +159,37 @@ PHASE_FIXES = {
         "work in the loop body every {period} steps costs {share} of the run "
         "(logging, plots, checkpoints or host syncs on that schedule); run it less "
         "often or move it off the step path"
+    ),
+}
+
+#: The located fix of `input_bound` (analysis.stages): one text per kind of
+#: slow stage, `function` (where the stage's own function is), and `text`,
+#: the sentence that names the stage.
+STAGE_FIXES = {
+    "python": (
+        "move the Python work of `{op}` at {where}{function} into TF ops (tf.audio, "
+        "tf.signal, kg.data) or cache its output (`.cache()` right after it, or "
+        "kg.data.SpeechDatasetBuilder(cache_dir=...))"
+    ),
+    "parallel": (
+        "`{op}` at {where}{function} runs one element at a time "
+        "(num_parallel_calls={parallel}; tf.data parallelizes only a stateless map by "
+        "itself): pass num_parallel_calls=tf.data.AUTOTUNE ({cpus} cores)"
+    ),
+    "source": (
+        "the source at {where}{function} reads slowly: cache what it reads (`.cache()` "
+        "after it) or read files in parallel (interleave with "
+        "num_parallel_calls=tf.data.AUTOTUNE)"
+    ),
+    "cache": (
+        "`{op}` at {where}{function} is slow even in parallel: cache its output "
+        "(`.cache()` right after it) or make its work cheaper"
+    ),
+    "function": " (Python function at {function})",
+    "text": (
+        "the input's slow stage is `{op}` at {where}: alone it would supply {rate:.1f} "
+        "batches/s and it takes {share:.0%} of the input's time (the input supplies "
+        "{input:.1f} batches/s{demand}); {fix}: predicted {gain:.2f}x faster"
     ),
 }
 

@@ -26,10 +26,14 @@ the report of what was measured is still returned (and printed).
 After each run that timed steps, the what-if (`what_if`) measures how fast
 the input alone supplies batches and how fast the step alone consumes
 them, and says how much faster the run would be with the input free.
+When the input costs time, each stage of its `tf.data` pipeline is
+measured (`stages`): the slow stage, by the script's line that built it,
+becomes the located fix of `input_bound`, with its predicted gain.
 
 The package holds one concern per module: `scan` (the static scan), `run`
 (the patching and the run), `loop_patch` (custom loops), `what_if` (input
-alone vs step alone) and `report` (the ranking and the text report).
+alone vs step alone), `stages` (the input's stages, where built and how
+fast) and `report` (the ranking and the text report).
 """
 
 from keras_gpufix.diagnose.report import format_report, rank_causes

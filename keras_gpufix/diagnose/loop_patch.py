@@ -376,6 +376,9 @@ class LoopPatch:
             self.loop.finish()
             if self.fits_patch.what_if:
                 self.loop.entry["what_if"] = self._what_if()
+                stages = self.fits_patch.input_stages(self.loop.entry, self.loop.dataset)
+                if stages is not None:
+                    self.loop.entry["stages"] = stages
         return False
 
     def _what_if(self):

@@ -1,10 +1,13 @@
 """The report: rank the runs' findings (never re-judging them) and print the diagnosis."""
 
+import os
+
 from keras_gpufix import analysis
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
-__all__ = ["rank_causes", "run_verdict", "format_report", "healthy_evidence", "trace_evidence"]
+__all__ = ["rank_causes", "run_verdict", "format_report", "healthy_evidence", "trace_evidence",
+           "input_stage", "locate_input_stage"]
 
 
 def _pct(x):
@@ -167,9 +170,56 @@ def rank_causes(fits, scan=()):
                 and f["verdict"] not in ruled_out):
             fixes.append({"verdict": f["verdict"], "fix": f["fix"],
                           "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
+    locate_input_stage(fixes, fits)
     for rank, fix in enumerate(fixes, start=1):
         fix["rank"] = rank
     return verdict, ranking, fixes
+
+
+def input_stage(fit):
+    """`analysis.judge_stages` of a run's measured input stages, or None."""
+    stages = (fit.get("stages") or {}).get("stages")
+    if not stages:
+        return None
+    what_if = fit.get("what_if") or {}
+    step, between = what_if.get("step_batches_per_s"), what_if.get("between_ms") or 0.0
+    demand = 1.0 / (1.0 / step + between / 1000.0) if step else None
+    return analysis.judge_stages(stages, step_per_s=demand,
+                                 observed_per_s=what_if.get("observed_batches_per_s"),
+                                 cpus=fit["stages"].get("cpus") or 1)
+
+
+def locate_input_stage(fixes, fits):
+    """The `input_bound` fix located: the slow stage of the input (measured,
+    `input_stage`) by the line that built it, its fix and predicted gain.
+
+    The fix's text becomes the stage's, its `where` starts with the stage's
+    line and loses the scan's findings at the lines of the measured stages
+    (the slow one is named by its measurement, the others are measured
+    cheap); `stage` holds the judgement. Fixes stay as they were when no
+    run's input was measured or no stage is slow.
+    """
+    fix = next((f for f in fixes if f["verdict"] == "input_bound"), None)
+    judged = [j for j in map(input_stage, sorted(fits, key=lambda f: -(f.get("wall_s") or 0)))
+              if j and j["slow"]]
+    if fix is None or not judged:
+        return
+    slow = judged[0]["slow"]
+    where = slow.get("where") or slow.get("function") or "?"
+
+    def line(where):  # file:line, the file made absolute (the scan's may be relative)
+        file, _, number = where.split(": ", 1)[0].rpartition(":")
+        return os.path.abspath(file), number
+
+    named = {line(s[k]) for s in judged[0]["stages"] for k in ("where", "function") if s.get(k)}
+    fix["fix"] = slow["text"]
+    fix["stage"] = {k: slow.get(k) for k in ("op", "where", "function", "kind", "rate_per_s",
+                                             "share", "predicted_gain", "predicted_per_s")}
+    fix["stage"].update(input_per_s=judged[0]["input_per_s"],
+                        demand_per_s=judged[0]["demand_per_s"])
+    fix["where"] = [f"{where}: `{slow['op']}`, the input's slow stage: {slow['rate_per_s']:.1f} "
+                    f"batches/s alone, {slow['share']:.0%} of the input's time"] + [
+        w for w in fix["where"] if line(w) not in named]
 
 
 def _judged(fits):

@@ -18,9 +18,11 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
+from keras_gpufix.analysis import stages_needed
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
 from keras_gpufix.diagnose.scan import scan_script
+from keras_gpufix.diagnose.stages import StageSites, measure_stages
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
                                            replay_rate, what_if)
 from keras_gpufix.exceptions import GpufixWarning, warn
@@ -101,7 +103,11 @@ def _step_counter(steps=None):
 
 
 class FitPatch:
-    """Context manager: every `keras.Model.fit` gets the diagnostic callbacks."""
+    """Context manager: every `keras.Model.fit` gets the diagnostic callbacks.
+
+    While it is open, `sites` (a `StageSites`) records where the script
+    builds each `tf.data` stage.
+    """
 
     def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
         self.steps = steps
@@ -133,9 +139,11 @@ class FitPatch:
 
         self._original = original
         self._cls.fit = fit
+        self.sites = StageSites().__enter__()
         return self
 
     def __exit__(self, *exc):
+        self.sites.__exit__(*exc)
         if self._had_own:
             self._cls.fit = self._original
         else:
@@ -245,6 +253,18 @@ class FitPatch:
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}
 
+    def input_stages(self, entry, dataset):
+        """The stages of a run's input (`stages.py`) when the run's verdict or
+        what-if makes them worth measuring (`analysis.stages_needed`), a dict
+        with the reason they could not be measured, or None."""
+        if dataset is None or not stages_needed((entry.get("monitor") or {}).get("verdict"),
+                                                entry.get("what_if")):
+            return None
+        try:
+            return measure_stages(dataset, self.sites)
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
+
     def _fit(self, original, model, args, kwargs):
         try:
             bound, mine, counter, info, (dataset, cycles) = self._prepare(original, model, args,
@@ -278,6 +298,9 @@ class FitPatch:
             gc.collect()
         if self.what_if:
             entry["what_if"] = self.fit_what_if(model, dataset, cycles)
+            stages = self.input_stages(entry, dataset)
+            if stages is not None:
+                entry["stages"] = stages
             gc.collect()
         return history
 

@@ -1,0 +1,148 @@
+"""Which stage of a `tf.data` pipeline is the slow one, its fix and what the fix gains.
+
+`keras-gpufix diagnose` drains bounded prefixes of the user's pipeline
+(`diagnose/stages.py`): the source alone, the source and the first
+transformation, and so on to the dataset given to `fit` (or iterated by the
+loop). Each prefix's rate is converted to batches/s of the final dataset
+(an element before a `batch(32)` is 1/32 of a batch). As in Plumber
+(Kuchnik et al., MLSys 2022) and XProf's tf.data bottleneck analysis, a
+stage's cost is what its addition costs the pipeline: the time per final
+batch of its prefix minus that of the prefix before it (stages that run in
+parallel with a slower one cost nothing by this measure, as they should).
+
+The slow stage is the costliest, named when it holds at least
+`THRESHOLDS["stage_share"]` of the pipeline's time per batch. Its fix
+depends on its kind (`STAGE_FIXES`): Python work (`numpy_function`,
+`py_function`, a generator) moves into TF ops or is cached, a TF `map`
+run one element at a time gets `num_parallel_calls=AUTOTUNE`, a slow
+source is cached. The predicted gain of the fix comes from the run's own
+figures: the run's cycle less the time the fix saves per batch (the
+stage's share of the input's time, applied to the input's part of the
+cycle), but never faster than the step alone (with the time between steps)
+allows.
+
+| function        | what it answers                                         |
+|-----------------|---------------------------------------------------------|
+| `stages_needed` | measure the stages of this run? (input_bound, or the    |
+|                 | what-if finds the input costing time)                   |
+| `judge_stages`  | each stage's cost, the slow stage, its fix and gain     |
+"""
+
+from keras_gpufix.analysis.verdicts import STAGE_FIXES, THRESHOLDS
+
+__all__ = ["stages_needed", "judge_stages"]
+
+
+
+def stages_needed(verdict, what_if=None) -> bool:
+    """Whether a run's input pipeline is worth measuring stage by stage.
+
+    Args:
+        verdict: the run's monitor verdict (None when not judged).
+        what_if: the run's what-if figures (`speedup_if_input_free`,
+            `bound`), or None.
+
+    Returns:
+        True when the run was judged `input_bound`, or the what-if finds
+        the input the bound or the run faster with the input free.
+    """
+    what_if = what_if or {}
+    speedup = what_if.get("speedup_if_input_free") or 0.0
+    return (verdict == "input_bound" or what_if.get("bound") == "input"
+            or speedup >= THRESHOLDS["min_speedup"])
+
+
+def _kind(stage, first):
+    """`python`, `parallel`, `source` or `cache`: which fix the stage gets.
+
+    A `map` or `interleave` runs one element at a time when given
+    `num_parallel_calls=1`, or none: tf.data then parallelizes a stateless
+    `map` by itself (`map_parallelization`, as it does `batch`:
+    `parallel_batch`), not a stateful one nor an `interleave`.
+    """
+    if stage.get("python"):
+        return "python"
+    parallel, op = stage.get("parallel"), stage.get("op")
+    if op in ("map", "interleave") and (parallel == 1 or parallel is None and not (
+            op == "map" and stage.get("stateful") is False)):
+        return "parallel"
+    return "source" if first else "cache"
+
+
+def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
+    """Each stage's cost, the slow stage, its fix and the fix's predicted gain.
+
+    Args:
+        stages: the measured stages, source first, each a dict with `op`
+            (`map`, `batch`, ... or the source's name), `where`
+            (file:line of the script's call, or None), `function`
+            (file:line of the stage's Python function, or None), `python`
+            (the stage runs Python per element), `parallel`
+            (`num_parallel_calls` as given: None, an int, or -1 for
+            AUTOTUNE), `stateful` (a map's function holds a stateful op;
+            None: not known) and `batches_per_s` (rate of the pipeline up to and
+            including this stage, in batches/s of the final dataset; None
+            when not measured).
+        step_per_s: batches/s the step alone consumes, with the run's time
+            between steps (the step's demand). None when not measured.
+        observed_per_s: batches/s the run went at. None when not measured.
+        cpus: cores the input may use (what `num_parallel_calls` can gain).
+
+    Returns:
+        A dict: `stages` (each input stage with `cost_ms` per final batch,
+        `share` of the time per batch of the slowest prefix and `kind`), `input_per_s` (the whole
+        pipeline's rate), `demand_per_s`, `observed_per_s`, and `slow`
+        (None when no stage holds `stage_share` of the time; else the slow
+        stage's dict with `fix`, `saved_ms`, `predicted_per_s` and
+        `predicted_gain`, the run's speed after the fix over its speed now,
+        and `text`, one sentence for people).
+    """
+    out = {"stages": [], "input_per_s": None, "demand_per_s": step_per_s,
+           "observed_per_s": observed_per_s, "slow": None}
+    before = longest = 0.0
+    for index, stage in enumerate(stages):
+        rate = stage.get("batches_per_s")
+        item = dict(stage, kind=_kind(stage, index == 0), cost_ms=None, share=None)
+        if rate:
+            now = 1.0 / rate
+            item["cost_ms"] = 1000.0 * max(0.0, now - before)
+            before, longest = now, max(longest, now)
+        out["stages"].append(item)
+    measured = [s for s in out["stages"] if s["cost_ms"] is not None]
+    if not measured or before <= 0:
+        return out
+    out["input_per_s"] = 1.0 / before
+    for stage in measured:  # of the slowest prefix: a later stage may run faster (fused)
+        stage["share"] = min(1.0, stage["cost_ms"] / (1000.0 * longest))
+    slow = max(measured, key=lambda s: s["cost_ms"])
+    if slow["share"] < THRESHOLDS["stage_share"]:
+        return out
+    kind = slow["kind"]
+    # parallelism divides the stage's time by the cores but one, which stays
+    # with the step (its dispatch on a GPU host, all of it on a CPU host: on
+    # a 2-core VM, AUTOTUNE on a stateful map gave 0.60x-1.54x, three runs);
+    # the other fixes (TF ops, a cache) take the stage off the per-batch path
+    kept = 1.0 / max(1, cpus - 1) if kind == "parallel" else 0.0
+    # the stage's share of the input's time, applied to the time the input
+    # takes in the run's cycle (the drains alone run at another speed than
+    # the run: a share carries over, an absolute time does not)
+    cycle = 1.0 / observed_per_s if observed_per_s else before
+    saved = slow["share"] * (1.0 - kept) * min(cycle, before)
+    floor = 1.0 / step_per_s if step_per_s else 0.0
+    predicted = max(floor, cycle - saved, 1e-9)
+    gain = cycle / predicted
+    where = slow.get("where") or slow.get("function") or "?"
+    function = slow.get("function")
+    fix = STAGE_FIXES[kind].format(op=slow.get("op"), where=where,
+                                   function=STAGE_FIXES["function"].format(function=function)
+                                   if function and function != where else "",
+                                   parallel=slow.get("parallel"), cpus=cpus)
+    demand = (f" against the step's demand of {step_per_s:.1f}" if step_per_s else "")
+    rate = 1000.0 / slow["cost_ms"] if slow["cost_ms"] > 0 else float("inf")
+    slow.update(fix=fix, saved_ms=1000.0 * saved, predicted_per_s=1.0 / predicted,
+                predicted_gain=gain, rate_per_s=rate)
+    slow["text"] = STAGE_FIXES["text"].format(
+        op=slow.get("op"), where=where, rate=rate, share=slow["share"],
+        input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
+    out["slow"] = slow
+    return out

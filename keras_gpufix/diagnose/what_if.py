@@ -175,13 +175,13 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
                  rounds=ROUNDS):
     """Batches/s of the step run alone, on a cached batch and on the real input.
 
-    Blocks of each kind are timed in the order real, cached, cached, real,
-    real, cached, cached, real: each real block has a cached one beside
+    Blocks of each kind are timed in the order cached, real, real, cached,
+    cached, real, real, cached: each real block has a cached one beside
     it, so a change of the host's load shows as two pairs that disagree,
-    not as a gain. Each block takes `seconds / 4` in `rounds` timings. The
-    real blocks run on a fresh iterator (its first batch, the pipeline's
-    start-up, not timed; the two middle real blocks share one), released
-    before a cached block, so the input pipeline never runs beside a
+    not as a gain. Each block takes `seconds / 4` in `rounds` timings. Each
+    two real blocks run on a fresh iterator (its first batch, the
+    pipeline's start-up, not timed: two start-ups in all), released before
+    the next cached block, so the input pipeline never runs beside a
     cached block. Without `real` every block is cached. The values of
     `variables` are restored after.
 
@@ -229,7 +229,7 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
     out = {"cached": [], "real": [] if real else None}
     try:
         step = None
-        for kind in ("real", "cached", "cached", "real", "real", "cached", "cached", "real"):
+        for kind in ("cached", "real", "real", "cached", "cached", "real", "real", "cached"):
             if kind == "cached" or real is None:
                 step = None  # the real iterator is released before a cached block
                 out["cached"].append(block(cached))

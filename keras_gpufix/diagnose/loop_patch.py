@@ -71,7 +71,7 @@ def _steps_on(fn, args, kwargs, loop):
         return (lambda: fn(*next(iterator))) if unpack else (lambda: fn(next(iterator)))
 
     dataset = loop.dataset
-    return on(dataset.take(1).cache().repeat()), lambda: on(dataset.repeat())
+    return on(dataset.take(1).cache().repeat().prefetch(2)), lambda: on(dataset.repeat())
 
 
 class _Current:

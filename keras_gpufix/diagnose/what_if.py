@@ -150,7 +150,8 @@ def fit_replay(model, dataset):
     """(cached, real, variables, batches per call) for `model.train_function`.
 
     `cached()` runs the step on the dataset's first batch, cached
-    (`take(1).cache().repeat()`: the element spec the step was traced for);
+    (`take(1).cache().repeat()`: the element spec the step was traced for),
+    prefetched, so the step never waits for it: the input made free;
     `real()` returns a call that runs it on the next batch of a fresh
     iterator of the dataset itself (repeated). Each call reads its logs
     back as `fit` does before its callbacks' end hooks.
@@ -167,7 +168,7 @@ def fit_replay(model, dataset):
         iterator = iter(strategy.experimental_distribute_dataset(batches))
         return lambda: keras.tree.map_structure(np.asarray, function(iterator))
 
-    return (on(dataset.take(1).cache().repeat()), lambda: on(dataset.repeat()),
+    return (on(dataset.take(1).cache().repeat().prefetch(2)), lambda: on(dataset.repeat()),
             list(variables.values()), model.steps_per_execution)
 
 

@@ -7,9 +7,9 @@ For each case (a custom loop with a `tf.function` step, and `model.fit`,
 each on four kinds of input):
 1. `keras-gpufix diagnose --json --no-trace -- python benchmarks/what_if.py
    --child CASE` gives the prediction: `what_if.speedup_if_input_free`,
-   its `speedup_range` and whether it `known`s it;
+   its `speedup_range` and whether it is `known`;
 2. the truth: the same script run plainly, with the same model and step
-   run alternately on its real input and on a cached in-memory copy of it
+   run alternately on its real input and on a cached, prefetched in-memory copy of it
    (the same batches, read once before the timed runs), six pairs of runs
    in the order real, cached, cached, real, ...; the true speedup is the
    median over the pairs of the real run's mean cycle over the cached

@@ -549,14 +549,21 @@ def test_weigh_says_which_reading_it_believes_and_why():
     (why,) = kept["because"]
     assert why.startswith("XProf's trace of steps 10-19 reads input 12.0% "
                           "(moderately_input_bound); the verdict stays healthy")
-    # the what-if: 1.66x faster with the input free = the input costs 40% of the run
-    moved = weigh(healthy, what_if={"speedup_if_input_free": 1.66})
+    # the what-if: 1.66x faster with the input free = the input costs 40% of the run,
+    # with its input wait unmeasured: input_bound, the time in the input wait
+    unmeasured = dict(healthy, input_wait=None)
+    moved = weigh(unmeasured, what_if={"speedup_if_input_free": 1.66})
     assert (moved["verdict"], moved["phase"]) == ("input_bound", "input_wait")
     assert moved["cost_share"] == pytest.approx(1 - 1 / 1.66)
-    assert "the step log read healthy (input wait 2%)" in moved["because"][0]
+    assert "the step log read healthy (input wait not measured)" in moved["because"][0]
     assert moved["fix"] == FIXES["input_bound"]
-    # under input_wait_share the what-if is no cause; agreeing evidence adds nothing
-    assert weigh(healthy, what_if={"speedup_if_input_free": 1.2})["verdict"] == "healthy"
+    # under what_if_share (at the low end of its range) the what-if is no cause; a what-if
+    # that does not know is ignored; agreeing evidence adds nothing
+    assert weigh(healthy, what_if={"speedup_if_input_free": 1.08})["verdict"] == "healthy"
+    assert weigh(healthy, what_if={"speedup_if_input_free": 1.3, "speedup_range": [1.05, 1.5]}
+                 )["verdict"] == "healthy"
+    unknown = {"speedup_if_input_free": 1.66, "speedup_range": [1.1, 2.4], "known": False}
+    assert weigh(healthy, what_if=unknown) == dict(healthy, because=[])
     bound = dict(healthy, verdict="input_bound", input_wait=0.6)
     agree = weigh(bound, xprof=[dict(xprof, classification="highly_input_bound")],
                   what_if={"speedup_if_input_free": 2.5})
@@ -624,3 +631,30 @@ def test_locate_periodic_names_the_line_the_slow_cycles_spend_their_extra_time_a
     assert locate_periodic(cycles[:9], samples[:9], period=5) is None
     assert fix_for("periodic_stall", phase="loop_body", period=5, share=0.2,
                    where="loop.py:14").endswith("move it off the step path, at loop.py:14")
+
+
+def test_weigh_names_contention_when_the_what_if_gains_and_the_wait_reads_zero():
+    # a librosa-style loader with parallel maps on 2 cores: the step log reads healthy with
+    # 1% input wait, the what-if finds 1.34x (1.25x-1.42x) with the input free
+    healthy = {"verdict": "healthy", "fix": FIXES["healthy"], "phase": None,
+               "cost_share": None, "because": [], "changed": None, "input_wait": 0.01}
+    what_if = {"speedup_if_input_free": 1.34, "speedup_range": [1.25, 1.42], "known": True,
+               "bound": "step", "method": "side_by_side"}
+    out = weigh(healthy, what_if=what_if)
+    assert (out["verdict"], out["phase"]) == ("input_bound", "step")
+    assert out["cost_share"] == pytest.approx(1 - 1 / 1.34)
+    assert out["fix"] == fix_for("input_bound", phase="step", share=1 - 1 / 1.34)
+    assert out["fix"].startswith("the input pipeline competes with the step for the CPU and "
+                                 "costs 25% of the run")
+    (why,) = out["because"]
+    assert "1.34x faster (1.25x-1.42x)" in why and "contention" in why
+    # the same gain where the run waited for it (15% wait): the input wait, not contention
+    waited = weigh(dict(healthy, input_wait=0.15), what_if=what_if)
+    assert (waited["verdict"], waited["phase"]) == ("input_bound", "input_wait")
+    assert waited["fix"] == FIXES["input_bound"]
+    from pathlib import Path
+
+    from keras_gpufix.analysis.verdicts import CONTENTION_FIX
+
+    doc = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
+    assert f"| `step` | {CONTENTION_FIX} |" in doc

@@ -666,21 +666,25 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     step of the run. An XProf trace covers a few steps and counts
     host-to-device copies as input; it never changes the verdict, and where
     its classification disagrees the verdict says so and why. The what-if
-    times the input alone and the step alone side by side: when it finds
-    the input costing at least `what_if_share` of a run judged
-    `healthy` (an input that competes with the step for the host's cores
-    reads 0% wait), the verdict becomes `input_bound`, and says that it
-    changed and why; a what-if finding nothing to gain leaves an
-    `input_bound` verdict standing (the replayed batch is cached, the run's
-    were not) and says so.
+    times the step alone beside the run's own cycles: when it finds the
+    input costing at least `what_if_share` of a run judged `healthy` (at
+    the low end of its range), the verdict becomes `input_bound`, and says
+    that it changed and why. Where the run's input wait explains that cost
+    less `what_if_share`, the input competes with the step for the host's
+    cores (the wait reads ~0 while the step runs slower beside the
+    pipeline): phase `step` and the contention fix, with the predicted
+    gain. A what-if finding nothing to gain leaves an `input_bound` verdict
+    standing (the replayed batch is cached, the run's were not) and says
+    so. A what-if that does not know (`known` False: its timings varied
+    more than `what_if_uncertainty`) is ignored.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`
             (the run's input-wait share, None when not measured).
         xprof: `profiling.analyze_trace` results of the run's traces (with
             `start_step`, `end_step` when known). Defaults to None.
-        what_if: the what-if figures (`speedup_if_input_free`, `bound`,
-            `method`). Defaults to None.
+        what_if: the what-if figures (`speedup_if_input_free`,
+            `speedup_range`, `known`, `bound`, `method`). Defaults to None.
         thresholds: overrides of `THRESHOLDS`. Defaults to None.
 
     Returns:
@@ -692,17 +696,27 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     out = dict(run, because=list(run.get("because") or []))
     verdict, wait = out["verdict"], out.get("input_wait")
     waited = "not measured" if wait is None else f"{wait:.0%}"
-    speedup = (what_if or {}).get("speedup_if_input_free")
-    if speedup:
+    what_if = what_if or {}
+    speedup = what_if.get("speedup_if_input_free")
+    if speedup and what_if.get("known", True):
+        low, high = what_if.get("speedup_range") or (speedup, speedup)
         cost = 1.0 - 1.0 / speedup
-        if verdict == "healthy" and cost >= th["what_if_share"]:
-            out.update(verdict="input_bound", phase="input_wait", cost_share=cost,
-                       fix=fix_for("input_bound"))
+        least = 1.0 - 1.0 / (low or speedup)  # the input's cost at the low end of the range
+        span = f" ({low:.2f}x-{high:.2f}x)" if low and high else ""
+        if verdict == "healthy" and least >= th["what_if_share"]:
+            contention = wait is not None and least - wait >= th["what_if_share"]
+            phase = "step" if contention else "input_wait"
+            out.update(verdict="input_bound", phase=phase, cost_share=cost,
+                       fix=fix_for("input_bound", phase=phase, share=cost))
             out["because"].append(
                 f"the step log read healthy (input wait {waited}), but with the input free "
-                f"the run would be {speedup:.2f}x faster: the input costs {cost:.0%} of the "
-                "run (it competes with the step for the host, so the wait reads low); the "
-                "what-if times both side by side, so the verdict is input_bound")
+                f"the run would be {speedup:.2f}x faster{span}: the input costs {cost:.0%} of "
+                "the run"
+                + (": contention, the input pipeline competes with the step for the CPU "
+                   "(the step ran slower in the run than replayed alone), so the wait reads "
+                   "low" if contention else " (it competes with the step for the host, so the "
+                   "wait reads low)")
+                + "; the what-if times both side by side, so the verdict is input_bound")
         elif verdict == "input_bound" and speedup < th["min_speedup"]:
             out["because"].append(
                 f"the what-if finds the run no faster with the input free ({speedup:.2f}x), "

@@ -41,7 +41,7 @@ import time
 from collections import Counter, deque
 
 from keras_gpufix.analysis import locate_periodic
-from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rate, what_if
+from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rates, what_if
 
 __all__ = ["LoopPatch", "StepsReached"]
 
@@ -119,6 +119,29 @@ class _StackSampler:
         return locate_periodic([c[0] for c in cycles], [c[1] for c in cycles], period)
 
 
+def _steps_on(fn, args, kwargs, loop):
+    """(cached, real) calls of the train function `fn` on the loop's dataset, as
+    `replay_rates` takes them, or None when the step was not called on its
+    batches as they came (`step(x, y)` for `for x, y in ds`, or `step(batch)`)."""
+    element = loop.last_element
+    if kwargs or element is None:
+        return None
+    if isinstance(element, tuple) and len(args) == len(element) and all(
+            a is e for a, e in zip(args, element)):
+        unpack = True
+    elif len(args) == 1 and args[0] is element:
+        unpack = False
+    else:
+        return None
+
+    def on(batches):
+        iterator = iter(batches)
+        return (lambda: fn(*next(iterator))) if unpack else (lambda: fn(next(iterator)))
+
+    dataset = loop.dataset
+    return on(dataset.take(1).cache().repeat().prefetch(2)), lambda: on(dataset.repeat())
+
+
 class _Current:
     """What `kg.watch` iterates: each epoch, the iterator the script already holds.
 
@@ -129,6 +152,7 @@ class _Current:
     def __init__(self, patch):
         self.patch = patch
         self.iterator = None
+        self.wait_s = 0.0  # the last next()'s own time, without watch's hooks around it
 
     def __iter__(self):
         return self
@@ -136,7 +160,11 @@ class _Current:
     def __next__(self):
         if self.patch.stopped:
             raise StopIteration
-        return next(self.iterator)
+        t0 = time.perf_counter()
+        try:
+            return next(self.iterator)
+        finally:
+            self.wait_s = time.perf_counter() - t0
 
 
 class _Loop:
@@ -161,6 +189,7 @@ class _Loop:
         self.clock = Cycles()
         self.dataset = None  # the first training dataset, for the what-if
         self.sampler = _StackSampler()
+        self.last_element = None  # the last batch it handed out
         self.wait_s = 0.0  # time in next() of the training iterators
         self.busy_s = 0.0  # from next() returning to the next call: step + between
         self.t0 = time.perf_counter()
@@ -218,6 +247,7 @@ class _WatchedIterator:
         self.called = None  # perf_counter when next() was last called
         self.returned = None  # perf_counter when next() last returned a batch
         self.in_step = 0.0  # the patch's time in step functions when it returned
+        self.input_s = 0.0  # the last batch's own time in the dataset's next()
 
     def __iter__(self):
         return self
@@ -244,7 +274,7 @@ class _WatchedIterator:
             loop.sampler.end(busy)
             loop.busy_s += busy
             step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
-            loop.clock.add(now - self.called, busy - step)
+            loop.clock.add(now - self.called, self.input_s, step)
             if patch.steps and loop.cycles >= patch.steps:
                 patch.stopped = True  # the source ends: watch closes the step and epoch
         self.mark = patch.step_calls
@@ -257,6 +287,9 @@ class _WatchedIterator:
                 raise StepsReached(patch.steps) from None
             raise
         self.returned = time.perf_counter()
+        self.input_s = loop.source.wait_s  # the batch's own wait: watch's hooks stay
+        if self.dataset is loop.dataset:
+            loop.last_element = element
         self.in_step = patch.step_s
         loop.wait_s += self.returned - now
         self.open = True
@@ -386,12 +419,14 @@ class LoopPatch:
         loop = self.loop
         try:
             input_per_s = input_rate(loop.dataset)
-            step_per_s = None
+            rates = None
             if self.last_step is not None:  # replay the train tf.function
                 fn, args, kwargs = self.last_step
                 variables = list(fn.get_concrete_function(*args, **kwargs).variables)
-                step_per_s = replay_rate(lambda: fn(*args, **kwargs), variables)
-            result = what_if(loop.clock, input_per_s, step_per_s)
+                cached, real = _steps_on(fn, args, kwargs, loop) or (
+                    lambda: fn(*args, **kwargs), None)
+                rates = replay_rates(cached, variables, real=real)
+            result = what_if(loop.clock, input_per_s, rates)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

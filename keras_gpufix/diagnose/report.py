@@ -6,8 +6,8 @@ from keras_gpufix import analysis
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
-__all__ = ["rank_causes", "run_verdict", "format_report", "healthy_evidence", "trace_evidence",
-           "input_stage", "locate_input_stage"]
+__all__ = ["rank_causes", "seen_in_code", "run_verdict", "format_report", "healthy_evidence",
+           "trace_evidence", "input_stage", "locate_input_stage"]
 
 
 def _pct(x):
@@ -128,6 +128,32 @@ def _main(fits):
         if judged else None
 
 
+def _predicted(cause, fits):
+    """The effect of fixing a ranked cause, from the run's own measurements.
+
+    The share of the time the cause cost (`score`) is the most its fix can
+    save; for `input_bound` the what-if of the run that gave it, where it
+    knows, is the prediction itself.
+    """
+    share = cause["score"]
+    what_if = next((f.get("what_if") for f in fits if f.get("what_if")
+                    and (run_verdict(f) or {}).get("verdict") == cause["verdict"]), None) or {}
+    speedup = what_if.get("speedup_if_input_free")
+    if cause["verdict"] == "input_bound" and speedup and what_if.get("known", True):
+        low, high = what_if.get("speedup_range") or (None, None)
+        return {"share": share, "speedup": speedup, "speedup_range": [low, high],
+                "source": "what-if",
+                "text": f"predicted: {speedup:.2f}x faster with the input free"
+                        + (f" ({low:.2f}x-{high:.2f}x)" if low and high else "")
+                        + " (the what-if: the step timed alone on the real input and on a "
+                          "cached batch)"}
+    speedup = 1.0 / (1.0 - share) if share < 1.0 else None
+    return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
+            "text": f"predicted: saves at most {_pct(share)} of the run"
+                    + (f" (up to {speedup:.2f}x faster)" if speedup else "")
+                    + " (the time this cause cost, measured)"}
+
+
 def rank_causes(fits, scan=()):
     """Ranks the runs' findings; returns (verdict, ranking, fixes).
 
@@ -137,43 +163,65 @@ def rank_causes(fits, scan=()):
     orders every run's verdict and live events by the share of time each
     cost (`keras_gpufix.analysis.rank_causes`), the verdict first. Static
     findings never make a verdict: they point at the lines to change for
-    a ranked cause; findings off the training path (`training_path`
-    False) are never fixes, nor are findings of a cause the judgement had
-    the evidence for and did not give (`_ruled_out`).
+    a ranked cause. Only causes this run measured a cost for are fixes,
+    each with its predicted effect; the static findings of no measured
+    cause are `seen_in_code`, apart.
 
     Returns:
         `verdict` (`healthy` when steps were judged and no cause was
         found, `unknown` when no run was judged), `ranking` (list of dicts
         `verdict`, `score`, `evidence`, `fix`, best first) and `fixes`
         (ranked list of dicts `rank`, `verdict`, `fix`, `where`: `file:line`
-        of the matching scan findings).
+        of the matching scan findings, `predicted`: `share` (the most of the
+        run the fix can save), `speedup` (None when unbounded),
+        `speedup_range`, `source` (`what-if` or `cost_share`), `text`).
     """
     ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
     main = _main(fits)
     verdict = "unknown" if main is None else run_verdict(main)["verdict"]
     ranking.sort(key=lambda c: c["verdict"] != verdict)  # stable: the verdict first
-    fixes, used = [], set()
+    fixes = []
     for cause in ranking:
+        if not cause["score"]:  # no measured cost: nothing to predict, not ranked
+            continue
         where = [f for f in scan if f.get("verdict") == cause["verdict"]
                  and f.get("training_path", True)]
-        used.update(id(f) for f in where)
         seen = []
         if cause["verdict"] == "eager_step":
             seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
                     for f in fits if (f.get("step") or {}).get("eager_where")]
-        fixes.append({"verdict": cause["verdict"], "fix": cause["fix"],
+        fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": cause["fix"],
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
-                                       for f in where]})
-    ruled_out = _ruled_out(fits, verdict)
-    for f in scan:  # code that training does not run, or a cause measured absent, is no fix
-        if (id(f) not in used and f.get("verdict") is not None and f.get("training_path", True)
-                and f["verdict"] not in ruled_out):
-            fixes.append({"verdict": f["verdict"], "fix": f["fix"],
-                          "where": [f"{f['file']}:{f['line']}: {f['why']}"]})
+                                       for f in where],
+                      "predicted": _predicted(cause, fits)})
     locate_input_stage(fixes, fits)
-    for rank, fix in enumerate(fixes, start=1):
-        fix["rank"] = rank
     return verdict, ranking, fixes
+
+
+def seen_in_code(fits, scan, fixes):
+    """The static findings no ranked fix measured: listed apart, never ranked.
+
+    Findings off the training path (`training_path` False) are left out,
+    as are those of a cause the judgement had the evidence for and did not
+    give (`_ruled_out`); what remains (e.g. `numpy_in_loop` when GPU
+    utilisation was not measured, a `dispatch_bound` the run cannot see)
+    may matter, but this run measured no effect for it.
+
+    Args:
+        fits: the runs, as `rank_causes` takes them.
+        scan: the static scan's findings.
+        fixes: `rank_causes`'s ranked fixes.
+
+    Returns:
+        A list of dicts `verdict`, `fix`, `where` (`file:line: why`).
+    """
+    main = _main(fits)
+    ruled_out = _ruled_out(fits, "unknown" if main is None else run_verdict(main)["verdict"])
+    ranked = {f["verdict"] for f in fixes}
+    return [{"verdict": f["verdict"], "fix": f["fix"],
+             "where": [f"{f['file']}:{f['line']}: {f['why']}"]}
+            for f in scan if f.get("verdict") is not None and f.get("training_path", True)
+            and f["verdict"] not in ranked and f["verdict"] not in ruled_out]
 
 
 def input_stage(fit):
@@ -279,7 +327,13 @@ def format_report(result):
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
+            lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
+    if result.get("seen_in_code"):
+        lines.append("seen in the code (no effect measured in this run: not ranked):")
+        for seen in result["seen_in_code"]:
+            lines.append(f"  - [{seen['verdict']}] {seen['fix']}")
+            lines += [f"    {w}" for w in seen["where"]]
     lines.append(f"static scan: {len(result['scan'])} finding(s)")
     lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}"
               + ("" if f.get("training_path", True) else " (not on the training path)")

@@ -20,11 +20,12 @@ import warnings
 from keras_gpufix import __version__
 from keras_gpufix.analysis import stages_needed
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
-from keras_gpufix.diagnose.report import healthy_evidence, rank_causes, trace_evidence
+from keras_gpufix.diagnose.report import (healthy_evidence, rank_causes, seen_in_code,
+                                          trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
-from keras_gpufix.diagnose.what_if import (Cycles, cycle_callback, fit_replay, input_rate,
-                                           replay_rate, what_if)
+from keras_gpufix.diagnose.what_if import (Cycles, cycle_callbacks, fit_replay, input_rate,
+                                           replay_rates, what_if)
 from keras_gpufix.exceptions import GpufixWarning, warn
 from keras_gpufix.output import import_tensorflow_quietly
 
@@ -236,7 +237,8 @@ class FitPatch:
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         counter = _step_counter(self.steps)
         cycles = Cycles()
-        arguments["callbacks"] = user + ours + [cycle_callback(cycles), counter]
+        first, last = cycle_callbacks(cycles)
+        arguments["callbacks"] = [first] + user + ours + [last, counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
         return bound, mine, counter, info, (x if dataset else None, cycles)
@@ -247,8 +249,10 @@ class FitPatch:
             return {"reason": "the input is not a tf.data.Dataset"}
         try:
             input_per_s = input_rate(dataset)
-            call, variables, per_call = fit_replay(model, dataset)
-            result = what_if(cycles, input_per_s, replay_rate(call, variables, per_call))
+            cached, real, variables, per_call = fit_replay(model, dataset)
+            result = what_if(cycles, input_per_s,
+                             replay_rates(cached, variables, real, batches_per_call=per_call),
+                             batches_per_cycle=per_call)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}
@@ -465,10 +469,12 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         it), `ended_by` (None, or what stopped the script early: `kind`
         `exception` or `signal`, `type`, `message`, `raised_at` and
         `script_line` as file:line, `steps_seen`, `text`), `verdict`,
-        `evidence` (of the verdict), `ranking`, `fixes` (ranked), `scan`,
+        `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
+        its `predicted` effect), `seen_in_code` (static findings of no
+        measured cause: not ranked), `scan`,
         `environment`, `fits` (one per `fit` or custom loop: the monitors'
         reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
-        `step_batches_per_s`, `speedup_if_input_free`, ...), `traces`
+        `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`, ...), `traces`
         (XProf evidence), `log_dir`, `notes`.
 
     Raises:
@@ -543,6 +549,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "evidence": evidence,
         "ranking": ranking,
         "fixes": fixes,
+        "seen_in_code": seen_in_code(patch.fits, scan, fixes),
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,

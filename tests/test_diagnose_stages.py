@@ -145,6 +145,9 @@ def test_stages_needed_only_when_the_input_costs_time():
     assert stages_needed("periodic_stall", {"bound": "input"})
     assert not stages_needed("healthy", {"speedup_if_input_free": 1.0, "bound": "step"})
     assert not stages_needed("recompiling", None)
+    # a what-if that does not know is no reason to measure
+    assert not stages_needed("healthy", {"speedup_if_input_free": 1.4, "bound": "input",
+                                         "known": False})
 
 
 def test_locate_input_stage_replaces_the_generic_fix_and_drops_cheap_stage_lines():

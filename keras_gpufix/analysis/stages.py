@@ -43,10 +43,13 @@ def stages_needed(verdict, what_if=None) -> bool:
             `bound`), or None.
 
     Returns:
-        True when the run was judged `input_bound`, or the what-if finds
-        the input the bound or the run faster with the input free.
+        True when the run was judged `input_bound`, or the what-if (when
+        it knows: `known` not False) finds the input the bound or the run
+        faster with the input free.
     """
     what_if = what_if or {}
+    if what_if.get("known") is False:  # the what-if says it does not know
+        what_if = {}
     speedup = what_if.get("speedup_if_input_free") or 0.0
     return (verdict == "input_bound" or what_if.get("bound") == "input"
             or speedup >= THRESHOLDS["min_speedup"])

@@ -15,6 +15,7 @@ planted fits of the table in one script (diagnose's verdict of each run is
 `rank_causes` over that run's entry, as diagnose computes its top line).
 """
 
+import gc
 import glob
 import json
 import os
@@ -126,6 +127,10 @@ def test_every_output_of_a_run_names_its_verdict(verdict, loop, tmp_path, capsys
     model, dataset, before, after = planted(verdict)
     monitor = kg.GPUOscillationMonitor(nvml=False, log_dir=str(tmp_path))
     ours = [monitor, kg.RetracingMonitor(verbose=0), kg.StepTimer()]
+    # The garbage of the tests before (a long pytest process) collected now,
+    # not as a pause of 100+ ms inside this 1 s run (a real one-off stall:
+    # it read irregular_stall once in a full-suite run).
+    gc.collect()
     history, watch_report = loop(model, dataset, [*before, *ours, *after])
     named = {
         "console": console_verdicts(capsys.readouterr().out),

@@ -14,7 +14,7 @@ a step counter. The stream reads the ring with its other measurements
 (every quarter second and at epoch end: two variable reads), never per
 step. One probe per train function: it stays in the traced graph (later
 fits of the model reuse it), where it costs a few small host ops per step:
-about 60 us on a loaded 2-core CPU host (`benchmarks/step_shapes_overhead.py`).
+60-130 us on a loaded 2-core CPU host (`benchmarks/step_shapes_overhead.py`).
 
 Under a `tf.distribute` strategy the batch is per replica: the shape of a
 tensor is its first replica's with the rows of all replicas, i.e. the

@@ -649,11 +649,17 @@ def from_config(cfg) -> Setup:
     import keras
 
     import keras_gpufix as kg
+    from keras_gpufix.compile.compile_cache import CompileCache
 
     if not isinstance(cfg, Config):
         cfg = load_config(cfg)
-    strategy = _made(cfg, "strategy", kg.setup_strategy, cfg.strategy)
     compile_kwargs = dict(cfg.compile)
+    if compile_kwargs.get("jit_compile", True):  # before TensorFlow starts (the strategy)
+        asked = compile_kwargs.get("compile_cache", "auto")
+        cache = _made(cfg, "compile", lambda compile_cache: CompileCache.enable(
+            compile_cache, beside=cfg.data.get("cache_dir")), {"compile_cache": asked})
+        compile_kwargs["compile_cache"] = cache.directory if cache.active else asked
+    strategy = _made(cfg, "strategy", kg.setup_strategy, cfg.strategy)
     policy = compile_kwargs.get("mixed_precision", "auto")
     if policy is not None:
         policy = compile_kwargs["mixed_precision"] = kg.enable_mixed_precision(policy)

@@ -40,6 +40,7 @@ __all__ = [
     "surround_callbacks",
     "symbolic_build",
     "tf_function_class",
+    "tensorflow_started",
     "traced_functions",
 ]
 
@@ -480,6 +481,33 @@ def plain_variable(initial_value):
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.ResourceVariable(initial_value, trainable=False)
+def tensorflow_started() -> "bool | None":
+    """Whether TensorFlow has listed or created its devices in this process.
+
+    TensorFlow reads `TF_XLA_FLAGS` once, when it first lists or creates its
+    devices (the first `tf.constant`, dataset, Keras layer or
+    `tf.config.list_physical_devices()`), not at `import tensorflow`.
+    TensorFlow 2.21.0: the eager context's `_physical_devices` (listed) and
+    `_context_handle` (created) are None until then.
+
+    Returns:
+        False when TensorFlow is not imported or has not started; True when
+        it has; None (with one `GpufixWarning`) when the structure changed.
+    """
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return False
+    try:
+        from tensorflow.python.eager import context
+
+        ctx = context.context()
+        return ctx._physical_devices is not None or ctx._context_handle is not None
+    except Exception as exc:  # an unknown TensorFlow: say "not verified"
+        _off("TensorFlow's eager context (_physical_devices)", exc)
+        return None
+
+
 def map_function_stateful(dataset) -> "bool | None":
     """Whether the function of a `map` (or `filter`) dataset holds a stateful op.
 

@@ -24,7 +24,8 @@ checks that they took. The package holds one concern per module:
 `hardware` (device facts and whether a policy is fast here), `precision`
 (the dtype policy and the check of the built layers), `verification`
 (whether XLA took, read from the traced step), `calibration` (the sample
-runner and `steps_per_execution`) and `entry` (`compile_model` and
+runner and `steps_per_execution`), `compile_cache` (XLA compiles kept
+across runs) and `entry` (`compile_model` and
 `CompileReport`). What needs Keras internals (the per-replica XLA step,
 the multi-worker fixes, reading the traced step) is in `keras_internals`.
 The names load on first use, so `keras_gpufix.compile.hardware` (what
@@ -34,6 +35,7 @@ The names load on first use, so `keras_gpufix.compile.hardware` (what
 from keras_gpufix._lazy import lazy_getattr
 
 _EXPORTS = {
+    "CompileCache": "keras_gpufix.compile.compile_cache",
     "CompileReport": "keras_gpufix.compile.entry",
     "compile_model": "keras_gpufix.compile.entry",
     "device_info": "keras_gpufix.compile.hardware",

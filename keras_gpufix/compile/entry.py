@@ -10,6 +10,7 @@ internals: they are `keras_internals` functions.
 
 import dataclasses
 import logging
+import time
 from typing import Optional
 
 import keras
@@ -20,6 +21,7 @@ from keras_gpufix.compile.calibration import (
     choose_steps,
     first_working,
 )
+from keras_gpufix.compile.compile_cache import CompileCache
 from keras_gpufix.compile.precision import POLICIES, check_precision
 from keras_gpufix.compile.verification import (
     describe_xla_error,
@@ -71,6 +73,16 @@ class CompileReport:
         calibration: the `steps_per_execution` measurement (seconds): one
             execution of 1 step, of `k` steps, the derived fixed overhead per
             execution and time per step; None when not measured.
+        compile_cache: the persistent XLA compile cache (`CompileCache`):
+            `directory` (None when off), `active`, `note` (why it is off, with
+            how to turn it on) and `entries` (in the folder after the sample
+            steps); None when XLA was not asked.
+        compiles: the sample steps' XLA compiles, one dict per input shape:
+            `shape` (of each input tensor), `seconds` (the first step's time
+            over a steady step's: tracing and compiling, or tracing and
+            loading from the cache), `from_cache` (True: loaded from the
+            compile cache, no entry written; False: compiled afresh) and
+            `kept` (whether the cache keeps it for later runs).
         reason: one line per choice, saying which and why.
     """
 
@@ -84,6 +96,8 @@ class CompileReport:
     verified: bool = False
     num_replicas: int = 1
     calibration: Optional[dict] = None
+    compile_cache: Optional[dict] = None
+    compiles: list = dataclasses.field(default_factory=list)
     reason: str = ""
 
     def __str__(self):
@@ -92,7 +106,9 @@ class CompileReport:
             f"{', verified' if self.verified else ', not verified'})",
             f"policy={self.policy} loss_scaling={self.loss_scaling}",
             f"steps_per_execution={self.steps_per_execution}",
-        ]
+        ] + [f"compile {c['shape']}: {c['seconds']:.2f} s, "
+             + ("from the compile cache" if c["from_cache"] else "fresh")
+             + ("" if c["kept"] else " (not kept across runs)") for c in self.compiles]
         return "\n".join(lines + self.reason.splitlines())
 
 
@@ -106,6 +122,7 @@ def compile_model(
     mixed_precision: Optional[str] = "auto",
     steps_per_execution="auto",
     sample_batch=None,
+    compile_cache="auto",
     **compile_kwargs,
 ) -> CompileReport:
     """Calls `model.compile` with every speed setting explicit and checked.
@@ -121,6 +138,12 @@ def compile_model(
     - The layers' compute dtype is checked against the policy
       (`mixed_precision`); a mismatch warns with the fix. Float16 layers get
       exactly one `LossScaleOptimizer`.
+    - With XLA, compiles are kept across runs (`compile_cache`, see
+      `CompileCache`): a restarted run loads each shape's executable
+      instead of compiling it. On TensorFlow this takes effect only when it
+      was turned on before TensorFlow started (`kg.from_config` does); the
+      report's `compile_cache` note says how otherwise. With `sample_batch`
+      the report gives the seconds of each compile, fresh or from the cache.
     - `steps_per_execution="auto"` times executions of 1 and of 16 steps on
       `sample_batch` and picks the smallest power of two that keeps the
       per-execution overhead under 5 % (at most 64, at most about one
@@ -155,6 +178,10 @@ def compile_model(
         sample_batch: `(x, y)` or `(x, y, sample_weight)` of the size used in
             training, or a `tf.data.Dataset` (its first batch). Defaults to
             None (nothing is run).
+        compile_cache: where XLA compiles are kept across runs: `"auto"`
+            (the process's cache where one is on, else
+            `~/.cache/keras_gpufix/xla`), a folder, or None (off). Used
+            only with XLA. Defaults to `"auto"`.
         **compile_kwargs: passed to `model.compile`.
 
     Returns:
@@ -171,6 +198,7 @@ def compile_model(
     """
     check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
+    cache = CompileCache.enable(compile_cache) if jit_compile else None
     strategy = model.distribute_strategy
     replicas = int(strategy.num_replicas_in_sync)
     reasons = []
@@ -218,7 +246,8 @@ def compile_model(
     )
     if batch is not None:
         _run_sample_steps(model, batch, strategy, report, steps_per_execution,
-                          _epoch_steps(sample_batch), _element_spec(sample_batch))
+                          _epoch_steps(sample_batch), _element_spec(sample_batch),
+                          cache or CompileCache(None))
     elif model.steps_per_execution > 1 and _is_mirrored(strategy) and replicas > 1:
         model.steps_per_execution = report.steps_per_execution = 1
         _warn_steps(
@@ -237,6 +266,11 @@ def compile_model(
         reasons.append("steps_per_execution=1: not measured (no sample_batch)")
 
     reasons.insert(0, jit_reason(report, jit_compile, strategy, sample_batch is not None))
+    if cache is not None:
+        report.compile_cache = {"directory": cache.directory, "active": cache.active,
+                                "note": cache.note, "entries": len(cache.entries())}
+        reasons.insert(1, f"compile cache: {cache.directory}" if cache.active
+                       else f"compile cache: off: {cache.note}")
     report.reason = "\n".join(reasons)
     logger.info("compile_model: %s", str(report).replace("\n", "; "))
     return report
@@ -342,7 +376,7 @@ def _element_spec(sample_batch):
 
 
 def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
-                      epoch_steps, element_spec):
+                      epoch_steps, element_spec, cache):
     with strategy.scope():
         symbolic_build(model, batch)
     variables = list(model.variables) + list(model.optimizer.variables)
@@ -352,8 +386,20 @@ def _run_sample_steps(model, batch, strategy, report, steps_per_execution,
             MAX_STEPS_PER_EXECUTION if steps_per_execution == "auto"
             else model.steps_per_execution
         )
-        run, loop_error, error = first_working(model, batch, strategy, target,
-                                                element_spec)
+        with cache.watch() as seen:
+            start = time.perf_counter()
+            run, loop_error, error = first_working(model, batch, strategy, target,
+                                                    element_spec)
+            first_s = time.perf_counter() - start
+        if run is not None and report.jit_compile:
+            start = time.perf_counter()
+            run.step()
+            report.compiles.append({
+                "shape": [list(t.shape) for t in tf.nest.flatten(batch)],
+                "seconds": max(0.0, first_s - (time.perf_counter() - start)),
+                "from_cache": cache.active and seen["written"] == 0,
+                "kept": cache.active,
+            })
         if run is None:
             if not report.jit_compile:
                 raise error

@@ -2,7 +2,8 @@
 
 `cache_build`, `cache_info` and `cache_clear` manage the builder's feature
 cache (`kg.data.FeatureCache`, which owns the layout: listing, leftovers,
-removing) ahead of training. The cache entry depends on the corpus and on
+removing) ahead of training, and the XLA compile entries kept beside it
+(`<cache_dir>/xla`, where `kg.from_config` keeps them: `CompileCache`). The cache entry depends on the corpus and on
 the audio/text configs, so they take the same `--config` as training (or
 the defaults); `corpus_builder` turns those arguments into a
 `SpeechDatasetBuilder` (`bench-data` uses it too).
@@ -77,8 +78,11 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
         `reason`) and `other_entries` (other
         fingerprints in the folder: stale versions of this corpus or other
         corpora, with their sizes) and `leftovers` (temporary folders of
-        interrupted or failed builds, which `cache_clear` removes).
+        interrupted or failed builds, which `cache_clear` removes),
+        `compile_dir` and `compile_entries` (the XLA compile entries
+        beside the feature cache: dicts `name`, `size_bytes`).
     """
+    from keras_gpufix.compile.compile_cache import CompileCache
     from keras_gpufix.data.cache import FeatureCache
 
     builder, cache_dir = corpus_builder(corpus, cache_dir, config, verbose=0)
@@ -100,7 +104,16 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
                           for n in FeatureCache.entries(cache_dir) if n != mine],
         "leftovers": [{"name": n, "size_bytes": _dir_size(os.path.join(cache_dir, n))}
                       for n in FeatureCache.leftovers(cache_dir)],
+        "compile_dir": CompileCache.default_directory(beside=cache_dir),
+        "compile_entries": _compile_cache(cache_dir).entries(),
     }
+
+
+def _compile_cache(cache_dir):
+    """The XLA compile entries kept beside the feature cache in `cache_dir`."""
+    from keras_gpufix.compile.compile_cache import CompileCache
+
+    return CompileCache(CompileCache.default_directory(beside=cache_dir))
 
 
 def cache_build(corpus, cache_dir=None, config=None, verbose=1):
@@ -125,13 +138,14 @@ def cache_build(corpus, cache_dir=None, config=None, verbose=1):
 
 def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=0):
     """Removes the cache entry of `corpus` (every entry with `all_entries`),
-    and the temporary folders that interrupted or failed builds left.
+    the temporary folders that interrupted or failed builds left, and the
+    XLA compile entries beside them.
 
     An entry is renamed aside first, so no reader ever sees half of one.
 
     Returns:
         A dict: `cache_dir`, `removed` (entry and leftover names),
-        `freed_bytes`.
+        `compile_removed` (compile entry names), `freed_bytes` (both).
     """
     from keras_gpufix.data.cache import FeatureCache
 
@@ -147,8 +161,10 @@ def cache_clear(corpus, cache_dir=None, config=None, all_entries=False, verbose=
         FeatureCache.remove(cache_dir, name)
         removed.append(name)
         freed += size
+    compiled = _compile_cache(cache_dir).clear()
     return {"action": "clear", "corpus": corpus, "cache_dir": cache_dir, "removed": removed,
-            "freed_bytes": freed}
+            "compile_removed": compiled["removed"],
+            "freed_bytes": freed + compiled["freed_bytes"]}
 
 
 def _mb(n):
@@ -157,11 +173,15 @@ def _mb(n):
 
 def format_cache(result):
     if result["action"] == "clear":
-        if not result["removed"]:
+        compiled = len(result["compile_removed"])
+        if not result["removed"] and not compiled:
             return f"nothing to clear in {result['cache_dir']}"
-        return (f"removed {len(result['removed'])} entr{'y' if len(result['removed']) == 1 else 'ies'} "
-                f"from {result['cache_dir']} ({_mb(result['freed_bytes'])}): "
-                + ", ".join(result["removed"]))
+        n = len(result["removed"])
+        return (f"removed {n} entr{'y' if n == 1 else 'ies'} "
+                + (f"and {compiled} XLA compile entr{'y' if compiled == 1 else 'ies'} "
+                   if compiled else "")
+                + f"from {result['cache_dir']} ({_mb(result['freed_bytes'])})"
+                + (": " + ", ".join(result["removed"]) if n else ""))
     lines = []
     if result["action"] == "build":
         lines.append(f"cache {result['build']} in {result['seconds']:.2f} s")
@@ -173,6 +193,10 @@ def format_cache(result):
         f"status:       {result['status']}"
         + ("" if result["status"] == "fresh" else " (run `keras-gpufix cache build`)"),
         f"size:         {_mb(result['size_bytes'])}",
+        f"compiles:     {len(result['compile_entries'])} XLA compile entries in "
+        f"{result['compile_dir']} "
+        f"({_mb(sum(e['size_bytes'] for e in result['compile_entries']))}; kept across runs, "
+        "`cache clear` removes them)",
     ]
     others = result["other_entries"]
     if others:

@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     sub = args.subparser
-    import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
+    if args.command != "demo":  # the demo turns its compile cache on before TensorFlow starts
+        import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo,
                "data-service": data_service.run_from_args}[args.command]

@@ -12,8 +12,18 @@
 5. the report: what the builder skipped and padded, each way's one verdict
    (`GPUOscillationMonitor.report()`, judged after the first epoch, whose
    XLA compiles, one per length bucket, are expected) with its evidence and
-   utterances/s after the first epoch, and the measured ratio naming the
-   faster way.
+   utterances/s after the first epoch, each way's first epoch split into
+   compiling (`RetracingMonitor`'s priced compiles: tracing, and XLA
+   compiling or loading from the compile cache) and training, each way's
+   wall time (its setup, feature cache and compile included, to its last
+   epoch), the measured ratio naming the faster way and the pay-back point:
+   after how many utterances (and seconds) the keras_gpufix way had caught
+   up with the naive way, both counted from their setup, measured in this
+   run (projected at the steady rates, and said so, when it had not yet).
+
+XLA compiles are kept across runs in `cache/xla` beside the feature cache
+(`CompileCache`, turned on before TensorFlow starts): a second demo in the
+same `--dir` loads them instead of compiling.
 
 Both ways are traced once by a `kg.ProfilerTrigger` in steady state (up to 6
 steps of the second epoch, from its second step), so TensorBoard's Profile
@@ -33,6 +43,7 @@ import shutil
 import tempfile
 import time
 
+from keras_gpufix.compile.compile_cache import CompileCache
 from keras_gpufix.output import emit, faster, import_tensorflow_quietly
 
 __all__ = ["run_demo", "format_demo", "DEMO_CONFIG"]
@@ -110,8 +121,10 @@ def _name_run(staging, run_dir):
 
 
 def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per_epoch,
-          history):
+          history, started, step_ends):
     losses = history.history.get("loss", [])
+    per_step = samples_per_epoch / steps_per_epoch
+    compiles = [e for e in retracing.report()["shape_events"] if e["epoch"] == 0]
     return {
         "monitor": monitor.report(),
         "retracing": retracing.report(),
@@ -122,20 +135,61 @@ def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per
         "samples_per_epoch": samples_per_epoch,
         "steady_samples_per_s": _steady_rate(epoch_seconds, samples_per_epoch),
         "loss": [losses[0], losses[-1]] if losses else [],
+        "first_epoch_compile_s": sum(e["cost_ms"] for e in compiles) / 1e3,
+        "wall_seconds": step_ends[-1] - started if step_ends else None,
+        "progress": [((i + 1) * per_step, t - started) for i, t in enumerate(step_ends)],
     }
 
 
+def _at(progress, utterances, rate):
+    """Seconds a way took to reach `utterances` (linear between its steps,
+    at its steady `rate` past its last step)."""
+    (n0, t0) = (0.0, 0.0)
+    for n1, t1 in progress:
+        if utterances <= n1:
+            return t0 + (t1 - t0) * (utterances - n0) / (n1 - n0) if n1 > n0 else t1
+        n0, t0 = n1, t1
+    return t0 + (utterances - n0) / rate if rate else float("inf")
+
+
+def _payback(slow, fast):
+    """When `fast` caught up with `slow`: both counted from their setup.
+
+    Args:
+        slow, fast: `run_demo` sides (their `progress`: (utterances done,
+            seconds since the way's setup began) at each step's end, and
+            `steady_samples_per_s`).
+
+    Returns:
+        None when `fast` never catches up (not faster in steady state);
+        else a dict: `utterances`, `seconds` (fast's time then) and
+        `measured` (True: within this run; False: projected at both ways'
+        steady rates past the run's end).
+    """
+    for n, t in fast["progress"]:
+        if t <= _at(slow["progress"], n, slow["steady_samples_per_s"]):
+            return {"utterances": n, "seconds": t, "measured": True}
+    r_slow, r_fast = slow["steady_samples_per_s"], fast["steady_samples_per_s"]
+    if not fast["progress"] or not r_slow or not r_fast or r_fast <= r_slow:
+        return None
+    n, t = fast["progress"][-1]
+    extra = (t - _at(slow["progress"], n, r_slow)) / (1 / r_slow - 1 / r_fast)
+    return {"utterances": n + extra, "seconds": t + extra / r_fast, "measured": False}
+
+
 def _fit(model, dataset, epochs, callbacks, steps=None):
-    """`model.fit` quietly; returns (history, wall seconds of each epoch)."""
+    """`model.fit` quietly; returns (history, wall seconds of each epoch, the
+    `perf_counter` time of each step's end)."""
     import keras
 
-    seconds, start = [], []
+    seconds, start, ends = [], [], []
     clock = keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: start.append(time.perf_counter()),
+        on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()),
         on_epoch_end=lambda epoch, logs: seconds.append(time.perf_counter() - start[-1]))
     history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps, shuffle=False,
                         callbacks=[clock, *callbacks], verbose=0)  # both loaders shuffle
-    return history, seconds
+    return history, seconds, ends
 
 
 def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
@@ -164,11 +218,21 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         (ProfilerTrigger's: one XProf trace of up to 6 steps of the second
         epoch, none with one epoch), `steps_per_epoch`, `epoch_seconds`,
         `fit_seconds`, `samples_per_epoch`, `steady_samples_per_s`, `loss`
-        first and last epoch), `log_dir` (TensorBoard: runs `naive` and
+        first and last epoch, `first_epoch_compile_s` (the first epoch's
+        priced compiles), `wall_seconds` (from the way's setup to its last
+        step), `progress` (utterances done and seconds since the setup at
+        each step's end)), `payback` (`_payback(naive, keras_gpufix)`),
+        `compile_cache` (`directory`, `active`, `note`, `entries`,
+        `written`: entries the keras_gpufix way's fit added, i.e. its
+        fresh compiles), `log_dir` (TensorBoard: runs `naive` and
         `keras_gpufix`, each with its scalars and its trace), `devices`.
     """
     import dataclasses
 
+    workdir = workdir or tempfile.mkdtemp(prefix="keras_gpufix_demo_")
+    os.makedirs(workdir, exist_ok=True)
+    # before TensorFlow starts (it reads TF_XLA_FLAGS once): beside the feature cache
+    compile_cache = CompileCache.enable(beside=os.path.join(workdir, "cache"))
     tf = _import_tensorflow_quietly()
 
     import keras
@@ -176,8 +240,6 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     import keras_gpufix as kg
     from keras_gpufix.data.naive import naive_dataset
 
-    workdir = workdir or tempfile.mkdtemp(prefix="keras_gpufix_demo_")
-    os.makedirs(workdir, exist_ok=True)
     config_path = os.path.join(workdir, "demo.yaml")
     with open(config_path, "w") as f:
         f.write(DEMO_CONFIG.format(name=config_path, epochs=epochs, warmup=utterances // 8))
@@ -210,6 +272,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
 
     emit(f"1/2 naive: NumPy spectrogram in tf.numpy_function, padded batches, model.compile "
          f"defaults; {epochs} epochs ...", verbose)
+    started = time.perf_counter()
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
     naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
@@ -217,16 +280,16 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
     naive_trace = _steady_trace(kg, os.path.join(log_dir, "naive"), naive_steps, epochs)
-    history, seconds = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
-                            [monitor, retracing, kg.StepTimer(log_dir=staging)]
-                            + [naive_trace] * (naive_trace is not None), steps=naive_steps)
+    history, seconds, ends = _fit(naive_model, naive_ds.map(to_xy).repeat(), epochs,
+                                  [monitor, retracing, kg.StepTimer(log_dir=staging)]
+                                  + [naive_trace] * (naive_trace is not None), steps=naive_steps)
     _name_run(staging, os.path.join(log_dir, "naive"))  # beside the keras_gpufix way's run
     naive = _side(monitor, retracing, naive_trace, naive_steps, seconds,
-                  naive_steps * cfg.build["batch_size"], history)
+                  naive_steps * cfg.build["batch_size"], history, started, ends)
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "
          f"cache, length buckets, kg.compile_model); {epochs} epochs ...", verbose)
-    t1 = time.perf_counter()
+    started = t1 = time.perf_counter()
     setup.builder.prepare()  # the feature cache, timed apart from fit
     cache_seconds = time.perf_counter() - t1
     train = setup.dataset(seed=0).map(to_xy).repeat()  # as the naive way: one iterator
@@ -236,11 +299,13 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     steps = setup.builder.report["batches_per_epoch"]
     trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps,
                           setup.fit_kwargs["epochs"])
-    history, seconds = _fit(model, train, setup.fit_kwargs["epochs"],
-                            setup.callbacks + [trace] * (trace is not None), steps=steps)
+    with compile_cache.watch() as written:
+        history, seconds, ends = _fit(model, train, setup.fit_kwargs["epochs"],
+                                      setup.callbacks + [trace] * (trace is not None),
+                                      steps=steps)
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,
-                 seconds, setup.builder.report["utterances"], history)
+                 seconds, setup.builder.report["utterances"], history, started, ends)
     return {
         "workdir": workdir,
         "config": config_path,
@@ -250,6 +315,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         "compile": dataclasses.asdict(report),
         "naive": naive,
         "keras_gpufix": fast,
+        "payback": _payback(naive, fast),
+        "compile_cache": {**(report.compile_cache or {}), "written": written["written"]},
         "log_dir": log_dir,
         "devices": [d.name for d in tf.config.list_logical_devices()],
     }
@@ -268,7 +335,7 @@ def _trace_line(t, steps_per_epoch):
             f"{a.get('input_percent') or 0:.1f}%")
 
 
-def _side_lines(side):
+def _side_lines(side, compiled=""):
     m, r = side["monitor"], side["retracing"]
     wait = m.get("input_wait")
     rate = side["steady_samples_per_s"]
@@ -281,15 +348,37 @@ def _side_lines(side):
     lines += [_trace_line(t, side["steps_per_epoch"]) for t in side["traces"]]
     if m.get("verdict") != "healthy":
         lines.append(f"          fix:      {m.get('fix')}")
-    lines.append(f"          speed:    first epoch {side['epoch_seconds'][0]:.1f} s, then "
+    first, compiling = side["epoch_seconds"][0], side["first_epoch_compile_s"]
+    lines.append(f"          speed:    first epoch {first:.1f} s (compiling {compiling:.1f} s"
+                 f"{compiled}, training and start-up {max(0.0, first - compiling):.1f} s), then "
                  + ("-" if rate is None else f"{rate:.0f} utterances/s")
                  + (f"; loss {loss[0]:.3f} -> {loss[1]:.3f}" if loss else ""))
     return lines
 
 
+def _cache_words(cache, shapes):
+    """How the keras_gpufix way's compiles went: fresh or from the compile cache."""
+    if not cache.get("active"):
+        return ": not kept across runs (compile cache off)"
+    fresh = min(cache["written"], shapes)
+    return f": {fresh} of {shapes} shapes fresh, {shapes - fresh} from the compile cache"
+
+
+def _payback_words(p, ways=("keras_gpufix", "naive")):
+    fast, slow = ways
+    if p is None:
+        return f"{fast} does not catch up with {slow} (not faster in steady state)"
+    if p["measured"] and p["utterances"] <= 0:
+        return f"{fast} was ahead from its first step"
+    when = f"{p['utterances']:.0f} utterances ({p['seconds']:.1f} s from its setup)"
+    return (f"{fast} caught up with {slow} after {when}, measured in this run" if p["measured"]
+            else f"{fast} had not caught up with {slow} by the end of this run: at the steady "
+                 f"rates it would after {when}")
+
+
 def format_demo(result):
     """The demo's report for people: data, both ways side by side, the ratio."""
-    b, c = result["builder"], result["compile"]
+    b, c, cache = result["builder"], result["compile"], result["compile_cache"]
     naive, fast = result["naive"], result["keras_gpufix"]
     skipped = "".join(f"\n          skipped line {s['line']} ({s['id']}): {s['reason']}"
                       for s in b["skipped"])
@@ -305,10 +394,15 @@ def format_demo(result):
         f"compile_model (jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "
         f"steps_per_execution={c.get('steps_per_execution')})"
         + (f", fallback: {c['fallback_reason']}" if c.get("fallback_reason") else ""),
-        *_side_lines(fast),
+        "          compile cache: " + (f"{cache['directory']} ({cache['entries']} entries)"
+                                       if cache.get("active") else f"off: {cache.get('note')}"),
+        *_side_lines(fast, _cache_words(cache, fast["retracing"].get("new_shapes") or 0)),
         "result:   " + faster("keras_gpufix", fast["steady_samples_per_s"], "naive",
                               naive["steady_samples_per_s"], " utterances/s")
-        + " after the first epoch, same corpus and model, this run",
+        + " after the first epoch, same corpus and model, this run; "
+        + _payback_words(result["payback"]),
+        f"wall:     naive {naive['wall_seconds']:.1f} s, keras_gpufix {fast['wall_seconds']:.1f} s "
+        "(each way from its setup, feature cache and compile included, to its last step)",
         f"next:     tensorboard --logdir {result['log_dir']} (runs naive and keras_gpufix; "
         "Profile tab: one trace of each)   |   keras-gpufix validate " + result["config"],
         "TensorFlow's own log lines were hidden: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo "

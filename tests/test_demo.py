@@ -36,7 +36,8 @@ def without_librosa(folder):
 def demo(tmp_path_factory):
     """(completed process, work folder) of one `keras-gpufix demo` run."""
     tmp = tmp_path_factory.mktemp("demo")
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_XLA_FLAGS")}  # a user's shell
     env["PYTHONPATH"] = os.pathsep.join([without_librosa(str(tmp / "no_librosa")), REPO])
     blocked = subprocess.run([sys.executable, "-c", "import librosa"], env=env,
                              capture_output=True, text=True)
@@ -89,6 +90,31 @@ def test_demo_shows_the_naive_way_then_the_keras_gpufix_way_and_which_is_faster(
     assert main(["validate", str(workdir / "demo.yaml")]) == 0
 
 
+def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo):
+    proc, workdir = demo
+    lines = proc.stdout.splitlines()
+    speed = [line for line in lines if line.strip().startswith("speed:")]
+    splits = [re.search(r"first epoch ([\d.]+) s \(compiling ([\d.]+) s(.*?), "
+                        r"training and start-up ([\d.]+) s\)", line) for line in speed]
+    assert len(splits) == 2 and all(splits), speed
+    for m in splits:
+        first, compiling, rest = float(m[1]), float(m[2]), float(m[4])
+        assert abs(first - compiling - rest) <= 0.16 and compiling > 0
+    # the compile cache beside the feature cache: a fresh folder, so every shape fresh
+    xla = workdir / "cache" / "xla"
+    assert f"compile cache: {xla} (0 entries)" in proc.stdout
+    shapes = int(re.search(r"(\d+) batch shapes", proc.stdout)[1])
+    assert splits[1][3] == f": {shapes} of {shapes} shapes fresh, 0 from the compile cache"
+    assert len(os.listdir(xla)) == shapes
+    result = next(line for line in lines if line.startswith("result:"))
+    assert re.search(r"; keras_gpufix (caught up with naive after \d+ utterances \([\d.]+ s "
+                     r"from its setup\), measured in this run|had not caught up with naive by "
+                     r"the end of this run: at the steady rates it would after \d+ utterances|"
+                     r"does not catch up|was ahead from its first step)", result), result
+    wall = next(line for line in lines if line.startswith("wall:"))
+    assert re.match(r"wall: +naive [\d.]+ s, keras_gpufix [\d.]+ s \(", wall), wall
+
+
 def test_demo_log_dir_holds_the_two_ways_as_runs_with_one_steady_state_trace_each(demo):
     proc, workdir = demo
     logs = workdir / "logs"
@@ -109,6 +135,18 @@ def test_demo_log_dir_holds_the_two_ways_as_runs_with_one_steady_state_trace_eac
         # the report names the same steps, in each way's own section
         section = proc.stdout.split("\nkeras_gpufix:")[way == "keras_gpufix"]
         assert f"XProf trace of steps {start}-" in section and "(epoch 2)" in section, way
+
+
+def test_cache_info_and_clear_show_and_remove_the_demo_compile_entries(demo, capsys):
+    _, workdir = demo
+    args = [str(workdir / "corpus"), "--config", str(workdir / "demo.yaml")]
+    shapes = len(os.listdir(workdir / "cache" / "xla"))
+    assert main(["cache", "info", *args]) == 0
+    assert f"compiles:     {shapes} XLA compile entries in {workdir / 'cache' / 'xla'}" \
+        in capsys.readouterr().out
+    assert main(["cache", "clear", *args]) == 0
+    assert f"removed 1 entry and {shapes} XLA compile entries" in capsys.readouterr().out
+    assert not os.listdir(workdir / "cache" / "xla")
 
 
 def test_every_demo_scalar_has_a_description(demo):

@@ -44,9 +44,12 @@ _JAX_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def _backend() -> str:
-    import keras
-
-    return keras.backend.backend()
+    """The Keras backend; before Keras is imported, `KERAS_BACKEND` (or
+    TensorFlow), so that turning the cache on imports neither."""
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        return keras.backend.backend()
+    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 
 
 def _tf_flag_directory() -> Optional[str]:

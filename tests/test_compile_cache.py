@@ -53,3 +53,60 @@ def test_a_second_process_compiles_from_the_cache_and_trains_the_same(tmp_path):
     assert second["loss"] == first["loss"]
     a, b = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
     assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.fixture
+def fresh_process_state(monkeypatch):
+    """CompileCache as in a process that has not enabled it yet."""
+    monkeypatch.setattr(CompileCache, "_current", None)
+    monkeypatch.setattr(CompileCache, "_told", False)
+    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+    tf.constant(0)  # TensorFlow has started (it has read TF_XLA_FLAGS)
+
+
+def test_after_tensorflow_started_the_cache_stays_off_and_says_once_how_to_set_it(
+        fresh_process_state, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "keras_gpufix.compile"):
+        first = CompileCache.enable(str(tmp_path))
+        second = CompileCache.enable()
+    assert not first.active and first.directory is None
+    assert f"TF_XLA_FLAGS=--tf_xla_persistent_cache_directory={tmp_path}" in first.note
+    assert "TF_XLA_FLAGS" not in os.environ  # setting it now would do nothing
+    assert not second.active
+    assert len(caplog.records) == 1  # said once
+
+
+def test_a_folder_named_in_tf_xla_flags_is_the_one_kept(fresh_process_state, monkeypatch,
+                                                        tmp_path):
+    monkeypatch.setenv("TF_XLA_FLAGS", f"--tf_xla_persistent_cache_directory={tmp_path / 'mine'}")
+    cache = CompileCache.enable(str(tmp_path / "other"))
+    assert cache.active and cache.directory == str(tmp_path / "mine")
+    assert "mine" in cache.note and (tmp_path / "mine").is_dir()
+    assert CompileCache.enable(None).note.startswith("the compile cache was already on")
+
+
+def test_enable_refuses_a_value_that_is_no_folder(fresh_process_state):
+    with pytest.raises(ValueError, match=r"`compile_cache` must be 'auto', a folder or None.*"
+                                         r"Received: compile_cache=3"):
+        CompileCache.enable(3)
+    off = CompileCache.enable(None)
+    assert not off.active and off.note == "off (compile_cache=None)"
+
+
+def test_entries_and_clear_and_where_auto_keeps_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    assert CompileCache.default_directory() == str(tmp_path / "home" / "keras_gpufix" / "xla")
+    assert CompileCache.default_directory(beside=str(tmp_path / "c")) == str(tmp_path / "c" / "xla")
+    folder = tmp_path / "xla"
+    folder.mkdir()
+    (folder / "xla_compile_cache__1__2__XLA_CPU_JIT.pb").write_bytes(b"x" * 10)
+    (folder / "jit_f-abc-cache").write_bytes(b"y" * 5)
+    cache = CompileCache(str(folder))
+    assert cache.entries() == [{"name": "jit_f-abc-cache", "size_bytes": 5},
+                               {"name": "xla_compile_cache__1__2__XLA_CPU_JIT.pb", "size_bytes": 10}]
+    with cache.watch() as seen:
+        (folder / "xla_compile_cache__3__4__XLA_CPU_JIT.pb").write_bytes(b"z")
+    assert seen["written"] == 1 and seen["compiles"] is None  # TensorFlow: files only
+    names = [e["name"] for e in cache.entries()]
+    assert cache.clear() == {"removed": names, "freed_bytes": 16}
+    assert cache.entries() == [] and CompileCache(None).entries() == []

@@ -1,5 +1,6 @@
 """Each function of keras_gpufix.keras_internals on the installed Keras/TensorFlow."""
 
+import sys
 import warnings
 
 import keras
@@ -27,6 +28,7 @@ from keras_gpufix.keras_internals import (
     plain_variable,
     set_symbolic_build,
     symbolic_build,
+    tensorflow_started,
     tf_function_class,
     traced_functions,
 )
@@ -360,3 +362,10 @@ def test_map_function_stateful_tells_what_tf_data_parallelizes_itself(monkeypatc
     results, messages = _twice(lambda: map_function_stateful(Moved()))
     assert results == [None, None]
     assert len(messages) == 1 and "StructuredFunctionWrapper.function" in messages[0]
+
+
+def test_tensorflow_started_once_it_made_its_devices(monkeypatch):
+    tf.constant(0)
+    assert tensorflow_started() is True
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    assert tensorflow_started() is False  # not imported

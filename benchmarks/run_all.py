@@ -43,6 +43,7 @@ BENCHMARKS = {
     "monitor_overhead": (["--quick"], ["--steps", "1000", "--rounds", "9"]),
     "async_sync": (["--rounds", "3", "--lengths", "2000"], ["--full"]),
     "step_shapes_overhead": (["--quick"], []),
+    "first_step": (["--quick"], []),
 }
 
 

@@ -3,8 +3,8 @@
 `cache_build`, `cache_info` and `cache_clear` manage the builder's feature
 cache (`kg.data.FeatureCache`, which owns the layout: listing, leftovers,
 removing) ahead of training, and the XLA compile entries kept beside it
-(`<cache_dir>/xla`, where `kg.from_config` keeps them: `CompileCache`). The cache entry depends on the corpus and on
-the audio/text configs, so they take the same `--config` as training (or
+(`<cache_dir>/xla`, where `kg.from_config` keeps them: `CompileCache`).
+The cache entry depends on the corpus and on the audio/text configs, so they take the same `--config` as training (or
 the defaults); `corpus_builder` turns those arguments into a
 `SpeechDatasetBuilder` (`bench-data` uses it too).
 """

@@ -18,9 +18,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _train(cache_dir, weights):
     env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_compile_cache_worker.py"),
-                           str(cache_dir), str(weights)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    worker = os.path.join(REPO, "tests", "_compile_cache_worker.py")
+    proc = subprocess.run([sys.executable, worker, str(cache_dir), str(weights)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -32,7 +32,8 @@ def test_a_second_process_compiles_from_the_cache_and_trains_the_same(tmp_path):
     second = _train(cache_dir, tmp_path / "second.npz")
 
     assert first["started_at_import"] is False  # TF reads TF_XLA_FLAGS after its import
-    assert first["compile_cache"]["active"] and first["compile_cache"]["directory"] == str(cache_dir)
+    assert first["compile_cache"]["active"]
+    assert first["compile_cache"]["directory"] == str(cache_dir)
     # compile_model's sample step compiled the first shape afresh, fit the second one
     [fresh] = first["compiles"]
     assert fresh["shape"] == [[4, 16, 8], [4, 16, 8]]
@@ -43,7 +44,7 @@ def test_a_second_process_compiles_from_the_cache_and_trains_the_same(tmp_path):
     assert cached["shape"] == fresh["shape"]
     assert cached["from_cache"] is True and cached["kept"] is True
     assert second["fit_written"] == 0
-    assert [e["name"] for e in CompileCache(str(cache_dir)).entries()] == [e["name"] for e in entries]
+    assert CompileCache(str(cache_dir)).entries() == entries
     # what the package reports: the compile seconds are a fraction of the first run's
     first_s = fresh["seconds"] + first["fit_compile_ms"] / 1e3
     second_s = cached["seconds"] + second["fit_compile_ms"] / 1e3
@@ -102,8 +103,9 @@ def test_entries_and_clear_and_where_auto_keeps_them(tmp_path, monkeypatch):
     (folder / "xla_compile_cache__1__2__XLA_CPU_JIT.pb").write_bytes(b"x" * 10)
     (folder / "jit_f-abc-cache").write_bytes(b"y" * 5)
     cache = CompileCache(str(folder))
-    assert cache.entries() == [{"name": "jit_f-abc-cache", "size_bytes": 5},
-                               {"name": "xla_compile_cache__1__2__XLA_CPU_JIT.pb", "size_bytes": 10}]
+    assert cache.entries() == [
+        {"name": "jit_f-abc-cache", "size_bytes": 5},
+        {"name": "xla_compile_cache__1__2__XLA_CPU_JIT.pb", "size_bytes": 10}]
     with cache.watch() as seen:
         (folder / "xla_compile_cache__3__4__XLA_CPU_JIT.pb").write_bytes(b"z")
     assert seen["written"] == 1 and seen["compiles"] is None  # TensorFlow: files only

@@ -32,9 +32,11 @@ tab shows the two side by side: runs `naive` and `keras_gpufix` under
 trace.
 
 TensorFlow's own C++ and absl log lines are hidden for the run
-(`TF_CPP_MIN_LOG_LEVEL=2` unless already set, before TensorFlow is
-imported; TF 2.21 writes its import-time `I0000`/`W0000`/`E0000` lines before
-reading it, so those are filtered from stderr while TensorFlow loads);
+(`TF_CPP_MIN_LOG_LEVEL=3` unless already set, before TensorFlow is
+imported: errors too, as XLA:CPU logs two `E0000` lines for each compile
+it loads from the cache on some CPUs (docs/compile.md); TF 2.21 writes its
+import-time `I0000`/`W0000`/`E0000` lines before reading it, so those are
+filtered from stderr while TensorFlow loads);
 `TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo` shows them all.
 """
 
@@ -83,7 +85,9 @@ def _model(vocab_size, n_mels):
 
 
 def _import_tensorflow_quietly():
-    """Imports TensorFlow with its log lines hidden (absl's too)."""
+    """Imports TensorFlow with its log lines hidden (absl's too; errors too,
+    unless the user set `TF_CPP_MIN_LOG_LEVEL`)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import_tensorflow_quietly()
     import tensorflow as tf
     from absl import logging as absl_logging
@@ -350,7 +354,7 @@ def _side_lines(side, compiled=""):
         lines.append(f"          fix:      {m.get('fix')}")
     first, compiling = side["epoch_seconds"][0], side["first_epoch_compile_s"]
     lines.append(f"          speed:    first epoch {first:.1f} s (compiling {compiling:.1f} s"
-                 f"{compiled}, training and start-up {max(0.0, first - compiling):.1f} s), then "
+                 f"{compiled}; training and start-up {max(0.0, first - compiling):.1f} s), then "
                  + ("-" if rate is None else f"{rate:.0f} utterances/s")
                  + (f"; loss {loss[0]:.3f} -> {loss[1]:.3f}" if loss else ""))
     return lines
@@ -359,9 +363,9 @@ def _side_lines(side, compiled=""):
 def _cache_words(cache, shapes):
     """How the keras_gpufix way's compiles went: fresh or from the compile cache."""
     if not cache.get("active"):
-        return ": not kept across runs (compile cache off)"
+        return ", not kept across runs (compile cache off)"
     fresh = min(cache["written"], shapes)
-    return f": {fresh} of {shapes} shapes fresh, {shapes - fresh} from the compile cache"
+    return f", {fresh} of {shapes} shapes fresh, {shapes - fresh} from the compile cache"
 
 
 def _payback_words(p, ways=("keras_gpufix", "naive")):

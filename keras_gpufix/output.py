@@ -39,7 +39,8 @@ def import_tensorflow_quietly() -> bool:
     is what is left (every `keras-gpufix` command,
     `examples/tensorboard_snapshot.py`).
 
-    Sets `TF_CPP_MIN_LOG_LEVEL=2` for the run. TensorFlow 2.21 writes its
+    Sets `TF_CPP_MIN_LOG_LEVEL=2` for the run (a caller may set 3 first, to
+    hide TensorFlow's errors too). TensorFlow 2.21 writes its
     import-time `I0000`/`W0000`/`E0000` lines before it reads that, so
     those are filtered from stderr (at the file-descriptor level) while it
     loads and probes its devices; every other line is passed on. Nothing is
@@ -51,9 +52,10 @@ def import_tensorflow_quietly() -> bool:
         (say how to see them).
     """
     global _hidden
-    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2"):
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL") not in (None, "2",
+                                                                                     "3"):
         return _hidden
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile("w+") as captured:

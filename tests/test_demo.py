@@ -94,7 +94,7 @@ def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo)
     proc, workdir = demo
     lines = proc.stdout.splitlines()
     speed = [line for line in lines if line.strip().startswith("speed:")]
-    splits = [re.search(r"first epoch ([\d.]+) s \(compiling ([\d.]+) s(.*?), "
+    splits = [re.search(r"first epoch ([\d.]+) s \(compiling ([\d.]+) s(.*?); "
                         r"training and start-up ([\d.]+) s\)", line) for line in speed]
     assert len(splits) == 2 and all(splits), speed
     for m in splits:
@@ -104,7 +104,7 @@ def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo)
     xla = workdir / "cache" / "xla"
     assert f"compile cache: {xla} (0 entries)" in proc.stdout
     shapes = int(re.search(r"(\d+) batch shapes", proc.stdout)[1])
-    assert splits[1][3] == f": {shapes} of {shapes} shapes fresh, 0 from the compile cache"
+    assert splits[1][3] == f", {shapes} of {shapes} shapes fresh, 0 from the compile cache"
     assert len(os.listdir(xla)) == shapes
     result = next(line for line in lines if line.startswith("result:"))
     assert re.search(r"; keras_gpufix (caught up with naive after \d+ utterances \([\d.]+ s "

@@ -372,8 +372,6 @@ def _payback_words(p, ways=("keras_gpufix", "naive")):
     fast, slow = ways
     if p is None:
         return f"{fast} does not catch up with {slow} (not faster in steady state)"
-    if p["measured"] and p["utterances"] <= 0:
-        return f"{fast} was ahead from its first step"
     when = f"{p['utterances']:.0f} utterances ({p['seconds']:.1f} s from its setup)"
     return (f"{fast} caught up with {slow} after {when}, measured in this run" if p["measured"]
             else f"{fast} had not caught up with {slow} by the end of this run: at the steady "

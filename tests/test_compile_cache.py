@@ -112,3 +112,34 @@ def test_entries_and_clear_and_where_auto_keeps_them(tmp_path, monkeypatch):
     names = [e["name"] for e in cache.entries()]
     assert cache.clear() == {"removed": names, "freed_bytes": 16}
     assert cache.entries() == [] and CompileCache(None).entries() == []
+
+
+_JAX_RUN = """
+import json, sys
+from keras_gpufix.compile import CompileCache
+cache = CompileCache.enable(sys.argv[1])
+import jax, jax.numpy as jnp
+step = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w))
+with cache.watch() as seen:
+    w = step(jnp.ones((8, 4)) / 8, jnp.linspace(-1, 1, 64).reshape(8, 8))
+print(json.dumps({**seen, "w": w.tolist(), "keras": "keras" in sys.modules}))
+"""
+
+
+def test_on_jax_a_second_process_loads_its_compiles_from_the_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
+    env.update(PYTHONPATH=REPO, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _JAX_RUN, str(tmp_path / "xla")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["compiles"] >= 1 and first["from_cache"] == 0
+    assert first["written"] == first["compiles"]
+    assert second["compiles"] == first["compiles"] == second["from_cache"]
+    assert second["written"] == 0
+    assert second["compile_s"] < first["compile_s"]
+    assert second["w"] == first["w"]
+    assert not first["keras"]  # turning the cache on imported no Keras (nor TensorFlow)

@@ -100,7 +100,7 @@ class CompileCache:
         cache folder, else `$XDG_CACHE_HOME/keras_gpufix/xla` (or
         `~/.cache/keras_gpufix/xla`)."""
         if beside:
-            return os.path.join(os.path.abspath(beside), _SUBFOLDER)
+            return os.path.join(beside, _SUBFOLDER)
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(root, "keras_gpufix", _SUBFOLDER)
 

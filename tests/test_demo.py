@@ -99,7 +99,8 @@ def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo)
     assert len(splits) == 2 and all(splits), speed
     for m in splits:
         first, compiling, rest = float(m[1]), float(m[2]), float(m[4])
-        assert abs(first - compiling - rest) <= 0.16 and compiling > 0
+        assert abs(first - compiling - rest) <= 0.16
+    assert float(splits[1][2]) > 0  # keras_gpufix: one XLA compile per bucket shape
     # the compile cache beside the feature cache: a fresh folder, so every shape fresh
     xla = workdir / "cache" / "xla"
     assert f"compile cache: {xla} (0 entries)" in proc.stdout

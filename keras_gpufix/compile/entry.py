@@ -119,8 +119,11 @@ def compile_model(
       a `GpufixWarning` naming the op and layer, and the report says what the
       traced train function really uses.
     - The layers' compute dtype is checked against the policy
-      (`mixed_precision`); a mismatch warns with the fix. Float16 layers get
-      exactly one `LossScaleOptimizer`.
+      (`mixed_precision`); a mismatch warns with the fix, except with
+      `"auto"` and no global policy set (a model built first, the defaults):
+      the report then says what `"auto"` would pick here, and the note is
+      printed once per process. Float16 layers get exactly one
+      `LossScaleOptimizer`.
     - `steps_per_execution="auto"` times executions of 1 and of 16 steps on
       `sample_batch` and picks the smallest power of two that keeps the
       per-execution overhead under 5 % (at most 64, at most about one

@@ -16,6 +16,12 @@ keras-gpufix data-service worker --port 5051 --dispatcher localhost:5050
 Workers read the corpus (or the feature cache) at the paths the trainer's
 builder names, so they must see the same files.
 
+TensorFlow's servers listen on every network interface and have no
+authentication: TensorFlow 2.21 binds `0.0.0.0:<port>` (dual-stack, every
+IPv4 and IPv6 address) with insecure gRPC credentials and offers no bind
+address. Each server says so once when it starts (`EXPOSURE_DOC` is the
+docs section on restricting it).
+
 `service_epochs` is the trainer's side: each epoch (each new iterator) draws
 a seed on the trainer, builds that epoch's pipeline from it and runs it on
 the service with `processing_mode="distributed_epoch"` (every batch
@@ -29,11 +35,13 @@ import signal
 import threading
 import warnings
 
+from keras_gpufix.keras_internals import worker_server_port
 from keras_gpufix.output import emit
 
 __all__ = ["DataServiceServer", "add_parser", "run_from_args", "service_epochs"]
 
 ROLES = ("dispatcher", "worker")
+EXPOSURE_DOC = "docs/distributed.md#who-can-reach-the-data-service"
 
 
 class DataServiceServer:
@@ -49,8 +57,10 @@ class DataServiceServer:
             machine).
         work_dir: a dispatcher's folder for its journal, so that a restarted
             dispatcher resumes its jobs. Defaults to None.
-        verbose: 1 prints one line when serving and one when stopped.
-            Defaults to 1.
+        verbose: 1 prints, when started, one line saying that the server
+            listens on every interface without authentication (TensorFlow
+            offers no bind address), then one line when serving and one
+            when stopped. Defaults to 1.
 
     Raises:
         ValueError: for an unknown `role`, a port out of range, a worker
@@ -105,7 +115,20 @@ class DataServiceServer:
             self._server = service.WorkerServer(service.WorkerConfig(
                 dispatcher_address=self.dispatcher, port=self.port,
                 worker_address=self.worker_address))
+        emit(f"keras-gpufix data-service: WARNING: this {self.role} listens on port "
+             f"{self._port_label()} of every network interface (0.0.0.0 and ::) "
+             f"with no authentication: {_EXPOSED[self.role]}, as this user. TensorFlow "
+             "cannot bind one address: keep the port on a private network, behind a "
+             f"firewall rule, or in a container network (see {EXPOSURE_DOC}).", self.verbose)
         return self
+
+    @property
+    def bound_port(self) -> "int | None":
+        """The port a started server listens on (the free one picked for
+        `port=0`); None when TensorFlow no longer tells a worker's."""
+        if self.role == "dispatcher":
+            return int(self.target.rsplit(":", 1)[1])
+        return worker_server_port(self.start()._server)
 
     @property
     def target(self) -> str:
@@ -156,7 +179,18 @@ class DataServiceServer:
     def _describe(self):
         if self.role == "dispatcher":
             return f"dispatcher serving at {self.target}"
-        return f"worker on port {self.port or 'any'} serving dispatcher {self.dispatcher}"
+        return f"worker on port {self._port_label()} serving dispatcher {self.dispatcher}"
+
+    def _port_label(self):
+        return self.bound_port or "(unknown)"
+
+
+_EXPOSED = {
+    "dispatcher": "anyone who reaches it can register a dataset graph that the workers "
+                  "run on their hosts (reading files there)",
+    "worker": "anyone who reaches it can send it a task (a dataset graph it runs on this "
+              "host, reading files here) and read the batches it produces",
+}
 
 
 def service_epochs(make_epoch, service, seed=None):
@@ -196,7 +230,10 @@ def add_parser(sub):
     p.set_defaults(subparser=p)
     p.add_argument("role", choices=ROLES,
                    help="dispatcher (hands out the work) or worker (runs the input pipeline)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free)")
+    p.add_argument("--port", type=int, default=0,
+                   help="port to listen on, on every network interface and without "
+                        "authentication (TensorFlow binds no single address; "
+                        f"restrict it as {EXPOSURE_DOC} says) (default: any free)")
     p.add_argument("--dispatcher", metavar="HOST:PORT", help="worker: the dispatcher's address")
     p.add_argument("--worker-address", metavar="HOST:PORT",
                    help="worker: the address trainers reach it at (default localhost:PORT)")

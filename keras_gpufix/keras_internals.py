@@ -42,6 +42,7 @@ __all__ = [
     "tf_function_class",
     "tensorflow_started",
     "traced_functions",
+    "worker_server_port",
 ]
 
 CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
@@ -529,4 +530,22 @@ def map_function_stateful(dataset) -> "bool | None":
         return any(op._is_stateful for op in wrapper.function.graph.get_operations())
     except Exception as exc:  # any change in TF's private structure
         _off("a tf.data map function's graph (StructuredFunctionWrapper.function)", exc)
+        return None
+
+
+def worker_server_port(server) -> "int | None":
+    """The port a started `tf.data.experimental.service.WorkerServer` listens on.
+
+    `DispatchServer.target` names its port; a worker has no public
+    equivalent, so with `port=0` the port TensorFlow picked is otherwise
+    unknown. TensorFlow 2.21.0: the server's `_server` (the pybind
+    `WorkerGrpcDataServer`) has `bound_port()`.
+
+    Returns:
+        The port; None (with one `GpufixWarning`) when the structure changed.
+    """
+    try:
+        return int(server._server.bound_port())
+    except Exception as exc:  # any change in TF's private structure
+        _off("a tf.data service WorkerServer's port (WorkerServer._server.bound_port)", exc)
         return None

@@ -1,8 +1,54 @@
-"""Shared test setup: no test hands its XLA compile cache to the next ones."""
+"""Fixtures every test file shares: the CPU facts `mixed_precision="auto"` reads.
+
+No test depends on the host CPU's features: `auto` decides from
+`keras_gpufix.compile.hardware` (the GPUs, and the CPU's bfloat16 flags read by
+`_cpu_flags()`), so every test sees the CPU flags pinned here, none of the
+bfloat16 ones unless `KERAS_GPUFIX_TEST_CPU_FLAGS` names some: run any file as
+on a CPU with AMX-BF16 with
+
+    KERAS_GPUFIX_TEST_CPU_FLAGS="amx_bf16 avx512_bf16" python -m pytest tests/test_compile.py
+
+A test whose result depends on what `auto` picks takes `auto_hardware`, which
+runs it under both outcomes.
+
+Every test also leaves `TF_XLA_FLAGS` as it found it (`kg.from_config`
+and `CompileCache.enable` set it when TensorFlow has not started yet).
+"""
 
 import os
 
 import pytest
+
+CPU_FLAGS = frozenset(os.environ.get("KERAS_GPUFIX_TEST_CPU_FLAGS", "").split())
+
+# `hardware.device_info()` of a machine with no GPU, where `auto` picks
+# mixed_bfloat16 (AMX-BF16) and where it keeps float32 (AVX512-BF16 alone).
+AUTO_HARDWARE = {
+    "amx_bf16": {"gpus": [], "cpu_bf16": True, "cpu_bf16_flags": ["amx_bf16", "avx512_bf16"]},
+    "no_amx": {"gpus": [], "cpu_bf16": False, "cpu_bf16_flags": ["avx512_bf16"]},
+}
+
+
+@pytest.fixture(autouse=True)
+def _pinned_cpu_flags(monkeypatch):
+    from keras_gpufix.compile import hardware
+
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: set(CPU_FLAGS))
+
+
+@pytest.fixture(params=sorted(AUTO_HARDWARE))
+def auto_hardware(request, monkeypatch):
+    """The test runs twice: `hardware.device_info()` (the one function that reads
+    the GPUs and CPU flags) faked as a CPU with AMX-BF16, then one without. Gives
+    the policy `auto` picks there; `compile_model`'s once-per-process note about
+    `auto` shows again."""
+    from keras_gpufix.compile import hardware, precision
+
+    info = AUTO_HARDWARE[request.param]
+    monkeypatch.setattr(hardware, "device_info",
+                        lambda: {**info, "cpu_bf16_flags": list(info["cpu_bf16_flags"])})
+    monkeypatch.setattr(precision, "_noted", set())
+    return hardware.auto_policy()[0]
 
 
 @pytest.fixture(autouse=True)

@@ -252,6 +252,30 @@ def test_policy_set_after_building_warns_with_the_fix():
     assert {layer.compute_dtype for layer in model.layers} == {"float32"}  # checked, not applied
 
 
+@pytest.mark.parametrize("built", ["float32", "mixed_bfloat16"])
+def test_built_then_compiled_with_defaults_keeps_its_dtype_and_notes_auto(auto_hardware,
+                                                                          capsys, built):
+    # The order most users write: build, then compile_model with its defaults.
+    keras.mixed_precision.set_global_policy(built)
+    model, other = small_model(), small_model()
+    keras.mixed_precision.set_global_policy("float32")
+    report = kg.compile_model(model, "adam", "mse", steps_per_execution=1)  # no warning
+    kg.compile_model(other, "adam", "mse", steps_per_execution=1)
+    assert report.policy == built  # kept, not applied
+    assert {layer.compute_dtype for layer in model.layers} == {
+        keras.DTypePolicy(built).compute_dtype}
+    out = capsys.readouterr().out
+    if auto_hardware == built:
+        assert f"wanted {built}" in report.reason and out == ""
+        return
+    note = (f"mixed_precision='auto' would choose {auto_hardware} here (CPU only, "
+            f"{'with AMX-BF16' if auto_hardware != 'float32' else 'AVX512-BF16 without AMX'}")
+    assert note in str(report)
+    assert "call kg.enable_mixed_precision() before building the model" in report.reason
+    assert out.count(note) == 1  # printed once per process, in the report each time
+    assert out.startswith("compile_model: ")
+
+
 def test_explicit_mismatch_warns():
     with pytest.warns(GpufixWarning, match="built after") as caught:
         kg.compile_model(small_model(), "adam", "mse", mixed_precision="mixed_float16",

@@ -252,8 +252,10 @@ def test_from_config_makes_what_each_section_says(tmp_path):
         setup.dataset(num_buckets=0)
 
 
-def test_from_config_without_a_callbacks_section_makes_the_two_monitors(tmp_path):
+def test_from_config_without_a_callbacks_section_makes_the_two_monitors(tmp_path,
+                                                                        auto_hardware):
     setup = from_config(write(tmp_path, "fit: {epochs: 1}\n"))
+    assert setup.policy == auto_hardware == setup.compile_kwargs["mixed_precision"]
     assert [type(c).__name__ for c in setup.callbacks] == ["GPUOscillationMonitor",
                                                            "RetracingMonitor"]
     assert setup.builder is None

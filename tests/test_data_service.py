@@ -18,8 +18,9 @@ import pytest
 import keras_gpufix as kg
 from keras_gpufix.cli import main
 from keras_gpufix.data.synthetic import make_synthetic_corpus
-from keras_gpufix.data_service import DataServiceServer
+from keras_gpufix.data_service import EXPOSURE_DOC, DataServiceServer
 from test_distribute import _env, _free_port
+
 
 def _start(*args):
     return subprocess.Popen([sys.executable, "-m", "keras_gpufix", "data-service", *args],
@@ -109,3 +110,39 @@ def test_cli_names_a_worker_without_dispatcher(capsys):
     assert main(["data-service", "worker"]) == 2
     assert "needs the dispatcher's address" in capsys.readouterr().err
 
+
+
+def test_cli_dispatcher_warns_that_its_port_is_open_to_every_interface():
+    port = _free_port()
+    proc = _start("dispatcher", "--port", str(port))
+    try:
+        lines = _wait_for(proc, "WARNING")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    warning = next(line for line in lines if "WARNING" in line)
+    assert f"listens on port {port} of every network interface" in warning
+    assert "no authentication" in warning and EXPOSURE_DOC in warning
+
+
+def test_port_help_names_the_exposure_section(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # argparse would wrap the link at its hyphens
+    assert main(["data-service", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "every network interface and without authentication" in help_text
+    assert EXPOSURE_DOC in help_text
+
+
+def test_a_worker_on_a_free_port_names_the_port_it_got(capsys):
+    dispatcher = DataServiceServer("dispatcher").start()
+    worker = DataServiceServer("worker", dispatcher=dispatcher.target).start()
+    try:
+        ports = [dispatcher.bound_port, worker.bound_port]
+        assert all(isinstance(port, int) and port > 0 for port in ports)
+        warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+        assert len(warnings) == 2
+        assert f"this dispatcher listens on port {ports[0]} " in warnings[0]
+        assert f"this worker listens on port {ports[1]} " in warnings[1]
+    finally:
+        worker.stop()
+        dispatcher.stop()

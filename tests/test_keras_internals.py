@@ -31,6 +31,7 @@ from keras_gpufix.keras_internals import (
     tensorflow_started,
     tf_function_class,
     traced_functions,
+    worker_server_port,
 )
 
 
@@ -362,6 +363,30 @@ def test_map_function_stateful_tells_what_tf_data_parallelizes_itself(monkeypatc
     results, messages = _twice(lambda: map_function_stateful(Moved()))
     assert results == [None, None]
     assert len(messages) == 1 and "StructuredFunctionWrapper.function" in messages[0]
+
+
+def test_worker_server_port_is_the_port_the_worker_listens_on(monkeypatch):
+    import socket
+
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer()
+    worker = service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target.split("://")[1]))
+    try:
+        port = worker_server_port(worker)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the worker listens there
+    finally:
+        worker.stop()
+        dispatcher.stop()
+
+    class Moved:  # a TensorFlow that keeps the pybind server elsewhere
+        pass
+
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    results, messages = _twice(lambda: worker_server_port(Moved()))
+    assert results == [None, None]
+    assert len(messages) == 1 and "WorkerServer._server.bound_port" in messages[0]
 
 
 def test_tensorflow_started_once_it_made_its_devices(monkeypatch):

@@ -203,6 +203,7 @@ def test_the_ring_gives_each_hook_its_new_shape_and_none_for_lost_rows(monkeypat
     assert probe.take([1] * 10) == [None, None] + [key[n] for n in range(9, 17)]
 
 
+@pytest.mark.usefixtures("auto_hardware")  # its default mixed_precision="auto"
 def test_after_compile_model_sample_steps_the_shapes_are_still_seen():
     # compile_model's sample steps trace the step fit reuses: the probe goes in first.
     keras.utils.set_random_seed(0)

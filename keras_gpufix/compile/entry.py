@@ -136,8 +136,11 @@ def compile_model(
       a `GpufixWarning` naming the op and layer, and the report says what the
       traced train function really uses.
     - The layers' compute dtype is checked against the policy
-      (`mixed_precision`); a mismatch warns with the fix. Float16 layers get
-      exactly one `LossScaleOptimizer`.
+      (`mixed_precision`); a mismatch warns with the fix, except with
+      `"auto"` and no global policy set (a model built first, the defaults):
+      the report then says what `"auto"` would pick here, and the note is
+      printed once per process. Float16 layers get exactly one
+      `LossScaleOptimizer`.
     - With XLA, compiles are kept across runs (`compile_cache`, see
       `CompileCache`): a restarted run loads each shape's executable
       instead of compiling it. On TensorFlow this takes effect only when it

@@ -4,7 +4,15 @@
 `hardware.auto_policy`); `check_precision` is `compile_model`'s check of the
 layers' compute dtype against the policy wanted, and its choice of loss
 scaling. A dtype policy only applies to layers created after it is set, so
-the check never changes a built layer: it warns with the fix.
+the check never changes a built layer: where a policy was asked for (by name,
+or set globally) and the layers compute in another, it warns with the fix.
+
+`"auto"` with no global policy set is the default of `compile_model`, so it
+is what a user who built the model first gets; what it would pick depends on
+the machine (AMX-BF16 or not, the GPU's generation). There it never warns:
+the layers keep the dtype they were built in, the report says what `auto`
+would choose here and how to get it, and the same note is printed once per
+process. Warnings then do not depend on the machine a script runs on.
 """
 
 import logging
@@ -15,12 +23,15 @@ import keras
 from keras_gpufix.compile.hardware import auto_policy
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import flatten_layers
+from keras_gpufix.output import emit
 
 __all__ = ["POLICIES", "check_precision", "enable_mixed_precision"]
 
 logger = logging.getLogger("keras_gpufix.compile")
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+
+_noted = set()  # (built policy, auto's policy) pairs already printed in this process
 
 
 def enable_mixed_precision(policy: str = "auto") -> str:
@@ -30,7 +41,9 @@ def enable_mixed_precision(policy: str = "auto") -> str:
     (NVIDIA compute capability >= 8.0, CPUs with AMX-BF16),
     `"mixed_float16"` on older GPUs with tensor cores (compute capability
     7.x; Keras adds dynamic loss scaling) and `"float32"` where neither helps.
-    Layers built before the call keep their policy (`compile_model` warns).
+    Layers built before the call keep their policy (`compile_model` warns,
+    or, with its default `mixed_precision="auto"` and no global policy set,
+    notes what `"auto"` would pick).
 
     Args:
         policy: `"auto"`, `"float32"`, `"mixed_float16"` or
@@ -100,16 +113,26 @@ def check_precision(model, optimizer, mixed_precision: Optional[str], compile_kw
             target, why = auto_policy()
         wanted = keras.DTypePolicy(target).compute_dtype
         off = [layer.name for layer in layers if layer.compute_dtype != wanted]
-        if compute != wanted:
-            warn(
-                f"compile_model: mixed_precision={mixed_precision!r} wants "
-                f"{target} ({why}), but {len(off)} of {len(layers)} layers with "
-                f"weights compute in another dtype (e.g. {off[:3]}): a dtype "
-                "policy only applies to layers built after it is set. Call "
-                f"kg.enable_mixed_precision({target!r}) before building the "
-                "model, or pass mixed_precision=None to keep it as it is."
-            )
-        reasons.append(f"policy={policy}: model layers; wanted {target} ({why})")
+        if compute != wanted and mixed_precision == "auto" and global_policy == "float32":
+            note = (f"mixed_precision='auto' would choose {target} here ({why}); "
+                    f"the layers were built in {policy} and keep it. To train in "
+                    f"{target}, call kg.enable_mixed_precision() before building the "
+                    "model")
+            reasons.append(f"policy={policy}: model layers; {note}")
+            if (policy, target) not in _noted:
+                _noted.add((policy, target))
+                emit(f"compile_model: {note} (this note is printed once).")
+        else:
+            if compute != wanted:
+                warn(
+                    f"compile_model: mixed_precision={mixed_precision!r} wants "
+                    f"{target} ({why}), but {len(off)} of {len(layers)} layers with "
+                    f"weights compute in another dtype (e.g. {off[:3]}): a dtype "
+                    "policy only applies to layers built after it is set. Call "
+                    f"kg.enable_mixed_precision({target!r}) before building the "
+                    "model, or pass mixed_precision=None to keep it as it is."
+                )
+            reasons.append(f"policy={policy}: model layers; wanted {target} ({why})")
     else:
         reasons.append(f"policy={policy}: model layers (not checked)")
 

@@ -88,6 +88,18 @@ def test_work_every_k_synced_steps_stays_a_stall_and_slow_input_is_named():
     assert fold_unsynced(several) is None
 
 
+def test_an_input_bound_loop_reading_its_loss_every_k_steps_is_input_bound():
+    # Waited for off the loop's thread, a 30 ms step behind 50 ms of input:
+    # the device idles 20 ms in each next(), 50 ms in the one after a read.
+    waits = _planted([20, 20, 20, 20, 50], seed=1)
+    judgement = judge(_records(_planted([30] * EVERY), waits), synced=True)
+    assert judgement["verdict"] == "input_bound", judgement
+    # Input waited for on the k-th batch alone is a periodic stall.
+    judgement = judge(_records(_planted([30] * EVERY), _planted([0, 0, 0, 0, 40], seed=1)),
+                      synced=True)
+    assert (judgement["verdict"], judgement["period"]) == ("periodic_stall", EVERY), judgement
+
+
 @pytest.mark.parametrize("logs", [{"loss": 0.5}, None], ids=["logs", "no_logs"])
 def test_a_callback_list_loop_with_logs_is_synced_one_without_is_not_known(logs):
     keras = pytest.importorskip("keras")

@@ -189,7 +189,8 @@ def _main():
             step(xb)
             time.sleep(0.004)  # the rest of the loop body
     # the decision Keras made for watch's own CallbackList over these callbacks
-    watch = {"async_dispatch": async_train_dispatch(keras.callbacks.CallbackList([monitor])), "waits": len(waits),
+    watch = {"async_dispatch": async_train_dispatch(keras.callbacks.CallbackList([monitor])),
+             "waits": len(waits),
              "waits_on_loop_thread": sum(waits), "synced": watched.synced,
              "verdict": monitor.report()["verdict"]}
     print(json.dumps({"timed": timed, "planted": planted_runs, "watch": watch}))

@@ -189,6 +189,10 @@ def _main():
 
     import keras_gpufix as kg
 
+    if backend == "jax":  # the benchmark's `jax.jit` step (Keras's JAX custom-loop guide)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "benchmarks"))
+        from gpu_checks import jit_step as _jax_step
     hidden = HIDDEN[backend]
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(hidden, activation="relu"),
                               keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(1)])
@@ -241,36 +245,6 @@ def _main():
     runs["slow_input"] = run(EVERY, slow=True)
     runs["work_every_k"] = run(EVERY, work=True)
     print(json.dumps(runs))
-
-
-def _jax_step(model, optimizer, loss_fn):
-    """A `jax.jit` step over the model's state (Keras's JAX custom-loop guide)."""
-    import jax
-
-    optimizer.build(model.trainable_variables)
-
-    def compute_loss(trainable, non_trainable, xb, yb):
-        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, training=True)
-        return loss_fn(yb, pred), non_trainable
-
-    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
-
-    @jax.jit
-    def step(state, xb, yb):
-        trainable, non_trainable, opt_vars = state
-        (loss, non_trainable), grads = grad_fn(trainable, non_trainable, xb, yb)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-        return loss, (trainable, non_trainable, opt_vars)
-
-    state = [[v.value for v in model.trainable_variables],
-             [v.value for v in model.non_trainable_variables],
-             [v.value for v in optimizer.variables]]
-
-    def train_step(xb, yb):
-        loss, state[:] = step(tuple(state), xb, yb)
-        return loss
-
-    return train_step
 
 
 def _tf_step(model, optimizer, loss_fn):

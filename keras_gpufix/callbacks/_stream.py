@@ -10,9 +10,10 @@ never waits for the device on our account). Records are made in step order
 on the loop's thread (at the end hook where it runs there, else at the next
 step's begin, before validation and at epoch end); the phases come from
 `analysis.phases` (`step = ready(N) - max(begin(N), ready(N-1))`, the
-host's time apart). The clock frames the whole callback list: at `on_train_begin` the stream puts a marker at the front of
-the running `keras.callbacks.CallbackList` (it ends the step at
-`on_train_batch_end`, before any other callback runs) and one at its back
+host's time apart). The clock frames the whole callback list: at
+`on_train_begin` the stream puts a marker at the front of the running
+`keras.callbacks.CallbackList` (it ends the step at `on_train_batch_end`,
+before any other callback runs) and one at its back
 (it begins the step at `on_train_batch_begin`, after every other callback
 ran; `keras_internals.surround_callbacks`), so the span holds the step
 alone and every callback's work, the user's wherever they listed them, lies

@@ -453,6 +453,12 @@ class OscillationDetector:
         self.log = StepLog(window)
         self.reset()
 
+    def tell(self, facts):
+        """Takes what the run's adapters know about it (an `analysis.RunFacts`)."""
+        self.jit, self.eager, self.eager_where = facts.jit, facts.eager, facts.eager_where
+        self.synced = facts.synced
+        self.run_thresholds = dict(facts.thresholds)
+
     def active_thresholds(self) -> dict:
         """Every threshold this detector judges with (`THRESHOLDS`, the
         constructor's overrides, then this run's `run_thresholds`)."""

@@ -93,6 +93,20 @@ def test_kg_watch_waits_for_the_step_off_the_loop_thread(jax_run):
     assert watch["verdict"] == "healthy" and watch["synced"] is True
 
 
+def test_every_public_callback_keeps_async_dispatch(monkeypatch, tmp_path):
+    import keras
+    from keras.src.callbacks import callback_list
+
+    import keras_gpufix as kg
+    from keras_gpufix.keras_internals import async_train_dispatch
+
+    monkeypatch.setattr(callback_list.backend, "IS_THREAD_SAFE", True)  # as on JAX
+    for callback in (kg.StepTimer(), kg.GPUOscillationMonitor(nvml=False, verbose=0),
+                     kg.ProfilerTrigger(str(tmp_path)), kg.RetracingMonitor()):
+        assert callback.async_safe is True
+        assert async_train_dispatch(keras.callbacks.CallbackList([callback])) is True
+
+
 def test_the_clock_hands_out_steps_in_order_whatever_order_they_end_in(monkeypatch):
     import threading
     import types

@@ -36,6 +36,8 @@ __all__ = [
     "CONTENTION_FIX",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "RETRACE_FIX",
+    "not_run_verdict",
     "UNSYNCED_NOTE",
     "fix_for",
     "slow_limit",
@@ -222,6 +224,19 @@ TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
 )
+
+#: Said first in the `recompiling` fix when the step was traced again (not only
+#: compiled for new shapes): what makes tf.function retrace.
+RETRACE_FIX = ("feed tensors of fixed dtype and structure (no Python numbers or lists in "
+               "the batch)")
+
+
+def not_run_verdict() -> dict:
+    """The verdict of a monitor that took part in no run yet: `unknown`, in
+    the shape of `OscillationDetector.verdict()`."""
+    return {"verdict": "unknown", "fix": "no run was monitored yet", "phase": None,
+            "cost_share": None, "because": [], "changed": None}
+
 
 #: Said with a judgement of unsynced asynchronous steps (analysis.dispatch).
 UNSYNCED_NOTE = (

@@ -1,11 +1,27 @@
 """The shared step stream: one measurement per hook for all our callbacks.
 
+Parts, one job each: `_clock.py` stamps begin and ready times across
+threads; `analysis/phases.py` splits a cycle into its phases;
+`_edge.py` holds the markers that frame the callback list;
+`_model_facts.py` reads what the model says about the run (jit, eager,
+where); `_timed.py` is the base class of our callbacks; this module joins the
+members, reads the input probe, makes the records and feeds the run's one
+detector (its facts as one `analysis.RunFacts`, `tell`).
+
 All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
-`StepStream`. The clock is read once per hook (`time.perf_counter`; wall
-times come from one offset taken when the stream opens), around the whole
-callback list: at `on_train_begin` the stream puts a marker at the front of
-the running `keras.callbacks.CallbackList` (it ends the step at
-`on_train_batch_end`, before any other callback runs) and one at its back
+`StepStream`. Its step clock (`callbacks/_clock.py`) is read once per hook
+(`time.perf_counter`; wall times come from one offset taken when the stream
+opens): the begin on the loop's thread, the end where Keras runs the end
+hook, in its thread pool on the JAX, torch and NumPy backends (our callbacks
+are `async_safe`, so Keras keeps dispatching asynchronously and the loop
+never waits for the device on our account). Records are made in step order
+on the loop's thread (at the end hook where it runs there, else at the next
+step's begin, before validation and at epoch end); the phases come from
+`analysis.phases` (`step = ready(N) - max(begin(N), ready(N-1))`, the
+host's time apart). The clock frames the whole callback list: at
+`on_train_begin` the stream puts a marker at the front of the running
+`keras.callbacks.CallbackList` (it ends the step at `on_train_batch_end`,
+before any other callback runs) and one at its back
 (it begins the step at `on_train_batch_begin`, after every other callback
 ran; `keras_internals.surround_callbacks`), so the span holds the step
 alone and every callback's work, the user's wherever they listed them, lies
@@ -22,8 +38,9 @@ monitor costs.
 
 Phases of a hook (a step, or N steps with `steps_per_execution=N`):
 
-- `between`: the gap from the previous end hook to this begin hook (other
-  callbacks, logging, checkpoints, evaluation);
+- `between`: the gap from the previous step's end to this begin hook (other
+  callbacks, logging, checkpoints, evaluation), where the device had
+  nothing to do;
 - `input_wait`: the probe's wait, measured from the cycle's start (the
   previous end hook), so it is right whether the batch is fetched inside
   the hook (`fit`) or before it (a `CallbackList` loop); a wait that ends
@@ -71,18 +88,20 @@ CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 |              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
 """
 
-import os
-import time
 import weakref
 
 import keras
 
 from keras_gpufix._step_shapes import StepShapes
-from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
-from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
+from keras_gpufix.analysis import VERDICTS, OscillationDetector, RunFacts, StepRecord
+from keras_gpufix.analysis.phases import split_cycle
+from keras_gpufix.callbacks._base import UserError
+from keras_gpufix.callbacks._clock import StepClock
+from keras_gpufix.callbacks._edge import Edge
+from keras_gpufix.callbacks._model_facts import model_facts
+from keras_gpufix.keras_internals import callback_model, surround_callbacks
 
-__all__ = ["StepStream", "TimedCallback", "stream_of"]
+__all__ = ["StepStream", "stream_of"]
 
 # id(model) -> the StepStream of the running fit on that model. Weak: its
 # members hold it while they run; a fit that ended by an exception (no
@@ -100,21 +119,17 @@ class StepStream:
             right at that hook (for callbacks that act on the next step).
         input_probe: the `InputProbe` being read, or None.
         detector: the run's one `OscillationDetector`.
-        jit, eager: whether the step is XLA-compiled (None: not known) and
-            whether it runs eagerly; the model's, refined by a
-            `RetracingMonitor`.
-        eager_where: `file:line` where the step was made eager (the line
-            of a user's `compile` override that hands `run_eagerly` to
-            Keras), named by the `eager_step` fix; None when not known.
-        run_thresholds: thresholds for this run's judgement (a
-            `RetracingMonitor`'s `max_new_shapes`).
+        facts: what is known about the run (`analysis.RunFacts`: jit,
+            eager, eager_where, synced, thresholds), handed to the detector
+            whenever it changes (`tell`): the model's when the run starts
+            (`eager_where`: the line of a user's `compile` override that
+            hands `run_eagerly` to Keras), refined by a `RetracingMonitor`,
+            `kg.watch` (synced), diagnose's loop patch; `synced` becomes
+            True once Keras handed logs to an end hook, which it turns into
+            numbers first, waiting for the step.
         step_shapes: the `StepShapes` probe of fit's XLA train step (the
             input shapes of a plain `tf.data` dataset), or None;
             `step_shapes_note` says why it could not be attached.
-        synced: whether each step is timed where its device work ends (set
-            by `kg.watch`; True once Keras handed logs to an end hook, which
-            it turns into numbers first, waiting for the step; None: not
-            known). Given to the detector with each record.
         framed: whether markers at the front and back of the running
             CallbackList time the step (else the members' own hooks do).
     """
@@ -129,37 +144,35 @@ class StepStream:
     # Distinct input shapes remembered for `new_shape` (bounded memory).
     MAX_SHAPES = 4096
 
+    # Seconds the loop waits, before validation, for end hooks still in
+    # Keras's pool (so the probe reads training's batches first).
+    SETTLE_SECONDS = 2.0
+
     def __init__(self, key):
         self.key = key
         self.members = []
         self.leader = None
         self.batch_size = None
-        self.sampler = None
+        self._sampler = None
         self.hooks = 0
         self.last = None
-        self.synced = None
-        self._offset = time.time() - time.perf_counter()
+        self.facts = RunFacts()
+        self._logs_seen = False  # an end hook got logs (Keras waited for the step)
+        self.clock = StepClock()
+        self._offset = self.clock.offset
         self._cursor = None
         self._supplied = None
         self._pending = []
         self._last_sync = None
-        self._last_end = None
-        self._begin = None
-        self._first = 0
         self._global = 0
         self._epoch = -1
         self._new_epoch = True
         self._shapes = set()
         self._closed = False
+        self._failures = []  # end-hook failures in Keras's pool, reported on the loop's thread
         self.detector = OscillationDetector()
         self._own_detector = True
-        self.jit = None
-        self.eager = False
-        self.eager_where = None
-        self.run_thresholds = {}
         self.step_shapes = self.step_shapes_note = None
-        self._tracer = None
-        self._traces = 0
         self.framed = False
         self._unframe = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
@@ -175,24 +188,23 @@ class StepStream:
         # timed a step belongs to an earlier run (one that ended by an
         # exception, so on_train_end never closed it).
         if (stream is None or stream._closed or callback in stream.members
-                or stream.hooks or stream._begin is not None):
+                or stream.hooks or stream.clock.pending):
             stream = _OPEN[key] = cls(key)
         stream.members.append(callback)
         if stream.leader is None:
             stream.leader = callback
             stream._open()
-            stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
-                                                 _Edge(stream, end=False))
+            stream._unframe = surround_callbacks(callback, Edge(stream, end=True),
+                                                 Edge(stream, end=False))
             stream.framed = stream._unframe is not None
             model = callback_model(callback)
-            stream.jit = step_jit_compile(model)
-            stream.eager = bool(getattr(model, "run_eagerly", False))
-            stream.eager_where = _compile_site(model) if stream.eager else None
+            stream.tell(**model_facts(model))
             stream._watch_step_shapes(model)
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
             detector.reset()
+            detector.tell(stream.facts)
         size = getattr(callback, "batch_size", None)
         if stream.batch_size is None and size is not None:
             stream.batch_size = size
@@ -219,10 +231,12 @@ class StepStream:
         There a new shape compiles the step, and a plain `tf.data` dataset
         (not through `kg.data.instrument`) shows no shape otherwise. Sets
         `step_shapes` (a `StepShapes`, or None) and `step_shapes_note` (why
-        they cannot be watched, or None).
+        they cannot be watched, or None). TensorFlow's train function
+        only: the probe is a TensorFlow op.
         """
         self.step_shapes, self.step_shapes_note = None, None
-        if self.jit and not self.eager and model is not None:
+        if (self.facts.jit and not self.facts.eager and model is not None
+                and keras.backend.backend() == "tensorflow"):
             self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
 
     def _step_shape_keys(self, pending):
@@ -254,13 +268,27 @@ class StepStream:
         wait = None if input_wait is None else float(input_wait)
         self._supplied = (wait, samples, shape, bool(split))
 
+    def tell(self, **facts):
+        """Updates what is known about the run (`analysis.RunFacts` fields by
+        name; `thresholds` are added to the run's) and hands it to the detector."""
+        self.facts = self.facts.merged(**facts)
+        self.detector.tell(self.facts)
+
+    def sample_utilisation(self, sampler):
+        """Reads each record's GPU utilisation from `sampler` (an `NvmlSampler`, or None)."""
+        self._sampler = sampler
+
+    def await_step(self, waiter):
+        """Has the step now running end where `waiter()` returns (a custom-loop
+        wrapper's wait for the step's device work; called before its end hook)."""
+        self.clock.attach(waiter)
+
     def count_traces(self, counter):
         """Counts traces with `counter()` (total traces so far) at every end hook.
 
         Each record then holds the traces of its step (`StepRecord.traces`).
         """
-        self._tracer = counter
-        self._traces = counter()
+        self.clock.count_traces(counter)
 
     def drop_probe(self):
         """Stops reading the input probe (custom loops).
@@ -280,52 +308,95 @@ class StepStream:
         if self._cursor is not None:
             self._cursor.epoch_begin()
 
+    def cycle_begin(self):
+        """At the first begin hook of a step (the loop's thread).
+
+        Hands out the hooks whose end ran in Keras's pool meanwhile, and
+        reports what failed there.
+        """
+        self._report_pool_failures()
+        self.drain()
+
     def batch_begin(self, batch):
-        """At the last member's begin hook."""
-        self._first = batch
-        self._begin = time.perf_counter()
+        """At the last begin hook of a step: stamps its begin."""
+        supplied, self._supplied = self._supplied, None
+        self.clock.begin(batch, (self._epoch, self._new_epoch, supplied))
+        self._new_epoch = False
 
     def end_hook(self, batch, logs):
-        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`."""
-        if logs and self.synced is None:
-            self.synced = True  # Keras made the logs numbers: it waited for the step
-        self.batch_end(batch)
-        if isinstance(logs, dict) and self.last is not None:
-            _, steps, span, gap = self.last
-            logs["step_ms"] = (span + gap) / steps * 1e3
+        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`.
 
-    def batch_end(self, batch):
-        """At the leader's end hook."""
-        if self._begin is None:
-            return
-        now = time.perf_counter()
-        begin, self._begin = self._begin, None
-        steps = max(1, batch - self._first + 1)
-        gap = 0.0 if self._last_end is None else begin - self._last_end
-        self._last_end = now
-        traces = 0
-        if self._tracer is not None:
-            total = self._tracer()
-            traces, self._traces = total - self._traces, total
-        self._pending.append((self._global, steps, begin, now - begin, gap, self._epoch,
-                              self._new_epoch, self._supplied, traces))
-        self.last = (self._global, steps, now - begin, gap)
-        self._global += steps
-        self._supplied = None
-        self._new_epoch = False
-        self.hooks += 1
-        if self._last_sync is None:
-            self._last_sync = begin
-        pending = len(self._pending)
-        if pending >= self.SYNC_MAX_HOOKS or (
-                pending >= self.SYNC_MIN_HOOKS and now - self._last_sync >= self.SYNC_SECONDS):
-            self.sync()
+        Keras runs it in its thread pool where the callbacks are
+        `async_safe` (JAX, torch, NumPy backends), else on the loop's
+        thread; the records are made on the loop's thread (here when it
+        runs there, else at the next step's begin).
+        """
+        if logs:
+            self._logs_seen = True  # Keras made the logs numbers: it waited for the step
+        per_step = self.clock.end(batch)
+        if isinstance(logs, dict) and per_step is not None:
+            logs["step_ms"] = per_step * 1e3
+        if self.clock.on_loop_thread():
+            self.drain()
+
+    def drain(self):
+        """Takes the finished hooks, in order, on the loop's thread; syncs when due."""
+        if self._logs_seen and self.facts.synced is None:
+            self.tell(synced=True)
+        for hook, start, span, gap, traces in self.clock.take():
+            epoch, first, supplied = hook.facts
+            self._pending.append((self._global, hook.steps, start, span, gap, epoch, first,
+                                  supplied, traces))
+            self.last = (self._global, hook.steps, span, gap)
+            self._global += hook.steps
+            self.hooks += 1
+            self._deliver("_after_hook")
+            if self._last_sync is None:
+                self._last_sync = start
+            pending = len(self._pending)
+            if pending >= self.SYNC_MAX_HOOKS or (
+                    pending >= self.SYNC_MIN_HOOKS
+                    and start + span - self._last_sync >= self.SYNC_SECONDS):
+                self.sync()
+
+    def stall_limit(self):
+        """The run's detector's `stall_limit()` over its log and the hooks not yet handed to it."""
+        pending = self._pending
+        return self.detector.stall_limit(
+            len(pending), lambda: [((p[3] + p[4]) / p[1], p[6]) for p in pending])
+
+    def upcoming_index(self) -> int:
+        """The global index of the step about to begin (the loop's thread).
+
+        Steps whose end is still in Keras's pool count as many steps as the
+        latest finished hook.
+        """
+        per = 1 if self.last is None else self.last[1]
+        return self._global + per * self.clock.pending
+
+    def settle(self):
+        """Waits (bounded) for end hooks still in Keras's pool, then drains them."""
+        self.clock.settle(self.SETTLE_SECONDS)
+        self.drain()
+
+    def fail_off_loop(self, where, exc):
+        """Keeps a failure of an end hook in Keras's pool for the loop's thread."""
+        if len(self._failures) < 16:
+            self._failures.append((where, exc))
+
+    def _report_pool_failures(self):
+        failures, self._failures = self._failures, []
+        for where, exc in failures:
+            self.leader._report_failure(where, exc)
 
     def train_end(self):
         """At the leader's train end hook: the last records and the final judgement."""
         if self._unframe is not None:
             self._unframe()
             self._unframe = None
+        self._report_pool_failures()
+        self.drain()
+        self.clock.drop_open()
         self.sync()
         event = self.detector.finish()
         if event is not None:
@@ -368,22 +439,17 @@ class StepStream:
                 samples = size * steps if size else samples
             if shape is None:
                 shape = in_step
-            if wait is None and supplied is not None:  # unsynced: only the cycle is real
-                input_wait, step, between = None, span + gap, 0.0
-            elif wait is None:
-                input_wait, step, between = None, span, gap
-            elif supplied is not None or wait <= gap:
-                input_wait, step, between = wait, span, max(0.0, gap - wait)
-            else:
-                input_wait, step, between = wait - gap, span - (wait - gap), gap
+            input_wait, step, between = split_cycle(
+                span, gap, wait, supplied=supplied is not None,
+                unsynced=wait is None and supplied is not None)
             new_shape = False
             if shape is not None and shape not in self._shapes:
                 new_shape = True
                 if len(self._shapes) < self.MAX_SHAPES:
                     self._shapes.add(shape)
             util = None
-            if self.sampler is not None:
-                util = self.sampler.mean_between(begin + self._offset,
+            if self._sampler is not None:
+                util = self._sampler.mean_between(begin + self._offset,
                                                  begin + span + self._offset)
             records.append(StepRecord(
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
@@ -397,9 +463,6 @@ class StepStream:
     def _judge(self, records):
         """Feeds the run's one detector; hands its judgements and events to every member."""
         det = self.detector
-        det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
-        det.eager_where = self.eager_where
-        det.synced = self.synced
         for record in records:
             self._add_to_epoch(record)
             judged = det.judgements
@@ -442,69 +505,6 @@ class StepStream:
         return len(self._shapes)
 
 
-def _compile_site(model):
-    """`file:line` of the call in the user's `compile` override that hands
-    `run_eagerly` on (`super().compile(..., run_eagerly=...)`), or None
-    (no override, or its source is not readable)."""
-    import ast
-    import inspect
-    import textwrap
-
-    method = getattr(type(model), "compile", None)
-    code = getattr(method, "__code__", None)
-    if code is None or code.co_filename.startswith(_KERAS_DIR):
-        return None
-    try:
-        lines, first = inspect.getsourcelines(method)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and any(k.arg == "run_eagerly" for k in n.keywords)]
-    return (f"{code.co_filename}:{first + min(c.lineno for c in calls) - 1}" if calls
-            else None)
-
-
-_KERAS_DIR = os.path.dirname(keras.__file__) + os.sep
-
-
-class _Edge(keras.callbacks.Callback):
-    """A stream's marker at the front (`end=True`) or back of a CallbackList.
-
-    The front marker ends each step at `on_train_batch_end` before any
-    other callback runs; the back marker begins it at
-    `on_train_batch_begin` after all of them ran. A failure is reported by
-    the stream's leader, never raised into the user's loop.
-    """
-
-    def __init__(self, stream, end):
-        super().__init__()
-        self._stream = stream
-        self._end = end
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if not self._end:
-            self._guard(self._stream.batch_begin, batch)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._end:
-            self._guard(self._stream.end_hook, batch, logs)
-
-    def _guard(self, hook, *args):
-        stream = self._stream
-        if stream._closed or not stream.framed:
-            return
-        try:
-            hook(*args)
-            return
-        except UserError as exc:  # the user's own function raised: Keras lets that propagate
-            error = exc.__cause__
-        except Exception as exc:  # a monitor must never stop training
-            stream.leader._report_failure(f"step marker {hook.__name__}", exc)
-            return
-        raise error  # outside the handler: the user's traceback, not ours
-
-
 def stream_of(callbacks):
     """The `StepStream` our callbacks in `callbacks` joined, or None.
 
@@ -517,119 +517,3 @@ def stream_of(callbacks):
         if isinstance(stream, StepStream) and not stream._closed:
             return stream
     return None
-
-
-class TimedCallback(GuardedCallback):
-    """Base of our callbacks that observe steps through the shared stream.
-
-    Subclasses implement the parts they need:
-
-    - `_begin()` / `_end()`: at the start / end of each run (after joining
-      the stream; after the stream's last records were handed out);
-    - `_after_hook()`: after each end hook (a step, or N steps);
-    - `_on_records(records)`: new `StepRecord`s, in order (every quarter
-      second, before validation, at epoch end and at the end of training);
-    - `_epoch_done()`: at epoch end, after `_on_records`;
-    - `_on_judgement(judgement, step)`, `_on_event(event)`: the run's one
-      detector judged a window / reported an event.
-
-    `report()` of every subclass starts with the run's verdict
-    (`_verdict_report()`: `verdict`, `fix`, `phase`, `cost_share`,
-    `because`, `changed`, `errors`), then what the callback itself measured.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.stream = None
-
-    def _begin(self):
-        pass
-
-    def _end(self):
-        pass
-
-    def _after_hook(self):
-        pass
-
-    def _on_records(self, records):
-        pass
-
-    def _epoch_done(self):
-        pass
-
-    def _on_judgement(self, judgement, step):
-        pass
-
-    def _on_event(self, event):
-        pass
-
-    def _take_records(self, records):
-        try:
-            self._on_records(records)
-        except Exception as exc:  # a monitor must never stop training
-            self._report_failure("_on_records", exc)
-
-    def _verdict_report(self):
-        """The head of every `report()`: the run's one verdict (unknown before a run)."""
-        if self.stream is None:
-            verdict = {"verdict": "unknown", "fix": "no run was monitored yet",
-                       "phase": None, "cost_share": None, "because": [], "changed": None}
-        else:
-            verdict = self.stream.detector.verdict()
-        return {**verdict, "errors": list(self.errors)}
-
-    @guarded
-    def on_train_begin(self, logs=None):
-        self.stream = None
-        self.stream = StepStream.join(self)
-        self._begin()
-
-    # After a failed on_train_begin (warned once) the hooks do nothing.
-
-    # Each stream hook is called by one member: the leader (the first), but a
-    # step's begin by the last member, so that the last member's begin and
-    # the leader's end frame the step tightly: our own hooks fall in
-    # `between`, not in the step. Where the stream's markers frame the step
-    # around the whole callback list (`StepStream.framed`), they do instead.
-
-    @guarded
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.stream is not None and self.stream.leader is self:
-            self.stream.epoch_begin()
-
-    @guarded
-    def on_train_batch_begin(self, batch, logs=None):
-        stream = self.stream
-        if stream is not None and stream.members[-1] is self and not stream.framed:
-            stream.batch_begin(batch)
-
-    @guarded
-    def on_train_batch_end(self, batch, logs=None):
-        stream = self.stream
-        if stream is not None:
-            if stream.leader is self and not stream.framed:
-                stream.end_hook(batch, logs)
-            self._after_hook()
-
-    @guarded
-    def on_test_begin(self, logs=None):
-        # Validation runs before on_epoch_end: read training's input first,
-        # so an instrumented validation set is never taken for it.
-        if self.stream is not None and self.stream.leader is self:
-            self.stream.sync()
-
-    @guarded
-    def on_epoch_end(self, epoch, logs=None):
-        if self.stream is not None:
-            if self.stream.leader is self:
-                self.stream.sync()
-                if isinstance(logs, dict):
-                    self.stream.epoch_logs(logs)
-            self._epoch_done()
-
-    @guarded
-    def on_train_end(self, logs=None):
-        if self.stream is not None:
-            if self.stream.leader is self:
-                self.stream.train_end()
-            self._end()

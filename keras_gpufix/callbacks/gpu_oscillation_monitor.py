@@ -57,7 +57,7 @@ import time
 from keras_gpufix.analysis import OscillationDetector
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
 from keras_gpufix.callbacks._job import cluster_task, gather_job
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler
@@ -139,7 +139,7 @@ class GPUOscillationMonitor(TimedCallback):
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
-        self.stream.sampler = self._sampler
+        self.stream.sample_utilisation(self._sampler)
 
     def _start_sampler(self):
         self._sampler = None  # a stopped sampler keeps its samples for report()

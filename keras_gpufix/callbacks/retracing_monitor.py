@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from keras_gpufix.analysis import FIXES, recompile_cost, step_compiled
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.analysis import FIXES, RETRACE_FIX, recompile_cost, step_compiled
+from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import (
     concrete_functions,
@@ -176,11 +176,11 @@ class RetracingMonitor(TimedCallback):
         if self._functions:
             self.stream.count_traces(self._trace_total)
         if self.functions is not None:
-            self.stream.jit = self._jit
+            self.stream.tell(jit=self._jit)
         if self._compiled is False:
-            self.stream.eager = True
+            self.stream.tell(eager=True)
         if self.max_new_shapes is not None:
-            self.stream.run_thresholds["max_new_shapes"] = self.max_new_shapes
+            self.stream.tell(thresholds={"max_new_shapes": self.max_new_shapes})
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
@@ -387,8 +387,8 @@ class RetracingMonitor(TimedCallback):
             shapes = "".join(f" {name} was traced for {traces[-12:]}."
                              for name, traces in self._traced_shapes().items())
             parts.append(f"{what} traced {self._trace_count()} times in this fit, "
-                         f"{retraces} after the first compile.{shapes} Feed tensors of fixed "
-                         "dtype and structure (no Python numbers or lists in the batch).")
+                         f"{retraces} after the first compile.{shapes} "
+                         f"{RETRACE_FIX[0].upper()}{RETRACE_FIX[1:]}.")
         parts.append(f"Fix: {FIXES['recompiling']}.")
         return " ".join(parts)
 
@@ -426,8 +426,7 @@ class RetracingMonitor(TimedCallback):
         recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
         head = self._verdict_report()
         if head["verdict"] == "recompiling" and self._retraces(priced):
-            head["fix"] = ("feed tensors of fixed dtype and structure (no Python numbers or "
-                           "lists in the batch); " + head["fix"])
+            head["fix"] = f"{RETRACE_FIX}; {head['fix']}"
         return {
             **head,
             "trace_count": self._trace_count(),

@@ -154,7 +154,9 @@ def test_validate_makes_the_builder_and_its_dataset_and_reports_their_refusals(t
     kg.data.make_synthetic_corpus(tmp_path / "corpus", 3, max_seconds=1.0)
     path = write(tmp_path, "data:\n  corpus: corpus\n  on_bad_input: ignore\n"
                            "build:\n  batch_size: 2\n  num_buckets: 0\n")
-    assert load_config(path).data["corpus"] == str(tmp_path / "corpus")  # no builder made
+    with pytest.raises(ConfigError) as info:  # `build` is checked without a builder
+        load_config(path)
+    assert [p["key"] for p in info.value.problems] == ["build.num_buckets"]
     problems = validate_config(path, environment=CPU)["problems"]
     assert [(p["key"], p["line"]) for p in problems] == [("data.on_bad_input", 3),
                                                           ("build.num_buckets", 6)]

@@ -533,6 +533,11 @@ def _read(path):
         raise ConfigError([_problem("missing_file", None, None, path, f"no such file: {path}")],
                           unusable=True)
     try:
+        size = os.path.getsize(path)
+        if size > _MAX_BYTES:
+            raise ConfigError([_problem(
+                "too_large", None, None, path, f"the file is {size / 2**20:.1f} MB; a config "
+                f"is a few KB (at most {_MAX_BYTES >> 20} MB is read)")], unusable=True)
         with open(path, encoding="utf-8") as f:
             return _Doc(f.read(), path)
     except (OSError, UnicodeDecodeError) as exc:

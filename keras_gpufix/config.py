@@ -20,20 +20,26 @@ fit: {epochs: 10}                 # model.fit(..., **fit)
 There is no schema of its own: a section's keys are the parameters of its
 call (read from the signature, so a new argument needs no change here) and
 its values are judged by the call's own checks. An unknown key names the
-closest parameter (difflib); a value the call refuses gives the call's own
-message with the file and line. `corpus`, `cache_dir` and `log_dir` are
-paths relative to the file.
+closest parameter (difflib), else the closest key of any section; a value
+the call refuses gives the call's own message with the file and line, once
+per key (a key whose default is refused too ends the search, so every input
+ends). `corpus`, `cache_dir` and `log_dir` are paths relative to the file.
+Keys of the 0.1 format (`data.batch_size`, `training`, `distribute`,
+`monitor`; `_MOVED`) are reported with where they moved, and their values
+judged there.
 
 - `load_config(path)` reads the file and runs the checks that have no side
-  effects (`AudioConfig`, `TextConfig`, `compile_model`'s and
-  `setup_strategy`'s argument checks, the callbacks' constructors).
+  effects (`AudioConfig`, `TextConfig`, `compile_model`'s,
+  `setup_strategy`'s and `build`'s argument checks, the callbacks'
+  constructors).
 - `validate_config(path, fix=False)` also makes the dataset builder on the
-  corpus and calls its `build` (no cache is written), and checks this
-  machine: a batch the replicas cannot share, a mixed-precision policy the
-  device does not run fast, a device it lacks, a `cache_dir` it cannot
-  write. With `fix=True` it rewrites what it can (a typo to the closest key,
-  a quoted number, an empty value to the default, the machine's traps) in
-  place, atomically, the original kept as `<file>.bak`.
+  corpus and its epoch plan for `build` (no feature computed, no dataset
+  made, no cache written), and checks this machine: a batch the replicas
+  cannot share, a mixed-precision policy the device does not run fast, a
+  device it lacks, a `cache_dir` it cannot write. With `fix=True` it rewrites what it can (a key of the 0.1 format
+  to its place, a typo to the closest key, a quoted number, an empty value
+  to the default, the machine's traps) in place, atomically, the original
+  kept as `<file>.bak`.
 - `from_config(cfg)` makes the strategy, the dtype policy, the builder and
   the callbacks, and holds the `compile_model`, `build` and `fit` arguments.
 """
@@ -189,7 +195,7 @@ def _migrate(data):
         value = data[section].pop(key)
         note = None
         if old == "data.prefetch" and value in ("auto", None, False):
-            new, note = None, "batches are always prefetched (tf.data AUTOTUNE) now"
+            new, note = None, "batches are always prefetched now, with tf.data AUTOTUNE"
         elif old == "monitor.profiling" and value in (None, False):
             new, note = None, "no ProfilerTrigger is made unless `callbacks` names it"
         elif old == "monitor.profiling" and value is True:
@@ -248,8 +254,8 @@ class _Doc:
         if not isinstance(self.data, dict):
             raise ConfigError([_problem(
                 "not_a_mapping", None, 1, source,
-                f"the top level must be a mapping of sections. Received: {self.data!r:.80}")],
-                unusable=True)
+                "the top level must be a mapping of sections. Received: "
+                + _short.repr(self.data))], unusable=True)
         self.nodes = {}  # "a.b" -> (key node, value node)
         self.problems = []
         self.data, self.moves = _migrate(self.data)
@@ -338,6 +344,9 @@ def _mapping(doc, raw, path, valid):
     for key in raw:
         if key not in valid:
             _unknown(doc, raw, path, key, valid)
+        elif key in _PATH_KEYS and not isinstance(raw[key], (str, type(None))):
+            doc.add("invalid_value", f"{path}.{key}", f"`{path}.{key}` must be a path (a "
+                    f"string) or null. Received: {key}={_short.repr(raw[key])}")
     return {k: doc.resolve(k, v) for k, v in raw.items() if k in valid}
 
 
@@ -361,10 +370,8 @@ def _culprit(call, kwargs, message):
 
 
 def _refusal(exc):
-    """The message of a refusal: the call's own, or for a bare Python error
-    (`'<' not supported between ...`) the error's type too."""
-    message = str(exc).strip()
-    return message if "`" in message else f"{type(exc).__name__}: {message}"
+    """The message of a refusal (the error's type when it has none)."""
+    return str(exc).strip() or type(exc).__name__
 
 
 def _accepted(call, kwargs, key, default):
@@ -485,10 +492,10 @@ def _parse(doc, dry_run):
     doc.known = _known(targets, classes)
     for old, new, note in doc.moves:
         doc.add("moved_key", old,
-                f"`{old}` " + (f"has moved to `{new}`" if new else f"is gone: {note}")
-                + " in the config format of keras-gpufix 0.2.0 (each section holds the "
-                "arguments of one call; see CHANGELOG.md)", new,
-                {"action": "move", "key": old, "to": new})
+                (f"`{old}` has moved to `{new}` (the config format of keras-gpufix 0.2.0: "
+                 "each section holds one call's arguments" if new else
+                 f"`{old}` is gone in keras-gpufix 0.2.0 ({note}") + "; CHANGELOG.md lists "
+                "what moved)", new, {"action": "move", "key": old, "to": new})
     data = dict(doc.data)
     for section in _OLD_SECTIONS:  # what is left of a section of the earlier format
         if isinstance(data.get(section), dict):
@@ -556,14 +563,15 @@ def load_config(path) -> Config:
         path: the YAML file.
 
     Returns:
-        A `Config`. The corpus and the `build` values are checked when the
+        A `Config`. The corpus and the `data` values are checked when the
         builder is made (`from_config`, `validate_config`); this machine's
         traps only by `validate_config`.
 
     Raises:
         ConfigError: (a `ValueError`) listing every unknown key (with the
-            closest valid one), value a call refuses (with its message) and
-            YAML syntax error, each with its file and line.
+            closest valid one), key of the 0.1 format (with its new place),
+            value a call refuses (with its message) and YAML syntax error,
+            each with its file and line.
 
     Example:
 

@@ -36,10 +36,10 @@ judged there.
   corpus and its epoch plan for `build` (no feature computed, no dataset
   made, no cache written), and checks this machine: a batch the replicas
   cannot share, a mixed-precision policy the device does not run fast, a
-  device it lacks, a `cache_dir` it cannot write. With `fix=True` it rewrites what it can (a key of the 0.1 format
-  to its place, a typo to the closest key, a quoted number, an empty value
-  to the default, the machine's traps) in place, atomically, the original
-  kept as `<file>.bak`.
+  device it lacks, a `cache_dir` it cannot write. With `fix=True` it
+  rewrites what it can (a key of the 0.1 format to its place, a typo to the
+  closest key, a quoted number, an empty value to the default, the
+  machine's traps) in place, atomically, the original kept as `<file>.bak`.
 - `from_config(cfg)` makes the strategy, the dtype policy, the builder and
   the callbacks, and holds the `compile_model`, `build` and `fit` arguments.
 """

@@ -484,6 +484,20 @@ def _known(targets, classes):
     return [f"{path}.{key}" for path, target in sections.items() for key in _keys(target)]
 
 
+def _check_fit(**kwargs):
+    """`model.fit`'s counts, which Keras checks only once training starts."""
+    import keras
+
+    bound = inspect.signature(keras.Model.fit).bind(None, **kwargs)
+    for name, low in (("epochs", 1), ("initial_epoch", 0), ("steps_per_epoch", 1),
+                      ("batch_size", 1), ("validation_steps", 1),
+                      ("validation_batch_size", 1), ("validation_freq", 1)):
+        value = bound.arguments.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < low):
+            raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+
+
 def _parse(doc, dry_run):
     """(Config, builder or None) from a parsed document; problems go to `doc.problems`."""
     from keras_gpufix import data as kg_data
@@ -515,6 +529,7 @@ def _parse(doc, dry_run):
             objects[key] = _judge(doc, f"data.{key}", cls, fields, cls)
     _judge(doc, "compile", _check_compile, cfg.compile, targets["compile"])
     _judge(doc, "strategy", _check_strategy, cfg.strategy, targets["strategy"])
+    _judge(doc, "fit", _check_fit, cfg.fit, targets["fit"])
     raw_callbacks = raw.get("callbacks")
     if raw_callbacks is None and "callbacks" not in raw:
         raw_callbacks = {"GPUOscillationMonitor": {}, "RetracingMonitor": {}}

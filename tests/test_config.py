@@ -401,6 +401,7 @@ def test_validate_ends_on_every_wrong_build_value_beside_a_corpus(tmp_path, key)
      "`max_seconds` must be a finite number or None. Received: max_seconds=nan"),
     ("compile:\n  mixed_precision: 0\n", "compile.mixed_precision", "mixed_precision=0"),
     ("build:\n  batch_size: sixteen\n", "build.batch_size", "batch_size='sixteen'"),
+    ("fit:\n  epochs: sixteen\n", "fit.epochs", "`epochs` must be an integer >= 1"),
 ])
 def test_a_wrong_value_is_refused_where_it_is_given(tmp_path, text, key, message):
     problem = only_problem(write(tmp_path, text))

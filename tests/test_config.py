@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import os
@@ -382,9 +383,14 @@ def test_validate_ends_on_every_wrong_value_of_each_example_key(tmp_path, key):
 
 
 @pytest.mark.parametrize("key", ["build.batch_size", "build.num_buckets"])
-def test_validate_ends_on_every_wrong_build_value_beside_a_corpus(tmp_path, key):
+def test_validate_ends_on_every_wrong_build_value_beside_a_corpus(tmp_path, monkeypatch, key):
     """The builder is made: `build` is judged against the corpus's plan (the
-    wrong batch sizes of the issue looped here for ever)."""
+    wrong batch sizes of the issue looped here for ever), no dataset made."""
+    def no_dataset(*args, **kwargs):
+        raise AssertionError("validate made a dataset")
+
+    monkeypatch.setattr(kg.data.SpeechDatasetBuilder, "build",
+                        functools.wraps(kg.data.SpeechDatasetBuilder.build)(no_dataset))
     kg.data.make_synthetic_corpus(tmp_path / "corpus", 3, max_seconds=1.0)
     base = yaml.safe_load(open(EXAMPLE))
     base["data"].update(corpus="corpus", cache_dir="cache")

@@ -826,7 +826,7 @@ def _made(cfg, path, call, kwargs):
     """`call(**kwargs)`; its TypeError/ValueError a `ConfigError` naming the line."""
     try:
         return call(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except _REFUSALS as exc:
         key = _culprit(call, kwargs, str(exc))
         path = f"{path}.{key}" if key else path
         line = cfg.lines.get(path) or cfg.lines.get(path.split(".")[0])

@@ -68,6 +68,7 @@ _NOT_FROM_YAML = {"self", "model", "optimizer", "loss", "metrics", "sample_batch
 _NESTED = {"audio": "AudioConfig", "text": "TextConfig"}
 _MAX_BYTES = 1 << 20  # a config is a few KB; PyYAML would parse 10 MB for minutes
 _MAX_NODES = 100_000  # YAML aliases can make a small file a huge tree
+_MAX_DEPTH = 32
 # A value a call refuses raises one of these (a wrong type, a number out of range).
 _REFUSALS = (TypeError, ValueError, ArithmeticError)
 # Keys of the format before 0.2.0 (one section per topic) -> where they are now.
@@ -235,6 +236,7 @@ class _Doc:
     def __init__(self, text, source):
         self.text, self.source = text, source
         try:
+            self._check_depth(text)  # before composing, which recurses per level
             self.root = yaml.compose(text, Loader=yaml.SafeLoader)
             self._check_size(self.root)
             self.data = yaml.safe_load(text)
@@ -243,10 +245,6 @@ class _Doc:
             what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError([_problem("yaml_syntax", None, mark and mark.line + 1, source,
                                         f"YAML syntax error: {what}")], unusable=True)
-        except RecursionError:
-            raise ConfigError([_problem("too_large", None, None, source,
-                                        "the YAML is nested too deeply to read")],
-                              unusable=True) from None
         if self.data is None:
             raise ConfigError([_problem(
                 "empty_file", None, None, source, "the file is empty (or only comments): "
@@ -262,22 +260,35 @@ class _Doc:
         self.moved = {new: old for old, new, _ in self.moves if new}
         self._walk(self.root, "")
 
+    def _check_depth(self, text):
+        """Refuses a text nested deeper than any config (read as a stream of events)."""
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    raise ConfigError([_problem(
+                        "too_large", None, event.start_mark.line + 1, self.source,
+                        f"the YAML is nested more than {_MAX_DEPTH} levels deep; a config has "
+                        "4 (callbacks.<name>.<argument>.<key>)")], unusable=True)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+
     def _check_size(self, root):
-        """Refuses a tree no config needs: too deep, or (through aliases) too many values."""
-        stack, count = [(root, 1)], 0
+        """Refuses a tree that (through YAML aliases) holds more values than any config."""
+        stack, count = [root], 0
         while stack:
-            node, depth = stack.pop()
+            node = stack.pop()
             count += 1
-            if depth > 32 or count > _MAX_NODES:
+            if count > _MAX_NODES:
                 raise ConfigError([_problem(
                     "too_large", None, node.start_mark.line + 1, self.source,
-                    f"the YAML holds more than {_MAX_NODES} values (YAML aliases?)"
-                    if count > _MAX_NODES else "the YAML is nested more than 32 levels deep; "
-                    "a config has 4 (callbacks.<name>.<argument>.<key>)")], unusable=True)
+                    f"the YAML holds more than {_MAX_NODES} values (YAML aliases?)")],
+                    unusable=True)
             if isinstance(node, yaml.MappingNode):
-                stack += [(n, depth + 1) for pair in node.value for n in pair]
+                stack += [n for pair in node.value for n in pair]
             elif isinstance(node, yaml.SequenceNode):
-                stack += [(n, depth + 1) for n in node.value]
+                stack += node.value
 
     def _walk(self, node, prefix):
         for key, value in node.value:

@@ -169,9 +169,10 @@ class AudioConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
-        if self.win_length is not None and not (
-                isinstance(self.win_length, (int, np.integer)) and not isinstance(self.win_length, bool)
-                and 1 <= self.win_length <= self.n_fft):
+        win_length = self.win_length
+        if win_length is not None and not (
+                isinstance(win_length, (int, np.integer)) and not isinstance(win_length, bool)
+                and 1 <= win_length <= self.n_fft):
             raise ValueError(
                 "`win_length` must be between 1 and `n_fft`. "
                 f"Received: win_length={self.win_length}, n_fft={self.n_fft}"

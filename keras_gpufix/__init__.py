@@ -7,7 +7,7 @@ TensorFlow nor Keras; the callbacks that only need Keras's callback API
 
 from keras_gpufix._lazy import lazy_getattr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "StepTimer": "keras_gpufix.callbacks.step_timer",

@@ -76,7 +76,8 @@ def build_parser():
     p.set_defaults(subparser=p)
     p.add_argument("config", metavar="CONFIG", help="YAML config file")
     p.add_argument("--fix", action="store_true",
-                   help="rewrite the file with the fixes (backup kept beside it)")
+                   help="rewrite the file with the fixes, keys of the 0.1 format moved to "
+                        "their place (backup kept beside it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(

@@ -20,30 +20,39 @@ fit: {epochs: 10}                 # model.fit(..., **fit)
 There is no schema of its own: a section's keys are the parameters of its
 call (read from the signature, so a new argument needs no change here) and
 its values are judged by the call's own checks. An unknown key names the
-closest parameter (difflib); a value the call refuses gives the call's own
-message with the file and line. `corpus`, `cache_dir` and `log_dir` are
-paths relative to the file.
+closest parameter (difflib), else the closest key of any section; a value
+the call refuses gives the call's own message with the file and line, once
+per key (a key whose default is refused too ends the search, so every input
+ends). `corpus`, `cache_dir` and `log_dir` are paths relative to the file.
+Keys of the 0.1 format (`data.batch_size`, `training`, `distribute`,
+`monitor`; `_MOVED`) are reported with where they moved, and their values
+judged there.
 
 - `load_config(path)` reads the file and runs the checks that have no side
-  effects (`AudioConfig`, `TextConfig`, `compile_model`'s and
-  `setup_strategy`'s argument checks, the callbacks' constructors).
+  effects (`AudioConfig`, `TextConfig`, `compile_model`'s,
+  `setup_strategy`'s and `build`'s argument checks, the callbacks'
+  constructors).
 - `validate_config(path, fix=False)` also makes the dataset builder on the
-  corpus and calls its `build` (no cache is written), and checks this
-  machine: a batch the replicas cannot share, a mixed-precision policy the
-  device does not run fast, a device it lacks, a `cache_dir` it cannot
-  write. With `fix=True` it rewrites what it can (a typo to the closest key,
-  a quoted number, an empty value to the default, the machine's traps) in
-  place, atomically, the original kept as `<file>.bak`.
+  corpus and its epoch plan for `build` (no feature computed, no dataset
+  made, no cache written), and checks this machine: a batch the replicas
+  cannot share, a mixed-precision policy the device does not run fast, a
+  device it lacks, a `cache_dir` it cannot write. With `fix=True` it
+  rewrites what it can (a key of the 0.1 format to its place, a typo to the
+  closest key, a quoted number, an empty value to the default, the
+  machine's traps) in place, atomically, the original kept as `<file>.bak`.
 - `from_config(cfg)` makes the strategy, the dtype policy, the builder and
   the callbacks, and holds the `compile_model`, `build` and `fit` arguments.
 """
 
+import copy
 import dataclasses
 import difflib
 import inspect
+import itertools
 import json
 import os
 import re
+import reprlib
 import shutil
 import tempfile
 from typing import Any, Optional
@@ -57,6 +66,33 @@ _PATH_KEYS = ("corpus", "cache_dir", "log_dir")
 _NOT_FROM_YAML = {"self", "model", "optimizer", "loss", "metrics", "sample_batch", "x", "y",
                   "callbacks"}  # given in code
 _NESTED = {"audio": "AudioConfig", "text": "TextConfig"}
+_MAX_BYTES = 1 << 20  # a config is a few KB; PyYAML would parse 10 MB for minutes
+_MAX_NODES = 100_000  # YAML aliases can make a small file a huge tree
+_MAX_DEPTH = 32
+# A value a call refuses raises one of these (a wrong type, a number out of range).
+_REFUSALS = (TypeError, ValueError, ArithmeticError)
+# Keys of the format before 0.2.0 (one section per topic) -> where they are now.
+_MOVED = {
+    "data.batch_size": "build.batch_size",
+    "data.num_buckets": "build.num_buckets",
+    "data.service": "build.service",
+    "data.prefetch": "build.prefetch_to_device",
+    "training.jit_compile": "compile.jit_compile",
+    "training.mixed_precision": "compile.mixed_precision",
+    "training.steps_per_execution": "compile.steps_per_execution",
+    "training.epochs": "fit.epochs",
+    "distribute.mode": "strategy.mode",
+    "distribute.devices": "strategy.devices",
+    "monitor.window": "callbacks.GPUOscillationMonitor.window",
+    "monitor.warmup": "callbacks.GPUOscillationMonitor.warmup",
+    "monitor.min_windows": "callbacks.GPUOscillationMonitor.min_windows",
+    "monitor.thresholds": "callbacks.GPUOscillationMonitor.thresholds",
+    "monitor.log_dir": "callbacks.GPUOscillationMonitor.log_dir",
+    "monitor.profiling": "callbacks.ProfilerTrigger",
+}
+_OLD_SECTIONS = ("training", "distribute", "monitor")
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 60
 
 
 def _targets():
@@ -137,11 +173,61 @@ def _problem(kind, key, line, source, message, suggestion=None, fix=None):
     where = os.path.basename(source) if source else "config"
     where = f"{where}, line {line}" if line else where
     if fix is not None:
-        message += ("; `keras-gpufix validate --fix` "
-                    + (f"renames it to `{fix['to']}`" if fix["action"] == "rename"
-                       else f"sets it to {_scalar(fix['value'])}"))
+        message += "; `keras-gpufix validate --fix` " + {
+            "rename": lambda: f"renames it to `{fix['to']}`",
+            "move": lambda: f"moves it to `{fix['to']}`" if fix["to"] else "deletes it",
+            "set": lambda: f"sets it to {_scalar(fix['value'])}"}[fix["action"]]()
     return {"kind": kind, "key": key, "line": line, "message": f"{where}: {message}",
             "suggestion": suggestion, "fix": fix}
+
+
+def _migrate(data):
+    """`data` with the keys of the format before 0.2.0 moved where they are
+    now, and the moves: `(old, new, note)` (`new` None: the key is dropped,
+    `note` says why)."""
+    moves = [(old, new) for old, new in _MOVED.items() if isinstance(
+        data.get(old.split(".")[0]), dict) and old.split(".")[1] in data[old.split(".")[0]]]
+    if not moves:
+        return data, []
+    data, done = copy.deepcopy(data), []
+    made_callbacks = "callbacks" not in data
+    for old, new in moves:
+        section, key = old.split(".")
+        value = data[section].pop(key)
+        note = None
+        if old == "data.prefetch" and value in ("auto", None, False):
+            new, note = None, "batches are always prefetched now, with tf.data AUTOTUNE"
+        elif old == "monitor.profiling" and value in (None, False):
+            new, note = None, "no ProfilerTrigger is made unless `callbacks` names it"
+        elif old == "monitor.profiling" and value is True:
+            value = {}
+        *parents, leaf = new.split(".") if new else [None]
+        node = data
+        for part in parents if new else ():
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if new and not isinstance(node, dict):
+            data[section][key] = value  # its new section is not a mapping: left where it is
+            continue
+        if new and leaf in node:
+            new, note = None, f"`{new}` is set too, and kept"
+        elif new:
+            node[leaf] = value
+        done.append((old, new, note))
+    callbacks = data.get("callbacks")
+    if isinstance(callbacks, dict):
+        monitor, trigger = callbacks.get("GPUOscillationMonitor"), callbacks.get("ProfilerTrigger")
+        log_dir = monitor.get("log_dir") if isinstance(monitor, dict) else None
+        if "monitor.profiling" in dict(moves) and isinstance(trigger, dict) and log_dir:
+            trigger.setdefault("log_dir", log_dir)  # the earlier format's one log_dir
+        if made_callbacks:  # the monitors a config without `callbacks` gets
+            callbacks.setdefault("RetracingMonitor", {})
+            data["callbacks"] = {name: callbacks[name] for name in
+                                 ("GPUOscillationMonitor", "RetracingMonitor", "ProfilerTrigger")
+                                 if name in callbacks}
+    for section in _OLD_SECTIONS:
+        if data.get(section) == {}:
+            del data[section]
+    return data, done
 
 
 class _Doc:
@@ -150,7 +236,9 @@ class _Doc:
     def __init__(self, text, source):
         self.text, self.source = text, source
         try:
+            self._check_depth(text)  # before composing, which recurses per level
             self.root = yaml.compose(text, Loader=yaml.SafeLoader)
+            self._check_size(self.root)
             self.data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
@@ -164,11 +252,43 @@ class _Doc:
         if not isinstance(self.data, dict):
             raise ConfigError([_problem(
                 "not_a_mapping", None, 1, source,
-                f"the top level must be a mapping of sections. Received: {self.data!r:.80}")],
-                unusable=True)
+                "the top level must be a mapping of sections. Received: "
+                + _short.repr(self.data))], unusable=True)
         self.nodes = {}  # "a.b" -> (key node, value node)
         self.problems = []
+        self.data, self.moves = _migrate(self.data)
+        self.moved = {new: old for old, new, _ in self.moves if new}
         self._walk(self.root, "")
+
+    def _check_depth(self, text):
+        """Refuses a text nested deeper than any config (read as a stream of events)."""
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    raise ConfigError([_problem(
+                        "too_large", None, event.start_mark.line + 1, self.source,
+                        f"the YAML is nested more than {_MAX_DEPTH} levels deep; a config has "
+                        "4 (callbacks.<name>.<argument>.<key>)")], unusable=True)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+
+    def _check_size(self, root):
+        """Refuses a tree that (through YAML aliases) holds more values than any config."""
+        stack, count = [root], 0
+        while stack:
+            node = stack.pop()
+            count += 1
+            if count > _MAX_NODES:
+                raise ConfigError([_problem(
+                    "too_large", None, node.start_mark.line + 1, self.source,
+                    f"the YAML holds more than {_MAX_NODES} values (YAML aliases?)")],
+                    unusable=True)
+            if isinstance(node, yaml.MappingNode):
+                stack += [n for pair in node.value for n in pair]
+            elif isinstance(node, yaml.SequenceNode):
+                stack += node.value
 
     def _walk(self, node, prefix):
         for key, value in node.value:
@@ -184,6 +304,10 @@ class _Doc:
                 self._walk(value, path + ".")
 
     def line(self, path):
+        for new, old in self.moved.items():  # a key of the earlier format: where it is written
+            if path == new or path.startswith(new + "."):
+                path = old + path[len(new):]
+                break
         while path and path not in self.nodes:
             path = path.rpartition(".")[0]  # a key the call lacks: its section's line
         return self.nodes[path][0].start_mark.line + 1 if path else None
@@ -200,23 +324,40 @@ class _Doc:
                                              value))
 
 
+def _unknown(doc, raw, path, key, valid):
+    """The problem of an unknown key: the closest key of its own section
+    (`--fix` renames it), else the closest key of any section."""
+    full = f"{path}.{key}" if path else str(key)
+    guess = next(iter(difflib.get_close_matches(str(key), valid, n=1)), None)
+    fix = ({"action": "rename", "key": full, "to": guess}
+           if guess and guess not in raw else None)
+    if guess is None:
+        leaves = {}
+        for known in doc.known:
+            leaves.setdefault(known.rpartition(".")[2], known)
+        close = difflib.get_close_matches(str(key), list(leaves), n=1)
+        guess = leaves[close[0]] if close else None
+    doc.add("unknown_key", full,
+            f"unknown key `{full}`" + (f"; did you mean `{guess}`?" if guess else "")
+            + (f" Valid keys{f' in `{path}`' if path else ''}: " + ", ".join(sorted(valid))
+               if valid else f" (`{path}` is a section of the format before 0.2.0)"),
+            guess, fix)
+
+
 def _mapping(doc, raw, path, valid):
     """`raw` as a dict of the keys in `valid`; a problem per unknown key."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        doc.add("invalid_value", path, f"`{path}` must be a mapping. Received: {raw!r:.80}")
+        doc.add("invalid_value", path,
+                f"`{path}` must be a mapping. Received: {_short.repr(raw)}")
         return {}
     for key in raw:
         if key not in valid:
-            full = f"{path}.{key}" if path else str(key)
-            guess = next(iter(difflib.get_close_matches(str(key), valid, n=1)), None)
-            fix = ({"action": "rename", "key": full, "to": guess}
-                   if guess and guess not in raw else None)
-            doc.add("unknown_key", full,
-                    f"unknown key `{full}`" + (f"; did you mean `{guess}`?" if guess else "")
-                    + f" Valid keys{f' in `{path}`' if path else ''}: "
-                    + ", ".join(sorted(valid)), guess, fix)
+            _unknown(doc, raw, path, key, valid)
+        elif key in _PATH_KEYS and not isinstance(raw[key], (str, type(None))):
+            doc.add("invalid_value", f"{path}.{key}", f"`{path}.{key}` must be a path (a "
+                    f"string) or null. Received: {key}={_short.repr(raw[key])}")
     return {k: doc.resolve(k, v) for k, v in raw.items() if k in valid}
 
 
@@ -234,9 +375,14 @@ def _culprit(call, kwargs, message):
         try:
             call(**{k: v for k, v in kwargs.items() if k != key})
             return key
-        except (TypeError, ValueError):
+        except _REFUSALS:
             continue
     return None
+
+
+def _refusal(exc):
+    """The message of a refusal (the error's type when it has none)."""
+    return str(exc).strip() or type(exc).__name__
 
 
 def _accepted(call, kwargs, key, default):
@@ -254,7 +400,7 @@ def _accepted(call, kwargs, key, default):
     for candidate in candidates:
         try:
             call(**{**kwargs, key: candidate})
-        except (TypeError, ValueError) as exc:
+        except _REFUSALS as exc:
             if key in _named(kwargs, str(exc)):
                 continue  # refused too; another key's refusal is not this value's
         return candidate
@@ -264,18 +410,23 @@ def _accepted(call, kwargs, key, default):
 def _judge(doc, path, call, kwargs, target):
     """`call(**kwargs)`, its own checks being the schema: each value it refuses
     becomes a problem with its line (the call's message), replaced by the
-    fixed value or the default to find the next. Returns the call's result,
-    or None when it never passed."""
-    kwargs = dict(kwargs)
+    fixed value or the default to find the next. Each key is reported once:
+    a key refused again (its default refused too: `build.batch_size`'s None
+    without `batch_frames`) ends the search, so it ends after at most one
+    call per key. Returns the call's result, or None when it never passed."""
+    kwargs, refused = dict(kwargs), set()
     while True:
         try:
             return call(**kwargs)
-        except (TypeError, ValueError) as exc:
-            message = str(exc).strip()
+        except _REFUSALS as exc:
+            message = _refusal(exc)
             key = _culprit(call, kwargs, message)
+            if key in refused:
+                return None
             if key is None:
                 doc.add("invalid_value", path, f"`{path}`: {message}")
                 return None
+            refused.add(key)
             default = _default(target, key)
             value = _accepted(call, kwargs, key, default)
             fix = (None if value is inspect.Parameter.empty else
@@ -314,13 +465,69 @@ def _check_strategy(**kwargs):
                           devices_given=devices is not None)
 
 
+def _check_build(builder):
+    """`build`'s argument checks: without a corpus those `build` makes
+    before it reads anything, with `builder` also its epoch plan (no
+    feature computed, no dataset made)."""
+    from keras_gpufix.data import SpeechDatasetBuilder
+
+    def check(**kwargs):
+        bound = inspect.signature(SpeechDatasetBuilder.build).bind(None, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if builder is None and a["batch_size"] is None and a["batch_frames"] is None:
+            a["batch_size"] = 1  # may be given in code: setup.dataset(batch_size=...)
+        SpeechDatasetBuilder.check_build_args(a["batch_size"], a["num_buckets"], a["service"],
+                                              a["batch_frames"], a["batch_multiple"])
+        if builder is not None:
+            builder.plan(a["batch_size"], a["num_buckets"], a["batch_frames"],
+                         a["drop_remainder"], a["batch_multiple"])
+    return check
+
+
+def _known(targets, classes):
+    """Every key of every section, as `section.key` paths."""
+    from keras_gpufix import data as kg_data
+
+    sections = {**{name: t for name, t in targets.items() if t is not None},
+                **{f"data.{k}": getattr(kg_data, c) for k, c in _NESTED.items()},
+                **{f"callbacks.{name}": cls for name, cls in classes.items()}}
+    return [f"{path}.{key}" for path, target in sections.items() for key in _keys(target)]
+
+
+def _check_fit(**kwargs):
+    """`model.fit`'s counts, which Keras checks only once training starts."""
+    import keras
+
+    bound = inspect.signature(keras.Model.fit).bind(None, **kwargs)
+    for name, low in (("epochs", 1), ("initial_epoch", 0), ("steps_per_epoch", 1),
+                      ("batch_size", 1), ("validation_steps", 1),
+                      ("validation_batch_size", 1), ("validation_freq", 1)):
+        value = bound.arguments.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < low):
+            raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+
+
 def _parse(doc, dry_run):
     """(Config, builder or None) from a parsed document; problems go to `doc.problems`."""
     from keras_gpufix import data as kg_data
 
-    targets = _targets()
-    raw = _mapping(doc, doc.data, "", list(targets))
-    cfg = Config(source=doc.source, lines={p: doc.line(p) for p in doc.nodes})
+    targets, classes = _targets(), _callback_classes()
+    doc.known = _known(targets, classes)
+    for old, new, note in doc.moves:
+        doc.add("moved_key", old,
+                (f"`{old}` has moved to `{new}` (the config format of keras-gpufix 0.2.0: "
+                 "each section holds one call's arguments" if new else
+                 f"`{old}` is gone in keras-gpufix 0.2.0 ({note}") + "; CHANGELOG.md lists "
+                "what moved)", new, {"action": "move", "key": old, "to": new})
+    data = dict(doc.data)
+    for section in _OLD_SECTIONS:  # what is left of a section of the earlier format
+        if isinstance(data.get(section), dict):
+            for key in data.pop(section):
+                _unknown(doc, {}, section, key, [])
+    raw = _mapping(doc, data, "", list(targets))
+    cfg = Config(source=doc.source, lines={p: doc.line(p) for p in [*doc.nodes, *doc.moved]})
     for name in ("build", "compile", "strategy", "fit"):
         setattr(cfg, name, _mapping(doc, raw.get(name), name, _keys(targets[name])))
     cfg.data = _mapping(doc, raw.get("data"), "data", _keys(targets["data"]))
@@ -333,7 +540,7 @@ def _parse(doc, dry_run):
             objects[key] = _judge(doc, f"data.{key}", cls, fields, cls)
     _judge(doc, "compile", _check_compile, cfg.compile, targets["compile"])
     _judge(doc, "strategy", _check_strategy, cfg.strategy, targets["strategy"])
-    classes = _callback_classes()
+    _judge(doc, "fit", _check_fit, cfg.fit, targets["fit"])
     raw_callbacks = raw.get("callbacks")
     if raw_callbacks is None and "callbacks" not in raw:
         raw_callbacks = {"GPUOscillationMonitor": {}, "RetracingMonitor": {}}
@@ -348,8 +555,8 @@ def _parse(doc, dry_run):
         if getattr(objects.get("audio"), "trim_top_db", None) is not None:  # reads every file
             kwargs["audio"] = dataclasses.replace(objects["audio"], trim_top_db=None)
         builder = _judge(doc, "data", targets["data"], kwargs, targets["data"])
-        if builder is not None:
-            _judge(doc, "build", builder.build, cfg.build, targets["build"])
+    if cfg.build:
+        _judge(doc, "build", _check_build(builder), cfg.build, targets["build"])
     return cfg, builder
 
 
@@ -359,6 +566,11 @@ def _read(path):
         raise ConfigError([_problem("missing_file", None, None, path, f"no such file: {path}")],
                           unusable=True)
     try:
+        size = os.path.getsize(path)
+        if size > _MAX_BYTES:
+            raise ConfigError([_problem(
+                "too_large", None, None, path, f"the file is {size / 2**20:.1f} MB; a config "
+                f"is a few KB (at most {_MAX_BYTES >> 20} MB is read)")], unusable=True)
         with open(path, encoding="utf-8") as f:
             return _Doc(f.read(), path)
     except (OSError, UnicodeDecodeError) as exc:
@@ -377,14 +589,15 @@ def load_config(path) -> Config:
         path: the YAML file.
 
     Returns:
-        A `Config`. The corpus and the `build` values are checked when the
+        A `Config`. The corpus and the `data` values are checked when the
         builder is made (`from_config`, `validate_config`); this machine's
         traps only by `validate_config`.
 
     Raises:
         ConfigError: (a `ValueError`) listing every unknown key (with the
-            closest valid one), value a call refuses (with its message) and
-            YAML syntax error, each with its file and line.
+            closest valid one), key of the 0.1 format (with its new place),
+            value a call refuses (with its message) and YAML syntax error,
+            each with its file and line.
 
     Example:
 
@@ -400,7 +613,8 @@ def load_config(path) -> Config:
 
 
 def _traps(cfg, doc, info):
-    """This machine's performance traps in `cfg`, added to `doc.problems`."""
+    """This machine's performance traps in `cfg`, added to `doc.problems`
+    (only for values that no call refused)."""
     from keras_gpufix.compile.hardware import precision_support
     from keras_gpufix.data.cache import writable_problem
     from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
@@ -408,30 +622,37 @@ def _traps(cfg, doc, info):
     def fix(key, value):
         return {"action": "set", "key": key, "value": value}
 
-    devices = cfg.strategy.get("devices") or []
+    refused = {p["key"] for p in doc.problems}
+    checked = {key: value for key, value in (
+        ("strategy.devices", cfg.strategy.get("devices")),
+        ("build.batch_size", cfg.build.get("batch_size")),
+        ("compile.mixed_precision", cfg.compile.get("mixed_precision")),
+        ("build.prefetch_to_device", cfg.build.get("prefetch_to_device")),
+        ("data.cache_dir", cfg.data.get("cache_dir"))) if key not in refused}
+    devices = checked.get("strategy.devices") or []
     try:
         cluster = tf_config_cluster()
         mode, _ = resolve_strategy_mode(cfg.strategy.get("mode", "auto"),
                                         device_count=len(devices) or len(info["gpus"]),
                                         devices_given=bool(devices), cluster=cluster)
-    except ValueError:  # setup_strategy names it
+    except _REFUSALS:  # setup_strategy names it
         mode, cluster = "default", None
     replicas = 1 if mode in ("default", "one_device") else (
         max(1, len(devices) or len(info["gpus"])) * (sum(cluster.values()) if cluster else 1))
-    batch = cfg.build.get("batch_size")
+    batch = checked.get("build.batch_size")
     if isinstance(batch, int) and batch % replicas:
         doc.add("batch_not_divisible", "build.batch_size",
                 f"`build.batch_size` {batch} is not divisible by the {replicas} replicas of "
                 "`strategy`: replicas get unequal batches and the last one a different shape",
                 fix=fix("build.batch_size", -(-batch // replicas) * replicas))
-    policy = cfg.compile.get("mixed_precision")
-    if policy not in (None, "auto"):
+    policy = checked.get("compile.mixed_precision")
+    if isinstance(policy, str) and policy != "auto":
         fast, reason = precision_support(policy, info)
         if not fast:
             doc.add("mixed_precision_unsupported", "compile.mixed_precision",
                     f"`compile.mixed_precision` is {policy!r} but {reason}; `auto` picks what "
                     "this device runs fast", fix=fix("compile.mixed_precision", "auto"))
-    prefetch = cfg.build.get("prefetch_to_device")
+    prefetch = checked.get("build.prefetch_to_device")
     for key, names in (("strategy.devices", devices),
                        ("build.prefetch_to_device", [prefetch] if prefetch else [])):
         gpus = [re.search(r"gpu:(\d+)$", str(n), re.IGNORECASE) for n in names]
@@ -440,8 +661,8 @@ def _traps(cfg, doc, info):
             doc.add("device_missing", key, f"`{key}` names {', '.join(missing)} but this "
                     f"machine has {len(info['gpus'])} GPU(s)",
                     fix=fix(key, None) if key.startswith("build") else None)
-    cache = cfg.data.get("cache_dir")
-    why = cache and writable_problem(cache)
+    cache = checked.get("data.cache_dir")
+    why = isinstance(cache, str) and writable_problem(cache)
     if why:
         doc.add("cache_dir_not_writable", "data.cache_dir",
                 f"`data.cache_dir` {cache} cannot be written ({why})")
@@ -511,8 +732,16 @@ def validate_config(path, fix=False, environment=None) -> dict:
     original = doc.text
     for _ in range(4 if fix else 0):  # a rename can reveal a problem in the renamed key
         edits = {p["fix"]["key"]: p for p in problems if p["fix"]}
+        moves = [p for p in edits.values() if p["fix"]["action"] == "move"]
         if not edits:
             break
+        if moves:  # first the keys of the earlier format; their values are judged where they go
+            result["changes"] += [{"line": p["line"], "key": p["key"], "before": p["key"],
+                                   "after": p["fix"]["to"] or "(deleted)", "reason": p["kind"],
+                                   "message": p["message"]} for p in moves]
+            doc = _Doc(_migrated_text(doc), path)
+            problems = check(doc)
+            continue
         text, changes = doc.text, []
         for start, end, new, before, p in sorted(
                 ((*_edit(doc, p["fix"]), p) for p in edits.values()), key=lambda e: -e[0]):
@@ -530,6 +759,19 @@ def validate_config(path, fix=False, environment=None) -> dict:
     result["problems"] = problems
     result["exit_code"] = 1 if problems else 0
     return result
+
+
+def _migrated_text(doc):
+    """`doc` in the format of 0.2.0: its leading comments, then its values
+    (the keys of the earlier format moved) written by YAML, sections in the
+    order of the calls; other comments are in the backup."""
+    lines = doc.text.splitlines(keepends=True)
+    head = "".join(itertools.takewhile(lambda ln: ln.lstrip().startswith("#") or not ln.strip(),
+                                       lines))
+    order = ["data", "build", "compile", "strategy", "callbacks", "fit"]
+    data = {k: doc.data[k] for k in sorted(doc.data, key=lambda k: (
+        order.index(k) if k in order else len(order)))}
+    return head + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def _write_atomic(path, text, original):
@@ -595,7 +837,7 @@ def _made(cfg, path, call, kwargs):
     """`call(**kwargs)`; its TypeError/ValueError a `ConfigError` naming the line."""
     try:
         return call(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except _REFUSALS as exc:
         key = _culprit(call, kwargs, str(exc))
         path = f"{path}.{key}" if key else path
         line = cfg.lines.get(path) or cfg.lines.get(path.split(".")[0])

@@ -1,8 +1,18 @@
+import contextlib
+import copy
+import functools
 import inspect
+import io
 import os
+import resource
+import signal
+import subprocess
+import sys
+import time
 
 import keras
 import pytest
+import yaml
 
 import keras_gpufix as kg
 from keras_gpufix.cli import main
@@ -154,7 +164,9 @@ def test_validate_makes_the_builder_and_its_dataset_and_reports_their_refusals(t
     kg.data.make_synthetic_corpus(tmp_path / "corpus", 3, max_seconds=1.0)
     path = write(tmp_path, "data:\n  corpus: corpus\n  on_bad_input: ignore\n"
                            "build:\n  batch_size: 2\n  num_buckets: 0\n")
-    assert load_config(path).data["corpus"] == str(tmp_path / "corpus")  # no builder made
+    with pytest.raises(ConfigError) as info:  # `build` is checked without a builder
+        load_config(path)
+    assert [p["key"] for p in info.value.problems] == ["build.num_buckets"]
     problems = validate_config(path, environment=CPU)["problems"]
     assert [(p["key"], p["line"]) for p in problems] == [("data.on_bad_input", 3),
                                                           ("build.num_buckets", 6)]
@@ -286,3 +298,225 @@ def test_problems_in_line_order(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert [p["line"] for p in info.value.problems] == [2, 4, 6]
+
+
+# Issue 31: `validate` ends on every input, names what it refuses, and moves
+# the keys of the earlier format.
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "tts.yaml")
+WRONG = ["sixteen", -3, 0, 10**12, 2.5, None, [1, 2], {"a": 1}, True, "", "auto", float("nan")]
+
+
+def _scalar_keys(node, path=()):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _scalar_keys(value, path + (key,))
+        else:
+            yield ".".join(path + (key,))
+
+
+EXAMPLE_KEYS = list(_scalar_keys(yaml.safe_load(open(EXAMPLE))))
+
+
+def _with(base, key, value):
+    """`base` (a YAML mapping) with the scalar at `key` replaced, as YAML text."""
+    data = copy.deepcopy(base)
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+class _Overran(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds, what):
+    """Fails (instead of hanging) when the block runs past `seconds`."""
+    def alarm(signum, frame):
+        raise _Overran(f"{what} did not end within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _validate_in_process(path, *flags):
+    """`keras-gpufix validate` through `cli.main`, as the console script runs it."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["validate", path, *flags])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _assert_ended_well(key, value, code, out, err):
+    what = f"{key}={value!r}: exit {code}\n{out}{err}"
+    assert code in (0, 1), what
+    assert "Traceback" not in out + err, what
+    if code == 1:
+        assert f"`{key}`" in out, what  # the refused key itself, not another's
+
+
+def _fuzz(base, key, path):
+    """Validates `base` with each wrong value at `key` in turn, each run
+    failing the test past 20 s; yields `(exit code, stdout)` of each."""
+    for value in WRONG:
+        with open(path, "w") as f:
+            f.write(_with(base, key, value))
+        with _deadline(20, f"validate with {key}={value!r}"):
+            code, out, err = _validate_in_process(path)
+        _assert_ended_well(key, value, code, out, err)
+        yield code, out
+
+
+@pytest.mark.parametrize("key", EXAMPLE_KEYS)
+def test_validate_ends_on_every_wrong_value_of_each_example_key(tmp_path, key):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in _fuzz(yaml.safe_load(open(EXAMPLE)), key, str(tmp_path / "cfg.yaml")):
+        pass
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    assert grown_kib < 1 << 20, f"peak memory grew by {grown_kib >> 10} MiB"
+
+
+@pytest.mark.parametrize("key", ["build.batch_size", "build.num_buckets"])
+def test_validate_ends_on_every_wrong_build_value_beside_a_corpus(tmp_path, monkeypatch, key):
+    """The builder is made: `build` is judged against the corpus's plan (the
+    wrong batch sizes of the issue looped here for ever), no dataset made."""
+    def no_dataset(*args, **kwargs):
+        raise AssertionError("validate made a dataset")
+
+    monkeypatch.setattr(kg.data.SpeechDatasetBuilder, "build",
+                        functools.wraps(kg.data.SpeechDatasetBuilder.build)(no_dataset))
+    kg.data.make_synthetic_corpus(tmp_path / "corpus", 3, max_seconds=1.0)
+    base = yaml.safe_load(open(EXAMPLE))
+    base["data"].update(corpus="corpus", cache_dir="cache")
+    for code, out in _fuzz(base, key, str(tmp_path / "cfg.yaml")):
+        if code == 1:
+            assert out.count(f"`{key}`") == 1, out  # reported once, the search stopped
+    assert not os.path.exists(tmp_path / "cache")  # nothing built
+
+
+@pytest.mark.parametrize("text, key, message", [
+    ("data:\n  audio: {n_mels: true}\n", "data.audio.n_mels",
+     "`n_mels` must be an integer >= 1. Received: n_mels=True"),
+    ("data:\n  audio: {max_seconds: .nan}\n", "data.audio.max_seconds",
+     "`max_seconds` must be a finite number or None. Received: max_seconds=nan"),
+    ("compile:\n  mixed_precision: 0\n", "compile.mixed_precision", "mixed_precision=0"),
+    ("build:\n  batch_size: sixteen\n", "build.batch_size", "batch_size='sixteen'"),
+    ("fit:\n  epochs: sixteen\n", "fit.epochs", "`epochs` must be an integer >= 1"),
+])
+def test_a_wrong_value_is_refused_where_it_is_given(tmp_path, text, key, message):
+    problem = only_problem(write(tmp_path, text))
+    assert (problem["key"], problem["line"]) == (key, 2)
+    assert message in problem["message"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("binary.yaml", bytes(range(256)) * 64, "cannot read"),
+    ("big.yaml", b"fit: {epochs: 2}\n" + b"# padding\n" * (1 << 20), "the file is 10.0 MB"),
+    ("deep.yaml", b"a: " + b"[" * 1000 + b"]" * 1000 + b"\n", "nested"),
+    ("deep_map.yaml", "".join(f"{'  ' * i}k{i}:\n" for i in range(200)).encode(), "nested"),
+    ("aliases.yaml", b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + b"".join(
+        b"%c: &%c [*%c, *%c, *%c, *%c, *%c, *%c, *%c, *%c, *%c, *%c]\n"
+        % ((c,) * 2 + (c - 1,) * 10) for c in range(ord("b"), ord("j"))), "values"),
+])
+def test_unusable_files_end_at_once_with_exit_2(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with _deadline(20, f"validate {name}"):
+        code, out, err = _validate_in_process(str(path))
+    assert code == 2, out + err
+    assert message in err and "Traceback" not in err
+
+
+OLD_FORMAT = """\
+# written for keras-gpufix 0.1
+data:
+  corpus: corpus
+  batch_size: 16
+  num_buckets: 8
+  prefetch: auto
+training:
+  jit_compile: true
+  epochs: 3
+"""
+
+
+def test_old_format_keys_say_where_they_moved_and_fix_moves_them(tmp_path):
+    kg.data.make_synthetic_corpus(tmp_path / "corpus", 4, max_seconds=1.0)
+    path = write(tmp_path, OLD_FORMAT)
+    code, out, _ = _validate_in_process(path)
+    assert code == 1
+    for old, new, line in [("data.batch_size", "build.batch_size", 4),
+                           ("data.num_buckets", "build.num_buckets", 5),
+                           ("training.jit_compile", "compile.jit_compile", 8),
+                           ("training.epochs", "fit.epochs", 9)]:
+        assert (f"cfg.yaml, line {line}: `{old}` has moved to `{new}`" in out
+                and f"--fix` moves it to `{new}`" in out), out
+    assert "cfg.yaml, line 6: `data.prefetch` is gone" in out
+    assert "unknown key" not in out
+    code, out, _ = _validate_in_process(path, "--fix")
+    assert code == 0, out
+    assert "data.batch_size: data.batch_size -> build.batch_size (moved_key)" in out
+    assert open(path + ".bak").read() == OLD_FORMAT
+    assert open(path).read().startswith("# written for keras-gpufix 0.1\n")
+    setup = from_config(path)
+    assert (setup.build_kwargs, setup.fit_kwargs) == ({"batch_size": 16, "num_buckets": 8},
+                                                      {"epochs": 3})
+    assert setup.compile_kwargs["jit_compile"] is True
+    assert setup.builder.corpus is not None
+
+
+def test_old_format_values_are_judged_where_they_moved(tmp_path):
+    problems = validate_config(write(tmp_path, "data:\n  batch_size: sixteen\n"),
+                               environment=CPU)["problems"]
+    assert [(p["kind"], p["key"], p["line"]) for p in problems] == [
+        ("moved_key", "data.batch_size", 2), ("invalid_value", "build.batch_size", 2)]
+
+
+@pytest.mark.parametrize("text, key, suggestion", [
+    ("compile: {epochs: 3}\n", "compile.epochs", "fit.epochs"),
+    ("data: {batch_sise: 8}\n", "data.batch_sise", "build.batch_size"),
+    ("training: {jit_compil: true}\n", "training.jit_compil", "compile.jit_compile"),
+])
+def test_unknown_key_suggests_the_closest_key_of_any_section(tmp_path, text, key, suggestion):
+    problem = only_problem(write(tmp_path, text))
+    assert (problem["kind"], problem["key"], problem["suggestion"]) == ("unknown_key", key,
+                                                                       suggestion)
+    assert f"did you mean `{suggestion}`?" in problem["message"]
+
+
+def _limit_memory_and_cpu():
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (20, 20))  # a loop is killed at 20 CPU seconds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", EXAMPLE_KEYS)
+def test_validate_process_ends_in_20_s_under_4_gb_on_every_wrong_value(tmp_path, key):
+    """The fuzz above as the user runs it: one `keras-gpufix validate` process
+    per value, its address space capped at 4 GB and its CPU time at 20 s.
+    The wall-clock limit is 20 s as well where the machine is quiet; set
+    KG_VALIDATE_WALL_S on a loaded one (importing TensorFlow alone took
+    11-30 s of wall time, 5 s of CPU, on a shared 2-core VM)."""
+    base = yaml.safe_load(open(EXAMPLE))
+    path = str(tmp_path / "cfg.yaml")
+    script = os.path.join(os.path.dirname(sys.executable), "keras-gpufix")
+    wall = float(os.environ.get("KG_VALIDATE_WALL_S", 20))
+    for value in WRONG:
+        with open(path, "w") as f:
+            f.write(_with(base, key, value))
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        run = subprocess.run([script, "validate", path], capture_output=True, text=True,
+                             timeout=wall, preexec_fn=_limit_memory_and_cpu)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        print(f"{key}={value!r}: exit {run.returncode}, {time.perf_counter() - start:.1f} s "
+              f"wall, {cpu:.1f} s CPU")
+        _assert_ended_well(key, value, run.returncode, run.stdout, run.stderr)

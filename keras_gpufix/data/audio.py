@@ -167,13 +167,23 @@ class AudioConfig:
     def __post_init__(self):
         for name in ("sample_rate", "n_fft", "hop_length", "n_mels"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
-        if self.win_length is not None and not 1 <= self.win_length <= self.n_fft:
+        win_length = self.win_length
+        if win_length is not None and not (
+                isinstance(win_length, (int, np.integer)) and not isinstance(win_length, bool)
+                and 1 <= win_length <= self.n_fft):
             raise ValueError(
                 "`win_length` must be between 1 and `n_fft`. "
                 f"Received: win_length={self.win_length}, n_fft={self.n_fft}"
             )
+        for name in ("fmin", "fmax", "power", "max_seconds"):
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value)) and (
+                    value is not None or name in ("fmin", "power")):
+                raise ValueError(f"`{name}` must be a finite number"
+                                 f"{'' if name in ('fmin', 'power') else ' or None'}. "
+                                 f"Received: {name}={value!r}")
         nyquist = self.sample_rate / 2
         fmax = nyquist if self.fmax is None else self.fmax
         if not 0 <= self.fmin < fmax <= nyquist:

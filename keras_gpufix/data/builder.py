@@ -511,21 +511,11 @@ class SpeechDatasetBuilder:
             ValueError: for invalid arguments, and when `batch_frames`
                 cannot hold the longest utterance.
         """
-        BucketPlan.check_batching(batch_size, batch_frames, batch_multiple)
-        if not isinstance(num_buckets, (int, np.integer)) or num_buckets < 1:
-            raise ValueError(f"`num_buckets` must be an integer >= 1. Received: num_buckets={num_buckets!r}")
-        if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
-            raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
+        self.check_build_args(batch_size, num_buckets, service, batch_frames, batch_multiple)
         self.prepare()
         if shuffle and seed is None:
             seed = cluster_seed()  # workers must draw the same epoch: Keras splits each batch
-        plan = BucketPlan(self._frames, self._text_lengths, batch_size, num_buckets,
-                          batch_frames, drop_remainder, batch_multiple)
-        if plan.num_batches == 0:
-            raise ValueError(
-                f"No batch to build: {len(self.utterances)} utterances with "
-                f"batch_size={batch_size} and drop_remainder=True."
-            )
+        plan = self.plan(batch_size, num_buckets, batch_frames, drop_remainder, batch_multiple)
         self.report.update(
             bucket_boundaries=plan.boundaries.tolist(),
             text_boundaries=plan.text_boundaries.tolist(),
@@ -577,6 +567,37 @@ class SpeechDatasetBuilder:
             dataset = dataset.prefetch(AUTOTUNE)
         dataset.input_probe = probe
         return dataset
+
+    @staticmethod
+    def check_build_args(batch_size=None, num_buckets=8, service=None, batch_frames=None,
+                         batch_multiple=None) -> None:
+        """Raises the `ValueError` that these `build` arguments deserve, if
+        any, without a corpus (`kg.load_config` checks a config's `build`)."""
+        BucketPlan.check_batching(batch_size, batch_frames, batch_multiple)
+        if (not isinstance(num_buckets, (int, np.integer)) or isinstance(num_buckets, bool)
+                or num_buckets < 1):
+            raise ValueError(f"`num_buckets` must be an integer >= 1. Received: num_buckets={num_buckets!r}")
+        if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
+            raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
+
+    def plan(self, batch_size=None, num_buckets=8, batch_frames=None, drop_remainder=False,
+             batch_multiple=None) -> BucketPlan:
+        """The length buckets and batches of an epoch (`build`'s arguments),
+        from the frame counts known now (after `prepare()`, the trimmed
+        ones); no feature is computed, no dataset made.
+
+        Raises:
+            ValueError: for invalid arguments, when `batch_frames` cannot
+                hold the longest utterance, and when there is no batch.
+        """
+        plan = BucketPlan(self._frames, self._text_lengths, batch_size, num_buckets,
+                          batch_frames, drop_remainder, batch_multiple)
+        if plan.num_batches == 0:
+            raise ValueError(
+                f"No batch to build: {len(self.utterances)} utterances with "
+                f"batch_size={batch_size} and drop_remainder=True."
+            )
+        return plan
 
     def _loader(self, features):
         """Loads one utterance and pads it to its batch's shape."""

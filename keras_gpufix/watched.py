@@ -17,6 +17,10 @@ epoch, `on_epoch_begin` / `on_epoch_end` around each epoch,
 `on_train_batch_end` when the loop asks for the next one, and
 `on_train_end` when the `with` block exits, however it exits (the data ran
 out, `break`, an exception, a `StopIteration` raised to stop the loop).
+Without `with` (`batches = iter(kg.watch(ds, model=model))`, then
+`next(batches)` in the trainer's own loop) the run ends, and its verdict is
+printed, when an epoch's iterator is exhausted or, at the latest, when the
+program ends; a later `iter()` starts a new run.
 
 What it measures, per step, on every Keras backend:
 
@@ -58,8 +62,10 @@ Nothing here imports TensorFlow: a JAX loop over NumPy batches runs without
 it.
 """
 
+import atexit
 import sys
 import time
+import weakref
 
 import keras
 
@@ -159,11 +165,15 @@ class Watched:
         self._stream = None
         self._carry = 0.0  # input time outside a step's next(), for the next step
         self._failed = False
+        self._in_with = False
+        self._at_exit = None  # closes a run begun outside `with` at the program's end
 
     def __enter__(self):
+        self._in_with = True
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self._in_with = False
         self.close(failed=exc_type is not None and not issubclass(exc_type, StopIteration))
         return False
 
@@ -178,6 +188,9 @@ class Watched:
             if self.sync:
                 self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
+            if not self._in_with:
+                self._at_exit = _close_at_exit(self)
+                atexit.register(self._at_exit)
             self._stream = stream_of(self.callbacks)
             self._tell_stream()
             if self._stream is not None and not _is_dataset(self.iterable):
@@ -204,6 +217,9 @@ class Watched:
             failed: the loop ended by an error. Defaults to False.
         """
         self._end_epoch(failed=failed)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._running:
             self._running = False
             self._hooks.on_train_end()
@@ -292,6 +308,21 @@ class Watched:
                 self._failed = True
                 warn(f"kg.watch could not hand step {self.steps} to the monitors "
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
+
+
+def _close_at_exit(watched):
+    """A function for `atexit` that ends `watched`'s run, if it still lives and runs."""
+    ref = weakref.ref(watched)
+
+    def close():
+        target = ref()
+        if target is not None and target._running:
+            try:
+                target.close()
+            except Exception as exc:  # a monitor never fails the program's exit
+                warn(f"kg.watch could not end its run at exit ({type(exc).__name__}: {exc})")
+
+    return close
 
 
 def _sync_call(backend):
@@ -384,6 +415,8 @@ class _Epoch:
             if watched._open is self:
                 watched._open = None
             self.end()
+            if not watched._in_with:  # `iter(kg.watch(...))`: the run ends with its data
+                watched.close()
             raise StopIteration
         wait = time.perf_counter() - start
         self.batch += 1

@@ -276,16 +276,35 @@ def _judged(fits):
             and (f.get("monitor") or {}).get("verdict") not in (None, "unknown")]
 
 
-def healthy_evidence(fits):
-    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged."""
+def _what_was_seen(seen):
+    """What the script was seen doing when no step was, and how to point diagnose at its loop."""
+    seen = seen or {}
+    iterables = "; ".join(seen.get("iterables") or ()) or "none"
+    functions = "; ".join(seen.get("functions") or ()) or "none"
+    return (f"seen: iterables the script iterated itself: {iterables}; tf.functions it "
+            f"called: {functions}. {POINT_AT_LOOP}")
+
+
+#: How a loop becomes visible to diagnose when it was not seen.
+POINT_AT_LOOP = (
+    "diagnose times a loop whose body computes a gradient (tf.GradientTape.gradient, eager or "
+    "in a tf.function) between next() calls on a tf.data dataset, a tf.distribute "
+    "distributed dataset or a keras.utils.PyDataset that the script iterates; to point it at "
+    "another loop, wrap what the loop iterates: `for batch in kg.watch(batches, model=model)`"
+)
+
+
+def healthy_evidence(fits, seen=None):
+    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged
+    (with `seen`, `LoopPatch.seen()`: what the script was seen doing)."""
     out = []
     counts = [((f.get("monitor") or {}).get("step_time") or {}).get("count") or 0 for f in fits]
     if not any(counts):
         loops = ", ".join(_label(f) for f in fits) or "no model.fit call"
         return [{"source": "diagnose", "figure": "steps", "value": 0,
                  "text": f"the script ran but no training step was seen ({loops}; no gradient "
-                         "step between iterations of a tf.data dataset): nothing was measured, "
-                         "so nothing can be judged"}]
+                         "step between iterations of what it iterates): nothing was measured, "
+                         "so nothing can be judged; " + _what_was_seen(seen)}]
     if not _judged(fits):
         return [{"source": "GPUOscillationMonitor", "figure": "steps", "value": n,
                  "text": f"{_label(f)}: {(f.get('monitor') or {}).get('fix')} (a larger --steps)"}

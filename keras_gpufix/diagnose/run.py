@@ -535,7 +535,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
     if verdict in ("healthy", "unknown"):
-        evidence = healthy_evidence(patch.fits)
+        evidence = healthy_evidence(patch.fits, loops.seen())
     if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
         evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],
                      "text": f"nothing to judge: the script stopped after {ended['steps_seen']} "

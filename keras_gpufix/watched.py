@@ -167,6 +167,7 @@ class Watched:
         self._failed = False
         self._in_with = False
         self._at_exit = None  # closes a run begun outside `with` at the program's end
+        self._eager_probe = None  # undoes the run's eager-gradient probe
 
     def __enter__(self):
         self._in_with = True
@@ -188,6 +189,7 @@ class Watched:
             if self.sync:
                 self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
+            self._eager_probe = _probe_eager_gradients(self)
             if not self._in_with:
                 self._at_exit = _close_at_exit(self)
                 atexit.register(self._at_exit)
@@ -220,6 +222,9 @@ class Watched:
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
+        if self._eager_probe is not None:
+            self._eager_probe()
+            self._eager_probe = None
         if self._running:
             self._running = False
             self._hooks.on_train_end()
@@ -308,6 +313,40 @@ class Watched:
                 self._failed = True
                 warn(f"kg.watch could not hand step {self.steps} to the monitors "
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
+
+
+def _probe_eager_gradients(watched):
+    """On TensorFlow, the run's first eager `tf.GradientTape.gradient` (a step outside
+    any tf.function) tells the step stream the step runs eagerly, with the loop's line,
+    as diagnose's own loop does; returns the function that ends the probe, or None."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or keras.backend.backend() != "tensorflow":
+        return None
+    import os
+
+    library = tuple(os.path.dirname(m.__file__) + os.sep for m in (tf, keras)
+                    if getattr(m, "__file__", None))
+    original = tf.GradientTape.gradient
+    state = {"on": True}
+
+    def gradient(tape, *args, **kwargs):
+        if state["on"] and tf.executing_eagerly() and watched._stream is not None:
+            state["on"] = False  # once per run
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(library):
+                frame = frame.f_back
+            watched._stream.eager = True
+            watched._stream.eager_where = frame and f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            frame = None
+        return original(tape, *args, **kwargs)
+
+    def undo():
+        state["on"] = False
+        if tf.GradientTape.gradient is gradient:  # another wrapper on top stays
+            tf.GradientTape.gradient = original
+
+    tf.GradientTape.gradient = gradient
+    return undo
 
 
 def _close_at_exit(watched):

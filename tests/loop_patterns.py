@@ -16,7 +16,9 @@ MODE:
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
-and prints `WATCH <verdict> <json of the ranked causes>` at the end.
+and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
+`accum_plot`: `--compiled` wraps its step in `tf.function`, `--no-plot` drops the plot;
+the loop prints `LOOP_S <seconds of its steps after the first 5>`.
 """
 
 import json
@@ -30,7 +32,7 @@ import tensorflow as tf
 MODE = sys.argv[1]
 WATCH = "--watch" in sys.argv
 STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
-PLOT_S = 0.06  # the plot every 5 steps
+PLOT_S = 0 if "--no-plot" in sys.argv else 0.1  # the plot every 5 steps
 FEATURES = 32
 
 rng = np.random.default_rng(0)
@@ -68,6 +70,10 @@ def accumulate_step(x, y):
     for a, g in zip(accum, grads):
         a.assign_add(g)
     return loss
+
+
+if "--compiled" in sys.argv:
+    accumulate_step = tf.function(accumulate_step)
 
 
 def apply_accumulated():
@@ -114,12 +120,15 @@ if MODE in ("accum_plot", "tf_print"):
     source = watched(dataset)
     batches = iter(source)
     for i in range(STEPS):
+        if i == 5:
+            t0 = time.perf_counter()
         x, y = next(batches)
         loss = accumulate_step(x, y)
         if i % 2 == 1:
             apply_accumulated()
-        if i % 5 == 4:
+        if i % 5 == 4 and PLOT_S:
             plot()
+    print("LOOP_S", time.perf_counter() - t0, flush=True)
     if WATCH:
         source.close()
     say_watch()

@@ -79,3 +79,63 @@ def test_iter_of_watch_without_with_prints_its_verdict_at_the_programs_end():
     verdict = re.search(r"GPUOscillationMonitor: verdict (\w+);", out)
     assert verdict and verdict.start() > done, out[-2000:]  # at exit: the data never ran out
     assert verdict.group(1) == "periodic_stall"  # the plot every 5 steps
+
+
+def _run(p50_ms, verdict="healthy"):
+    return {"index": 1, "kind": "loop", "wall_s": 10.0,
+            "monitor": {"verdict": verdict, "cost_share": None, "phase": None, "fix": "f",
+                        "because": [], "changed": None, "events": [], "input_wait": 0.0,
+                        "step_time": {"count": 50, "p50_ms": p50_ms, "p95_ms": p50_ms,
+                                      "cv": 0.1}}}
+
+
+def test_static_findings_the_run_rules_out_are_dropped_with_the_reason_and_never_repeated():
+    from keras_gpufix.diagnose.report import not_offered, rank_causes, seen_in_code
+
+    numpy = [{"trap": "numpy_in_loop", "file": "t.py", "line": 10 + i, "why": "w",
+              "fix": "raise steps_per_execution", "verdict": "dispatch_bound",
+              "training_path": True, "ran": True} for i in range(9)]
+    eager = {"trap": "run_eagerly", "file": "t.py", "line": 3, "why": "w", "fix": "f",
+             "verdict": "eager_step", "training_path": True, "ran": False}
+    scan = numpy + [eager]
+    # 1.5 s steps: dispatch advice is contradicted, dropped once with its reason
+    fits = [_run(1500.0)]
+    verdict, _, fixes = rank_causes(fits, scan)
+    assert seen_in_code(fits, scan, fixes) == []
+    dropped = {n["verdict"]: n for n in not_offered(fits, scan)}
+    assert "1500 ms" in dropped["dispatch_bound"]["reason"]
+    assert len(dropped["dispatch_bound"]["where"]) == 9
+    assert "never ran" in dropped["eager_step"]["reason"]
+    # 2 ms steps: the dispatch finding is offered once, with its nine lines
+    fits = [_run(2.0)]
+    (seen,) = seen_in_code(fits, scan, rank_causes(fits, scan)[2])
+    assert seen["verdict"] == "dispatch_bound" and len(seen["where"]) == 9
+    # a measured eager step: the run_eagerly line that never ran is not under its fix
+    fits = [dict(_run(2.0, "eager_step"), step={"eager_where": "t.py:40"})]
+    fits[0]["monitor"]["cost_share"] = 0.5
+    fix = rank_causes(fits, scan)[2][0]
+    assert fix["verdict"] == "eager_step" and not any("t.py:3" in w for w in fix["where"])
+
+
+def test_lines_run_marks_the_branch_taken_only(tmp_path):
+    from keras_gpufix.diagnose.lines_run import LinesRun
+
+    script = tmp_path / "train.py"
+    script.write_text("debug = False\nif debug:\n    x = 1\nelse:\n    x = 2\n"
+                      "def f():\n    return 3\n")
+    findings = [{"file": str(script), "line": n} for n in (3, 5, 7)]
+    runs = LinesRun(findings)
+    with runs:
+        assert runs.run_main(str(script))
+    assert [runs.status(f) for f in findings] == [False, True, False]
+    assert runs.status({"file": str(tmp_path / "other.py"), "line": 1}) is None
+
+
+@pytest.mark.slow
+def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
+    proc, result = diagnose("debug_branch", 14, "--no-what-if")
+    (finding,) = result["scan"]
+    assert finding["trap"] == "run_eagerly" and finding["ran"] is False
+    assert result["verdict"] != "eager_step"
+    assert not any(f["verdict"] == "eager_step" for f in result["fixes"])
+    assert result["not_offered"][0]["verdict"] == "eager_step"

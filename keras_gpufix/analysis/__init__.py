@@ -10,7 +10,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
-|               | `is_recompiling`, `rank_causes`, `fix_for`                   |
+|               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
+|               | `compiled_share`, `compiled_step_fix`, `speedup_of`          |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
@@ -27,6 +28,7 @@ from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import judge_stages, stages_needed
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
+    COMPILED_STEP_FIXES,
     FIXES,
     PHASES,
     STAGE_FIXES,
@@ -34,16 +36,21 @@ from keras_gpufix.analysis.verdicts import (
     TOO_FEW_STEPS,
     UNSYNCED_NOTE,
     VERDICTS,
+    compiled_share,
+    compiled_step_fix,
+    contradicted,
     fix_for,
     is_recompiling,
     rank_causes,
     recompile_cost,
     slow_limit,
     slow_mask,
+    speedup_of,
     step_compiled,
 )
 
 __all__ = [
+    "COMPILED_STEP_FIXES",
     "FIXES",
     "OscillationDetector",
     "PHASES",
@@ -54,6 +61,9 @@ __all__ = [
     "TOO_FEW_STEPS",
     "UNSYNCED_NOTE",
     "VERDICTS",
+    "compiled_share",
+    "compiled_step_fix",
+    "contradicted",
     "fix_for",
     "is_recompiling",
     "judge",
@@ -64,6 +74,7 @@ __all__ = [
     "recompile_cost",
     "slow_limit",
     "slow_mask",
+    "speedup_of",
     "stages_needed",
     "step_compiled",
     "summarize_step_times",

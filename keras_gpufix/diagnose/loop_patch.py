@@ -48,7 +48,8 @@ import time
 from collections import Counter, deque
 
 from keras_gpufix.analysis import locate_periodic
-from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rates, what_if
+from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
+                                           what_if)
 
 __all__ = ["LoopPatch", "StepsReached"]
 
@@ -68,6 +69,33 @@ def _library_prefixes():
 
 def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _function_of(code):
+    """The Python function whose code is `code` (the user's step), or None."""
+    import gc
+    import types
+
+    found = [f for f in gc.get_referrers(code)
+             if isinstance(f, types.FunctionType) and f.__code__ is code]
+    return found[0] if found else None
+
+
+def _arguments(frame):
+    """(args, kwargs) the function running in `frame` was called with (its parameters'
+    current values)."""
+    code, values = frame.f_code, frame.f_locals
+    names = code.co_varnames
+    positional, kwonly = code.co_argcount, code.co_kwonlyargcount
+    args = [values[n] for n in names[:positional]]
+    kwargs = {n: values[n] for n in names[positional:positional + kwonly]}
+    extra = positional + kwonly
+    if code.co_flags & 0x04:  # *args
+        args += list(values[names[extra]])
+        extra += 1
+    if code.co_flags & 0x08:  # **kwargs
+        kwargs.update(values[names[extra]])
+    return args, kwargs
 
 
 class _StackSampler:
@@ -336,6 +364,8 @@ class LoopPatch:
         self._distributed = {}  # id(distributed dataset) -> (its input, remake, itself)
         self._seen_iterables = {}  # "Type (file:line)" -> iterators made there
         self._seen_functions = {}  # id(tf.function) -> {"name", "where", "calls"}
+        self._eager_functions = {}  # code -> the Python function of an eager gradient step
+        self.eager_step = None  # (function, args, kwargs) of the last eager step call
 
     def start_loop(self):
         if self.loop is None:
@@ -424,10 +454,12 @@ class LoopPatch:
                 if not patch.fits_patch._depth:
                     if tf.executing_eagerly():
                         patch.step_calls += 1
+                        frame = user_frame(2)
                         if not patch.step_info["eager"]:
-                            frame = user_frame(2)
                             patch.step_info["eager"] = True
                             patch.step_info["eager_where"] = frame and _where(frame)
+                        patch._eager_call(frame)
+                        frame = None
                     elif patch._stack:
                         patch._train_functions.setdefault(id(patch._stack[0]), patch._stack[0])
                 return original(tape, *args, **kwargs)
@@ -462,6 +494,20 @@ class LoopPatch:
         self._patch(function_cls, "__call__", make_call)
         return self
 
+    def _eager_call(self, frame):
+        """Keeps the eager step's function and its last arguments, for `compile_step`."""
+        if frame is None or frame.f_code.co_name == "<module>":
+            return
+        code = frame.f_code
+        if code not in self._eager_functions:
+            self._eager_functions[code] = _function_of(code)
+        fn = self._eager_functions[code]
+        if fn is not None:
+            try:
+                self.eager_step = (fn, *_arguments(frame))
+            except KeyError:  # a parameter deleted in the body
+                pass
+
     def _step_function_called(self, fn):
         self.step_calls += 1
         if id(fn) not in self._named:
@@ -479,10 +525,24 @@ class LoopPatch:
             self.loop.finish()
             if self.fits_patch.what_if:
                 self.loop.entry["what_if"] = self._what_if()
+                if self.eager_step is not None:
+                    self.loop.entry["compiled_step"] = self._compiled_step()
                 stages = self.fits_patch.input_stages(self.loop.entry, self.loop.dataset)
                 if stages is not None:
                     self.loop.entry["stages"] = stages
         return False
+
+    def _compiled_step(self):
+        """`compile_step` of the loop's eager step, with the loop's own time and cycles
+        (`cycles`, `loop_s`), or a dict with the reason it was not measured."""
+        fn, args, kwargs = self.eager_step
+        self.eager_step = None  # its batch is not kept past the what-if
+        loop = self.loop
+        try:
+            result = compile_step(fn, args, kwargs, library=_library_prefixes())
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
+        return dict(result, cycles=loop.cycles, loop_s=loop.wait_s + loop.busy_s)
 
     def _what_if(self):
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""

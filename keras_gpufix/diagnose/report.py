@@ -6,7 +6,7 @@ from keras_gpufix import analysis
 from keras_gpufix.diagnose.what_if import format_what_if
 from keras_gpufix.profiling import format_analysis
 
-__all__ = ["rank_causes", "seen_in_code", "run_verdict", "format_report", "healthy_evidence",
+__all__ = ["rank_causes", "seen_in_code", "not_offered", "run_verdict", "format_report", "healthy_evidence",
            "trace_evidence", "input_stage", "locate_input_stage"]
 
 
@@ -55,16 +55,32 @@ def _where(fit, verdict, scan):
         return None
     where = (fit.get("step") or {}).get("eager_where")
     return where or next((f"{f['file']}:{f['line']}" for f in scan
-                          if f["trap"] == "run_eagerly"), "the model's compile (run_eagerly=True)")
+                          if f["trap"] == "run_eagerly" and f.get("ran") is not False),
+                         "the model's compile (run_eagerly=True)")
+
+
+def _eager_share(fit):
+    """The share of the run that compiling its eager step saves, measured
+    (`compiled_step`: the user's step timed eager and compiled on a real batch), or None."""
+    compiled = fit.get("compiled_step") or {}
+    if compiled.get("best_ms") is None or not compiled.get("loop_s"):
+        return None
+    steady = next((c["share"] for c in (fit.get("monitor") or {}).get("causes") or ()
+                   if c["verdict"] == "eager_step"), None)
+    return analysis.compiled_share(compiled["eager_ms"], compiled["best_ms"],
+                                   compiled["cycles"], compiled["loop_s"], most=steady)
 
 
 def _fit_causes(fit, scan):
-    """(verdict, cost share, evidence) of one run: its verdict and its live events."""
+    """(verdict, cost share, evidence) of one run: its verdict, every other cause its
+    judgement measured (each with its own share) and its live events. An eager step
+    compiled on a real batch costs its measured excess over the compiled step."""
     run = run_verdict(fit)
     if run is None:
         return []
     label = _label(fit)
-    events = (fit.get("monitor") or {}).get("events") or []
+    monitor = fit.get("monitor") or {}
+    events = monitor.get("events") or []
     out = []
     if run["verdict"] not in ("healthy", "unknown"):
         period = next((e.get("period") for e in events if e["verdict"] == run["verdict"]), None)
@@ -73,6 +89,14 @@ def _fit_causes(fit, scan):
             "text": f"{label}: {run['verdict']}" + "".join(f"; {b}" for b in run["because"]),
             "period": period, "phase": run["phase"],
             "where": _where(fit, run["verdict"], scan)}))
+    for cause in monitor.get("causes") or ():
+        if cause["verdict"] != run["verdict"]:
+            out.append((cause["verdict"], cause["share"] or 0.0, {
+                "source": "judgement", "figure": "cost_share", "value": cause["share"],
+                "text": f"{label}: {cause['verdict']} beside {run['verdict']}, "
+                        f"{(cause['share'] or 0):.0%} of the run",
+                "period": cause.get("period"), "phase": cause.get("phase"),
+                "where": _where(fit, cause["verdict"], scan)}))
     for event in events:
         if event["verdict"] != "healthy":
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
@@ -80,6 +104,9 @@ def _fit_causes(fit, scan):
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
                 "period": event.get("period"), "phase": event.get("phase"),
                 "where": _where(fit, event["verdict"], scan)}))
+    measured = _eager_share(fit)
+    if measured is not None:  # every eager_step item: the measured excess, not the bound
+        out = [(v, measured if v == "eager_step" else share, e) for v, share, e in out]
     return out
 
 
@@ -147,11 +174,20 @@ def _predicted(cause, fits):
                         + (f" ({low:.2f}x-{high:.2f}x)" if low and high else "")
                         + " (the what-if: the step timed alone on the real input and on a "
                           "cached batch)"}
-    speedup = 1.0 / (1.0 - share) if share < 1.0 else None
+    speedup = analysis.speedup_of(share)
+    compiled = next((f.get("compiled_step") for f in fits
+                     if (f.get("compiled_step") or {}).get("best_ms") is not None), None)
+    if cause["verdict"] == "eager_step" and compiled:
+        return {"share": share, "speedup": speedup, "speedup_range": None,
+                "source": "compiled-step",
+                "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
+                        f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
+                        f"{compiled['best_ms']:.1f} ms per call, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
-            "text": f"predicted: saves at most {_pct(share)} of the run"
-                    + (f" (up to {speedup:.2f}x faster)" if speedup else "")
-                    + " (the time this cause cost, measured)"}
+            "text": (f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
+                     else "predicted: unbounded")
+                    + f" (this cause cost {_pct(share)} of the run, measured; the most its "
+                      "fix can save)"}
 
 
 def rank_causes(fits, scan=()):
@@ -184,13 +220,16 @@ def rank_causes(fits, scan=()):
     for cause in ranking:
         if not cause["score"]:  # no measured cost: nothing to predict, not ranked
             continue
-        where = [f for f in scan if f.get("verdict") == cause["verdict"]
-                 and f.get("training_path", True)]
+        where = [f for f in scan if f.get("verdict") == cause["verdict"] and _offered(f, fits)]
         seen = []
         if cause["verdict"] == "eager_step":
             seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
                     for f in fits if (f.get("step") or {}).get("eager_where")]
-        fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": cause["fix"],
+        fix = cause["fix"]
+        if cause["verdict"] == "eager_step":  # the user's step, compiled and timed
+            fix = next((analysis.compiled_step_fix(f.get("compiled_step")) for f in fits
+                        if analysis.compiled_step_fix(f.get("compiled_step"))), fix)
+        fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": fix,
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where],
                       "predicted": _predicted(cause, fits)})
@@ -218,10 +257,50 @@ def seen_in_code(fits, scan, fixes):
     main = _main(fits)
     ruled_out = _ruled_out(fits, "unknown" if main is None else run_verdict(main)["verdict"])
     ranked = {f["verdict"] for f in fixes}
-    return [{"verdict": f["verdict"], "fix": f["fix"],
-             "where": [f"{f['file']}:{f['line']}: {f['why']}"]}
-            for f in scan if f.get("verdict") is not None and f.get("training_path", True)
-            and f["verdict"] not in ranked and f["verdict"] not in ruled_out]
+    out = {}
+    for f in scan:
+        if (f.get("verdict") is None or not _offered(f, fits) or f["verdict"] in ranked
+                or f["verdict"] in ruled_out):
+            continue
+        seen = out.setdefault(f["verdict"], {"verdict": f["verdict"], "fix": f["fix"],
+                                             "where": []})
+        seen["where"].append(f"{f['file']}:{f['line']}: {f['why']}")
+    return list(out.values())
+
+
+def _median_step_ms(fits):
+    main = _main(fits)
+    return None if main is None else main["monitor"]["step_time"].get("p50_ms")
+
+
+def _offered(finding, fits):
+    """Whether a static finding may point at a fix: on the training path, its line ran
+    (or it is not known that it did not), and the run's measurement does not rule it out."""
+    return (finding.get("training_path", True) and finding.get("ran") is not False
+            and analysis.contradicted(finding.get("verdict"), _median_step_ms(fits)) is None)
+
+
+def not_offered(fits, scan):
+    """The static findings on the training path that the run rules out, with the reason:
+    their line never ran, or the measurement contradicts them (`analysis.contradicted`).
+
+    Returns:
+        A list of dicts `verdict`, `where` (`file:line`, each line once per reason) and
+        `reason`.
+    """
+    out = {}
+    for f in scan:
+        if f.get("verdict") is None or not f.get("training_path", True):
+            continue
+        if f.get("ran") is False:
+            reason = "the line never ran in this run (a branch not taken)"
+        else:
+            reason = analysis.contradicted(f["verdict"], _median_step_ms(fits))
+        if reason:
+            slot = out.setdefault((f["verdict"], reason), {"verdict": f["verdict"],
+                                                          "where": [], "reason": reason})
+            slot["where"].append(f"{f['file']}:{f['line']}")
+    return list(out.values())
 
 
 def input_stage(fit):
@@ -348,14 +427,25 @@ def format_report(result):
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
+        if len(result["fixes"]) > 1:  # the causes' shares never overlap: they add up
+            total = sum(f["predicted"]["share"] or 0.0 for f in result["fixes"])
+            speedup = analysis.speedup_of(total)
+            lines.append(f"  all {len(result['fixes'])} fixes together: "
+                         + (f"the whole run up to {speedup:.2f}x faster" if speedup
+                            else "unbounded") + f" ({_pct(total)} of it)")
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:
             lines.append(f"  - [{seen['verdict']}] {seen['fix']}")
             lines += [f"    {w}" for w in seen["where"]]
+    if result.get("not_offered"):
+        lines.append("not offered (the run rules them out):")
+        lines += [f"  - [{n['verdict']}] {', '.join(n['where'])}: {n['reason']}"
+                  for n in result["not_offered"]]
     lines.append(f"static scan: {len(result['scan'])} finding(s)")
     lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}"
               + ("" if f.get("training_path", True) else " (not on the training path)")
+              + (" (never ran)" if f.get("ran") is False else "")
               for f in result["scan"]]
     env = result["environment"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"

@@ -19,9 +19,10 @@ import warnings
 
 from keras_gpufix import __version__
 from keras_gpufix.analysis import stages_needed
+from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
-from keras_gpufix.diagnose.report import (healthy_evidence, rank_causes, seen_in_code,
-                                          trace_evidence)
+from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
+                                          seen_in_code, trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callbacks, fit_replay, input_rate,
@@ -471,7 +472,10 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         `script_line` as file:line, `steps_seen`, `text`), `verdict`,
         `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
         its `predicted` effect), `seen_in_code` (static findings of no
-        measured cause: not ranked), `scan`,
+        measured cause: not ranked, one entry per verdict), `not_offered`
+        (static findings the run rules out, with the reason: their line never
+        ran, or the measurement contradicts them), `scan` (each finding's
+        `ran`: whether its line ran, None when not known),
         `environment`, `fits` (one per `fit` or custom loop: the monitors'
         reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
         `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`, ...), `traces`
@@ -502,13 +506,13 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     quiet = import_tensorflow_quietly()  # TensorFlow's log lines would bury the report
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
-                      verbose=verbose) as patch, \
+        with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,
+                                                   what_if=what_if, verbose=verbose) as patch, \
                 LoopPatch(patch) as loops, _signals_end_the_script(patch):
             try:
                 if kind == "module":
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
+                elif not lines_run.run_main(target):
                     runpy.run_path(target, run_name="__main__")
             except SystemExit as exc:
                 exit_code = _exit_code(exc.code)
@@ -528,6 +532,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
                     sys.stderr.flush()
+    for finding in scan:  # a line the run never executed is no cause of it
+        finding["ran"] = lines_run.status(finding)
     if ended is not None:
         seen = sum(f.get("steps_run") or 0 for f in patch.fits) + loops.step_calls
         ended = _ended_by(ended, seen)
@@ -550,6 +556,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "ranking": ranking,
         "fixes": fixes,
         "seen_in_code": seen_in_code(patch.fits, scan, fixes),
+        "not_offered": not_offered(patch.fits, scan),
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,

@@ -46,13 +46,15 @@ again) is taken as measured in the run (`method` `in_run`): the speedup is
 then the share of the cycle spent waiting for input, nothing more.
 """
 
+import os
+import re
 import statistics
 import time
 
 from keras_gpufix.analysis import THRESHOLDS
 
 __all__ = ["Cycles", "cycle_callbacks", "input_rate", "fit_replay", "replay_rates", "what_if",
-           "format_what_if"]
+           "format_what_if", "compile_step"]
 
 SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
@@ -348,3 +350,92 @@ def format_what_if(result):
             + (" (the input competes with the step for the host)"
                if faster and replayed else "")
             + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")
+
+
+def _per_call_ms(call, sync, seconds):
+    """Median ms of `call()` (its first call, a trace and compile, not timed): at least
+    three timings, as many more as fit in `seconds`."""
+    sync(call())
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        sync(call())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _op_where(graph, op_type, library):
+    """`file:line` of the user's code that made the first `op_type` op of `graph`."""
+    for op in graph.get_operations():
+        if op.type != op_type:
+            continue
+        frames = [f for f in op.traceback if not f.filename.startswith(library)]
+        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+    return None
+
+
+def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS):
+    """The user's eager step compiled both ways on a real batch, and timed.
+
+    `fn(*args, **kwargs)` (the function that computed the eager gradient,
+    on the arguments of its last call) is timed eagerly, as
+    `tf.function(fn)` and as `tf.function(fn, jit_compile=True)`, each on
+    the same batch, each first call (trace and compile) untimed. Every
+    variable the step writes (model, optimizer, accumulators) is restored
+    after. An op XLA cannot compile (`tf.print` in the loss: `StringFormat`)
+    is named with the user's line that made it (`op.traceback`).
+
+    Args:
+        fn: the step's Python function.
+        args, kwargs: its arguments.
+        library: path prefixes of library code (the line named is the
+            user's last frame outside them).
+        seconds: the timing budget of each of the three ways.
+
+    Returns:
+        A dict `function` (`name (file:line)`), `eager_ms`, `function_ms`,
+        `xla_ms` (None when XLA failed), `xla_error` (its first line),
+        `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
+        `tf.function(jit_compile=True)`, the faster that compiled) and
+        `best_ms`; or a dict `reason` when the step could not be traced.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    kwargs = kwargs or {}
+    code = fn.__code__
+    out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})"}
+    plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    try:
+        concrete = plain.get_concrete_function(*args, **kwargs)
+    except Exception as exc:
+        return {**out, "reason": f"tf.function could not trace it: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    saved = [(v, v.numpy()) for v in concrete.variables]
+
+    def sync(result):
+        tf.nest.map_structure(lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
+
+    try:
+        out["eager_ms"] = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
+        out["function_ms"] = _per_call_ms(lambda: plain(*args, **kwargs), sync, seconds)
+        out["xla_ms"] = out["xla_error"] = out["xla_op"] = out["xla_where"] = None
+        try:
+            out["xla_ms"] = _per_call_ms(lambda: xla(*args, **kwargs), sync, seconds)
+        except Exception as exc:  # an op XLA cannot compile
+            text = str(exc)
+            op = (re.search(r"No registered '(\w+)' OpKernel", text)
+                  or re.search(r"XLA_\w+_JIT: (\w+)", text))
+            out["xla_error"] = f"{type(exc).__name__}: " + next(
+                (line for line in text.splitlines() if line.strip()), "")
+            out["xla_op"] = op and op.group(1)
+            out["xla_where"] = op and _op_where(concrete.graph, op.group(1),
+                                                tuple(library) or (os.sep + "site-packages",))
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+    best = min((ms, name) for ms, name in ((out["function_ms"], "tf.function"),
+                                           (out["xla_ms"], "tf.function(jit_compile=True)"))
+               if ms is not None)
+    out["best_ms"], out["best"] = best
+    return out

@@ -630,6 +630,7 @@ def test_static_scan_follows_own_modules_and_ranks_only_the_training_path(tmp_pa
         (os.path.join("pkg", "decode.py"), 2, "numpy_in_loop"): False,  # inference only
     }
     fits = [_fit("healthy", count=20)]
+    fits[0]["monitor"]["step_time"]["p50_ms"] = 2.0  # short steps: a sync per step may matter
     verdict, _, fixes = rank_causes(fits, scan)
     assert verdict == "healthy" and fixes == []  # nothing measured costs time: nothing ranked
     # the per-step .numpy() is seen in the code, apart: this run measured no effect for it

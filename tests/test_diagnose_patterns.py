@@ -139,3 +139,57 @@ def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
     assert result["verdict"] != "eager_step"
     assert not any(f["verdict"] == "eager_step" for f in result["fixes"])
     assert result["not_offered"][0]["verdict"] == "eager_step"
+
+
+def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line():
+    proc, result = diagnose("tf_print", 14, script_steps=40)
+    compiled = result["fits"][0]["compiled_step"]
+    assert compiled["xla_op"] == "StringFormat" and compiled["xla_ms"] is None
+    assert compiled["xla_where"].endswith(f"loop_patterns.py:{_line('tf.print(')}")
+    assert compiled["function_ms"] < compiled["eager_ms"]  # what compiled, measured
+    fix = result["fixes"][0]
+    assert fix["verdict"] == "eager_step" and fix["predicted"]["source"] == "compiled-step"
+    assert fix["fix"].startswith(
+        f"wrap the step accumulate_step ({SCRIPT}:{_line('def accumulate_step')}) in "
+        "tf.function, without jit_compile")
+    assert f"`StringFormat` at {compiled['xla_where']}" in fix["fix"]
+    assert "tf.function(jit_compile=True)" not in fix["fix"]
+
+
+def _truth(*flags):
+    """Seconds of accum_plot's loop (its steps after the first 5), run plainly."""
+    proc = run_script("accum_plot", "--steps", "45", *flags)
+    return float(re.search(r"LOOP_S ([\d.]+)", proc.stdout).group(1))
+
+
+@pytest.mark.slow
+def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_that_hold():
+    proc, result = diagnose("accum_plot", 40, script_steps=60)
+    fixes = {f["verdict"]: f for f in result["fixes"]}
+    assert {"eager_step", "periodic_stall"} <= set(fixes), result["fixes"]
+    eager, stall = (fixes[v]["predicted"]["share"] for v in ("eager_step", "periodic_stall"))
+    both = 1 / (1 - eager - stall)
+    # the truth: the same loop as it is, with its step compiled, without its plot, with neither
+    runs = {flags: _truth(*flags) for flags in [(), ("--compiled",), ("--no-plot",),
+                                               ("--compiled", "--no-plot")]}
+    base = runs[()]
+    measured_eager = 1 - runs[("--compiled",)] / base
+    measured_stall = 1 - runs[("--no-plot",)] / base
+    print(f"predicted shares eager {eager:.2f}, stall {stall:.2f}, all {both:.2f}x; measured "
+          f"eager {measured_eager:.2f}, stall {measured_stall:.2f}, all "
+          f"{base / runs[('--compiled', '--no-plot')]:.2f}x")
+    assert abs(eager - measured_eager) <= 0.10
+    assert abs(stall - measured_stall) <= 0.10
+    assert abs(both / (base / runs[("--compiled", "--no-plot")]) - 1) <= 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["accum_plot", "distributed", "pydataset"])
+def test_diagnose_and_kg_watch_give_the_same_verdicts_on_the_same_loop(mode):
+    _, result = diagnose(mode, 40, "--no-what-if", script_steps=40)
+    watched = run_script(mode, "--watch", "--steps", "40")
+    line = next(l for l in watched.stdout.splitlines() if l.startswith("WATCH "))
+    _, verdict, causes = line.split(" ", 2)
+    assert verdict == result["verdict"]
+    assert ({c["verdict"] for c in json.loads(causes) or ()}
+            == {c["verdict"] for c in result["fits"][0]["monitor"]["causes"]})

@@ -374,7 +374,7 @@ def _op_where(graph, op_type, library):
     return None
 
 
-def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS):
+def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
     """The user's eager step compiled both ways on a real batch, and timed.
 
     `fn(*args, **kwargs)` (the function that computed the eager gradient,

@@ -480,9 +480,20 @@ def test_a_trace_xprof_could_not_analyse_is_said_so_never_step_zero():
          "path": "logs/fit_1"}]}}]
     (item,) = trace_evidence(fits)
     assert item["value"] is None
-    assert "fit 1: XProf trace of steps 10-19 (step 10): XProf could not analyse it: no step time " \
-           "measured; No step time measured." in item["text"]
+    assert "fit 1: XProf trace of steps 10-19 (step 10): XProf could not analyse it: it found no " \
+           "steps in the trace to time" in item["text"]
     assert "0.0 ms" not in item["text"] and "0.0%" not in item["text"]
+    # XProf's summary that calls 'All Others' time potentially input-bound beside 0% input
+    # wait is told as one story, never "not_input_bound; ... POTENTIALLY input-bound"
+    others = {"steps": 8, "step_time_ms": 120.0, "input_percent": 0.0,
+              "classification": "not_input_bound",
+              "conclusion": "Your program is POTENTIALLY input-bound because 43.2% of the total "
+                            "step time sampled is spent on 'All Others' time (which could be due "
+                            "to I/O or Python execution or both)."}
+    fits[0]["profiler"]["traces"][0]["analysis"] = others
+    (item,) = trace_evidence(fits)
+    assert "POTENTIALLY" not in item["text"] and "not_input_bound" not in item["text"]
+    assert "43.2% of the step is 'All Others' time" in item["text"]
 
 
 def _cycles(cycle_s, input_s, step_s, n=10, jitter=0.0):

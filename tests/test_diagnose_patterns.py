@@ -193,3 +193,22 @@ def test_diagnose_and_kg_watch_give_the_same_verdicts_on_the_same_loop(mode):
     assert verdict == result["verdict"]
     assert ({c["verdict"] for c in json.loads(causes) or ()}
             == {c["verdict"] for c in result["fits"][0]["monitor"]["causes"]})
+
+
+def test_the_what_if_never_calls_a_ratio_below_one_faster_and_the_environment_names_tf_keras():
+    from keras_gpufix.diagnose.report import format_report
+    from keras_gpufix.diagnose.what_if import format_what_if
+
+    result = {"input_batches_per_s": 50.0, "step_batches_per_s": 40.0, "bound": "step",
+              "speedup_if_input_free": 0.94, "speedup_range": [0.7, 1.3], "known": False,
+              "observed_batches_per_s": 30.0, "method": "side_by_side"}
+    text = format_what_if(result)
+    assert "0.94x faster" not in text and "1.06x slower (0.94x)" in text
+    env = {"gpus": [], "nvml": {"available": False, "reason": "no GPU"},
+           "xla": {"built_with_xla": True}, "tensorflow": "2.15", "keras": "3.15.1",
+           "tf_keras": "2.15.1", "keras_backend": "tensorflow", "python": "3",
+           "cpu_count": 2, "cpus_usable": 2, "dtype_policy": "float32"}
+    text = format_report({"command": ["train.py"], "exit_code": 0, "verdict": "healthy",
+                          "evidence": [], "fixes": [], "scan": [], "environment": env,
+                          "fits": [], "traces": [], "notes": []})
+    assert "environment: TensorFlow 2.15, tf_keras 2.15.1 (TF_USE_LEGACY_KERAS=1" in text

@@ -1,6 +1,7 @@
 """The report: rank the runs' findings (never re-judging them) and print the diagnosis."""
 
 import os
+import re
 
 from keras_gpufix import analysis
 from keras_gpufix.diagnose.what_if import format_what_if
@@ -110,15 +111,32 @@ def _fit_causes(fit, scan):
     return out
 
 
+def _xprof_text(a):
+    """XProf's analysis of one trace as one story: its classification by the input
+    share it measured, and its own summary only where that does not say otherwise."""
+    if a.get("step_time_ms") is None:
+        return ("XProf could not analyse it: it found no steps in the trace to time (its "
+                "input-pipeline analysis reads per-step markers), so it says nothing of this "
+                "run; the step log above covers every step")
+    conclusion = a.get("conclusion") or ""
+    others = re.search(r"POTENTIALLY input-bound because ([0-9.]+)% of the total step time "
+                       r"sampled is spent on '([^']+)'", conclusion)
+    if a.get("classification") == "not_input_bound" and others:
+        return (f"step time {a['step_time_ms']:.1f} ms over {a['steps']} steps, waiting for "
+                f"input {a['input_percent']:.1f}% -> not input-bound by its input wait; "
+                f"{others.group(1)}% of the step is '{others.group(2)}' time (host work: "
+                "Python, I/O or both), which XProf calls potentially input-bound: the step "
+                "log's input wait and the what-if say whether the input is what it waits on")
+    return format_analysis(a)
+
+
 def _trace_item(fit, trace):
     a = trace["analysis"]
     analysed = a.get("step_time_ms") is not None
     return {"source": "XProf", "figure": "input_percent",
             "value": a.get("input_percent") if analysed else None,
             "text": f"{_label(fit)}: XProf trace of steps {trace['start_step']}-"
-                    f"{trace['end_step']} ({trace.get('reason')}): "
-                    + (format_analysis(a) if analysed else
-                       "XProf could not analyse it: " + format_analysis(a)),
+                    f"{trace['end_step']} ({trace.get('reason')}): " + _xprof_text(a),
             "path": trace.get("path")}
 
 
@@ -450,9 +468,11 @@ def format_report(result):
     env = result["environment"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"
     nvml = "available" if env["nvml"]["available"] else f"unavailable ({env['nvml']['reason']})"
-    lines.append(f"environment: TensorFlow {env['tensorflow']}, Keras {env['keras']} "
-                 f"({env['keras_backend']}), Python {env['python']}, {env['cpu_count']} CPUs "
-                 f"({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
+    keras = (f"tf_keras {env['tf_keras']} (TF_USE_LEGACY_KERAS=1: tf.keras; Keras "
+             f"{env['keras']} installed beside it)" if env.get("tf_keras")
+             else f"Keras {env['keras']} ({env['keras_backend']})")
+    lines.append(f"environment: TensorFlow {env['tensorflow']}, {keras}, Python {env['python']}, "
+                 f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
                  f"{env['xla']['built_with_xla']}, NVML: {nvml}, policy {env['dtype_policy']}")
     for fit in result["fits"]:
         st = (fit.get("monitor") or {}).get("step_time") or {}

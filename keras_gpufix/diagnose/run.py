@@ -34,7 +34,8 @@ __all__ = ["environment", "run_diagnosis"]
 
 
 def environment():
-    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict."""
+    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict (`tf_keras`: its
+    version where TF_USE_LEGACY_KERAS made `tf.keras` tf_keras and the script imported it)."""
     import keras
     import tensorflow as tf
 
@@ -43,12 +44,16 @@ def environment():
     from keras_gpufix.nvml import nvml_status
 
     build = dict(tf.sysconfig.get_build_info())
+    legacy = sys.modules.get("tf_keras") if os.environ.get(
+        "TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes") else None
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "keras_backend": keras.backend.backend(),
+        # TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras (Keras 2), what the script ran on
+        "tf_keras": getattr(legacy, "__version__", None),
         "keras_gpufix": __version__,
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable_cpus(),

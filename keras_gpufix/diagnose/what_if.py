@@ -320,6 +320,21 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
             "bound": bound, "method": method, "cycles": n}
 
 
+def _ratio_words(z):
+    """A speedup in words: `1.30x faster`, `no faster (0.98x)`, `1.06x slower (0.94x)`;
+    a ratio below 1 is never "faster"."""
+    if z >= THRESHOLDS["min_speedup"]:
+        return f"{z:.2f}x faster"
+    if z * THRESHOLDS["min_speedup"] > 1.0:
+        return f"no faster ({z:.2f}x)"
+    return f"{1 / z:.2f}x slower ({z:.2f}x)"
+
+
+def _why_unknown(result):
+    repeats = result.get("repeats")
+    return f"; {repeats} rounds, the host's load kept changing" if repeats else ""
+
+
 def format_what_if(result):
     """The what-if as one sentence for people."""
     x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
@@ -333,11 +348,12 @@ def format_what_if(result):
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
     if not known:
-        gain = f"{z:.2f}x faster, but the what-if does not know ({span}: its timings varied)"
+        gain = (f"{_ratio_words(z)}, but the what-if does not know ({span}: its timings "
+                f"varied{_why_unknown(result)})")
     elif faster:
         gain = f"{z:.2f}x faster ({span})"
     else:
-        gain = f"no faster ({z:.2f}x, {span})"
+        gain = f"{_ratio_words(z)} ({span})"
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":

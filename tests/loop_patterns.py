@@ -12,7 +12,8 @@ MODE:
 - `pydataset`: a compiled step over a `keras.utils.PyDataset`.
 - `debug_branch`: `fit` with `run_eagerly=True` under an `if debug:` not taken.
 - `watch_iter`: `it = iter(kg.watch(ds, model=m))` and `next(it)`, no `with`.
-- `contention`: a heavy Python map beside a heavy compiled step, no input wait.
+- `contention`: `fit` with a heavy map (TF ops, parallel) beside a heavy compiled step:
+  no input wait, but the map takes the step's cores.
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
@@ -32,7 +33,7 @@ import tensorflow as tf
 MODE = sys.argv[1]
 WATCH = "--watch" in sys.argv
 STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
-PLOT_S = 0 if "--no-plot" in sys.argv else 0.1  # the plot every 5 steps
+PLOT_S = 0 if "--no-plot" in sys.argv else 0.15  # the plot every 5 steps
 FEATURES = 32
 
 rng = np.random.default_rng(0)
@@ -173,6 +174,19 @@ elif MODE == "watch_iter":
         compiled_step(x, y)
         if i % 5 == 4:
             plot()
+elif MODE == "contention":
+    def heavy(x, y):  # features computed in TF ops: no wait, but the same cores as the step
+        block = tf.tile(tf.tensordot(x, x, axes=0), [4, 4])  # 128 x 128
+        for _ in range(3):
+            block = tf.tanh(tf.matmul(block, block))
+        return x + tf.reduce_mean(block[:, :FEATURES], axis=0), y
+
+    features = tf.data.Dataset.from_tensor_slices((xs, ys)).repeat().map(
+        heavy, num_parallel_calls=tf.data.AUTOTUNE).batch(16).prefetch(4)
+    big = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1024, activation="relu"),
+                            keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+    big.compile(optimizer="sgd", loss="mse")
+    big.fit(features, steps_per_epoch=STEPS, epochs=1, verbose=0)
 elif MODE == "nothing":
     @tf.function
     def predict(x):

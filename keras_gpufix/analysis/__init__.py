@@ -15,7 +15,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
-|               | what-if weighed into it), `locate_periodic` (the line where  |
+|               | what-if weighed into it; `what_if_input_cost`),              |
+|               | `locate_periodic` (the line where                            |
 |               | periodic work runs, from stack samples)                      |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
@@ -23,7 +24,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | fix and predicted gain; `stages_needed`                      |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge, locate_periodic, weigh
+from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
+                                            what_if_input_cost)
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import judge_stages, stages_needed
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
@@ -79,5 +81,6 @@ __all__ = [
     "step_compiled",
     "summarize_step_times",
     "weigh",
+    "what_if_input_cost",
     "worker_summary",
 ]

@@ -34,7 +34,7 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "weigh", "locate_periodic", "OscillationDetector"]
+__all__ = ["judge", "weigh", "what_if_input_cost", "locate_periodic", "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -698,6 +698,27 @@ def _message(verdict, start, ev, period, phase, share):
 
 
 
+def what_if_input_cost(what_if, thresholds=None):
+    """`(cost, least, known)`: the share of the run the what-if finds the input costing
+    (`1 - 1/speedup`), that share at the low end of its range, and whether it knows;
+    None when it says nothing. A what-if that does not know (its range wider than
+    `what_if_uncertainty`) still bounds the gain from below: when its low end alone
+    shows `what_if_share`, its cost is that low end's (`known` False); below, None.
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    what_if = what_if or {}
+    speedup = what_if.get("speedup_if_input_free")
+    if not speedup:
+        return None
+    low = (what_if.get("speedup_range") or (speedup, speedup))[0] or speedup
+    least = 1.0 - 1.0 / low
+    if what_if.get("known", True):
+        return 1.0 - 1.0 / speedup, least, True
+    if least >= th["what_if_share"]:
+        return least, least, False
+    return None
+
+
 def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     """The run's verdict with the other evidence of the same run weighed in.
 
@@ -715,7 +736,8 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     gain. A what-if finding nothing to gain leaves an `input_bound` verdict
     standing (the replayed batch is cached, the run's were not) and says
     so. A what-if that does not know (`known` False: its timings varied
-    more than `what_if_uncertainty`) is ignored.
+    more than `what_if_uncertainty`) counts only by the low end of its
+    range (`what_if_input_cost`): the gain is at least that.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`
@@ -737,11 +759,13 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     waited = "not measured" if wait is None else f"{wait:.0%}"
     what_if = what_if or {}
     speedup = what_if.get("speedup_if_input_free")
-    if speedup and what_if.get("known", True):
+    bound = what_if_input_cost(what_if, th)
+    if bound is not None:
+        cost, least, known = bound
         low, high = what_if.get("speedup_range") or (speedup, speedup)
-        cost = 1.0 - 1.0 / speedup
-        least = 1.0 - 1.0 / (low or speedup)  # the input's cost at the low end of the range
         span = f" ({low:.2f}x-{high:.2f}x)" if low and high else ""
+        if not known:  # only its low end is sure: the gain is at least that
+            speedup, span = low, f" (at least: its range {low:.2f}x-{high:.2f}x was too wide)"
         if verdict == "healthy" and least >= th["what_if_share"]:
             contention = wait is not None and least - wait >= th["what_if_share"]
             phase = "step" if contention else "input_wait"

@@ -49,7 +49,7 @@ from collections import Counter, deque
 
 from keras_gpufix.analysis import locate_periodic
 from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
-                                           what_if)
+                                           what_if_until_known)
 
 __all__ = ["LoopPatch", "StepsReached"]
 
@@ -549,14 +549,16 @@ class LoopPatch:
         loop = self.loop
         try:
             input_per_s = input_rate(loop.dataset)
-            rates = None
+            measure = None  # no function to replay: the step as measured in the run
             if self.last_step is not None:  # replay the train tf.function
                 fn, args, kwargs = self.last_step
                 variables = list(fn.get_concrete_function(*args, **kwargs).variables)
                 cached, real = _steps_on(fn, args, kwargs, loop) or (
                     lambda: fn(*args, **kwargs), None)
-                rates = replay_rates(cached, variables, real=real)
-            result = what_if(loop.clock, input_per_s, rates)
+
+                def measure():
+                    return replay_rates(cached, variables, real=real)
+            result = what_if_until_known(loop.clock, input_per_s, measure)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

@@ -98,6 +98,17 @@ def _fit_causes(fit, scan):
                         f"{(cause['share'] or 0):.0%} of the run",
                 "period": cause.get("period"), "phase": cause.get("phase"),
                 "where": _where(fit, cause["verdict"], scan)}))
+    cost = analysis.what_if_input_cost(fit.get("what_if"))
+    if cost is not None and run["verdict"] != "input_bound" and cost[0] >= analysis.THRESHOLDS[
+            "what_if_share"]:  # the input's cost the what-if measured, beside another cause
+        wait = _input_wait(fit)
+        phase = ("step" if wait is not None and cost[1] - wait >= analysis.THRESHOLDS[
+            "what_if_share"] else "input_wait")
+        out.append(("input_bound", cost[0], {
+            "source": "what-if", "figure": "speedup_if_input_free", "value": cost[0],
+            "text": f"{label}: the what-if finds the input costing "
+                    f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
+            "period": None, "phase": phase, "where": None}))
     for event in events:
         if event["verdict"] != "healthy":
             out.append((event["verdict"], event.get("cost_share") or 0.0, {

@@ -26,7 +26,7 @@ from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_ca
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
 from keras_gpufix.diagnose.what_if import (Cycles, cycle_callbacks, fit_replay, input_rate,
-                                           replay_rates, what_if)
+                                           replay_rates, what_if_until_known)
 from keras_gpufix.exceptions import GpufixWarning, warn
 from keras_gpufix.output import import_tensorflow_quietly
 
@@ -256,9 +256,10 @@ class FitPatch:
         try:
             input_per_s = input_rate(dataset)
             cached, real, variables, per_call = fit_replay(model, dataset)
-            result = what_if(cycles, input_per_s,
-                             replay_rates(cached, variables, real, batches_per_call=per_call),
-                             batches_per_cycle=per_call)
+            result = what_if_until_known(
+                cycles, input_per_s,
+                lambda: replay_rates(cached, variables, real, batches_per_call=per_call),
+                batches_per_cycle=per_call)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

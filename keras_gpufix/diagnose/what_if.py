@@ -54,11 +54,12 @@ import time
 from keras_gpufix.analysis import THRESHOLDS
 
 __all__ = ["Cycles", "cycle_callbacks", "input_rate", "fit_replay", "replay_rates", "what_if",
-           "format_what_if", "compile_step"]
+           "what_if_until_known", "format_what_if", "compile_step"]
 
 SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
 MAX_BATCHES = 2000  # the input drain never reads more than this
+TRIES = 3  # side-by-side what-ifs measured at most, while they do not know
 
 
 class Cycles:
@@ -331,8 +332,38 @@ def _ratio_words(z):
 
 
 def _why_unknown(result):
-    repeats = result.get("repeats")
-    return f"; {repeats} rounds, the host's load kept changing" if repeats else ""
+    if result.get("method") != "side_by_side":
+        return "; the run's own cycles varied"
+    repeats = result.get("repeats") or 1
+    return (f"; measured {repeats} time{'s' * (repeats != 1)}, the real and cached blocks "
+            "disagreed each time: the host's load changed between blocks")
+
+
+def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries=TRIES):
+    """`what_if` of `measure()`'s rates, measured afresh while it does not know.
+
+    A side-by-side what-if whose range is too wide (`known` False: the
+    host's load changed between its blocks) is measured again, up to
+    `tries` times in all, and the first that knows is kept; when none
+    does, the last is, with `repeats` saying how many times it was
+    measured (the sentence gives that as the reason). A replay against
+    the run's own cycles is not repeated: its range is the run's.
+
+    Args:
+        cycles, input_per_s, batches_per_cycle: as `what_if` takes them.
+        measure: returns `replay_rates`'s dict; None when the step cannot be
+            replayed (`method` `in_run`).
+        tries: measurements at most. Defaults to `TRIES`.
+    """
+    for attempt in range(1, tries + 1):
+        rates = measure() if measure is not None else None
+        result = what_if(cycles, input_per_s, rates, batches_per_cycle=batches_per_cycle)
+        if result is None:
+            return None
+        result["repeats"] = attempt
+        if result["known"] or result["method"] != "side_by_side":
+            return result
+    return result
 
 
 def format_what_if(result):

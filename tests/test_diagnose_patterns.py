@@ -184,7 +184,7 @@ def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["accum_plot", "distributed", "pydataset"])
+@pytest.mark.parametrize("mode", ["accum_plot", "distributed", "pydataset", "tf_print"])
 def test_diagnose_and_kg_watch_give_the_same_verdicts_on_the_same_loop(mode):
     _, result = diagnose(mode, 40, "--no-what-if", script_steps=40)
     watched = run_script(mode, "--watch", "--steps", "40")
@@ -212,3 +212,18 @@ def test_the_what_if_never_calls_a_ratio_below_one_faster_and_the_environment_na
                           "evidence": [], "fixes": [], "scan": [], "environment": env,
                           "fits": [], "traces": [], "notes": []})
     assert "environment: TensorFlow 2.15, tf_keras 2.15.1 (TF_USE_LEGACY_KERAS=1" in text
+
+
+@pytest.mark.slow
+def test_a_heavy_map_beside_a_heavy_step_is_named_with_its_gain():
+    # the map computes in TF ops in parallel: no input wait, but the step's cores
+    proc, result = diagnose("contention", 60, script_steps=80)
+    assert result["verdict"] != "healthy", result["evidence"]
+    fix = next(f for f in result["fixes"] if f["verdict"] == "input_bound")
+    predicted = fix["predicted"]["speedup"]
+    runs = [float(re.search(r"FIT_S ([\d.]+)", run_script("contention", "--steps", "80",
+                                                           *flags).stdout).group(1))
+            for flags in [(), ("--cached",)]]
+    print(f"contention: predicted {predicted:.2f}x, measured {runs[0] / runs[1]:.2f}x")
+    assert predicted >= 1.2
+    assert abs(predicted / (runs[0] / runs[1]) - 1) <= 0.25

@@ -7,6 +7,7 @@ Each test runs the pattern script in a subprocess (each imports TensorFlow): und
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -227,3 +228,22 @@ def test_a_heavy_map_beside_a_heavy_step_is_named_with_its_gain():
     print(f"contention: predicted {predicted:.2f}x, measured {runs[0] / runs[1]:.2f}x")
     assert predicted >= 1.2
     assert abs(predicted / (runs[0] / runs[1]) - 1) <= 0.25
+
+
+def test_lines_run_follows_the_scripts_own_modules(tmp_path, monkeypatch):
+    from keras_gpufix.diagnose.lines_run import LinesRun
+
+    (tmp_path / "helpers_i29.py").write_text("def used():\n    return 1\n\n"
+                                             "def unused():\n    return 2\n")
+    script = tmp_path / "main.py"
+    script.write_text("import helpers_i29\nhelpers_i29.used()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    findings = [{"file": str(tmp_path / "helpers_i29.py"), "line": n} for n in (2, 5)]
+    runs = LinesRun(findings)
+    try:
+        with runs:  # no finding in the script itself: it runs as runpy runs it
+            assert not runs.run_main(str(script))
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.modules.pop("helpers_i29", None)
+    assert [runs.status(f) for f in findings] == [True, False]

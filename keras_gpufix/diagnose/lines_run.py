@@ -138,8 +138,14 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, lines):
         self.lines = lines
+        # module names the files could have (`pkg/viz.py` -> "viz", `pkg/__init__.py` ->
+        # "pkg"): any other import goes straight to the usual finders
+        self.names = {os.path.basename(os.path.dirname(f)) if f.endswith("__init__.py")
+                      else os.path.splitext(os.path.basename(f))[0] for f in lines.lines}
 
     def find_spec(self, name, path, target=None):
+        if name.rpartition(".")[2] not in self.names:
+            return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         origin = spec and spec.origin
         if not origin or os.path.abspath(origin) not in self.lines.lines:

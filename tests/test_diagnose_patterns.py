@@ -247,3 +247,25 @@ def test_lines_run_follows_the_scripts_own_modules(tmp_path, monkeypatch):
     finally:
         sys.modules.pop("helpers_i29", None)
     assert [runs.status(f) for f in findings] == [True, False]
+
+
+def test_watch_without_with_ends_its_run_when_its_data_runs_out():
+    import keras
+    import numpy as np
+
+    import keras_gpufix as kg
+
+    class Ends(keras.callbacks.Callback):
+        ended = 0
+
+        def on_train_end(self, logs=None):
+            self.ended += 1
+
+    ends = Ends()
+    batches = iter(kg.watch([np.zeros((2, 3), "float32")] * 4, callbacks=[ends]))
+    for _ in range(4):
+        next(batches)
+    assert ends.ended == 0  # the data has not run out yet
+    with pytest.raises(StopIteration):
+        next(batches)
+    assert ends.ended == 1

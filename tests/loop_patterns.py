@@ -18,8 +18,10 @@ MODE:
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
 and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
-`accum_plot`: `--compiled` wraps its step in `tf.function`, `--no-plot` drops the plot;
-the loop prints `LOOP_S <seconds of its steps after the first 5>`; for `contention`,
+`accum_plot`: the loop prints `LOOP_S <seconds of its steps after the first 5>`;
+`accum_truth` times it as it is, with its step in `tf.function`, without its plot and
+with neither, each 3 times in turn, and prints `TRUTH <json of the medians>`; for
+`contention`,
 `--cached` computes its batches before the fit, which prints `FIT_S <seconds>`.
 """
 
@@ -34,7 +36,7 @@ import tensorflow as tf
 MODE = sys.argv[1]
 WATCH = "--watch" in sys.argv
 STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
-PLOT_S = 0 if "--no-plot" in sys.argv else 0.15  # the plot every 5 steps
+PLOT_S = 0.15  # the plot every 5 steps
 FEATURES = 32
 
 rng = np.random.default_rng(0)
@@ -49,10 +51,6 @@ with strategy.scope():
                               keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.01)
 loss_fn = keras.losses.MeanSquaredError()
-
-
-def plot():
-    time.sleep(PLOT_S)  # a spectrogram rendered and written
 
 
 def compute_loss(x, y):
@@ -72,10 +70,6 @@ def accumulate_step(x, y):
     for a, g in zip(accum, grads):
         a.assign_add(g)
     return loss
-
-
-if "--compiled" in sys.argv:
-    accumulate_step = tf.function(accumulate_step)
 
 
 def apply_accumulated():
@@ -118,22 +112,34 @@ class Batches(keras.utils.PyDataset):
         return xs[16 * i:16 * i + 16], ys[16 * i:16 * i + 16]
 
 
-if MODE in ("accum_plot", "tf_print"):
-    source = watched(dataset)
-    batches = iter(source)
-    for i in range(STEPS):
+def accumulation_loop(batches, step, plot_s, steps):
+    """The trainer's loop; returns the seconds of its steps after the first 5."""
+    for i in range(steps):
         if i == 5:
             t0 = time.perf_counter()
         x, y = next(batches)
-        loss = accumulate_step(x, y)
+        step(x, y)
         if i % 2 == 1:
             apply_accumulated()
-        if i % 5 == 4 and PLOT_S:
-            plot()
-    print("LOOP_S", time.perf_counter() - t0, flush=True)
+        if i % 5 == 4 and plot_s:
+            time.sleep(plot_s)  # a spectrogram rendered and written
+    return time.perf_counter() - t0
+
+
+if MODE in ("accum_plot", "tf_print"):
+    source = watched(dataset)
+    print("LOOP_S", accumulation_loop(iter(source), accumulate_step, PLOT_S, STEPS), flush=True)
     if WATCH:
         source.close()
     say_watch()
+elif MODE == "accum_truth":  # each way in turn, rounds interleaved: medians
+    ways = {"as_is": (accumulate_step, PLOT_S), "compiled": (tf.function(accumulate_step), PLOT_S),
+            "no_plot": (accumulate_step, 0), "neither": (tf.function(accumulate_step), 0)}
+    times = {name: [] for name in ways}
+    for _ in range(3):
+        for name, (step, plot_s) in ways.items():
+            times[name].append(accumulation_loop(iter(dataset), step, plot_s, STEPS))
+    print("TRUTH", json.dumps({k: float(np.median(v)) for k, v in times.items()}), flush=True)
 elif MODE in ("distributed", "mirrored"):
     dist = strategy.experimental_distribute_dataset(dataset.take(STEPS))
 
@@ -174,7 +180,7 @@ elif MODE == "watch_iter":
         x, y = next(batches)
         compiled_step(x, y)
         if i % 5 == 4:
-            plot()
+            time.sleep(PLOT_S)
 elif MODE == "contention":
     def heavy(x, y):  # features computed in TF ops: no wait, but the same cores as the step
         block = tf.tile(tf.tensordot(x, x, axes=0), [4, 4])  # 128 x 128

@@ -157,10 +157,6 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
     assert "tf.function(jit_compile=True)" not in fix["fix"]
 
 
-def _truth(*flags):
-    """Seconds of accum_plot's loop (its steps after the first 5), run plainly."""
-    proc = run_script("accum_plot", "--steps", "45", *flags)
-    return float(re.search(r"LOOP_S ([\d.]+)", proc.stdout).group(1))
 
 
 @pytest.mark.slow
@@ -170,18 +166,19 @@ def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_th
     assert {"eager_step", "periodic_stall"} <= set(fixes), result["fixes"]
     eager, stall = (fixes[v]["predicted"]["share"] for v in ("eager_step", "periodic_stall"))
     both = 1 / (1 - eager - stall)
-    # the truth: the same loop as it is, with its step compiled, without its plot, with neither
-    runs = {flags: _truth(*flags) for flags in [(), ("--compiled",), ("--no-plot",),
-                                               ("--compiled", "--no-plot")]}
-    base = runs[()]
-    measured_eager = 1 - runs[("--compiled",)] / base
-    measured_stall = 1 - runs[("--no-plot",)] / base
+    # the truth: the same loop as it is, with its step compiled, without its plot, with
+    # neither (one process, each way in turn, medians of 3)
+    proc = run_script("accum_truth", "--steps", "45")
+    runs = json.loads(re.search(r"TRUTH (.*)", proc.stdout).group(1))
+    base = runs["as_is"]
+    measured_eager = 1 - runs["compiled"] / base
+    measured_stall = 1 - runs["no_plot"] / base
     print(f"predicted shares eager {eager:.2f}, stall {stall:.2f}, all {both:.2f}x; measured "
           f"eager {measured_eager:.2f}, stall {measured_stall:.2f}, all "
-          f"{base / runs[('--compiled', '--no-plot')]:.2f}x")
+          f"{base / runs['neither']:.2f}x")
     assert abs(eager - measured_eager) <= 0.10
     assert abs(stall - measured_stall) <= 0.10
-    assert abs(both / (base / runs[("--compiled", "--no-plot")]) - 1) <= 0.25
+    assert abs(both / (base / runs["neither"]) - 1) <= 0.25
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ MODE = sys.argv[1]
 WATCH = "--watch" in sys.argv
 STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
 PLOT_S = 0.15  # the plot every 5 steps
+DEVICE_S = 0.005  # the device time of a compiled step (a GPU's), slept in the loop body
 FEATURES = 32
 
 rng = np.random.default_rng(0)
@@ -152,9 +153,11 @@ elif MODE in ("distributed", "mirrored"):
         with watched(dist) as source:
             for batch in source:
                 distributed_step(batch)
+                time.sleep(DEVICE_S)
     else:
         for batch in dist:
             distributed_step(batch)
+            time.sleep(DEVICE_S)
     say_watch()
 elif MODE == "pydataset":
     data = Batches()
@@ -162,6 +165,7 @@ elif MODE == "pydataset":
     for epoch in range(2):
         for x, y in source:
             compiled_step(x, y)
+            time.sleep(DEVICE_S)
     if WATCH:
         source.close()
     say_watch()

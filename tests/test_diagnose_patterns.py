@@ -266,3 +266,18 @@ def test_watch_without_with_ends_its_run_when_its_data_runs_out():
     with pytest.raises(StopIteration):
         next(batches)
     assert ends.ended == 1
+
+
+def test_a_what_if_measured_again_pools_its_pairs():
+    from keras_gpufix.diagnose.what_if import Cycles, what_if_until_known
+
+    cycles = Cycles(skip=0)
+    for _ in range(20):
+        cycles.add(0.02, 0.0, 0.02)
+    # three pairs agree on 1.5x; one block beside a load spike (5x), then one a little off
+    # (1.9x): neither measurement knows alone, the middle half of their 8 pairs does
+    blocks = iter([{"cached": [[50.0]] * 4, "real": [[33.3]] * 3 + [[10.0]]},
+                   {"cached": [[50.0]] * 4, "real": [[33.3]] * 3 + [[26.3]]}])
+    result = what_if_until_known(cycles, 100.0, lambda: next(blocks))
+    assert result["repeats"] == 2 and result["known"]
+    assert result["speedup_if_input_free"] == pytest.approx(1.5, rel=0.01)

@@ -30,7 +30,8 @@ take the whole cycle against the replayed step alone, so the hooks read as
 input (1.17x-1.37x "with input free" on an input already cached, true
 ~1.0). Now each real block against the cached block beside it gives
 `(real + between) / (cached + between)`: `speedup_if_input_free` is the
-median of these pairs and `speedup_range` their extremes. A step slower on
+median of these pairs and `speedup_range` their extremes (the middle half
+of the pairs once measured again: `what_if_until_known`). A step slower on
 the real input than on the cached batch with no wait for it (the pipeline
 computing beside the step on the same cores: contention) shows there too.
 A range wider than `THRESHOLDS["what_if_uncertainty"]` of the prediction
@@ -60,6 +61,7 @@ SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
 MAX_BATCHES = 2000  # the input drain never reads more than this
 TRIES = 3  # side-by-side what-ifs measured at most, while they do not know
+PAIRS = 4  # real/cached block pairs of one measurement (`replay_rates`)
 
 
 class Cycles:
@@ -289,6 +291,8 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
         real, free = per_batch(rates["real"]), per_batch(rates["cached"])
         pairs = sorted((r + rest) / (f + rest) for r, f in zip(real, free))
         z, low, high = statistics.median(pairs), pairs[0], pairs[-1]
+        if len(pairs) > PAIRS:  # measured again: the middle half of all the pairs
+            low, _, high = statistics.quantiles(pairs, n=4)
         real_rate = statistics.median([r for b in rates["real"] for r in b])
         rate = statistics.median([r for b in rates["cached"] for r in b])
     else:
@@ -344,10 +348,13 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
 
     A side-by-side what-if whose range is too wide (`known` False: the
     host's load changed between its blocks) is measured again, up to
-    `tries` times in all, and the first that knows is kept; when none
-    does, the last is, with `repeats` saying how many times it was
-    measured (the sentence gives that as the reason). A replay against
-    the run's own cycles is not repeated: its range is the run's.
+    `tries` times in all: a measurement that knows alone is kept, else the
+    pairs of all measurements so far are pooled and their middle half is
+    the range (more pairs: one block beside a load spike no longer sets
+    it). When none knows, the last is kept, with `repeats` saying how many
+    times it was measured (the sentence gives that as the reason). A
+    replay against the run's own cycles is not repeated: its range is the
+    run's.
 
     Args:
         cycles, input_per_s, batches_per_cycle: as `what_if` takes them.
@@ -355,6 +362,7 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
             replayed (`method` `in_run`).
         tries: measurements at most. Defaults to `TRIES`.
     """
+    pooled = None
     for attempt in range(1, tries + 1):
         rates = measure() if measure is not None else None
         result = what_if(cycles, input_per_s, rates, batches_per_cycle=batches_per_cycle)
@@ -363,6 +371,15 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
         result["repeats"] = attempt
         if result["known"] or result["method"] != "side_by_side":
             return result
+        if pooled is None:
+            pooled = {"cached": list(rates["cached"]), "real": list(rates["real"])}
+        else:  # every pair so far: their middle half is the range
+            pooled["cached"] += rates["cached"]
+            pooled["real"] += rates["real"]
+            result = what_if(cycles, input_per_s, pooled, batches_per_cycle=batches_per_cycle)
+            result["repeats"] = attempt
+            if result["known"]:
+                return result
     return result
 
 

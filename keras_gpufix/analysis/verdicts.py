@@ -521,21 +521,20 @@ def compiled_step_fix(compiled: dict) -> "str | None":
     return COMPILED_STEP_FIXES[key].format_map(values)
 
 
-def compiled_share(eager_ms: float, compiled_ms: float, calls: int, total_s: float,
-                   most: float = None) -> float:
-    """The share of a run that compiling its eager step saves: the eager step's excess
-    over the compiled one, per call, times the calls, over the run's time.
+def compiled_share(steady_share: float, eager_ms: float, compiled_ms: float) -> float:
+    """The share of a run that compiling its eager step saves: the run's steady step
+    time (its share, the stalls' excess left out: `judge`'s `eager_step` cause) times
+    the part of the step compiling removes, measured side by side on one batch
+    (`1 - compiled / eager`). Both figures are the run's own clock's: the steady share
+    from its cycles, the ratio from two timings under the same load.
 
     Args:
+        steady_share: the steady step time's share of the run.
         eager_ms, compiled_ms: one call of the step each way (the same batch).
-        calls: the step's calls in the run.
-        total_s: the run's time.
-        most: an upper bound (the run's steady step share). Defaults to None.
     """
-    if total_s <= 0:
+    if not eager_ms or eager_ms <= 0:
         return 0.0
-    share = max(0.0, eager_ms - compiled_ms) / 1000 * calls / total_s
-    return min(share, most if most is not None else 1.0)
+    return steady_share * max(0.0, 1.0 - compiled_ms / eager_ms)
 
 
 def speedup_of(share: float) -> "float | None":

@@ -533,16 +533,14 @@ class LoopPatch:
         return False
 
     def _compiled_step(self):
-        """`compile_step` of the loop's eager step, with the loop's own time and cycles
-        (`cycles`, `loop_s`), or a dict with the reason it was not measured."""
+        """`compile_step` of the loop's eager step, or a dict with the reason it was not
+        measured."""
         fn, args, kwargs = self.eager_step
         self.eager_step = None  # its batch is not kept past the what-if
-        loop = self.loop
         try:
-            result = compile_step(fn, args, kwargs, library=_library_prefixes())
+            return compile_step(fn, args, kwargs, library=_library_prefixes())
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
-        return dict(result, cycles=loop.cycles, loop_s=loop.wait_s + loop.busy_s)
 
     def _what_if(self):
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""

@@ -64,12 +64,11 @@ def _eager_share(fit):
     """The share of the run that compiling its eager step saves, measured
     (`compiled_step`: the user's step timed eager and compiled on a real batch), or None."""
     compiled = fit.get("compiled_step") or {}
-    if compiled.get("best_ms") is None or not compiled.get("loop_s"):
-        return None
     steady = next((c["share"] for c in (fit.get("monitor") or {}).get("causes") or ()
                    if c["verdict"] == "eager_step"), None)
-    return analysis.compiled_share(compiled["eager_ms"], compiled["best_ms"],
-                                   compiled["cycles"], compiled["loop_s"], most=steady)
+    if compiled.get("best_ms") is None or steady is None:
+        return None
+    return analysis.compiled_share(steady, compiled["eager_ms"], compiled["best_ms"])
 
 
 def _fit_causes(fit, scan):
@@ -211,7 +210,8 @@ def _predicted(cause, fits):
                 "source": "compiled-step",
                 "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
-                        f"{compiled['best_ms']:.1f} ms per call, is {_pct(share)} of the run)"}
+                        f"{compiled['best_ms']:.1f} ms per call on one batch, is {_pct(share)} "
+                        "of the run's time in its steps)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
             "text": (f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
                      else "predicted: unbounded")

@@ -237,6 +237,7 @@ class _Loop:
         """`iterator` trains from now on: a new epoch of the watched loop."""
         if self.dataset is None:
             self.dataset, self.remake = iterator.dataset, iterator.remake
+            self.entry["x"] = f"{iterator.kind} (iterated by the script)"
         self.clock.epoch()
         self.source.iterator = iterator.iterator
         from keras_gpufix.callbacks._stream import stream_of
@@ -275,11 +276,12 @@ class _Loop:
 class _WatchedIterator:
     """A dataset iterator whose `next()` calls delimit the loop's cycles."""
 
-    def __init__(self, patch, iterator, dataset, remake=None):
+    def __init__(self, patch, iterable, iterator, dataset, remake=None):
         self.patch = patch
         self.iterator = iterator
         self.dataset = dataset  # the tf.data dataset (a distributed one's input) or PyDataset
         self.remake = remake or (lambda d: d)  # a tf.data dataset -> what the loop iterates
+        self.kind = type(iterable).__name__
         self.key = id(dataset)
         self.mark = None  # the patch's step count at the last next()
         self.epoch = None  # watch's epoch iterator, once this iterator trains
@@ -435,7 +437,7 @@ class LoopPatch:
                 patch._saw(iterable, caller)
                 dataset, remake, _ = patch._distributed.get(id(iterable), (iterable, None, None))
                 # the input wait is the time in next(), handed to the step stream: no probe
-                return _WatchedIterator(patch, original(iterable), dataset, remake)
+                return _WatchedIterator(patch, iterable, original(iterable), dataset, remake)
             return __iter__
 
         def make_distribute(original):  # a tf.distribute strategy's distributed dataset

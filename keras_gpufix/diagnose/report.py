@@ -254,6 +254,9 @@ def rank_causes(fits, scan=()):
         if cause["verdict"] == "eager_step":
             seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
                     for f in fits if (f.get("step") or {}).get("eager_where")]
+            seen += [f"{f['compiled_step'].get('function', 'the step')}: diagnose could not "
+                     f"compile it to check the fix ({f['compiled_step']['reason']})"
+                     for f in fits if (f.get("compiled_step") or {}).get("reason")]
         fix = cause["fix"]
         if cause["verdict"] == "eager_step":  # the user's step, compiled and timed
             fix = next((analysis.compiled_step_fix(f.get("compiled_step")) for f in fits

@@ -263,11 +263,13 @@ class _Loop:
         self.entry["step"]["stall_where"] = self._stall_where()
 
     def _stall_where(self):
-        """The loop-body line of the run's periodic stall (stack samples), or None."""
+        """The loop-body line of the run's periodic stall, its verdict or a cause beside
+        it (stack samples), or None."""
         monitor = self.entry.get("monitor") or {}
-        periods = [e.get("period") for e in monitor.get("events") or ()
+        periods = [e.get("period") for e in (*(monitor.get("events") or ()),
+                                             *(monitor.get("causes") or ()))
                    if e.get("verdict") == "periodic_stall" and e.get("period")]
-        if monitor.get("verdict") != "periodic_stall" or not periods:
+        if not periods:  # neither the verdict nor a cause beside it
             return None
         found = self.sampler.locate(periods[-1])
         return found and found[0]

@@ -210,8 +210,8 @@ def _predicted(cause, fits):
                 "source": "compiled-step",
                 "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
-                        f"{compiled['best_ms']:.1f} ms per call on one batch, is {_pct(share)} "
-                        "of the run's time in its steps)"}
+                        f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
+                        f"run's steady step time, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
             "text": (f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
                      else "predicted: unbounded")

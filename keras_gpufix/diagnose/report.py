@@ -4,7 +4,7 @@ import os
 import re
 
 from keras_gpufix import analysis
-from keras_gpufix.diagnose.what_if import format_what_if
+from keras_gpufix.diagnose.what_if import format_what_if, ratio_words
 from keras_gpufix.profiling import format_analysis
 
 __all__ = ["rank_causes", "seen_in_code", "not_offered", "run_verdict", "format_report", "healthy_evidence",
@@ -198,7 +198,7 @@ def _predicted(cause, fits):
         low, high = what_if.get("speedup_range") or (None, None)
         return {"share": share, "speedup": speedup, "speedup_range": [low, high],
                 "source": "what-if",
-                "text": f"predicted: {speedup:.2f}x faster with the input free"
+                "text": f"predicted: {ratio_words(speedup)} with the input free"
                         + (f" ({low:.2f}x-{high:.2f}x)" if low and high else "")
                         + " (the what-if: the step timed alone on the real input and on a "
                           "cached batch)"}
@@ -360,7 +360,8 @@ def locate_input_stage(fixes, fits):
     """
     fix = next((f for f in fixes if f["verdict"] == "input_bound"), None)
     judged = [j for j in map(input_stage, sorted(fits, key=lambda f: -(f.get("wall_s") or 0)))
-              if j and j["slow"]]
+              if j and j["slow"]  # a stage whose fix gains nothing is no located fix
+              and j["slow"]["predicted_gain"] >= analysis.THRESHOLDS["min_speedup"]]
     if fix is None or not judged:
         return
     slow = judged[0]["slow"]

@@ -55,7 +55,7 @@ import time
 from keras_gpufix.analysis import THRESHOLDS
 
 __all__ = ["Cycles", "cycle_callbacks", "input_rate", "fit_replay", "replay_rates", "what_if",
-           "what_if_until_known", "format_what_if", "compile_step"]
+           "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
 
 SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
@@ -325,7 +325,7 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
             "bound": bound, "method": method, "cycles": n}
 
 
-def _ratio_words(z):
+def ratio_words(z):
     """A speedup in words: `1.30x faster`, `no faster (0.98x)`, `1.06x slower (0.94x)`;
     a ratio below 1 is never "faster"."""
     if z >= THRESHOLDS["min_speedup"]:
@@ -396,12 +396,12 @@ def format_what_if(result):
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
     if not known:
-        gain = (f"{_ratio_words(z)}, but the what-if does not know ({span}: its timings "
+        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
                 f"varied{_why_unknown(result)})")
     elif faster:
         gain = f"{z:.2f}x faster ({span})"
     else:
-        gain = f"{_ratio_words(z)} ({span})"
+        gain = f"{ratio_words(z)} ({span})"
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":

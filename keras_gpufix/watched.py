@@ -17,6 +17,10 @@ epoch, `on_epoch_begin` / `on_epoch_end` around each epoch,
 `on_train_batch_end` when the loop asks for the next one, and
 `on_train_end` when the `with` block exits, however it exits (the data ran
 out, `break`, an exception, a `StopIteration` raised to stop the loop).
+Without `with` (`batches = iter(kg.watch(ds, model=model))`, then
+`next(batches)` in the trainer's own loop) the run ends, and its verdict is
+printed, when an epoch's iterator is exhausted or, at the latest, when the
+program ends; a later `iter()` starts a new run.
 
 What it measures, per step, on every Keras backend:
 
@@ -64,9 +68,11 @@ Nothing here imports TensorFlow: a JAX loop over NumPy batches runs without
 it.
 """
 
+import atexit
 import functools
 import sys
 import time
+import weakref
 
 import keras
 
@@ -167,11 +173,16 @@ class Watched:
         self._stream = None
         self._carry = 0.0  # input time outside a step's next(), for the next step
         self._failed = False
+        self._in_with = False
+        self._at_exit = None  # closes a run begun outside `with` at the program's end
+        self._eager_probe = None  # undoes the run's eager-gradient probe
 
     def __enter__(self):
+        self._in_with = True
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self._in_with = False
         self.close(failed=exc_type is not None and not issubclass(exc_type, StopIteration))
         return False
 
@@ -187,6 +198,10 @@ class Watched:
             if self.sync:
                 self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
+            self._eager_probe = _probe_eager_gradients(self)
+            if not self._in_with:
+                self._at_exit = _close_at_exit(self)
+                atexit.register(self._at_exit)
             self._stream = stream_of(self.callbacks)
             self._tell_stream()
             if self._stream is not None and not _is_dataset(self.iterable):
@@ -213,6 +228,12 @@ class Watched:
             failed: the loop ended by an error. Defaults to False.
         """
         self._end_epoch(failed=failed)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+        if self._eager_probe is not None:
+            self._eager_probe()
+            self._eager_probe = None
         if self._running:
             self._running = False
             self._hooks.on_train_end()
@@ -347,6 +368,55 @@ class Watched:
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
 
 
+def _probe_eager_gradients(watched):
+    """On TensorFlow, the run's first eager `tf.GradientTape.gradient` (a step outside
+    any tf.function) tells the step stream the step runs eagerly, with the loop's line,
+    as diagnose's own loop does; returns the function that ends the probe, or None."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or keras.backend.backend() != "tensorflow":
+        return None
+    import os
+
+    library = tuple(os.path.dirname(m.__file__) + os.sep for m in (tf, keras)
+                    if getattr(m, "__file__", None))
+    original = tf.GradientTape.gradient
+    state = {"on": True}
+
+    def gradient(tape, *args, **kwargs):
+        if state["on"] and tf.executing_eagerly() and watched._stream is not None:
+            state["on"] = False  # once per run
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(library):
+                frame = frame.f_back
+            watched._stream.eager = True
+            watched._stream.eager_where = frame and f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            frame = None
+        return original(tape, *args, **kwargs)
+
+    def undo():
+        state["on"] = False
+        if tf.GradientTape.gradient is gradient:  # another wrapper on top stays
+            tf.GradientTape.gradient = original
+
+    tf.GradientTape.gradient = gradient
+    return undo
+
+
+def _close_at_exit(watched):
+    """A function for `atexit` that ends `watched`'s run, if it still lives and runs."""
+    ref = weakref.ref(watched)
+
+    def close():
+        target = ref()
+        if target is not None and target._running:
+            try:
+                target.close()
+            except Exception as exc:  # a monitor never fails the program's exit
+                warn(f"kg.watch could not end its run at exit ({type(exc).__name__}: {exc})")
+
+    return close
+
+
 def _sync_call(backend):
     """The call that waits for the device work queued on `backend`, or None.
 
@@ -450,6 +520,8 @@ class _Epoch:
             if watched._open is self:
                 watched._open = None
             self.end()
+            if not watched._in_with:  # `iter(kg.watch(...))`: the run ends with its data
+                watched.close()
             raise StopIteration
         wait = time.perf_counter() - start
         self.batch += 1

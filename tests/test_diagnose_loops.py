@@ -55,7 +55,12 @@ def test_custom_loop_named_right(mode, verdict):
         assert loop["step"]["eager_where"].endswith(f"custom_loop.py:{_line('tape.gradient')}")
         assert any(w.startswith(loop["step"]["eager_where"])
                    for w in result["fixes"][0]["where"])
-        assert result["fixes"][0]["fix"].endswith(f"at {loop['step']['eager_where']}")
+        # the user's own step, compiled both ways on its last batch: what compiled, measured
+        compiled = loop["compiled_step"]
+        assert compiled["function"] == f"step ({SCRIPT}:{_line('def step')})"
+        assert compiled["best_ms"] < compiled["eager_ms"]
+        assert result["fixes"][0]["fix"].startswith(f"wrap the step {compiled['function']} in ")
+        assert result["fixes"][0]["predicted"]["source"] == "compiled-step"
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "between":  # the loop-body line of the work every 5 steps (stack samples)

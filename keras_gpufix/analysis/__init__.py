@@ -10,7 +10,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
-|               | `is_recompiling`, `rank_causes`, `fix_for`,                  |
+|               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
+|               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
 |               | `not_run_verdict`                                            |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
@@ -19,7 +20,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | synced, thresholds), handed to the detector as one object    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
-|               | what-if weighed into it), `locate_periodic` (the line where  |
+|               | what-if weighed into it; `what_if_input_cost`),              |
+|               | `locate_periodic` (the line where                            |
 |               | periodic work runs, from stack samples)                      |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
@@ -27,12 +29,14 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | fix and predicted gain; `stages_needed`                      |
 """
 
-from keras_gpufix.analysis.detector import OscillationDetector, judge, locate_periodic, weigh
+from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
+                                            what_if_input_cost)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import judge_stages, stages_needed
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.verdicts import (
+    COMPILED_STEP_FIXES,
     FIXES,
     PHASES,
     RETRACE_FIX,
@@ -41,6 +45,9 @@ from keras_gpufix.analysis.verdicts import (
     TOO_FEW_STEPS,
     UNSYNCED_NOTE,
     VERDICTS,
+    compiled_share,
+    compiled_step_fix,
+    contradicted,
     fix_for,
     is_recompiling,
     not_run_verdict,
@@ -48,10 +55,12 @@ from keras_gpufix.analysis.verdicts import (
     recompile_cost,
     slow_limit,
     slow_mask,
+    speedup_of,
     step_compiled,
 )
 
 __all__ = [
+    "COMPILED_STEP_FIXES",
     "FIXES",
     "OscillationDetector",
     "PHASES",
@@ -64,6 +73,9 @@ __all__ = [
     "TOO_FEW_STEPS",
     "UNSYNCED_NOTE",
     "VERDICTS",
+    "compiled_share",
+    "compiled_step_fix",
+    "contradicted",
     "fix_for",
     "is_recompiling",
     "judge",
@@ -75,9 +87,11 @@ __all__ = [
     "recompile_cost",
     "slow_limit",
     "slow_mask",
+    "speedup_of",
     "stages_needed",
     "step_compiled",
     "summarize_step_times",
     "weigh",
+    "what_if_input_cost",
     "worker_summary",
 ]

@@ -35,7 +35,7 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "weigh", "locate_periodic", "OscillationDetector"]
+__all__ = ["judge", "weigh", "what_if_input_cost", "locate_periodic", "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -177,6 +177,15 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
           shapes_seen=0, synced=None) -> dict:
     """Judges a window of step records; no side effects.
 
+    Beside the verdict (the first cause in precedence order), `causes`
+    lists every cause the window measured, each with its own share of the
+    window's time, never one's time counted in another's: `recompiling`
+    (the compiling steps' excess), `eager_step` (the steady step time: the
+    most compiling the step can save; the stalls' excess is not in it),
+    `periodic_stall` (the excess of the cycles in step with the period) and
+    `input_bound` (the input wait). Fixing each alone makes the window
+    `1 / (1 - share)` faster.
+
     Args:
         records: `StepRecord`s, oldest first (the first record of an epoch is
             left out: iterator creation and shuffle-buffer filling happen
@@ -195,9 +204,32 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     Returns:
         A dict `verdict`, `phase` (where the time goes: `input_wait`,
         `step`, `between`, `loop_body`, or None), `period`, `cost_share`
-        (share of the window's cycle time the cause cost) and `evidence`
-        (figures, and `signals`: the evidence used).
+        (share of the window's cycle time the cause cost), `evidence`
+        (figures, and `signals`: the evidence used) and `causes` (dicts
+        `verdict`, `share`, `phase`, `period`; the verdict's first).
     """
+    judgement = _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced)
+    ev = judgement["evidence"]
+    also = ev.pop("also", [])
+    causes = [] if judgement["verdict"] in ("healthy", "unknown") else [_cause(judgement)]
+    causes += [_cause(j) for j in also]
+    if eager and judgement["verdict"] not in ("unknown", "recompiling"):
+        ev["signals"].append("eager")
+        judgement = _judgement("eager_step", ev, phase="step",
+                               cost_share=ev["steady_step_share"])
+        causes.insert(0, _cause(judgement))
+    judgement["causes"] = causes
+    return judgement
+
+
+def _cause(judgement):
+    return {"verdict": judgement["verdict"], "share": judgement["cost_share"],
+            "phase": judgement["phase"], "period": judgement["period"]}
+
+
+def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced):
+    """`judge` without the eager step: the verdict in precedence order; a periodic
+    stall's window that also waits for input lists that in `evidence["also"]`."""
     th = {**THRESHOLDS, **(thresholds or {})}
     rs = [r for r in records if not r.epoch_first]
     if len(rs) < th["min_judge_steps"]:
@@ -289,11 +321,10 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             ev["slow_steps_at_new_shapes"] = int(np.sum(slow & new_shape))
             return _judgement("recompiling", ev, phase="step", cost_share=compile_share)
 
-    if eager:
-        ev["signals"].append("eager")
-        return _judgement("eager_step", ev, phase="step",
-                          cost_share=ev["phases"]["step"])
-
+    # The step time without the slow cycles' excess: what compiling an eager
+    # step can save at most (a stall's excess is the stall's own cost).
+    ev["steady_step_share"] = (float(np.dot(np.minimum(phase["step"], base["step"]), n)) / total
+                               if total > 0 else 0.0)
     wait_share = ev["phases"]["input_wait"]
     if wait_share is not None:
         ev["input_wait"] = wait_share
@@ -344,6 +375,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             stall_phase = "loop_body"
         ev.update(period=period, autocorrelation=acf, period_from=source,
                   periodic_time_share=share)
+        if wait_share is not None and wait_share >= th["input_wait_share"]:
+            ev["also"] = [_judgement("input_bound", ev, phase="input_wait",
+                                     cost_share=wait_share)]
         return _judgement("periodic_stall", ev, period, stall_phase, share)
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
@@ -601,6 +635,7 @@ class OscillationDetector:
         current = self._current
         if current is not None and current["verdict"] == verdict:
             current["end_step"] = end
+            current["causes"] = [dict(c) for c in judgement.get("causes", ())]  # the latest
             return None
         if verdict == "healthy":
             if current is None or current["verdict"] == "healthy":
@@ -641,8 +676,9 @@ class OscillationDetector:
             A dict `verdict`, `fix`, `phase` (where the time goes),
             `cost_share` (share of the time the cause cost, None for
             `healthy` / `unknown`), `because` (sentences: what the verdict
-            rests on) and `changed` (the live events that said otherwise,
-            None when none did).
+            rests on), `changed` (the live events that said otherwise,
+            None when none did) and `causes` (every cause the verdict's
+            judgement measured, each with its own share: `judge`).
         """
         verdict = self.dominant_verdict()
         judgement = None if self.events else self.judge()
@@ -650,8 +686,10 @@ class OscillationDetector:
             verdict = judgement["verdict"]
         same = [e for e in self.events if e["verdict"] == verdict]
         because = []
+        causes = list((judgement or {}).get("causes") or ())
         if same:
             fix, phase, share = same[-1]["fix"], same[-1]["phase"], same[-1]["cost_share"]
+            causes = same[-1].get("causes") or []
             because.append(f"{verdict} from step {same[0]['start_step']} to step "
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
         elif judgement is not None and verdict not in ("healthy", "unknown"):
@@ -671,7 +709,7 @@ class OscillationDetector:
             fix = TOO_FEW_STEPS.format(steps=count,
                                        min_steps=self.active_thresholds()["min_judge_steps"])
         return {"verdict": verdict, "fix": fix, "phase": phase, "cost_share": share,
-                "because": because, "changed": changed}
+                "because": because, "changed": changed, "causes": causes}
 
 
 def _event(judgement, start, end, where=None):
@@ -688,6 +726,7 @@ def _event(judgement, start, end, where=None):
         "evidence": ev,
         "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where),
         "message": _message(verdict, start, ev, period, phase, share),
+        "causes": [dict(c) for c in judgement.get("causes", ())],
     }
 
 
@@ -712,6 +751,27 @@ def _message(verdict, start, ev, period, phase, share):
 
 
 
+def what_if_input_cost(what_if, thresholds=None):
+    """`(cost, least, known)`: the share of the run the what-if finds the input costing
+    (`1 - 1/speedup`), that share at the low end of its range, and whether it knows;
+    None when it says nothing. A what-if that does not know (its range wider than
+    `what_if_uncertainty`) still bounds the gain from below: when its low end alone
+    shows `what_if_share`, its cost is that low end's (`known` False); below, None.
+    """
+    th = {**THRESHOLDS, **(thresholds or {})}
+    what_if = what_if or {}
+    speedup = what_if.get("speedup_if_input_free")
+    if not speedup:
+        return None
+    low = (what_if.get("speedup_range") or (speedup, speedup))[0] or speedup
+    least = 1.0 - 1.0 / low
+    if what_if.get("known", True):
+        return 1.0 - 1.0 / speedup, least, True
+    if least >= th["what_if_share"]:
+        return least, least, False
+    return None
+
+
 def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     """The run's verdict with the other evidence of the same run weighed in.
 
@@ -729,7 +789,8 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     gain. A what-if finding nothing to gain leaves an `input_bound` verdict
     standing (the replayed batch is cached, the run's were not) and says
     so. A what-if that does not know (`known` False: its timings varied
-    more than `what_if_uncertainty`) is ignored.
+    more than `what_if_uncertainty`) counts only by the low end of its
+    range (`what_if_input_cost`): the gain is at least that.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`
@@ -751,11 +812,13 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     waited = "not measured" if wait is None else f"{wait:.0%}"
     what_if = what_if or {}
     speedup = what_if.get("speedup_if_input_free")
-    if speedup and what_if.get("known", True):
+    bound = what_if_input_cost(what_if, th)
+    if bound is not None:
+        cost, least, known = bound
         low, high = what_if.get("speedup_range") or (speedup, speedup)
-        cost = 1.0 - 1.0 / speedup
-        least = 1.0 - 1.0 / (low or speedup)  # the input's cost at the low end of the range
         span = f" ({low:.2f}x-{high:.2f}x)" if low and high else ""
+        if not known:  # only its low end is sure: the gain is at least that
+            speedup, span = low, f" (at least: its range {low:.2f}x-{high:.2f}x was too wide)"
         if verdict == "healthy" and least >= th["what_if_share"]:
             contention = wait is not None and least - wait >= th["what_if_share"]
             phase = "step" if contention else "input_wait"

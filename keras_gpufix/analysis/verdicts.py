@@ -46,6 +46,11 @@ __all__ = [
     "step_compiled",
     "is_recompiling",
     "rank_causes",
+    "contradicted",
+    "COMPILED_STEP_FIXES",
+    "compiled_step_fix",
+    "compiled_share",
+    "speedup_of",
 ]
 
 VERDICTS = (
@@ -218,6 +223,27 @@ CONTENTION_FIX = (
     "the features in TF ops instead of numpy_function/py_function, fewer parallel calls "
     "than cores, or the tf.data service on other machines"
 )
+
+#: The fix of `eager_step` once diagnose compiled the user's own step both ways
+#: on a real batch (`diagnose.what_if.compile_step`): by which way was faster,
+#: or by the op XLA could not compile.
+COMPILED_STEP_FIXES = {
+    "tf.function(jit_compile=True)": (
+        "wrap the step {function} in tf.function(jit_compile=True): measured on a real batch, "
+        "{eager_ms:.1f} ms eager -> {xla_ms:.1f} ms with XLA ({function_ms:.1f} ms as a plain "
+        "tf.function)"
+    ),
+    "tf.function": (
+        "wrap the step {function} in tf.function: measured on a real batch, {eager_ms:.1f} ms "
+        "eager -> {function_ms:.1f} ms ({xla_ms:.1f} ms with jit_compile=True: no faster)"
+    ),
+    "no_xla": (
+        "wrap the step {function} in tf.function, without jit_compile: measured on a real "
+        "batch, {eager_ms:.1f} ms eager -> {function_ms:.1f} ms. XLA cannot compile it: "
+        "`{xla_op}` at {xla_where} has no XLA kernel (a tf.print, a string op); move it out of "
+        "the step (print the returned loss outside) before trying jit_compile=True"
+    ),
+}
 
 #: The fix of `unknown` when steps were seen, but fewer than min_judge_steps.
 TOO_FEW_STEPS = (
@@ -481,3 +507,52 @@ def rank_causes(causes) -> list:
         fields["share"] = cause["score"]
         cause["fix"] = fix_for(cause["verdict"], phase=best.get("phase"), **fields)
     return ranking
+
+
+def contradicted(verdict: str, median_step_ms: float = None) -> "str | None":
+    """Why the run's measurement rules out a static finding's `verdict`, or None.
+
+    `dispatch_bound` (a step too short for per-step dispatch, a `.numpy()`
+    sync per step) needs steps shorter than `short_step_ms`: beside a
+    longer median step, per-step dispatch or a sync costs a small share.
+
+    Args:
+        verdict: the finding's verdict (a name in `VERDICTS`).
+        median_step_ms: the run's measured median step (None: not measured).
+    """
+    limit = THRESHOLDS["short_step_ms"]
+    if verdict == "dispatch_bound" and median_step_ms is not None and median_step_ms >= limit:
+        return (f"the measured median step is {median_step_ms:.0f} ms, not shorter than "
+                f"short_step_ms={limit:.0f} ms: per-step dispatch costs a small share of it")
+    return None
+
+
+def compiled_step_fix(compiled: dict) -> "str | None":
+    """The `eager_step` fix from `compile_step`'s measurement, or None without one."""
+    if not compiled or compiled.get("best_ms") is None:
+        return None
+    key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
+    values = _Fields({k: v for k, v in compiled.items() if v is not None})
+    return COMPILED_STEP_FIXES[key].format_map(values)
+
+
+def compiled_share(steady_share: float, eager_ms: float, compiled_ms: float) -> float:
+    """The share of a run that compiling its eager step saves: the run's steady step
+    time (its share, the stalls' excess left out: `judge`'s `eager_step` cause) times
+    the part of the step compiling removes, measured side by side on one batch
+    (`1 - compiled / eager`). Both figures are the run's own clock's: the steady share
+    from its cycles, the ratio from two timings under the same load.
+
+    Args:
+        steady_share: the steady step time's share of the run.
+        eager_ms, compiled_ms: one call of the step each way (the same batch).
+    """
+    if not eager_ms or eager_ms <= 0:
+        return 0.0
+    return steady_share * max(0.0, 1.0 - compiled_ms / eager_ms)
+
+
+def speedup_of(share: float) -> "float | None":
+    """The whole run's speedup when time of `share` goes: 1 / (1 - share); None when
+    unbounded (share >= 1). Shares of different causes, never overlapping, add up."""
+    return 1.0 / (1.0 - share) if share < 1.0 else None

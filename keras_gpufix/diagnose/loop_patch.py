@@ -1,11 +1,16 @@
-"""Custom training loops: Python iteration over tf.data datasets and the steps between.
+"""Custom training loops: Python iteration over datasets and the steps between.
 
-While the script runs, three TensorFlow entry points are wrapped (the
-`tf.function` class is not exported: `keras_internals.tf_function_class`):
+While the script runs, these entry points are wrapped (the `tf.function`
+class is not exported: `keras_internals.tf_function_class`):
 
 | entry point                 | what diagnose learns                                   |
 |-----------------------------|--------------------------------------------------------|
-| `tf.data.Dataset.__iter__`  | the script iterates a dataset itself (its own loop)    |
+| `tf.data.Dataset.__iter__`, | the script iterates a dataset itself (its own loop)    |
+| `keras.utils.PyDataset.__iter__` |                                                   |
+| `Strategy.experimental_distribute_dataset`, | the distributed dataset it returns: its  |
+| `Strategy.distribute_datasets_from_function` | class's `__iter__` is wrapped too (a    |
+|                             | loop over it, `strategy.run` in the step); the what-if |
+|                             | replays the step on the distributed input dataset      |
 | `tf.GradientTape.gradient`  | a training step: eager (direct evidence of `eager_step`)|
 |                             | or traced inside a `tf.function` (that function trains)|
 | `tf.function` calls         | each call of a function that computes gradients is a   |
@@ -32,6 +37,8 @@ later epochs over the same dataset end at once. A loop that calls `next()`
 itself gets the exception: diagnose ends the script there, cleanly
 (`run_diagnosis` says where). Iteration inside
 `fit`, `evaluate` or `predict`, or inside a `tf.function`, is left alone.
+When no step was seen, `LoopPatch.seen()` lists what was: the iterables
+the script iterated and the tf.functions it called.
 """
 
 import os
@@ -41,7 +48,8 @@ import time
 from collections import Counter, deque
 
 from keras_gpufix.analysis import locate_periodic
-from keras_gpufix.diagnose.what_if import Cycles, input_rate, replay_rates, what_if
+from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
+                                           what_if_until_known)
 
 __all__ = ["LoopPatch", "StepsReached"]
 
@@ -61,6 +69,33 @@ def _library_prefixes():
 
 def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _function_of(code):
+    """The Python function whose code is `code` (the user's step), or None."""
+    import gc
+    import types
+
+    found = [f for f in gc.get_referrers(code)
+             if isinstance(f, types.FunctionType) and f.__code__ is code]
+    return found[0] if found else None
+
+
+def _arguments(frame):
+    """(args, kwargs) the function running in `frame` was called with (its parameters'
+    current values)."""
+    code, values = frame.f_code, frame.f_locals
+    names = code.co_varnames
+    positional, kwonly = code.co_argcount, code.co_kwonlyargcount
+    args = [values[n] for n in names[:positional]]
+    kwargs = {n: values[n] for n in names[positional:positional + kwonly]}
+    extra = positional + kwonly
+    if code.co_flags & 0x04:  # *args
+        args += list(values[names[extra]])
+        extra += 1
+    if code.co_flags & 0x08:  # **kwargs
+        kwargs.update(values[names[extra]])
+    return args, kwargs
 
 
 class _StackSampler:
@@ -138,8 +173,11 @@ def _steps_on(fn, args, kwargs, loop):
         iterator = iter(batches)
         return (lambda: fn(*next(iterator))) if unpack else (lambda: fn(next(iterator)))
 
-    dataset = loop.dataset
-    return on(dataset.take(1).cache().repeat().prefetch(2)), lambda: on(dataset.repeat())
+    dataset, remake = loop.dataset, loop.remake
+    if not hasattr(dataset, "take"):  # a PyDataset: its last batch is replayed
+        return None
+    return (on(remake(dataset.take(1).cache().repeat().prefetch(2))),
+            lambda: on(remake(dataset.repeat())))
 
 
 class _Current:
@@ -180,14 +218,15 @@ class _Loop:
         self.source = _Current(patch)
         # ProfilerTrigger weak-refs its model: a placeholder stands for the user's
         self.watched = Watched(self.source, callbacks=list(self.mine.values()),
-                               model=keras.Sequential(name="custom_loop"))
+                               model=keras.Sequential(name="custom_loop")).__enter__()
         self.entry = {"index": len(patch.fits_patch.fits) + 1, "kind": "loop",
                       "x": "tf.data.Dataset (iterated by the script)", "epochs": 0,
                       "step": dict(patch.step_info)}
         patch.fits_patch.fits.append(self.entry)
         self.cycles = 0
         self.clock = Cycles()
-        self.dataset = None  # the first training dataset, for the what-if
+        self.dataset = None  # the first training dataset (tf.data, PyDataset), for the what-if
+        self.remake = None  # dataset -> what the loop iterated (its distributed dataset)
         self.sampler = _StackSampler()
         self.last_element = None  # the last batch it handed out
         self.wait_s = 0.0  # time in next() of the training iterators
@@ -197,7 +236,8 @@ class _Loop:
     def open_epoch(self, iterator):
         """`iterator` trains from now on: a new epoch of the watched loop."""
         if self.dataset is None:
-            self.dataset = iterator.dataset
+            self.dataset, self.remake = iterator.dataset, iterator.remake
+            self.entry["x"] = f"{iterator.kind} (iterated by the script)"
         self.clock.epoch()
         self.source.iterator = iterator.iterator
         from keras_gpufix.callbacks._stream import stream_of
@@ -223,11 +263,13 @@ class _Loop:
         self.entry["step"]["stall_where"] = self._stall_where()
 
     def _stall_where(self):
-        """The loop-body line of the run's periodic stall (stack samples), or None."""
+        """The loop-body line of the run's periodic stall, its verdict or a cause beside
+        it (stack samples), or None."""
         monitor = self.entry.get("monitor") or {}
-        periods = [e.get("period") for e in monitor.get("events") or ()
+        periods = [e.get("period") for e in (*(monitor.get("events") or ()),
+                                             *(monitor.get("causes") or ()))
                    if e.get("verdict") == "periodic_stall" and e.get("period")]
-        if monitor.get("verdict") != "periodic_stall" or not periods:
+        if not periods:  # neither the verdict nor a cause beside it
             return None
         found = self.sampler.locate(periods[-1])
         return found and found[0]
@@ -236,10 +278,12 @@ class _Loop:
 class _WatchedIterator:
     """A dataset iterator whose `next()` calls delimit the loop's cycles."""
 
-    def __init__(self, patch, iterator, dataset):
+    def __init__(self, patch, iterable, iterator, dataset, remake=None):
         self.patch = patch
         self.iterator = iterator
-        self.dataset = dataset
+        self.dataset = dataset  # the tf.data dataset (a distributed one's input) or PyDataset
+        self.remake = remake or (lambda d: d)  # a tf.data dataset -> what the loop iterates
+        self.kind = type(iterable).__name__
         self.key = id(dataset)
         self.mark = None  # the patch's step count at the last next()
         self.epoch = None  # watch's epoch iterator, once this iterator trains
@@ -321,6 +365,11 @@ class LoopPatch:
         self._named = set()
         self._stack = []
         self._saved = []
+        self._distributed = {}  # id(distributed dataset) -> (its input, remake, itself)
+        self._seen_iterables = {}  # "Type (file:line)" -> iterators made there
+        self._seen_functions = {}  # id(tf.function) -> {"name", "where", "calls"}
+        self._eager_functions = {}  # code -> the Python function of an eager gradient step
+        self.eager_step = None  # (function, args, kwargs) of the last eager step call
 
     def start_loop(self):
         if self.loop is None:
@@ -331,6 +380,40 @@ class LoopPatch:
         original = cls.__dict__[name]
         self._saved.append((cls, name, original))
         setattr(cls, name, make(original))
+
+    def seen(self):
+        """What the script did that diagnose could see, for a run where no step was seen.
+
+        Returns:
+            A dict `iterables` ("Type (file:line): N iterator(s)") and
+            `functions` ("name (file:line): N call(s)"), each the
+            tf.data datasets, distributed datasets and PyDatasets the
+            script iterated itself and the tf.functions it called.
+        """
+        return {"iterables": [f"{k}: {n} iterator{'s' * (n != 1)}"
+                              for k, n in self._seen_iterables.items()],
+                "functions": [f"{f['name']} ({f['where']}): {f['calls']} call"
+                              + "s" * (f["calls"] != 1) for f in self._seen_functions.values()]}
+
+    def _saw(self, iterable, frame):
+        key = f"{type(iterable).__name__} ({_where(frame)})"
+        self._seen_iterables[key] = self._seen_iterables.get(key, 0) + 1
+
+    def _called(self, fn):
+        seen = self._seen_functions.get(id(fn))
+        if seen is None:
+            code = getattr(getattr(fn, "python_function", None), "__code__", None)
+            seen = self._seen_functions[id(fn)] = {
+                "name": getattr(fn, "__name__", "?"), "calls": 0,
+                "where": code and f"{code.co_filename}:{code.co_firstlineno}"}
+        seen["calls"] += 1
+
+    def _patch_iter(self, cls, make_iter):
+        """Patches `cls.__iter__` (once) where `cls` defines it."""
+        owner = next((c for c in cls.__mro__ if "__iter__" in c.__dict__), None)
+        if owner is not None and owner is not object and not any(
+                c is owner and n == "__iter__" for c, n, _ in self._saved):
+            self._patch(owner, "__iter__", make_iter)
 
     def __enter__(self):
         import tensorflow as tf
@@ -348,24 +431,39 @@ class LoopPatch:
             return frame
 
         def make_iter(original):
-            def __iter__(dataset):
-                caller = sys._getframe(1).f_code.co_filename
-                if (patch.fits_patch._depth or caller.startswith(library)
+            def __iter__(iterable):
+                caller = sys._getframe(1)
+                if (patch.fits_patch._depth or caller.f_code.co_filename.startswith(library)
                         or not tf.executing_eagerly()):
-                    return original(dataset)
+                    return original(iterable)
+                patch._saw(iterable, caller)
+                dataset, remake, _ = patch._distributed.get(id(iterable), (iterable, None, None))
                 # the input wait is the time in next(), handed to the step stream: no probe
-                return _WatchedIterator(patch, original(dataset), dataset)
+                return _WatchedIterator(patch, iterable, original(iterable), dataset, remake)
             return __iter__
+
+        def make_distribute(original):  # a tf.distribute strategy's distributed dataset
+            def distribute(strategy, dataset, *args, **kwargs):
+                result = original(strategy, dataset, *args, **kwargs)
+                if result is not dataset:
+                    patch._patch_iter(type(result), make_iter)
+                    if isinstance(dataset, tf.data.Dataset):
+                        patch._distributed[id(result)] = (
+                            dataset, lambda d: original(strategy, d, *args, **kwargs), result)
+                return result
+            return distribute
 
         def make_gradient(original):
             def gradient(tape, *args, **kwargs):
                 if not patch.fits_patch._depth:
                     if tf.executing_eagerly():
                         patch.step_calls += 1
+                        frame = user_frame(2)
                         if not patch.step_info["eager"]:
-                            frame = user_frame(2)
                             patch.step_info["eager"] = True
                             patch.step_info["eager_where"] = frame and _where(frame)
+                        patch._eager_call(frame)
+                        frame = None
                     elif patch._stack:
                         patch._train_functions.setdefault(id(patch._stack[0]), patch._stack[0])
                 return original(tape, *args, **kwargs)
@@ -375,6 +473,8 @@ class LoopPatch:
             def __call__(fn, *args, **kwargs):
                 if patch.fits_patch._depth or not tf.executing_eagerly():
                     return original(fn, *args, **kwargs)
+                if not patch._stack:
+                    patch._called(fn)
                 patch._stack.append(fn)
                 t0 = time.perf_counter()
                 try:
@@ -387,10 +487,30 @@ class LoopPatch:
                         patch._step_function_called(fn)
             return __call__
 
+        import keras
+
         self._patch(tf.data.Dataset, "__iter__", make_iter)
+        self._patch_iter(keras.utils.PyDataset, make_iter)
+        for name in ("experimental_distribute_dataset", "distribute_datasets_from_function"):
+            owner = next(c for c in tf.distribute.Strategy.__mro__ if name in c.__dict__)
+            self._patch(owner, name, make_distribute)
         self._patch(tf.GradientTape, "gradient", make_gradient)
         self._patch(function_cls, "__call__", make_call)
         return self
+
+    def _eager_call(self, frame):
+        """Keeps the eager step's function and its last arguments, for `compile_step`."""
+        if frame is None or frame.f_code.co_name == "<module>":
+            return
+        code = frame.f_code
+        if code not in self._eager_functions:
+            self._eager_functions[code] = _function_of(code)
+        fn = self._eager_functions[code]
+        if fn is not None:
+            try:
+                self.eager_step = (fn, *_arguments(frame))
+            except KeyError:  # a parameter deleted in the body
+                pass
 
     def _step_function_called(self, fn):
         self.step_calls += 1
@@ -409,24 +529,38 @@ class LoopPatch:
             self.loop.finish()
             if self.fits_patch.what_if:
                 self.loop.entry["what_if"] = self._what_if()
+                if self.eager_step is not None:
+                    self.loop.entry["compiled_step"] = self._compiled_step()
                 stages = self.fits_patch.input_stages(self.loop.entry, self.loop.dataset)
                 if stages is not None:
                     self.loop.entry["stages"] = stages
         return False
+
+    def _compiled_step(self):
+        """`compile_step` of the loop's eager step, or a dict with the reason it was not
+        measured."""
+        fn, args, kwargs = self.eager_step
+        self.eager_step = None  # its batch is not kept past the what-if
+        try:
+            return compile_step(fn, args, kwargs, library=_library_prefixes())
+        except Exception as exc:  # never break the user's run
+            return {"reason": f"{type(exc).__name__}: {exc}"}
 
     def _what_if(self):
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""
         loop = self.loop
         try:
             input_per_s = input_rate(loop.dataset)
-            rates = None
+            measure = None  # no function to replay: the step as measured in the run
             if self.last_step is not None:  # replay the train tf.function
                 fn, args, kwargs = self.last_step
                 variables = list(fn.get_concrete_function(*args, **kwargs).variables)
                 cached, real = _steps_on(fn, args, kwargs, loop) or (
                     lambda: fn(*args, **kwargs), None)
-                rates = replay_rates(cached, variables, real=real)
-            result = what_if(loop.clock, input_per_s, rates)
+
+                def measure():
+                    return replay_rates(cached, variables, real=real)
+            result = what_if_until_known(loop.clock, input_per_s, measure)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

@@ -1,12 +1,13 @@
 """The report: rank the runs' findings (never re-judging them) and print the diagnosis."""
 
 import os
+import re
 
 from keras_gpufix import analysis
-from keras_gpufix.diagnose.what_if import format_what_if
+from keras_gpufix.diagnose.what_if import format_what_if, ratio_words
 from keras_gpufix.profiling import format_analysis
 
-__all__ = ["rank_causes", "seen_in_code", "run_verdict", "format_report", "healthy_evidence",
+__all__ = ["rank_causes", "seen_in_code", "not_offered", "run_verdict", "format_report", "healthy_evidence",
            "trace_evidence", "input_stage", "locate_input_stage"]
 
 
@@ -55,16 +56,31 @@ def _where(fit, verdict, scan):
         return None
     where = (fit.get("step") or {}).get("eager_where")
     return where or next((f"{f['file']}:{f['line']}" for f in scan
-                          if f["trap"] == "run_eagerly"), "the model's compile (run_eagerly=True)")
+                          if f["trap"] == "run_eagerly" and f.get("ran") is not False),
+                         "the model's compile (run_eagerly=True)")
+
+
+def _eager_share(fit):
+    """The share of the run that compiling its eager step saves, measured
+    (`compiled_step`: the user's step timed eager and compiled on a real batch), or None."""
+    compiled = fit.get("compiled_step") or {}
+    steady = next((c["share"] for c in (fit.get("monitor") or {}).get("causes") or ()
+                   if c["verdict"] == "eager_step"), None)
+    if compiled.get("best_ms") is None or steady is None:
+        return None
+    return analysis.compiled_share(steady, compiled["eager_ms"], compiled["best_ms"])
 
 
 def _fit_causes(fit, scan):
-    """(verdict, cost share, evidence) of one run: its verdict and its live events."""
+    """(verdict, cost share, evidence) of one run: its verdict, every other cause its
+    judgement measured (each with its own share) and its live events. An eager step
+    compiled on a real batch costs its measured excess over the compiled step."""
     run = run_verdict(fit)
     if run is None:
         return []
     label = _label(fit)
-    events = (fit.get("monitor") or {}).get("events") or []
+    monitor = fit.get("monitor") or {}
+    events = monitor.get("events") or []
     out = []
     if run["verdict"] not in ("healthy", "unknown"):
         period = next((e.get("period") for e in events if e["verdict"] == run["verdict"]), None)
@@ -73,6 +89,25 @@ def _fit_causes(fit, scan):
             "text": f"{label}: {run['verdict']}" + "".join(f"; {b}" for b in run["because"]),
             "period": period, "phase": run["phase"],
             "where": _where(fit, run["verdict"], scan)}))
+    for cause in monitor.get("causes") or ():
+        if cause["verdict"] != run["verdict"]:
+            out.append((cause["verdict"], cause["share"] or 0.0, {
+                "source": "judgement", "figure": "cost_share", "value": cause["share"],
+                "text": f"{label}: {cause['verdict']} beside {run['verdict']}, "
+                        f"{(cause['share'] or 0):.0%} of the run",
+                "period": cause.get("period"), "phase": cause.get("phase"),
+                "where": _where(fit, cause["verdict"], scan)}))
+    cost = analysis.what_if_input_cost(fit.get("what_if"))
+    if cost is not None and run["verdict"] != "input_bound" and cost[0] >= analysis.THRESHOLDS[
+            "what_if_share"]:  # the input's cost the what-if measured, beside another cause
+        wait = _input_wait(fit)
+        phase = ("step" if wait is not None and cost[1] - wait >= analysis.THRESHOLDS[
+            "what_if_share"] else "input_wait")
+        out.append(("input_bound", cost[0], {
+            "source": "what-if", "figure": "speedup_if_input_free", "value": cost[0],
+            "text": f"{label}: the what-if finds the input costing "
+                    f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
+            "period": None, "phase": phase, "where": None}))
     for event in events:
         if event["verdict"] != "healthy":
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
@@ -80,7 +115,29 @@ def _fit_causes(fit, scan):
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
                 "period": event.get("period"), "phase": event.get("phase"),
                 "where": _where(fit, event["verdict"], scan)}))
+    measured = _eager_share(fit)
+    if measured is not None:  # every eager_step item: the measured excess, not the bound
+        out = [(v, measured if v == "eager_step" else share, e) for v, share, e in out]
     return out
+
+
+def _xprof_text(a):
+    """XProf's analysis of one trace as one story: its classification by the input
+    share it measured, and its own summary only where that does not say otherwise."""
+    if a.get("step_time_ms") is None:
+        return ("XProf could not analyse it: it found no steps in the trace to time (its "
+                "input-pipeline analysis reads per-step markers), so it says nothing of this "
+                "run; the step log above covers every step")
+    conclusion = a.get("conclusion") or ""
+    others = re.search(r"POTENTIALLY input-bound because ([0-9.]+)% of the total step time "
+                       r"sampled is spent on '([^']+)'", conclusion)
+    if a.get("classification") == "not_input_bound" and others:
+        return (f"step time {a['step_time_ms']:.1f} ms over {a['steps']} steps, waiting for "
+                f"input {a['input_percent']:.1f}% -> not input-bound by its input wait; "
+                f"{others.group(1)}% of the step is '{others.group(2)}' time (host work: "
+                "Python, I/O or both), which XProf calls potentially input-bound: the step "
+                "log's input wait and the what-if say whether the input is what it waits on")
+    return format_analysis(a)
 
 
 def _trace_item(fit, trace):
@@ -89,9 +146,7 @@ def _trace_item(fit, trace):
     return {"source": "XProf", "figure": "input_percent",
             "value": a.get("input_percent") if analysed else None,
             "text": f"{_label(fit)}: XProf trace of steps {trace['start_step']}-"
-                    f"{trace['end_step']} ({trace.get('reason')}): "
-                    + (format_analysis(a) if analysed else
-                       "XProf could not analyse it: " + format_analysis(a)),
+                    f"{trace['end_step']} ({trace.get('reason')}): " + _xprof_text(a),
             "path": trace.get("path")}
 
 
@@ -143,15 +198,25 @@ def _predicted(cause, fits):
         low, high = what_if.get("speedup_range") or (None, None)
         return {"share": share, "speedup": speedup, "speedup_range": [low, high],
                 "source": "what-if",
-                "text": f"predicted: {speedup:.2f}x faster with the input free"
+                "text": f"predicted: {ratio_words(speedup)} with the input free"
                         + (f" ({low:.2f}x-{high:.2f}x)" if low and high else "")
                         + " (the what-if: the step timed alone on the real input and on a "
                           "cached batch)"}
-    speedup = 1.0 / (1.0 - share) if share < 1.0 else None
+    speedup = analysis.speedup_of(share)
+    compiled = next((f.get("compiled_step") for f in fits
+                     if (f.get("compiled_step") or {}).get("best_ms") is not None), None)
+    if cause["verdict"] == "eager_step" and compiled:
+        return {"share": share, "speedup": speedup, "speedup_range": None,
+                "source": "compiled-step",
+                "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
+                        f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
+                        f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
+                        f"run's steady step time, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
-            "text": f"predicted: saves at most {_pct(share)} of the run"
-                    + (f" (up to {speedup:.2f}x faster)" if speedup else "")
-                    + " (the time this cause cost, measured)"}
+            "text": (f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
+                     else "predicted: unbounded")
+                    + f" (this cause cost {_pct(share)} of the run, measured; the most its "
+                      "fix can save)"}
 
 
 def rank_causes(fits, scan=()):
@@ -184,13 +249,19 @@ def rank_causes(fits, scan=()):
     for cause in ranking:
         if not cause["score"]:  # no measured cost: nothing to predict, not ranked
             continue
-        where = [f for f in scan if f.get("verdict") == cause["verdict"]
-                 and f.get("training_path", True)]
+        where = [f for f in scan if f.get("verdict") == cause["verdict"] and _offered(f, fits)]
         seen = []
         if cause["verdict"] == "eager_step":
             seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
                     for f in fits if (f.get("step") or {}).get("eager_where")]
-        fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": cause["fix"],
+            seen += [f"{f['compiled_step'].get('function', 'the step')}: diagnose could not "
+                     f"compile it to check the fix ({f['compiled_step']['reason']})"
+                     for f in fits if (f.get("compiled_step") or {}).get("reason")]
+        fix = cause["fix"]
+        if cause["verdict"] == "eager_step":  # the user's step, compiled and timed
+            fix = next((analysis.compiled_step_fix(f.get("compiled_step")) for f in fits
+                        if analysis.compiled_step_fix(f.get("compiled_step"))), fix)
+        fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": fix,
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where],
                       "predicted": _predicted(cause, fits)})
@@ -218,10 +289,50 @@ def seen_in_code(fits, scan, fixes):
     main = _main(fits)
     ruled_out = _ruled_out(fits, "unknown" if main is None else run_verdict(main)["verdict"])
     ranked = {f["verdict"] for f in fixes}
-    return [{"verdict": f["verdict"], "fix": f["fix"],
-             "where": [f"{f['file']}:{f['line']}: {f['why']}"]}
-            for f in scan if f.get("verdict") is not None and f.get("training_path", True)
-            and f["verdict"] not in ranked and f["verdict"] not in ruled_out]
+    out = {}
+    for f in scan:
+        if (f.get("verdict") is None or not _offered(f, fits) or f["verdict"] in ranked
+                or f["verdict"] in ruled_out):
+            continue
+        seen = out.setdefault(f["verdict"], {"verdict": f["verdict"], "fix": f["fix"],
+                                             "where": []})
+        seen["where"].append(f"{f['file']}:{f['line']}: {f['why']}")
+    return list(out.values())
+
+
+def _median_step_ms(fits):
+    main = _main(fits)
+    return None if main is None else main["monitor"]["step_time"].get("p50_ms")
+
+
+def _offered(finding, fits):
+    """Whether a static finding may point at a fix: on the training path, its line ran
+    (or it is not known that it did not), and the run's measurement does not rule it out."""
+    return (finding.get("training_path", True) and finding.get("ran") is not False
+            and analysis.contradicted(finding.get("verdict"), _median_step_ms(fits)) is None)
+
+
+def not_offered(fits, scan):
+    """The static findings on the training path that the run rules out, with the reason:
+    their line never ran, or the measurement contradicts them (`analysis.contradicted`).
+
+    Returns:
+        A list of dicts `verdict`, `where` (`file:line`, each line once per reason) and
+        `reason`.
+    """
+    out = {}
+    for f in scan:
+        if f.get("verdict") is None or not f.get("training_path", True):
+            continue
+        if f.get("ran") is False:
+            reason = "the line never ran in this run (a branch not taken)"
+        else:
+            reason = analysis.contradicted(f["verdict"], _median_step_ms(fits))
+        if reason:
+            slot = out.setdefault((f["verdict"], reason), {"verdict": f["verdict"],
+                                                          "where": [], "reason": reason})
+            slot["where"].append(f"{f['file']}:{f['line']}")
+    return list(out.values())
 
 
 def input_stage(fit):
@@ -249,7 +360,8 @@ def locate_input_stage(fixes, fits):
     """
     fix = next((f for f in fixes if f["verdict"] == "input_bound"), None)
     judged = [j for j in map(input_stage, sorted(fits, key=lambda f: -(f.get("wall_s") or 0)))
-              if j and j["slow"]]
+              if j and j["slow"]  # a stage whose fix gains nothing is no located fix
+              and j["slow"]["predicted_gain"] >= analysis.THRESHOLDS["min_speedup"]]
     if fix is None or not judged:
         return
     slow = judged[0]["slow"]
@@ -276,16 +388,35 @@ def _judged(fits):
             and (f.get("monitor") or {}).get("verdict") not in (None, "unknown")]
 
 
-def healthy_evidence(fits):
-    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged."""
+def _what_was_seen(seen):
+    """What the script was seen doing when no step was, and how to point diagnose at its loop."""
+    seen = seen or {}
+    iterables = "; ".join(seen.get("iterables") or ()) or "none"
+    functions = "; ".join(seen.get("functions") or ()) or "none"
+    return (f"seen: iterables the script iterated itself: {iterables}; tf.functions it "
+            f"called: {functions}. {POINT_AT_LOOP}")
+
+
+#: How a loop becomes visible to diagnose when it was not seen.
+POINT_AT_LOOP = (
+    "diagnose times a loop whose body computes a gradient (tf.GradientTape.gradient, eager or "
+    "in a tf.function) between next() calls on a tf.data dataset, a tf.distribute "
+    "distributed dataset or a keras.utils.PyDataset that the script iterates; to point it at "
+    "another loop, wrap what the loop iterates: `for batch in kg.watch(batches, model=model)`"
+)
+
+
+def healthy_evidence(fits, seen=None):
+    """What a `healthy` verdict rests on; for `unknown`, that nothing was seen or judged
+    (with `seen`, `LoopPatch.seen()`: what the script was seen doing)."""
     out = []
     counts = [((f.get("monitor") or {}).get("step_time") or {}).get("count") or 0 for f in fits]
     if not any(counts):
         loops = ", ".join(_label(f) for f in fits) or "no model.fit call"
         return [{"source": "diagnose", "figure": "steps", "value": 0,
                  "text": f"the script ran but no training step was seen ({loops}; no gradient "
-                         "step between iterations of a tf.data dataset): nothing was measured, "
-                         "so nothing can be judged"}]
+                         "step between iterations of what it iterates): nothing was measured, "
+                         "so nothing can be judged; " + _what_was_seen(seen)}]
     if not _judged(fits):
         return [{"source": "GPUOscillationMonitor", "figure": "steps", "value": n,
                  "text": f"{_label(f)}: {(f.get('monitor') or {}).get('fix')} (a larger --steps)"}
@@ -329,21 +460,34 @@ def format_report(result):
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
+        if len(result["fixes"]) > 1:  # the causes' shares never overlap: they add up
+            total = sum(f["predicted"]["share"] or 0.0 for f in result["fixes"])
+            speedup = analysis.speedup_of(total)
+            lines.append(f"  all {len(result['fixes'])} fixes together: "
+                         + (f"the whole run up to {speedup:.2f}x faster" if speedup
+                            else "unbounded") + f" ({_pct(total)} of it)")
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:
             lines.append(f"  - [{seen['verdict']}] {seen['fix']}")
             lines += [f"    {w}" for w in seen["where"]]
+    if result.get("not_offered"):
+        lines.append("not offered (the run rules them out):")
+        lines += [f"  - [{n['verdict']}] {', '.join(n['where'])}: {n['reason']}"
+                  for n in result["not_offered"]]
     lines.append(f"static scan: {len(result['scan'])} finding(s)")
     lines += [f"  {f['file']}:{f['line']}: {f['trap']}: {f['code']}"
               + ("" if f.get("training_path", True) else " (not on the training path)")
+              + (" (never ran)" if f.get("ran") is False else "")
               for f in result["scan"]]
     env = result["environment"]
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "none"
     nvml = "available" if env["nvml"]["available"] else f"unavailable ({env['nvml']['reason']})"
-    lines.append(f"environment: TensorFlow {env['tensorflow']}, Keras {env['keras']} "
-                 f"({env['keras_backend']}), Python {env['python']}, {env['cpu_count']} CPUs "
-                 f"({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
+    keras = (f"tf_keras {env['tf_keras']} (TF_USE_LEGACY_KERAS=1: tf.keras; Keras "
+             f"{env['keras']} installed beside it)" if env.get("tf_keras")
+             else f"Keras {env['keras']} ({env['keras_backend']})")
+    lines.append(f"environment: TensorFlow {env['tensorflow']}, {keras}, Python {env['python']}, "
+                 f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
                  f"{env['xla']['built_with_xla']}, NVML: {nvml}, policy {env['dtype_policy']}")
     for fit in result["fits"]:
         st = (fit.get("monitor") or {}).get("step_time") or {}

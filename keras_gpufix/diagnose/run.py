@@ -19,13 +19,14 @@ import warnings
 
 from keras_gpufix import __version__
 from keras_gpufix.analysis import stages_needed
+from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
-from keras_gpufix.diagnose.report import (healthy_evidence, rank_causes, seen_in_code,
-                                          trace_evidence)
+from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
+                                          seen_in_code, trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
-from keras_gpufix.diagnose.what_if import (Cycles, fit_replay, input_rate,
-                                           replay_rates, what_if)
+from keras_gpufix.diagnose.what_if import (Cycles, fit_replay, input_rate, replay_rates,
+                                           what_if_until_known)
 from keras_gpufix.exceptions import GpufixWarning, warn
 from keras_gpufix.output import import_tensorflow_quietly
 
@@ -33,7 +34,8 @@ __all__ = ["environment", "run_diagnosis"]
 
 
 def environment():
-    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict."""
+    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict (`tf_keras`: its
+    version where TF_USE_LEGACY_KERAS made `tf.keras` tf_keras and the script imported it)."""
     import keras
     import tensorflow as tf
 
@@ -42,12 +44,16 @@ def environment():
     from keras_gpufix.nvml import nvml_status
 
     build = dict(tf.sysconfig.get_build_info())
+    legacy = sys.modules.get("tf_keras") if os.environ.get(
+        "TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes") else None
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "keras_backend": keras.backend.backend(),
+        # TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras (Keras 2), what the script ran on
+        "tf_keras": getattr(legacy, "__version__", None),
         "keras_gpufix": __version__,
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable_cpus(),
@@ -252,9 +258,10 @@ class FitPatch:
         try:
             input_per_s = input_rate(dataset)
             cached, real, variables, per_call = fit_replay(model, dataset)
-            result = what_if(cycles, input_per_s,
-                             replay_rates(cached, variables, real, batches_per_call=per_call),
-                             batches_per_cycle=per_call)
+            result = what_if_until_known(
+                cycles, input_per_s,
+                lambda: replay_rates(cached, variables, real, batches_per_call=per_call),
+                batches_per_cycle=per_call)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}
@@ -472,7 +479,10 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         `script_line` as file:line, `steps_seen`, `text`), `verdict`,
         `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
         its `predicted` effect), `seen_in_code` (static findings of no
-        measured cause: not ranked), `scan`,
+        measured cause: not ranked, one entry per verdict), `not_offered`
+        (static findings the run rules out, with the reason: their line never
+        ran, or the measurement contradicts them), `scan` (each finding's
+        `ran`: whether its line ran, None when not known),
         `environment`, `fits` (one per `fit` or custom loop: the monitors'
         reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
         `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`, ...), `traces`
@@ -503,13 +513,13 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     quiet = import_tensorflow_quietly()  # TensorFlow's log lines would bury the report
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
-                      verbose=verbose) as patch, \
+        with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,
+                                                   what_if=what_if, verbose=verbose) as patch, \
                 LoopPatch(patch) as loops, _signals_end_the_script(patch):
             try:
                 if kind == "module":
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
+                elif not lines_run.run_main(target):
                     runpy.run_path(target, run_name="__main__")
             except SystemExit as exc:
                 exit_code = _exit_code(exc.code)
@@ -529,6 +539,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
                     sys.stderr.flush()
+    for finding in scan:  # a line the run never executed is no cause of it
+        finding["ran"] = lines_run.status(finding)
     if ended is not None:
         seen = sum(f.get("steps_run") or 0 for f in patch.fits) + loops.step_calls
         ended = _ended_by(ended, seen)
@@ -536,7 +548,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
     if verdict in ("healthy", "unknown"):
-        evidence = healthy_evidence(patch.fits)
+        evidence = healthy_evidence(patch.fits, loops.seen())
     if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
         evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],
                      "text": f"nothing to judge: the script stopped after {ended['steps_seen']} "
@@ -551,6 +563,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "ranking": ranking,
         "fixes": fixes,
         "seen_in_code": seen_in_code(patch.fits, scan, fixes),
+        "not_offered": not_offered(patch.fits, scan),
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,

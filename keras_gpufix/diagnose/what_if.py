@@ -30,7 +30,8 @@ take the whole cycle against the replayed step alone, so the hooks read as
 input (1.17x-1.37x "with input free" on an input already cached, true
 ~1.0). Now each real block against the cached block beside it gives
 `(real + between) / (cached + between)`: `speedup_if_input_free` is the
-median of these pairs and `speedup_range` their extremes. A step slower on
+median of these pairs and `speedup_range` their extremes (the middle half
+of the pairs once measured again: `what_if_until_known`). A step slower on
 the real input than on the cached batch with no wait for it (the pipeline
 computing beside the step on the same cores: contention) shows there too.
 A range wider than `THRESHOLDS["what_if_uncertainty"]` of the prediction
@@ -46,17 +47,21 @@ again) is taken as measured in the run (`method` `in_run`): the speedup is
 then the share of the cycle spent waiting for input, nothing more.
 """
 
+import os
+import re
 import statistics
 import time
 
 from keras_gpufix.analysis import THRESHOLDS
 
 __all__ = ["Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
-           "format_what_if"]
+           "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
 
 SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
 MAX_BATCHES = 2000  # the input drain never reads more than this
+TRIES = 3  # side-by-side what-ifs measured at most, while they do not know
+PAIRS = 4  # real/cached block pairs of one measurement (`replay_rates`)
 
 
 class Cycles:
@@ -266,6 +271,8 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
         real, free = per_batch(rates["real"]), per_batch(rates["cached"])
         pairs = sorted((r + rest) / (f + rest) for r, f in zip(real, free))
         z, low, high = statistics.median(pairs), pairs[0], pairs[-1]
+        if len(pairs) > PAIRS:  # measured again: the middle half of all the pairs
+            low, _, high = statistics.quantiles(pairs, n=4)
         real_rate = statistics.median([r for b in rates["real"] for r in b])
         rate = statistics.median([r for b in rates["cached"] for r in b])
     else:
@@ -298,6 +305,64 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
             "bound": bound, "method": method, "cycles": n}
 
 
+def ratio_words(z):
+    """A speedup in words: `1.30x faster`, `no faster (0.98x)`, `1.06x slower (0.94x)`;
+    a ratio below 1 is never "faster"."""
+    if z >= THRESHOLDS["min_speedup"]:
+        return f"{z:.2f}x faster"
+    if z * THRESHOLDS["min_speedup"] > 1.0:
+        return f"no faster ({z:.2f}x)"
+    return f"{1 / z:.2f}x slower ({z:.2f}x)"
+
+
+def _why_unknown(result):
+    if result.get("method") != "side_by_side":
+        return "; the run's own cycles varied"
+    repeats = result.get("repeats") or 1
+    return (f"; measured {repeats} time{'s' * (repeats != 1)}, the real and cached blocks "
+            "disagreed each time: the host's load changed between blocks")
+
+
+def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries=TRIES):
+    """`what_if` of `measure()`'s rates, measured afresh while it does not know.
+
+    A side-by-side what-if whose range is too wide (`known` False: the
+    host's load changed between its blocks) is measured again, up to
+    `tries` times in all: a measurement that knows alone is kept, else the
+    pairs of all measurements so far are pooled and their middle half is
+    the range (more pairs: one block beside a load spike no longer sets
+    it). When none knows, the last is kept, with `repeats` saying how many
+    times it was measured (the sentence gives that as the reason). A
+    replay against the run's own cycles is not repeated: its range is the
+    run's.
+
+    Args:
+        cycles, input_per_s, batches_per_cycle: as `what_if` takes them.
+        measure: returns `replay_rates`'s dict; None when the step cannot be
+            replayed (`method` `in_run`).
+        tries: measurements at most. Defaults to `TRIES`.
+    """
+    pooled = None
+    for attempt in range(1, tries + 1):
+        rates = measure() if measure is not None else None
+        result = what_if(cycles, input_per_s, rates, batches_per_cycle=batches_per_cycle)
+        if result is None:
+            return None
+        result["repeats"] = attempt
+        if result["known"] or result["method"] != "side_by_side":
+            return result
+        if pooled is None:
+            pooled = {"cached": list(rates["cached"]), "real": list(rates["real"])}
+        else:  # every pair so far: their middle half is the range
+            pooled["cached"] += rates["cached"]
+            pooled["real"] += rates["real"]
+            result = what_if(cycles, input_per_s, pooled, batches_per_cycle=batches_per_cycle)
+            result["repeats"] = attempt
+            if result["known"]:
+                return result
+    return result
+
+
 def format_what_if(result):
     """The what-if as one sentence for people."""
     x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
@@ -311,11 +376,12 @@ def format_what_if(result):
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
     if not known:
-        gain = f"{z:.2f}x faster, but the what-if does not know ({span}: its timings varied)"
+        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
+                f"varied{_why_unknown(result)})")
     elif faster:
         gain = f"{z:.2f}x faster ({span})"
     else:
-        gain = f"no faster ({z:.2f}x, {span})"
+        gain = f"{ratio_words(z)} ({span})"
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":
@@ -328,3 +394,92 @@ def format_what_if(result):
             + (" (the input competes with the step for the host)"
                if faster and replayed else "")
             + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")
+
+
+def _per_call_ms(call, sync, seconds):
+    """Median ms of `call()` (its first call, a trace and compile, not timed): at least
+    three timings, as many more as fit in `seconds`."""
+    sync(call())
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        sync(call())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _op_where(graph, op_type, library):
+    """`file:line` of the user's code that made the first `op_type` op of `graph`."""
+    for op in graph.get_operations():
+        if op.type != op_type:
+            continue
+        frames = [f for f in op.traceback if not f.filename.startswith(library)]
+        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+    return None
+
+
+def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
+    """The user's eager step compiled both ways on a real batch, and timed.
+
+    `fn(*args, **kwargs)` (the function that computed the eager gradient,
+    on the arguments of its last call) is timed eagerly, as
+    `tf.function(fn)` and as `tf.function(fn, jit_compile=True)`, each on
+    the same batch, each first call (trace and compile) untimed. Every
+    variable the step writes (model, optimizer, accumulators) is restored
+    after. An op XLA cannot compile (`tf.print` in the loss: `StringFormat`)
+    is named with the user's line that made it (`op.traceback`).
+
+    Args:
+        fn: the step's Python function.
+        args, kwargs: its arguments.
+        library: path prefixes of library code (the line named is the
+            user's last frame outside them).
+        seconds: the timing budget of each of the three ways.
+
+    Returns:
+        A dict `function` (`name (file:line)`), `eager_ms`, `function_ms`,
+        `xla_ms` (None when XLA failed), `xla_error` (its first line),
+        `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
+        `tf.function(jit_compile=True)`, the faster that compiled) and
+        `best_ms`; or a dict `reason` when the step could not be traced.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    kwargs = kwargs or {}
+    code = fn.__code__
+    out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})"}
+    plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    try:
+        concrete = plain.get_concrete_function(*args, **kwargs)
+    except Exception as exc:
+        return {**out, "reason": f"tf.function could not trace it: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    saved = [(v, v.numpy()) for v in concrete.variables]
+
+    def sync(result):
+        tf.nest.map_structure(lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
+
+    try:
+        out["eager_ms"] = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
+        out["function_ms"] = _per_call_ms(lambda: plain(*args, **kwargs), sync, seconds)
+        out["xla_ms"] = out["xla_error"] = out["xla_op"] = out["xla_where"] = None
+        try:
+            out["xla_ms"] = _per_call_ms(lambda: xla(*args, **kwargs), sync, seconds)
+        except Exception as exc:  # an op XLA cannot compile
+            text = str(exc)
+            op = (re.search(r"No registered '(\w+)' OpKernel", text)
+                  or re.search(r"XLA_\w+_JIT: (\w+)", text))
+            out["xla_error"] = f"{type(exc).__name__}: " + next(
+                (line for line in text.splitlines() if line.strip()), "")
+            out["xla_op"] = op and op.group(1)
+            out["xla_where"] = op and _op_where(concrete.graph, op.group(1),
+                                                tuple(library) or (os.sep + "site-packages",))
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+    best = min((ms, name) for ms, name in ((out["function_ms"], "tf.function"),
+                                           (out["xla_ms"], "tf.function(jit_compile=True)"))
+               if ms is not None)
+    out["best_ms"], out["best"] = best
+    return out

@@ -1,0 +1,217 @@
+"""Training scripts in the shapes real speech trainers take, for `keras-gpufix diagnose`.
+
+    python tests/loop_patterns.py MODE [--watch] [--steps N]
+
+MODE:
+- `accum_plot`: an eager GradientTape step with gradient accumulation (apply every 2
+  steps), a "plot" (a sleep) every 5 steps; the loop calls `next()` itself.
+- `tf_print`: the same eager step, its loss holding a `tf.print` (XLA cannot compile it).
+- `distributed`: `strategy.experimental_distribute_dataset` + `strategy.run` inside a
+  tf.function (the default strategy), a `for` loop; `mirrored`: the same with a
+  one-CPU `MirroredStrategy`.
+- `pydataset`: a compiled step over a `keras.utils.PyDataset`.
+- `debug_branch`: `fit` with `run_eagerly=True` under an `if debug:` not taken.
+- `watch_iter`: `it = iter(kg.watch(ds, model=m))` and `next(it)`, no `with`.
+- `contention`: `fit` with a heavy map (TF ops, parallel) beside a heavy compiled step:
+  no input wait, but the map takes the step's cores.
+- `nothing`: iterates a PyDataset and calls a tf.function without gradients.
+
+`--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
+and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
+`accum_plot`: the loop prints `LOOP_S <seconds of its steps after the first 5>`;
+`accum_truth` times it as it is, with its step in `tf.function`, without its plot and
+with neither, each 3 times in turn, and prints `TRUTH <json of the medians>`; for
+`contention`,
+`--cached` computes its batches before the fit, which prints `FIT_S <seconds>`.
+"""
+
+import gc
+import json
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+MODE = sys.argv[1]
+WATCH = "--watch" in sys.argv
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 40
+PLOT_S = 0.15  # the plot every 5 steps
+DEVICE_S = 0.005  # the device time of a compiled step (a GPU's), slept in the loop body
+FEATURES = 32
+
+rng = np.random.default_rng(0)
+xs = rng.random((2048, FEATURES), dtype=np.float32)
+ys = xs[:, :1] * 2.0
+dataset = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(16).cache().repeat().prefetch(2)
+strategy = (tf.distribute.MirroredStrategy(["/cpu:0"]) if MODE == "mirrored"
+            else tf.distribute.get_strategy())
+with strategy.scope():
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.01)
+loss_fn = keras.losses.MeanSquaredError()
+
+
+def compute_loss(x, y):
+    loss = loss_fn(y, model(x, training=True))
+    if MODE == "tf_print":
+        tf.print("loss", loss)  # the op XLA cannot compile
+    return loss
+
+
+accum = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
+
+
+def accumulate_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = compute_loss(x, y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    for a, g in zip(accum, grads):
+        a.assign_add(g)
+    return loss
+
+
+def apply_accumulated():
+    optimizer.apply([a / 2.0 for a in accum], model.trainable_variables)
+    for a in accum:
+        a.assign(tf.zeros_like(a))
+
+
+@tf.function
+def compiled_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+    return loss
+
+
+def watched(iterable):
+    """`iterable` in kg.watch with `--watch`, else itself."""
+    if not WATCH:
+        return iterable
+    import keras_gpufix as kg
+
+    global MONITOR
+    MONITOR = kg.GPUOscillationMonitor(verbose=0, nvml=False)
+    return kg.watch(iterable, callbacks=[MONITOR], model=model)
+
+
+def say_watch():
+    if WATCH:
+        report = MONITOR.report()
+        print("WATCH", report["verdict"], json.dumps(report.get("causes")), flush=True)
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return xs[16 * i:16 * i + 16], ys[16 * i:16 * i + 16]
+
+
+def accumulation_loop(batches, step, plot_s, steps):
+    """The trainer's loop; returns the seconds of its steps after the first 5."""
+    for i in range(steps):
+        if i == 5:
+            t0 = time.perf_counter()
+        x, y = next(batches)
+        step(x, y)
+        if i % 2 == 1:
+            apply_accumulated()
+        if i % 5 == 4 and plot_s:
+            time.sleep(plot_s)  # a spectrogram rendered and written
+    return time.perf_counter() - t0
+
+
+if MODE in ("accum_plot", "tf_print"):
+    source = watched(dataset)
+    print("LOOP_S", accumulation_loop(iter(source), accumulate_step, PLOT_S, STEPS), flush=True)
+    if WATCH:
+        source.close()
+    say_watch()
+elif MODE == "accum_truth":  # each way in turn, rounds interleaved: medians
+    ways = {"as_is": (accumulate_step, PLOT_S), "compiled": (tf.function(accumulate_step), PLOT_S),
+            "no_plot": (accumulate_step, 0), "neither": (tf.function(accumulate_step), 0)}
+    times = {name: [] for name in ways}
+    for _ in range(3):
+        for name, (step, plot_s) in ways.items():
+            times[name].append(accumulation_loop(iter(dataset), step, plot_s, STEPS))
+    print("TRUTH", json.dumps({k: float(np.median(v)) for k, v in times.items()}), flush=True)
+elif MODE in ("distributed", "mirrored"):
+    dist = strategy.experimental_distribute_dataset(dataset.take(STEPS))
+
+    @tf.function
+    def distributed_step(batch):
+        losses = strategy.run(compiled_step, args=batch)
+        return strategy.reduce("SUM", losses, axis=None)
+
+    if WATCH:
+        with watched(dist) as source:
+            for batch in source:
+                distributed_step(batch)
+                time.sleep(DEVICE_S)
+    else:
+        for batch in dist:
+            distributed_step(batch)
+            time.sleep(DEVICE_S)
+    say_watch()
+elif MODE == "pydataset":
+    data = Batches()
+    source = watched(data)
+    for epoch in range(2):
+        for x, y in source:
+            compiled_step(x, y)
+            time.sleep(DEVICE_S)
+    if WATCH:
+        source.close()
+    say_watch()
+elif MODE == "debug_branch":
+    debug = False
+    if debug:
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    else:
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(dataset, steps_per_epoch=STEPS, epochs=1, verbose=0)
+elif MODE == "watch_iter":
+    import keras_gpufix as kg
+
+    batches = iter(kg.watch(dataset.take(STEPS), model=model))
+    for i in range(STEPS):
+        x, y = next(batches)
+        compiled_step(x, y)
+        if i % 5 == 4:
+            time.sleep(PLOT_S)
+elif MODE == "contention":
+    def heavy(x, y):  # features computed in TF ops: no wait, but the same cores as the step
+        block = tf.tile(tf.tensordot(x, x, axes=0), [4, 4])  # 128 x 128
+        for _ in range(5):
+            block = tf.tanh(tf.matmul(block, block))
+        return x + tf.reduce_mean(block[:, :FEATURES], axis=0), y
+
+    features = tf.data.Dataset.from_tensor_slices((xs, ys)).repeat().map(
+        heavy, num_parallel_calls=tf.data.AUTOTUNE).batch(64).prefetch(4)
+    big = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1024, activation="relu"),
+                            keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1)])
+    big.compile(optimizer="sgd", loss="mse")
+    if "--cached" in sys.argv:  # the truth: the same batches, computed before the fit
+        features = features.take(32).cache().repeat()
+        for _ in features.take(32):
+            pass
+    big.fit(features, steps_per_epoch=5, epochs=1, verbose=0)  # the trace and compile
+    gc.collect()  # its iterator, in a reference cycle, is released (as diagnose does)
+    t0 = time.perf_counter()
+    big.fit(features, steps_per_epoch=STEPS, epochs=1, verbose=0)
+    print("FIT_S", time.perf_counter() - t0, flush=True)
+elif MODE == "nothing":
+    @tf.function
+    def predict(x):
+        return model(x)
+
+    for x, y in Batches():
+        predict(x)
+print("done", MODE, flush=True)

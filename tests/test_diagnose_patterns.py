@@ -1,0 +1,285 @@
+"""diagnose and kg.watch on the shapes real speech trainers take (`loop_patterns.py`).
+
+Each test runs the pattern script in a subprocess (each imports TensorFlow): under
+`keras-gpufix diagnose --json`, or with `--watch` under `kg.watch` alone.
+"""
+
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "loop_patterns.py")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+def _line(text):
+    with open(SCRIPT) as f:
+        return next(i for i, line in enumerate(f, start=1) if text in line)
+
+
+def diagnose(mode, steps, *flags, script_steps=None):
+    """(process, result) of `keras-gpufix diagnose --steps STEPS -- python SCRIPT MODE`."""
+    args = [] if script_steps is None else ["--steps", str(script_steps)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
+         "--steps", str(steps), *flags, "--", "python", SCRIPT, mode, *args],
+        capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_script(mode, *args):
+    proc = subprocess.run([sys.executable, SCRIPT, mode, *args], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_loop_over_a_distributed_dataset_is_measured_and_stopped_by_steps():
+    # strategy.experimental_distribute_dataset (a one-CPU MirroredStrategy: a
+    # DistributedDataset, not a tf.data one) + strategy.run in a tf.function
+    proc, result = diagnose("mirrored", 14, "--no-what-if", script_steps=40)
+    assert f"done mirrored" in proc.stdout  # the `for` loop ended cleanly, the script ran on
+    (loop,) = result["fits"]
+    assert loop["kind"] == "loop" and loop["stopped_by_diagnose"] is True
+    assert loop["monitor"]["step_time"]["count"] == 14 - 5  # the monitor's warm-up drops 5
+    assert [f["name"] for f in loop["step"]["functions"]] == ["distributed_step"]
+    assert result["verdict"] != "unknown", result["evidence"]
+
+
+@pytest.mark.slow
+def test_a_loop_over_a_pydataset_is_measured_and_a_loop_never_seen_says_what_was():
+    proc, result = diagnose("pydataset", 14, "--no-what-if")
+    (loop,) = result["fits"]
+    assert loop["stopped_by_diagnose"] is True and result["verdict"] != "unknown"
+    assert loop["monitor"]["step_time"]["count"] == 14 - 5
+    proc, result = diagnose("nothing", 14, "--no-what-if")
+    assert result["verdict"] == "unknown" and result["fits"] == []
+    text = result["evidence"][0]["text"]
+    assert f"Batches (loop_patterns.py:{_line('for x, y in Batches()')}" in text.replace(
+        SCRIPT, "loop_patterns.py")
+    assert re.search(r"predict \(.*loop_patterns.py:\d+\): 64 calls", text)
+    assert "kg.watch(batches, model=model)" in text
+
+
+def test_iter_of_watch_without_with_prints_its_verdict_at_the_programs_end():
+    proc = run_script("watch_iter", "--steps", "20")
+    out = proc.stdout + proc.stderr
+    done = out.index("done watch_iter")
+    verdict = re.search(r"GPUOscillationMonitor: verdict (\w+);", out)
+    assert verdict and verdict.start() > done, out[-2000:]  # at exit: the data never ran out
+    assert verdict.group(1) == "periodic_stall"  # the plot every 5 steps
+
+
+def _run(p50_ms, verdict="healthy"):
+    return {"index": 1, "kind": "loop", "wall_s": 10.0,
+            "monitor": {"verdict": verdict, "cost_share": None, "phase": None, "fix": "f",
+                        "because": [], "changed": None, "events": [], "input_wait": 0.0,
+                        "step_time": {"count": 50, "p50_ms": p50_ms, "p95_ms": p50_ms,
+                                      "cv": 0.1}}}
+
+
+def test_static_findings_the_run_rules_out_are_dropped_with_the_reason_and_never_repeated():
+    from keras_gpufix.diagnose.report import not_offered, rank_causes, seen_in_code
+
+    numpy = [{"trap": "numpy_in_loop", "file": "t.py", "line": 10 + i, "why": "w",
+              "fix": "raise steps_per_execution", "verdict": "dispatch_bound",
+              "training_path": True, "ran": True} for i in range(9)]
+    eager = {"trap": "run_eagerly", "file": "t.py", "line": 3, "why": "w", "fix": "f",
+             "verdict": "eager_step", "training_path": True, "ran": False}
+    scan = numpy + [eager]
+    # 1.5 s steps: dispatch advice is contradicted, dropped once with its reason
+    fits = [_run(1500.0)]
+    verdict, _, fixes = rank_causes(fits, scan)
+    assert seen_in_code(fits, scan, fixes) == []
+    dropped = {n["verdict"]: n for n in not_offered(fits, scan)}
+    assert "1500 ms" in dropped["dispatch_bound"]["reason"]
+    assert len(dropped["dispatch_bound"]["where"]) == 9
+    assert "never ran" in dropped["eager_step"]["reason"]
+    # 2 ms steps: the dispatch finding is offered once, with its nine lines
+    fits = [_run(2.0)]
+    (seen,) = seen_in_code(fits, scan, rank_causes(fits, scan)[2])
+    assert seen["verdict"] == "dispatch_bound" and len(seen["where"]) == 9
+    # a measured eager step: the run_eagerly line that never ran is not under its fix
+    fits = [dict(_run(2.0, "eager_step"), step={"eager_where": "t.py:40"})]
+    fits[0]["monitor"]["cost_share"] = 0.5
+    fix = rank_causes(fits, scan)[2][0]
+    assert fix["verdict"] == "eager_step" and not any("t.py:3" in w for w in fix["where"])
+
+
+def test_lines_run_marks_the_branch_taken_only(tmp_path):
+    from keras_gpufix.diagnose.lines_run import LinesRun
+
+    script = tmp_path / "train.py"
+    script.write_text("debug = False\nif debug:\n    x = 1\nelse:\n    x = 2\n"
+                      "def f():\n    return 3\n")
+    findings = [{"file": str(script), "line": n} for n in (3, 5, 7)]
+    runs = LinesRun(findings)
+    with runs:
+        assert runs.run_main(str(script))
+    assert [runs.status(f) for f in findings] == [False, True, False]
+    assert runs.status({"file": str(tmp_path / "other.py"), "line": 1}) is None
+
+
+@pytest.mark.slow
+def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
+    proc, result = diagnose("debug_branch", 14, "--no-what-if")
+    (finding,) = result["scan"]
+    assert finding["trap"] == "run_eagerly" and finding["ran"] is False
+    assert result["verdict"] != "eager_step"
+    assert not any(f["verdict"] == "eager_step" for f in result["fixes"])
+    assert result["not_offered"][0]["verdict"] == "eager_step"
+
+
+def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line():
+    proc, result = diagnose("tf_print", 14, script_steps=40)
+    compiled = result["fits"][0]["compiled_step"]
+    assert compiled["xla_op"] == "StringFormat" and compiled["xla_ms"] is None
+    assert compiled["xla_where"].endswith(f"loop_patterns.py:{_line('tf.print(')}")
+    assert compiled["function_ms"] < compiled["eager_ms"]  # what compiled, measured
+    fix = result["fixes"][0]
+    assert fix["verdict"] == "eager_step" and fix["predicted"]["source"] == "compiled-step"
+    assert fix["fix"].startswith(
+        f"wrap the step accumulate_step ({SCRIPT}:{_line('def accumulate_step')}) in "
+        "tf.function, without jit_compile")
+    assert f"`StringFormat` at {compiled['xla_where']}" in fix["fix"]
+    assert "tf.function(jit_compile=True)" not in fix["fix"]
+
+
+
+
+@pytest.mark.slow
+def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_that_hold():
+    proc, result = diagnose("accum_plot", 40, script_steps=60)
+    fixes = {f["verdict"]: f for f in result["fixes"]}
+    assert {"eager_step", "periodic_stall"} <= set(fixes), result["fixes"]
+    eager, stall = (fixes[v]["predicted"]["share"] for v in ("eager_step", "periodic_stall"))
+    both = 1 / (1 - eager - stall)
+    # the truth: the same loop as it is, with its step compiled, without its plot, with
+    # neither (one process, each way in turn, medians of 3)
+    proc = run_script("accum_truth", "--steps", "45")
+    runs = json.loads(re.search(r"TRUTH (.*)", proc.stdout).group(1))
+    base = runs["as_is"]
+    measured_eager = 1 - runs["compiled"] / base
+    measured_stall = 1 - runs["no_plot"] / base
+    print(f"predicted shares eager {eager:.2f} ({1 / (1 - eager):.2f}x), stall {stall:.2f} "
+          f"({1 / (1 - stall):.2f}x), all {both:.2f}x; measured eager {measured_eager:.2f} "
+          f"({base / runs['compiled']:.2f}x), stall {measured_stall:.2f} "
+          f"({base / runs['no_plot']:.2f}x), all {base / runs['neither']:.2f}x")
+    assert abs(eager - measured_eager) <= 0.10
+    assert abs(stall - measured_stall) <= 0.10
+    # the whole run's gain with both fixes against the loop re-timed with both
+    assert abs(both / (base / runs["neither"]) - 1) <= 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["accum_plot", "distributed", "pydataset", "tf_print"])
+def test_diagnose_and_kg_watch_give_the_same_verdicts_on_the_same_loop(mode):
+    _, result = diagnose(mode, 40, "--no-what-if", script_steps=40)
+    watched = run_script(mode, "--watch", "--steps", "40")
+    line = next(l for l in watched.stdout.splitlines() if l.startswith("WATCH "))
+    _, verdict, causes = line.split(" ", 2)
+    assert verdict == result["verdict"]
+    assert ({c["verdict"] for c in json.loads(causes) or ()}
+            == {c["verdict"] for c in result["fits"][0]["monitor"]["causes"]})
+
+
+def test_the_what_if_never_calls_a_ratio_below_one_faster_and_the_environment_names_tf_keras():
+    from keras_gpufix.diagnose.report import format_report
+    from keras_gpufix.diagnose.what_if import format_what_if
+
+    result = {"input_batches_per_s": 50.0, "step_batches_per_s": 40.0, "bound": "step",
+              "speedup_if_input_free": 0.94, "speedup_range": [0.7, 1.3], "known": False,
+              "observed_batches_per_s": 30.0, "method": "side_by_side"}
+    text = format_what_if(result)
+    assert "0.94x faster" not in text and "1.06x slower (0.94x)" in text
+    env = {"gpus": [], "nvml": {"available": False, "reason": "no GPU"},
+           "xla": {"built_with_xla": True}, "tensorflow": "2.15", "keras": "3.15.1",
+           "tf_keras": "2.15.1", "keras_backend": "tensorflow", "python": "3",
+           "cpu_count": 2, "cpus_usable": 2, "dtype_policy": "float32"}
+    text = format_report({"command": ["train.py"], "exit_code": 0, "verdict": "healthy",
+                          "evidence": [], "fixes": [], "scan": [], "environment": env,
+                          "fits": [], "traces": [], "notes": []})
+    assert "environment: TensorFlow 2.15, tf_keras 2.15.1 (TF_USE_LEGACY_KERAS=1" in text
+
+
+@pytest.mark.slow
+def test_a_heavy_map_beside_a_heavy_step_is_named_with_its_gain():
+    # the map computes in TF ops in parallel: no input wait, but the step's cores
+    proc, result = diagnose("contention", 60, script_steps=80)
+    assert result["verdict"] != "healthy", result["evidence"]
+    fix = next(f for f in result["fixes"] if f["verdict"] == "input_bound")
+    predicted = fix["predicted"]["speedup"]
+    runs = [float(re.search(r"FIT_S ([\d.]+)", run_script("contention", "--steps", "80",
+                                                           *flags).stdout).group(1))
+            for flags in [(), ("--cached",)]]
+    print(f"contention: predicted {predicted:.2f}x, measured {runs[0] / runs[1]:.2f}x")
+    assert predicted >= 1.2
+    assert abs(predicted / (runs[0] / runs[1]) - 1) <= 0.25
+
+
+def test_lines_run_follows_the_scripts_own_modules(tmp_path, monkeypatch):
+    from keras_gpufix.diagnose.lines_run import LinesRun
+
+    (tmp_path / "helpers_i29.py").write_text("def used():\n    return 1\n\n"
+                                             "def unused():\n    return 2\n")
+    script = tmp_path / "main.py"
+    script.write_text("import helpers_i29\nhelpers_i29.used()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    findings = [{"file": str(tmp_path / "helpers_i29.py"), "line": n} for n in (2, 5)]
+    runs = LinesRun(findings)
+    try:
+        with runs:  # no finding in the script itself: it runs as runpy runs it
+            assert not runs.run_main(str(script))
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.modules.pop("helpers_i29", None)
+    assert [runs.status(f) for f in findings] == [True, False]
+
+
+def test_watch_without_with_ends_its_run_when_its_data_runs_out():
+    import keras
+    import numpy as np
+
+    import keras_gpufix as kg
+
+    class Ends(keras.callbacks.Callback):
+        ended = 0
+
+        def on_train_end(self, logs=None):
+            self.ended += 1
+
+    ends = Ends()
+    batches = iter(kg.watch([np.zeros((2, 3), "float32")] * 4, callbacks=[ends]))
+    for _ in range(4):
+        next(batches)
+    assert ends.ended == 0  # the data has not run out yet
+    with pytest.raises(StopIteration):
+        next(batches)
+    assert ends.ended == 1
+
+
+def test_a_what_if_measured_again_pools_its_pairs():
+    from keras_gpufix.diagnose.what_if import Cycles, what_if_until_known
+
+    cycles = Cycles(skip=0)
+    for _ in range(20):
+        cycles.add(0.02, 0.0, 0.02)
+    # three pairs agree on 1.5x; one block beside a load spike (5x), then one a little off
+    # (1.9x): neither measurement knows alone, the middle half of their 8 pairs does
+    blocks = iter([{"cached": [[50.0]] * 4, "real": [[33.3]] * 3 + [[10.0]]},
+                   {"cached": [[50.0]] * 4, "real": [[33.3]] * 3 + [[26.3]]}])
+    result = what_if_until_known(cycles, 100.0, lambda: next(blocks))
+    assert result["repeats"] == 2 and result["known"]
+    assert result["speedup_if_input_free"] == pytest.approx(1.5, rel=0.01)

@@ -24,6 +24,7 @@ __all__ = [
     "callback_model",
     "concrete_functions",
     "cross_device_ops_name",
+    "fit_epoch_iterator",
     "flatten_layers",
     "function_jit_compile",
     "in_multi_worker_mode",
@@ -38,9 +39,11 @@ __all__ = [
     "step_jit_compile",
     "step_on_data_cell",
     "surround_callbacks",
+    "time_batches",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
+    "async_train_dispatch",
 ]
 
 CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
@@ -502,3 +505,121 @@ def map_function_stateful(dataset) -> "bool | None":
     except Exception as exc:  # any change in TF's private structure
         _off("a tf.data map function's graph (StructuredFunctionWrapper.function)", exc)
         return None
+
+
+def fit_epoch_iterator(depth: int = 16):
+    """The `EpochIterator` of the running `fit`, from a callback's `on_train_begin`.
+
+    Keras 3.15.1's `fit` (every backend) keeps it in the local
+    `epoch_iterator` of its frame, the caller of
+    `CallbackList.on_train_begin`; Keras offers no public way to it. Found
+    on the call stack, as `surround_callbacks` finds the CallbackList.
+
+    Returns:
+        The iterator, or None (no `fit` on the stack: a custom loop).
+    """
+    import sys
+
+    try:
+        from keras.src.trainers.epoch_iterator import EpochIterator
+    except ImportError as exc:
+        _off("keras.src.trainers.epoch_iterator.EpochIterator", exc)
+        return None
+    frame = sys._getframe(1)
+    try:
+        for _ in range(depth):
+            if frame is None:
+                return None
+            found = frame.f_locals.get("epoch_iterator")
+            if isinstance(found, EpochIterator):
+                return found
+            frame = frame.f_back
+        return None
+    finally:
+        frame = None  # no reference cycle through the stack
+
+
+def time_batches(epoch_iterator, record, consumer: bool):
+    """Calls `record(batch)` as each batch of `fit`'s data source becomes ready.
+
+    Keras 3.15.1 fetches the batch inside `train_function`, between the
+    begin and end hooks, with no hook of its own. Two places see it:
+
+    - `consumer=True` (JAX, torch, numpy: the loop's thread takes each batch
+      with `next()`): the iterators that `epoch_iterator._get_iterator()`
+      returns (any data source) are wrapped, `record` runs when `next()`
+      returns;
+    - `consumer=False` (TensorFlow: a `tf.data` thread runs the Python
+      source through `from_generator`): the data adapter's producer is
+      wrapped, a `PyDatasetAdapter`'s `_standardize_batch` (with or without
+      workers: it sees each batch once the queue handed it over) or a
+      `GeneratorDataAdapter`'s `generator`. Arrays and `tf.data` datasets
+      have no Python producer: None.
+
+    Instance attributes shadow the methods, so nothing of Keras is changed
+    for other iterators. Call before the first epoch's iterator is made
+    (`on_train_begin`).
+
+    Returns:
+        A function that takes the wrappers out again, or None where no
+        Python producer exists.
+    """
+    try:
+        if consumer:
+            return _wrap(epoch_iterator, "_get_iterator",
+                         lambda get: lambda: _TimedIterator(get(), record))
+        adapter = epoch_iterator.data_adapter
+        if hasattr(adapter, "py_dataset") and callable(adapter._standardize_batch):
+            def standardize(original):
+                def timed(batch):
+                    out = original(batch)
+                    record(out)
+                    return out
+                return timed
+            return _wrap(adapter, "_standardize_batch", standardize)
+        if type(adapter).__name__ == "GeneratorDataAdapter" and callable(adapter.generator):
+            return _wrap(adapter, "generator",
+                         lambda make: lambda: _TimedIterator(make(), record))
+        return None
+    except AttributeError as exc:
+        _off("the data adapter of fit's EpochIterator (_get_iterator, data_adapter)", exc)
+        return None
+
+
+def _wrap(owner, name, wrapper):
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+
+    def restore():
+        if name in vars(owner):
+            delattr(owner, name)
+
+    return restore
+
+
+class _TimedIterator:
+    """An iterator that calls `record(batch)` when each `next()` returns."""
+
+    def __init__(self, iterable, record):
+        self._it = iter(iterable)
+        self._record = record
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._it)
+        self._record(batch)
+        return batch
+
+
+def async_train_dispatch(callback_list) -> "bool | None":
+    """Whether a `keras.callbacks.CallbackList` runs batch-end hooks asynchronously.
+
+    Keras 3.6-3.15.1 keeps it in `_async_train` (set in
+    `_configure_async_dispatch` from `backend.IS_THREAD_SAFE` and the
+    callbacks' `async_safe`). None when the attribute is missing (a
+    CallbackList before Keras 3.6, or Keras moved it).
+    """
+    value = getattr(callback_list, "_async_train", None)
+    return None if value is None else bool(value)

@@ -205,9 +205,10 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     # and judged by the one rule (`recompile_cost`, `is_recompiling`). Only
     # a step at a new shape or with new traces can have compiled, and a step
     # that did not compile costs 0: only those that did are priced.
-    seen_shapes = any(r.new_shape or r.traces for r in rs)
+    seen_shapes = any(r.new_shape or r.traces or r.compile_s for r in rs)
     if seen_shapes:
-        how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit} for r in rs]
+        how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit,
+                "compile_s": r.compile_s} for r in rs]
         compiled = [step_compiled(**h) for h in how]
         compile_s = 0.0
         if any(compiled):

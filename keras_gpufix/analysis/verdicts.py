@@ -369,7 +369,8 @@ def slow_mask(times, median: float = None, factor: float = None,
 
 
 def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: int = 0,
-                   new_shape: bool = False, jit=None, compiled_before: bool = False) -> float:
+                   new_shape: bool = False, jit=None, compiled_before: bool = False,
+                   compile_s: float = None) -> float:
     """THE recompile pricing: seconds a step spent compiling (estimated).
 
     A step compiled when it traced its function again (`traces > 0`) or met
@@ -377,7 +378,10 @@ def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: in
     earlier fit. It then costs its time above the median step; any other
     step costs no compile (an eager step, a new shape without XLA, or a
     slow step whose shape is unknown: without `kg.data.instrument` slow
-    steps are never priced as recompiles).
+    steps are never priced as recompiles). Where the backend counted the
+    step's compiles (`compile_s`, JAX's `jax.monitoring` events), that
+    measurement decides: the step cost its compile seconds (at most its
+    time).
 
     Args:
         step_s: the step's time, without its input wait (seconds, for all
@@ -388,18 +392,25 @@ def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: in
         new_shape: the step met an input shape never seen before.
         jit: whether the step is XLA-compiled (None: not known).
         compiled_before: the shape was compiled in an earlier fit.
+        compile_s: seconds the step spent compiling, measured (None: not
+            counted).
     """
     if not step_compiled(traces=traces, new_shape=new_shape, jit=jit,
-                         compiled_before=compiled_before):
+                         compiled_before=compiled_before, compile_s=compile_s):
         return 0.0
+    if compile_s is not None:
+        return min(float(compile_s), float(step_s))
     return max(0.0, float(step_s) - float(median_s) * steps)
 
 
 def step_compiled(*, traces: int = 0, new_shape: bool = False, jit=None,
-                  compiled_before: bool = False) -> bool:
+                  compiled_before: bool = False, compile_s: float = None) -> bool:
     """Whether a step compiled: it traced again, or met a new input shape
-    under XLA (`jit is True`) not compiled in an earlier fit. The arguments
-    are those of `recompile_cost`."""
+    under XLA (`jit is True`) not compiled in an earlier fit; where its
+    compiles were counted (`compile_s` not None), whether it spent time
+    compiling. The arguments are those of `recompile_cost`."""
+    if compile_s is not None:
+        return compile_s > 0
     return traces > 0 or (new_shape and jit is True and not compiled_before)
 
 

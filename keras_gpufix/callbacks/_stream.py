@@ -79,6 +79,8 @@ import keras
 
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
+from keras_gpufix.backends import current
+from keras_gpufix.backends.batch_clock import BatchClock
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
 from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
 
@@ -162,6 +164,10 @@ class StepStream:
         self._traces = 0
         self.framed = False
         self._unframe = None
+        self.backend = None
+        self._compiles = None
+        self._compiles_read = 0.0
+        self._batch_clock = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
@@ -189,6 +195,7 @@ class StepStream:
             stream.eager = bool(getattr(model, "run_eagerly", False))
             stream.eager_where = _compile_site(model) if stream.eager else None
             stream._watch_step_shapes(model)
+            stream._watch_source()
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -201,6 +208,9 @@ class StepStream:
     def _open(self):
         import sys
 
+        self.backend = current()
+        self._compiles = self.backend.compile_log()
+        self._compiles_read = time.perf_counter()
         if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
             from keras_gpufix.data.input_probe import InputCursor
 
@@ -222,8 +232,32 @@ class StepStream:
         they cannot be watched, or None).
         """
         self.step_shapes, self.step_shapes_note = None, None
-        if self.jit and not self.eager and model is not None:
+        if (self.backend.tensorflow_step and self.jit and not self.eager
+                and model is not None):
             self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+
+    def _watch_source(self):
+        """Times the batches of fit's PyDataset, generator or arrays (`BatchClock`).
+
+        Where it can (every source on JAX, a Python source on TensorFlow), the
+        clock replaces the `kg.data.instrument` cursor: it follows the source
+        fit actually reads.
+        """
+        self._batch_clock = BatchClock.attach(self.backend)
+        if self._batch_clock is not None:
+            self._cursor = self._batch_clock
+
+    def _compile_seconds(self, pending):
+        """Per pending hook, seconds JAX spent compiling inside it (None: not counted)."""
+        if self._compiles is None:
+            return [None] * len(pending)
+        events = self._compiles.since(self._compiles_read)
+        self._compiles_read = pending[-1][2] + pending[-1][3]
+        out = []
+        for p in pending:
+            begin, end = p[2], p[2] + p[3]
+            out.append(sum(e[1] for e in events if begin < e[0] <= end))
+        return out
 
     def _step_shape_keys(self, pending):
         """Per pending hook, the shape key the train step saw (or None)."""
@@ -327,6 +361,8 @@ class StepStream:
             self._unframe()
             self._unframe = None
         self.sync()
+        if self._batch_clock is not None:
+            self._batch_clock.detach()
         event = self.detector.finish()
         if event is not None:
             self._deliver("_on_event", event)
@@ -353,8 +389,10 @@ class StepStream:
         per_second = None if probe is None else probe.frames_per_second
         records = []
         seen_in_step = self._step_shape_keys(pending)
+        compiled = self._compile_seconds(pending)
         for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
-                frames, in_step in zip(pending, waits, rows, reals, seen_in_step):
+                frames, in_step, compile_s in zip(pending, waits, rows, reals, seen_in_step,
+                                                  compiled):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -389,7 +427,7 @@ class StepStream:
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
-                split=split, traces=traces))
+                split=split, traces=traces, compile_s=compile_s))
         for callback in self.members:
             callback._take_records(records)
         self._judge(records)

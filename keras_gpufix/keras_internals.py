@@ -44,6 +44,8 @@ __all__ = [
     "tf_function_class",
     "traced_functions",
     "async_train_dispatch",
+    "blocks_async_dispatch",
+    "running_callback_list",
 ]
 
 CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
@@ -395,6 +397,46 @@ def install_multi_worker_fixes(model) -> None:
     set_symbolic_build(model, maybe_symbolic_build)
 
 
+def running_callback_list(callback, depth: int = 16):
+    """The `keras.callbacks.CallbackList` running `callback`'s hook, or None.
+
+    Keras keeps no reference to the CallbackList of a `fit` (or of a user's
+    loop, or `kg.watch`'s), so it is found on the call stack, as the `self`
+    of the frame running the hook (within `depth` frames of the caller).
+    """
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    try:
+        for _ in range(depth):
+            if frame is None:
+                return None
+            hooks = frame.f_locals.get("self")
+            if isinstance(hooks, keras.callbacks.CallbackList) and any(
+                    c is callback for c in hooks.callbacks):
+                return hooks
+            frame = frame.f_back
+        return None
+    finally:
+        frame = None  # no reference cycle through the stack
+
+
+def blocks_async_dispatch(callback) -> bool:
+    """Whether `callback` turns Keras's asynchronous batch-end dispatch off.
+
+    Keras 3.6-3.15.1 (`CallbackList._configure_async_dispatch`): a callback
+    without `async_safe = True` that overrides `on_batch_end` or
+    `on_train_batch_end`; Keras marks the base class's own hooks with
+    `_is_default`.
+    """
+    if getattr(callback, "async_safe", False):
+        return False
+    return any(not getattr(getattr(callback, name, None), "_is_default", False)
+               for name in ("on_batch_end", "on_train_batch_end"))
+
+
 def surround_callbacks(callback, first, last, depth: int = 16):
     """Puts `first` before and `last` after every callback of the running
     `keras.callbacks.CallbackList` that holds `callback`.
@@ -413,35 +455,23 @@ def surround_callbacks(callback, first, last, depth: int = 16):
         no CallbackList holding `callback` runs the hook (the caller then
         keeps its own timing).
     """
-    import sys
-
-    import keras
-
+    hooks = running_callback_list(callback, depth)
+    if hooks is None:
+        return None
     try:
-        frame = sys._getframe(1)
-        for _ in range(depth):
-            if frame is None:
-                return None
-            hooks = frame.f_locals.get("self")
-            if isinstance(hooks, keras.callbacks.CallbackList) and any(
-                    c is callback for c in hooks.callbacks):
-                break
-            frame = frame.f_back
-        else:
-            return None
         stale = (type(first), type(last))
         hooks.callbacks = [first] + [c for c in hooks.callbacks
                                      if not isinstance(c, stale)] + [last]
     except Exception as exc:
         _off("the running keras.callbacks.CallbackList (its `callbacks` list)", exc)
         return None
-    finally:
-        frame = None  # no reference cycle through the stack
 
     def restore():
         hooks.callbacks = [c for c in hooks.callbacks if c is not first and c is not last]
 
     return restore
+
+
 def step_on_data_cell(train_function):
     """The closure cell holding the per-batch step Keras's train function calls.
 

@@ -173,7 +173,7 @@ def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
 
 
 def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
-          shapes_seen=0, synced=None) -> dict:
+          shapes_seen=0, synced=None, async_blockers=None) -> dict:
     """Judges a window of step records; no side effects.
 
     Args:
@@ -190,6 +190,11 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             (`kg.watch` syncs; None: not known). Unless True, unsynced
             asynchronous steps (`dispatch.fold_unsynced`) are judged per
             period, `evidence["unsynced_period"]` says so.
+        async_blockers: the callbacks that turned Keras's asynchronous
+            dispatch off (names), or None (it is on, or the backend has
+            none). Their price: the host time of each cycle (between steps
+            and waiting for input) that would overlap the device step with
+            dispatch on, at most the step (`sync_callbacks`).
 
     Returns:
         A dict `verdict`, `phase` (where the time goes: `input_wait`,
@@ -342,6 +347,14 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
+    if async_blockers:
+        host = phase["between"] + phase["input_wait"]
+        sync_share = float(np.dot(np.minimum(host, phase["step"]), n)) / total if total else 0.0
+        ev.update(sync_callbacks=list(async_blockers), sync_host_ms=float(np.median(host)) * 1e3,
+                  sync_time_share=sync_share)
+        if sync_share >= th["cost_share"]:
+            ev["signals"].append("sync_callbacks")
+            return _judgement("sync_callbacks", ev, phase="between", cost_share=sync_share)
     if util is not None and util < th["low_gpu_util"]:
         if wait_share is None and med * 1e3 >= th["short_step_ms"]:
             return _judgement("input_bound", ev, phase="input_wait", cost_share=1.0 - util)
@@ -440,6 +453,7 @@ class OscillationDetector:
         self.eager = eager
         self.synced = synced
         self.eager_where = eager_where
+        self.async_blockers = None  # set by the run's step stream (judge's argument)
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -514,7 +528,7 @@ class OscillationDetector:
     def judge(self) -> dict:
         """`judge` of the current window (no side effects)."""
         return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit,
-                     self.eager, len(self._shapes), self.synced)
+                     self.eager, len(self._shapes), self.synced, self.async_blockers)
 
     def finish(self):
         """Judges the records not judged yet at the end of a run.
@@ -563,6 +577,8 @@ class OscillationDetector:
 
     def _where(self, verdict):
         """The file:line a verdict's fix names (the eager step's), or None."""
+        if verdict == "sync_callbacks":
+            return ", ".join(self.async_blockers or ()) or None
         return self.eager_where if verdict == "eager_step" else None
 
     def dominant_verdict(self) -> str:

@@ -17,6 +17,9 @@ Verdicts, in order of precedence (the detector tries them in this order):
 |                   | utilisation on long steps; phase `step` (contention): the   |
 |                   | what-if finds the input costing >= `what_if_share` while    |
 |                   | the wait reads low (`detector.weigh`)                       |
+| `sync_callbacks`  | callbacks turned Keras's asynchronous dispatch off (JAX,    |
+|                   | torch, numpy) and the host time per step that no longer     |
+|                   | overlaps the device step costs >= `cost_share`              |
 | `dispatch_bound`  | low GPU utilisation on short steps, input ready             |
 | `irregular_stall` | steps slower than `stall_factor` x the median, without a    |
 |                   | period, cost >= `irregular_share`                           |
@@ -51,6 +54,7 @@ VERDICTS = (
     "eager_step",
     "periodic_stall",
     "input_bound",
+    "sync_callbacks",
     "dispatch_bound",
     "irregular_stall",
     "degrading",
@@ -249,6 +253,13 @@ FIXES = {
         "the step waits for data: move decoding/features into TF ops or a "
         "feature cache (kg.data.SpeechDatasetBuilder(cache_dir=...)), raise "
         "map parallelism to AUTOTUNE and prefetch"
+    ),
+    "sync_callbacks": (
+        "{where} override a batch-end hook without `async_safe = True`, so Keras waits for "
+        "each step before dispatching the next ({share} of the time lost): set "
+        "`async_safe = True` on a callback whose batch-end work is thread-safe, or move "
+        "per-batch work to on_epoch_end (Keras's own TensorBoard, ModelCheckpoint, "
+        "BackupAndRestore and TerminateOnNaN block it whatever their update_freq / save_freq)"
     ),
     "dispatch_bound": (
         "steps are too short for per-step dispatch: raise steps_per_execution "

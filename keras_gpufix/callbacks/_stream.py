@@ -82,7 +82,14 @@ from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
 from keras_gpufix.backends import current
 from keras_gpufix.backends.batch_clock import BatchClock
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
-from keras_gpufix.keras_internals import callback_model, step_jit_compile, surround_callbacks
+from keras_gpufix.keras_internals import (
+    async_train_dispatch,
+    blocks_async_dispatch,
+    callback_model,
+    running_callback_list,
+    step_jit_compile,
+    surround_callbacks,
+)
 
 __all__ = ["StepStream", "TimedCallback", "stream_of"]
 
@@ -165,6 +172,7 @@ class StepStream:
         self.framed = False
         self._unframe = None
         self.backend = None
+        self.async_blockers = None
         self._compiles = None
         self._compiles_read = 0.0
         self._batch_clock = None
@@ -187,6 +195,7 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
+            stream.async_blockers = stream._blockers(callback)
             stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
                                                  _Edge(stream, end=False))
             stream.framed = stream._unframe is not None
@@ -246,6 +255,19 @@ class StepStream:
         self._batch_clock = BatchClock.attach(self.backend)
         if self._batch_clock is not None:
             self._cursor = self._batch_clock
+
+    def _blockers(self, callback):
+        """Names of the callbacks that turned Keras's asynchronous dispatch off.
+
+        None where the backend never dispatches callbacks asynchronously
+        (TensorFlow), where dispatch is on, or where it cannot be told.
+        """
+        if not self.backend.async_callbacks:
+            return None
+        hooks = running_callback_list(callback)
+        if hooks is None or async_train_dispatch(hooks) is not False:
+            return None
+        return [type(c).__name__ for c in hooks.callbacks if blocks_async_dispatch(c)] or None
 
     def _compile_seconds(self, pending):
         """Per pending hook, seconds JAX spent compiling inside it (None: not counted)."""
@@ -438,6 +460,7 @@ class StepStream:
         det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
         det.eager_where = self.eager_where
         det.synced = self.synced
+        det.async_blockers = self.async_blockers
         for record in records:
             self._add_to_epoch(record)
             judged = det.judgements

@@ -190,6 +190,8 @@ def test_jax_slow_python_source_is_input_bound_without_nvml(jax_cases, source):
     case = jax_cases[0][source]
     assert case["verdict"] == "input_bound", case
     assert case["cost_share"] >= 0.5  # 20 ms of input before ~1 ms steps
+    assert ("PyDataset with workers" if source == "slow_generator"
+            else "give it workers") in case["fix"]
 
 
 def test_jax_healthy_fit_and_no_gpufix_warning_without_tensorflow(jax_cases):
@@ -244,6 +246,7 @@ def test_tensorflow_slow_python_source_is_input_bound_without_nvml(source):
         case = _verdict(kg, _dense(keras), slow_generator(), steps_per_epoch=BATCHES)
     assert case["verdict"] == "input_bound", case
     assert case["cost_share"] >= 0.5
+    assert ("give it workers" if source == "pydataset" else "PyDataset with workers") in case["fix"]
 
 
 if __name__ == "__main__":

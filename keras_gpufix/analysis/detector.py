@@ -454,6 +454,7 @@ class OscillationDetector:
         self.synced = synced
         self.eager_where = eager_where
         self.async_blockers = None  # set by the run's step stream (judge's argument)
+        self.input_source = None  # fit's Python data source (INPUT_SOURCE_FIXES), or None
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -569,7 +570,7 @@ class OscillationDetector:
                 return None
         elif self._streak[1] < (1 if verdict in ("recompiling", "eager_step") else min_windows):
             return None
-        event = _event(judgement, start, end, self._where(verdict))
+        event = _event(judgement, start, end, self._where(verdict), self.input_source)
         self._current = event
         if len(self.events) < self.MAX_EVENTS:
             self.events.append(event)
@@ -621,7 +622,7 @@ class OscillationDetector:
         elif judgement is not None and verdict not in ("healthy", "unknown"):
             phase, share = judgement["phase"], judgement["cost_share"]
             fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
-                          where=self._where(verdict))
+                          where=self._where(verdict), source=self.input_source)
         else:
             fix, phase, share = FIXES[verdict], None, None
         others = [e for e in self.events if e["verdict"] != verdict]
@@ -638,7 +639,7 @@ class OscillationDetector:
                 "because": because, "changed": changed}
 
 
-def _event(judgement, start, end, where=None):
+def _event(judgement, start, end, where=None, source=None):
     verdict, ev = judgement["verdict"], judgement["evidence"]
     period, phase, share = judgement["period"], judgement["phase"], judgement["cost_share"]
     return {
@@ -650,7 +651,8 @@ def _event(judgement, start, end, where=None):
         "period": period,
         "cost_share": share,
         "evidence": ev,
-        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where),
+        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where,
+                       source=source),
         "message": _message(verdict, start, ev, period, phase, share),
     }
 

@@ -40,6 +40,7 @@ __all__ = [
     "THRESHOLDS",
     "TOO_FEW_STEPS",
     "UNSYNCED_NOTE",
+    "INPUT_SOURCE_FIXES",
     "fix_for",
     "slow_limit",
     "slow_mask",
@@ -281,6 +282,22 @@ FIXES = {
 }
 
 
+#: The `input_bound` fix for fit's Python data sources (the Keras data
+#: adapter's kind, `backends.batch_clock.BatchClock.source`), not `tf.data`.
+INPUT_SOURCE_FIXES = {
+    "PyDataset": (
+        "the step waits for data from a keras.utils.PyDataset: give it workers "
+        "(PyDataset(workers=N, use_multiprocessing=True) for CPU-heavy __getitem__), or compute "
+        "the features once into a cache (kg.data.SpeechDatasetBuilder(cache_dir=...))"
+    ),
+    "Generator": (
+        "the step waits for data from a Python generator: make it a keras.utils.PyDataset "
+        "with workers (use_multiprocessing=True for CPU-heavy work), or compute the features "
+        "once into a cache (kg.data.SpeechDatasetBuilder(cache_dir=...))"
+    ),
+}
+
+
 class _Fields(dict):
     def __missing__(self, key):
         return "?"
@@ -295,7 +312,9 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
             (`input_wait`, `step`, `between`, or `loop_body` for an unsplit
             custom-loop span); selects the phase's text from `PHASE_FIXES`.
             For `input_bound`, `step` (the input's cost shows as a slower
-            step: contention for the host's cores) selects `CONTENTION_FIX`.
+            step: contention for the host's cores) selects `CONTENTION_FIX`,
+            and a `source` field of `INPUT_SOURCE_FIXES` (fit's Python data
+            source) that source's text.
             `FIXES` itself uses `{period}`, `{where}`, `{share}` and
             `{phase}` (`irregular_stall`: the phase holding most of the
             long cycles' excess).
@@ -311,6 +330,8 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         text = PHASE_FIXES[phase]
     elif verdict == "input_bound" and phase == "step":
         text = CONTENTION_FIX
+    elif verdict == "input_bound" and fields.get("source") in INPUT_SOURCE_FIXES:
+        text = INPUT_SOURCE_FIXES[fields["source"]]
     else:
         text = FIXES[verdict]
     if verdict == "periodic_stall" and fields.get("where"):

@@ -404,19 +404,25 @@ def running_callback_list(callback, depth: int = 16):
     loop, or `kg.watch`'s), so it is found on the call stack, as the `self`
     of the frame running the hook (within `depth` frames of the caller).
     """
-    import sys
-
     import keras
 
-    frame = sys._getframe(1)
+    return _on_stack("self", lambda hooks: isinstance(hooks, keras.callbacks.CallbackList)
+                     and any(c is callback for c in hooks.callbacks), depth)
+
+
+def _on_stack(name, wanted, depth):
+    """The first local `name` for which `wanted(value)` holds, from the caller's
+    caller up `depth` frames of the call stack, or None."""
+    import sys
+
+    frame = sys._getframe(2)
     try:
         for _ in range(depth):
             if frame is None:
                 return None
-            hooks = frame.f_locals.get("self")
-            if isinstance(hooks, keras.callbacks.CallbackList) and any(
-                    c is callback for c in hooks.callbacks):
-                return hooks
+            value = frame.f_locals.get(name)
+            if wanted(value):
+                return value
             frame = frame.f_back
         return None
     finally:
@@ -548,25 +554,12 @@ def fit_epoch_iterator(depth: int = 16):
     Returns:
         The iterator, or None (no `fit` on the stack: a custom loop).
     """
-    import sys
-
     try:
         from keras.src.trainers.epoch_iterator import EpochIterator
     except ImportError as exc:
         _off("keras.src.trainers.epoch_iterator.EpochIterator", exc)
         return None
-    frame = sys._getframe(1)
-    try:
-        for _ in range(depth):
-            if frame is None:
-                return None
-            found = frame.f_locals.get("epoch_iterator")
-            if isinstance(found, EpochIterator):
-                return found
-            frame = frame.f_back
-        return None
-    finally:
-        frame = None  # no reference cycle through the stack
+    return _on_stack("epoch_iterator", lambda found: isinstance(found, EpochIterator), depth)
 
 
 def time_batches(epoch_iterator, record, consumer: bool):

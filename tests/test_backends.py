@@ -233,6 +233,19 @@ def test_jax_trace_and_scalars_without_tensorflow_are_listed_by_tensorboard(jax_
 
 # -- TensorFlow, in this process ------------------------------------------------
 
+def test_compile_log_checks_at_start_that_jax_reports_compiles(monkeypatch):
+    pytest.importorskip("jax")
+    from keras_gpufix.backends import jax_backend
+
+    log = jax_backend.CompileLog()
+    assert log.working and log.note is None
+    assert any(e[2] for e in log.since(0.0))  # the test compile's XLA compile, timed
+    monkeypatch.setattr(jax_backend, "BACKEND_COMPILE", "/jax/core/compile/renamed")
+    missing = jax_backend.CompileLog()
+    assert not missing.working
+    assert "/jax/core/compile/renamed" in missing.note and "not counted" in missing.note
+
+
 @pytest.mark.parametrize("source", ["pydataset", "generator"])
 def test_tensorflow_slow_python_source_is_input_bound_without_nvml(source):
     import keras

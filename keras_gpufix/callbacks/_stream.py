@@ -218,8 +218,8 @@ class StepStream:
         import sys
 
         self.backend = current()
-        self._compiles = self.backend.compile_log()
-        self._compiles_read = time.perf_counter()
+        self._compiles = self.backend.compile_log()  # compiles before the first hook are
+        # never a hook's (`_compile_seconds` reads only those inside a hook's span)
         if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
             from keras_gpufix.data.input_probe import InputCursor
 

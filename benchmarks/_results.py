@@ -36,8 +36,18 @@ def add_out_argument(parser, name):
 
 
 def machine():
-    """E.g. "x86_64, 2 cores, TensorFlow 2.21.0 (CPU), Keras 3.15.1"."""
+    """E.g. "x86_64, 2 cores, TensorFlow 2.21.0 (CPU), Keras 3.15.1".
+
+    On the Keras JAX backend (TensorFlow need not be installed): e.g.
+    "x86_64, 16 cores, JAX 0.11.2 (gpu), Keras 3.15.1 (jax backend)".
+    """
     import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return (f"{platform.machine()}, {os.cpu_count()} cores, JAX {jax.__version__} "
+                f"({jax.default_backend()}), Keras {keras.__version__} (jax backend)")
     import tensorflow as tf
 
     device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"

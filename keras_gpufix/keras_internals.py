@@ -20,6 +20,7 @@ from collections import deque
 from keras_gpufix.exceptions import warn
 
 __all__ = [
+    "async_train_dispatch",
     "batch_rows",
     "callback_model",
     "concrete_functions",
@@ -43,7 +44,6 @@ __all__ = [
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
-    "async_train_dispatch",
     "blocks_async_dispatch",
     "running_callback_list",
 ]
@@ -478,6 +478,31 @@ def surround_callbacks(callback, first, last, depth: int = 16):
     return restore
 
 
+def async_train_dispatch(callback_list) -> "bool | None":
+    """Whether a `keras.callbacks.CallbackList` runs batch-end hooks in its thread pool.
+
+    Keras 3.6+ (`CallbackList._configure_async_dispatch`) decides it once,
+    when the list is made: on a backend whose `IS_THREAD_SAFE` is True
+    (JAX, torch, NumPy; never TensorFlow) unless a callback overrides a
+    batch-end hook without `async_safe = True`; it keeps the answer in
+    `_async_train`. Checked on Keras 3.15.1.
+
+    Returns:
+        True or False; False on a Keras without asynchronous dispatch
+        (before 3.6); None (with one `GpufixWarning`) where the answer is
+        not where it was.
+    """
+    import keras
+
+    try:
+        return bool(callback_list._async_train)
+    except AttributeError as exc:
+        if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6):
+            return False
+        _off("CallbackList._async_train (asynchronous callback dispatch)", exc)
+        return None
+
+
 def step_on_data_cell(train_function):
     """The closure cell holding the per-batch step Keras's train function calls.
 
@@ -634,15 +659,3 @@ class _TimedIterator:
         batch = next(self._it)
         self._record(batch)
         return batch
-
-
-def async_train_dispatch(callback_list) -> "bool | None":
-    """Whether a `keras.callbacks.CallbackList` runs batch-end hooks asynchronously.
-
-    Keras 3.6-3.15.1 keeps it in `_async_train` (set in
-    `_configure_async_dispatch` from `backend.IS_THREAD_SAFE` and the
-    callbacks' `async_safe`). None when the attribute is missing (a
-    CallbackList before Keras 3.6, or Keras moved it).
-    """
-    value = getattr(callback_list, "_async_train", None)
-    return None if value is None else bool(value)

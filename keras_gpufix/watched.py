@@ -31,15 +31,21 @@ What it measures, per step, on every Keras backend:
 
 Asynchronous devices (a GPU; JAX; TensorFlow's asynchronous eager
 execution): a step call returns when its work is queued, and the host waits
-only where it reads a value back. So at each step's end (the next `next()`,
-or `step_done()`) watch waits for the device work queued so far, as `fit`
-does by reading the logs (`sync=True`, the default): TensorFlow's
-`tf.test.experimental.sync_devices()`, JAX's `block_until_ready` on the
-live arrays (on what `step_done(outputs)` was given, when it was),
-`torch.cuda.synchronize()`. Time `next()` then spends is input, not the
-device's queue. With `sync=False` steps are timed at dispatch: the input
-wait is not measured (None; the loop's whole cycle is its step) and the
-detector judges a loop that reads a value every k steps per k steps.
+only where it reads a value back. So each step's end (the next `next()`,
+or `step_done()`) is stamped where the device work queued so far is done
+(`sync=True`, the default): on JAX where the step's outputs (what
+`step_done(outputs)` was given, else the arrays alive at its end) are
+ready, on torch where a CUDA event recorded at its end is reached, on
+TensorFlow after `tf.test.experimental.sync_devices()`. On the JAX and torch
+backends the wait happens off the loop's thread, in Keras's callback pool
+(our callbacks are `async_safe`), so the loop never waits for the monitor;
+where a callback in the list is not `async_safe`, and on TensorFlow (whose
+callbacks Keras never dispatches off the loop's thread), the loop waits, as
+`fit` does. The input wait counted is the part of `next()` in which the
+device had nothing to do. With `sync=False` steps are timed at dispatch:
+the input wait is not measured (None; the loop's whole cycle is its step)
+and the detector judges a loop that reads a value every k steps per k
+steps.
 
 Releasing a `tf.data` iterator joins its prefetch threads, which took up
 to 0.28 s on the 2-core test host: that is input time, not the loop's.
@@ -58,6 +64,7 @@ Nothing here imports TensorFlow: a JAX loop over NumPy batches runs without
 it.
 """
 
+import functools
 import sys
 import time
 
@@ -146,6 +153,7 @@ class Watched:
         self.sync = sync
         self.synced = sync
         self._device_sync = None
+        self._wait_error = None  # (step, exception) of a wait that failed off the loop's thread
         params = {}
         try:
             params["steps"] = len(iterable)
@@ -175,6 +183,7 @@ class Watched:
         if not self._running:
             self._running = True
             self.synced = self.sync
+            self._wait_error = None
             if self.sync:
                 self._device_sync = _sync_call(keras.backend.backend())
             self._hooks.on_train_begin()
@@ -207,6 +216,7 @@ class Watched:
         if self._running:
             self._running = False
             self._hooks.on_train_end()
+            self._said_wait_error()
             self._say_unsynced()
 
     def step_done(self, outputs=None):
@@ -225,22 +235,64 @@ class Watched:
             self._open.end_step(outputs)
 
     def _wait(self, outputs=None):
-        """Waits for the device work queued so far (never raises)."""
+        """Has the step's end stamped where its device work is done (never raises).
+
+        With our callbacks in the list the wait is handed to the step
+        clock, which waits where Keras runs the end hook (its pool, off the
+        loop's thread, where every callback is `async_safe`); else it
+        happens here.
+        """
+        self._said_wait_error()
         if not self.synced or self._device_sync is None:
             return
         try:
-            if outputs is not None and keras.backend.backend() == "jax":
-                import jax
-
-                jax.block_until_ready(outputs)
-            else:
-                self._device_sync()
+            waiter = functools.partial(self._run_waiter, self._waiter(outputs), self.steps)
         except Exception as exc:  # a monitor never stops training
-            self.synced = False
-            self._tell_stream()
-            warn(f"kg.watch could not wait for step {self.steps}'s device work "
-                 f"({type(exc).__name__}: {exc}); from here steps are timed at dispatch "
-                 "and the input wait is not measured.")
+            self._wait_error = (self.steps, exc)
+            self._said_wait_error()
+            return
+        if self._stream is None:
+            waiter()
+            self._said_wait_error()
+        else:
+            self._stream.clock.attach(waiter)
+
+    def _waiter(self, outputs):
+        """A function that waits for this step's device work, made on the loop's thread.
+
+        On JAX it waits for `outputs`, or for the arrays alive now (not
+        those of steps dispatched after this one); elsewhere for all work
+        queued when it runs (TensorFlow runs it on the loop's thread).
+        """
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return functools.partial(_block_on, jax.live_arrays() if outputs is None else outputs)
+        if keras.backend.backend() == "torch" and self._device_sync is not None:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            return event.synchronize
+        return self._device_sync
+
+    def _run_waiter(self, waiter, step):
+        try:
+            waiter()
+        except Exception as exc:  # a monitor never stops training
+            if self._wait_error is None:
+                self._wait_error = (step, exc)
+
+    def _said_wait_error(self):
+        """On the loop's thread: after a failed wait, steps are unsynced (one warning)."""
+        if self._wait_error is None or not self.synced:
+            return
+        step, exc = self._wait_error
+        self.synced = False
+        self._tell_stream()
+        warn(f"kg.watch could not wait for step {step}'s device work "
+             f"({type(exc).__name__}: {exc}); from here steps are timed at dispatch "
+             "and the input wait is not measured.")
 
     def _tell_stream(self):
         """Lets the step stream (and our monitors' detectors) know whether steps are synced."""
@@ -280,6 +332,7 @@ class Watched:
 
     def _supply(self, wait, element, split):
         """Hands the shared step log this step's input wait and batch facts."""
+        self._said_wait_error()
         wait, self._carry = wait + self._carry, 0.0
         if self._stream is None:
             return
@@ -322,6 +375,18 @@ def _sync_call(backend):
     return None
 
 
+def _block_on(outputs):
+    """Waits for every JAX array in `outputs`; one donated (deleted) since is skipped."""
+    for leaf in keras.tree.flatten(outputs):
+        if not hasattr(leaf, "block_until_ready"):
+            continue
+        try:
+            leaf.block_until_ready()
+        except RuntimeError:
+            if not leaf.is_deleted():
+                raise
+
+
 def _is_dataset(iterable):
     """Whether `iterable` is a `tf.data.Dataset` (without importing TensorFlow)."""
     tf = sys.modules.get("tensorflow")
@@ -358,6 +423,7 @@ class _Epoch:
             self.split = split
             self.watched._wait(outputs)
             self.watched._hooks.on_train_batch_end(self.batch)
+            self.watched._said_wait_error()
 
     def end(self, failed=False):
         self.end_step(split=self.split)

@@ -5,12 +5,14 @@
 sleeping on every batch: input-bound) or "periodic" (sleeping on every k-th
 batch: a periodic stall).
 
-`StepWork` and `SleepEvery` plant time in the other two phases of the cycle
-through callbacks: `StepWork` sleeps inside the model's train function (a
-heavier step, optionally heavier every k-th step), and `SleepEvery` sleeps
-in its `on_train_batch_end`, between steps (a checkpoint-like callback),
-wherever it is listed. Sleeping makes the planted times independent of the
-machine.
+`StepWork`, `SleepEvery` and `StallOnce` plant time in the other two phases
+of the cycle through callbacks: `StepWork` sleeps inside the model's train
+function (a heavier step, optionally heavier every k-th step), `SleepEvery`
+sleeps in its `on_train_batch_end` (or, `hook="begin"`, in its
+`on_train_batch_begin`, which leaves Keras's asynchronous callback dispatch
+on), between steps (a checkpoint-like callback), wherever it is listed, and
+`StallOnce` sleeps once (a one-off checkpoint or host hiccup). Sleeping
+makes the planted times independent of the machine.
 """
 
 import functools
@@ -79,15 +81,34 @@ class SleepEvery(keras.callbacks.Callback):
     """Sleeps `seconds` after every `k`-th step (a checkpoint-like callback).
 
     The sleep lies between steps wherever it is listed (the step stream
-    times the step around the whole callback list).
+    times the step around the whole callback list). With `hook="begin"` it
+    sleeps before every `k`-th step, in the loop's thread, and is
+    `async_safe` (it overrides no batch-end hook that does anything).
     """
 
-    def __init__(self, k, seconds):
+    def __init__(self, k, seconds, hook="end"):
         super().__init__()
-        self.k, self.seconds = k, seconds
+        self.k, self.seconds, self.hook = k, seconds, hook
+        self.async_safe = hook == "begin"
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.hook == "begin" and batch % self.k == 0:
+            time.sleep(self.seconds)
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch % self.k == 0:
+        if self.hook == "end" and batch % self.k == 0:
+            time.sleep(self.seconds)
+
+
+class StallOnce(keras.callbacks.Callback):
+    """One long pause after batch `at` (a one-off checkpoint or host hiccup)."""
+
+    def __init__(self, at=70, seconds=0.4):
+        super().__init__()
+        self.at, self.seconds = at, seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
             time.sleep(self.seconds)
 
 

@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,17 @@ def test_run_all_runs_each_with_out_and_writes_the_summary(run_all, tmp_path, mo
     assert "| `ratio_fast_over_slow` | 3.0 |" in (results / "SUMMARY.md").read_text()
     with pytest.raises(SystemExit):
         run_all.main(["nope"])
+
+
+def test_gpu_checks_imports_on_the_jax_backend_without_tensorflow():
+    # The lent GPU machine has jax and no TensorFlow (../shared/GPU_CHECKS.md).
+    pytest.importorskip("jax")
+    code = ("import sys; sys.modules['tensorflow'] = None; sys.path.insert(0, 'benchmarks'); "
+            "import gpu_checks, keras; from _results import machine; "
+            "print(keras.backend.backend(), sorted(gpu_checks.SIZES), machine())")
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[:3] == ["jax", "['gpu',", "'small']"]
+    assert "(jax backend)" in out.stdout

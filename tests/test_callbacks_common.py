@@ -91,7 +91,7 @@ def _broken(*args, **kwargs):
 def _inject(name, monkeypatch):
     """Breaks one thing each callback relies on, inside its hooks."""
     if name == "StepTimer":
-        import keras_gpufix.callbacks._stream as module
+        import keras_gpufix.callbacks._clock as module
 
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=_broken,
                                                                   time=_broken))

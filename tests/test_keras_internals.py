@@ -297,6 +297,31 @@ def test_surround_callbacks_takes_out_markers_a_failed_run_left():
     hooks.on_train_begin()
     hooks.on_train_begin()  # a second run, without on_train_end
     assert [c.name for c in hooks.callbacks] == ["first", "ours", "last"]
+
+
+def test_async_train_dispatch_reads_keras_decision(monkeypatch):
+    import keras_gpufix as kg
+    from keras_gpufix.keras_internals import async_train_dispatch
+
+    class Sync(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    # TensorFlow: Keras never dispatches callbacks off the loop's thread.
+    assert async_train_dispatch(keras.callbacks.CallbackList([kg.StepTimer()])) is False
+    # A thread-safe backend: our callbacks keep it on, a plain override turns it off
+    # (the JAX backend itself: tests/test_async_clock.py).
+    from keras.src.callbacks import callback_list
+
+    monkeypatch.setattr(callback_list.backend, "IS_THREAD_SAFE", True)
+    ours = [kg.StepTimer(), kg.GPUOscillationMonitor(nvml=False, verbose=0)]
+    assert async_train_dispatch(keras.callbacks.CallbackList(ours)) is True
+    assert async_train_dispatch(keras.callbacks.CallbackList(ours + [Sync()])) is False
+    monkeypatch.setattr(keras_internals, "_WARNED", set())
+    with pytest.warns(GpufixWarning, match="_async_train"):
+        assert async_train_dispatch(object()) is None
+
+
 def test_step_on_data_cell_is_the_step_every_batch_goes_through():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse", steps_per_execution=2)

@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import keras
 import pytest
@@ -31,22 +30,10 @@ import tensorflow as tf
 import keras_gpufix as kg
 from keras_gpufix.analysis import VERDICTS
 from keras_gpufix.diagnose import rank_causes
-from planted import SleepEvery, StepWork, planted_dataset, tiny_model
+from planted import SleepEvery, StallOnce, StepWork, planted_dataset, tiny_model
 
 STEPS = 130
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class StallOnce(keras.callbacks.Callback):
-    """One long pause after batch `at` (a one-off checkpoint or host hiccup)."""
-
-    def __init__(self, at=70, seconds=0.4):
-        super().__init__()
-        self.at, self.seconds = at, seconds
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.at:
-            time.sleep(self.seconds)
 
 
 # planted verdict -> (dataset kind: "slow" sleeps 30 ms a batch, run eagerly,

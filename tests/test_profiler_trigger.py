@@ -179,7 +179,7 @@ def test_slow_step_trigger_traces_the_next_steps(tmp_path):
 
 def test_slow_step_is_timed_by_the_shared_stream_and_judged_by_the_one_rule(
         tmp_path, monkeypatch):
-    import keras_gpufix.callbacks._stream as stream_module
+    import keras_gpufix.callbacks._clock as stream_module
 
     clock = {"now": 0.0, "reads": 0}
 

@@ -19,7 +19,7 @@ def drive(timer, clock, steps):
     `clock` holds the begin/end reads; the stream reads the clock once more
     when it opens (its wall-time offset).
     """
-    with mock.patch("keras_gpufix.callbacks._stream.time.perf_counter",
+    with mock.patch("keras_gpufix.callbacks._clock.time.perf_counter",
                     side_effect=[0.0] + list(clock)):
         timer.on_train_begin()
         timer.on_epoch_begin(0)
@@ -174,7 +174,7 @@ class Clock:
 
 
 def test_the_trio_reads_the_clock_and_the_probe_once_per_hook(monkeypatch):
-    import keras_gpufix.callbacks._stream as stream_module
+    import keras_gpufix.callbacks._clock as stream_module
     import keras_gpufix.data.input_probe as input_probe
 
     clock = Clock()
@@ -196,7 +196,7 @@ def test_the_trio_reads_the_clock_and_the_probe_once_per_hook(monkeypatch):
 def keras_gpufix_bytes(steps):
     clock = Clock()
     callbacks = keras.callbacks.CallbackList(trio())
-    with mock.patch("keras_gpufix.callbacks._stream.time", clock):
+    with mock.patch("keras_gpufix.callbacks._clock.time", clock):
         tracemalloc.start()
         drive_hooks(callbacks, steps, clock)
         snapshot = tracemalloc.take_snapshot()
@@ -215,7 +215,7 @@ def test_memory_does_not_grow_with_the_run():
 
 
 def test_a_run_that_ended_by_an_exception_does_not_capture_the_next(monkeypatch):
-    import keras_gpufix.callbacks._stream as stream_module
+    import keras_gpufix.callbacks._clock as stream_module
 
     clock = Clock()
     monkeypatch.setattr(stream_module, "time", clock)

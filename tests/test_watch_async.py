@@ -88,6 +88,18 @@ def test_work_every_k_synced_steps_stays_a_stall_and_slow_input_is_named():
     assert fold_unsynced(several) is None
 
 
+def test_an_input_bound_loop_reading_its_loss_every_k_steps_is_input_bound():
+    # Waited for off the loop's thread, a 30 ms step behind 50 ms of input:
+    # the device idles 20 ms in each next(), 50 ms in the one after a read.
+    waits = _planted([20, 20, 20, 20, 50], seed=1)
+    judgement = judge(_records(_planted([30] * EVERY), waits), synced=True)
+    assert judgement["verdict"] == "input_bound", judgement
+    # Input waited for on the k-th batch alone is a periodic stall.
+    judgement = judge(_records(_planted([30] * EVERY), _planted([0, 0, 0, 0, 40], seed=1)),
+                      synced=True)
+    assert (judgement["verdict"], judgement["period"]) == ("periodic_stall", EVERY), judgement
+
+
 @pytest.mark.parametrize("logs", [{"loss": 0.5}, None], ids=["logs", "no_logs"])
 def test_a_callback_list_loop_with_logs_is_synced_one_without_is_not_known(logs):
     keras = pytest.importorskip("keras")
@@ -177,6 +189,10 @@ def _main():
 
     import keras_gpufix as kg
 
+    if backend == "jax":  # the benchmark's `jax.jit` step (Keras's JAX custom-loop guide)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "benchmarks"))
+        from gpu_checks import jit_step as _jax_step
     hidden = HIDDEN[backend]
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(hidden, activation="relu"),
                               keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(1)])
@@ -229,36 +245,6 @@ def _main():
     runs["slow_input"] = run(EVERY, slow=True)
     runs["work_every_k"] = run(EVERY, work=True)
     print(json.dumps(runs))
-
-
-def _jax_step(model, optimizer, loss_fn):
-    """A `jax.jit` step over the model's state (Keras's JAX custom-loop guide)."""
-    import jax
-
-    optimizer.build(model.trainable_variables)
-
-    def compute_loss(trainable, non_trainable, xb, yb):
-        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, training=True)
-        return loss_fn(yb, pred), non_trainable
-
-    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
-
-    @jax.jit
-    def step(state, xb, yb):
-        trainable, non_trainable, opt_vars = state
-        (loss, non_trainable), grads = grad_fn(trainable, non_trainable, xb, yb)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-        return loss, (trainable, non_trainable, opt_vars)
-
-    state = [[v.value for v in model.trainable_variables],
-             [v.value for v in model.non_trainable_variables],
-             [v.value for v in optimizer.variables]]
-
-    def train_step(xb, yb):
-        loss, state[:] = step(tuple(state), xb, yb)
-        return loss
-
-    return train_step
 
 
 def _tf_step(model, optimizer, loss_fn):

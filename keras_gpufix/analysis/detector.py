@@ -337,6 +337,12 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         if share < th["cost_share"] or cost * 1e3 < th["min_lost_ms"]:
             continue  # noise that lines up by chance costs little in step
         stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
+        if (stall_phase == "input_wait" and wait_share is not None
+                and wait_share - share >= max(th["input_wait_share"], share)):
+            # The input is waited for at every step, the periodic part is the
+            # lesser cost (a loop that reads its loss every k steps while the
+            # device idles in next()): input_bound, judged below.
+            break
         if stall_phase == "step" and not split and not new_shape.any():
             # A fixed-shape step does not cost more every k steps; work
             # on a schedule in an unsplit loop body does.

@@ -1,11 +1,19 @@
 """The shared step stream: one measurement per hook for all our callbacks.
 
 All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
-`StepStream`. The clock is read once per hook (`time.perf_counter`; wall
-times come from one offset taken when the stream opens), around the whole
-callback list: at `on_train_begin` the stream puts a marker at the front of
-the running `keras.callbacks.CallbackList` (it ends the step at
-`on_train_batch_end`, before any other callback runs) and one at its back
+`StepStream`. Its step clock (`callbacks/_clock.py`) is read once per hook
+(`time.perf_counter`; wall times come from one offset taken when the stream
+opens): the begin on the loop's thread, the end where Keras runs the end
+hook, in its thread pool on the JAX, torch and NumPy backends (our callbacks
+are `async_safe`, so Keras keeps dispatching asynchronously and the loop
+never waits for the device on our account). Records are made in step order
+on the loop's thread (at the end hook where it runs there, else at the next
+step's begin, before validation and at epoch end); the phases come from
+`analysis.phases` (`step = ready(N) - max(begin(N), ready(N-1))`, the
+host's time apart). The clock frames the whole callback list: at
+`on_train_begin` the stream puts a marker at the front of the running
+`keras.callbacks.CallbackList` (it ends the step at `on_train_batch_end`,
+before any other callback runs) and one at its back
 (it begins the step at `on_train_batch_begin`, after every other callback
 ran; `keras_internals.surround_callbacks`), so the span holds the step
 alone and every callback's work, the user's wherever they listed them, lies
@@ -22,8 +30,9 @@ monitor costs.
 
 Phases of a hook (a step, or N steps with `steps_per_execution=N`):
 
-- `between`: the gap from the previous end hook to this begin hook (other
-  callbacks, logging, checkpoints, evaluation);
+- `between`: the gap from the previous step's end to this begin hook (other
+  callbacks, logging, checkpoints, evaluation), where the device had
+  nothing to do;
 - `input_wait`: the probe's wait, measured from the cycle's start (the
   previous end hook), so it is right whether the batch is fetched inside
   the hook (`fit`) or before it (a `CallbackList` loop); a wait that ends
@@ -72,16 +81,17 @@ CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 """
 
 import os
-import time
 import weakref
 
 import keras
 
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
+from keras_gpufix.analysis.phases import split_cycle
 from keras_gpufix.backends import current
 from keras_gpufix.backends.batch_clock import BatchClock
 from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
+from keras_gpufix.callbacks._clock import StepClock
 from keras_gpufix.keras_internals import (
     async_train_dispatch,
     blocks_async_dispatch,
@@ -138,6 +148,10 @@ class StepStream:
     # Distinct input shapes remembered for `new_shape` (bounded memory).
     MAX_SHAPES = 4096
 
+    # Seconds the loop waits, before validation, for end hooks still in
+    # Keras's pool (so the probe reads training's batches first).
+    SETTLE_SECONDS = 2.0
+
     def __init__(self, key):
         self.key = key
         self.members = []
@@ -147,19 +161,18 @@ class StepStream:
         self.hooks = 0
         self.last = None
         self.synced = None
-        self._offset = time.time() - time.perf_counter()
+        self.clock = StepClock()
+        self._offset = self.clock.offset
         self._cursor = None
         self._supplied = None
         self._pending = []
         self._last_sync = None
-        self._last_end = None
-        self._begin = None
-        self._first = 0
         self._global = 0
         self._epoch = -1
         self._new_epoch = True
         self._shapes = set()
         self._closed = False
+        self._failures = []  # end-hook failures in Keras's pool, reported on the loop's thread
         self.detector = OscillationDetector()
         self._own_detector = True
         self.jit = None
@@ -167,8 +180,6 @@ class StepStream:
         self.eager_where = None
         self.run_thresholds = {}
         self.step_shapes = self.step_shapes_note = None
-        self._tracer = None
-        self._traces = 0
         self.framed = False
         self._unframe = None
         self.backend = None
@@ -189,7 +200,7 @@ class StepStream:
         # timed a step belongs to an earlier run (one that ended by an
         # exception, so on_train_end never closed it).
         if (stream is None or stream._closed or callback in stream.members
-                or stream.hooks or stream._begin is not None):
+                or stream.hooks or stream.clock.pending):
             stream = _OPEN[key] = cls(key)
         stream.members.append(callback)
         if stream.leader is None:
@@ -238,7 +249,8 @@ class StepStream:
         There a new shape compiles the step, and a plain `tf.data` dataset
         (not through `kg.data.instrument`) shows no shape otherwise. Sets
         `step_shapes` (a `StepShapes`, or None) and `step_shapes_note` (why
-        they cannot be watched, or None).
+        they cannot be watched, or None). TensorFlow's train function
+        only: the probe is a TensorFlow op.
         """
         self.step_shapes, self.step_shapes_note = None, None
         if (self.backend.tensorflow_step and self.jit and not self.eager
@@ -315,8 +327,7 @@ class StepStream:
 
         Each record then holds the traces of its step (`StepRecord.traces`).
         """
-        self._tracer = counter
-        self._traces = counter()
+        self.clock.count_traces(counter)
 
     def drop_probe(self):
         """Stops reading the input probe (custom loops).
@@ -336,52 +347,87 @@ class StepStream:
         if self._cursor is not None:
             self._cursor.epoch_begin()
 
+    def cycle_begin(self):
+        """At the first begin hook of a step (the loop's thread).
+
+        Hands out the hooks whose end ran in Keras's pool meanwhile, and
+        reports what failed there.
+        """
+        self._report_pool_failures()
+        self.drain()
+
     def batch_begin(self, batch):
-        """At the last member's begin hook."""
-        self._first = batch
-        self._begin = time.perf_counter()
+        """At the last begin hook of a step: stamps its begin."""
+        supplied, self._supplied = self._supplied, None
+        self.clock.begin(batch, (self._epoch, self._new_epoch, supplied))
+        self._new_epoch = False
 
     def end_hook(self, batch, logs):
-        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`."""
+        """At the first end hook of the list: ends the step, writes `step_ms` into `logs`.
+
+        Keras runs it in its thread pool where the callbacks are
+        `async_safe` (JAX, torch, NumPy backends), else on the loop's
+        thread; the records are made on the loop's thread (here when it
+        runs there, else at the next step's begin).
+        """
         if logs and self.synced is None:
             self.synced = True  # Keras made the logs numbers: it waited for the step
-        self.batch_end(batch)
-        if isinstance(logs, dict) and self.last is not None:
-            _, steps, span, gap = self.last
-            logs["step_ms"] = (span + gap) / steps * 1e3
+        per_step = self.clock.end(batch)
+        if isinstance(logs, dict) and per_step is not None:
+            logs["step_ms"] = per_step * 1e3
+        if self.clock.on_loop_thread():
+            self.drain()
 
-    def batch_end(self, batch):
-        """At the leader's end hook."""
-        if self._begin is None:
-            return
-        now = time.perf_counter()
-        begin, self._begin = self._begin, None
-        steps = max(1, batch - self._first + 1)
-        gap = 0.0 if self._last_end is None else begin - self._last_end
-        self._last_end = now
-        traces = 0
-        if self._tracer is not None:
-            total = self._tracer()
-            traces, self._traces = total - self._traces, total
-        self._pending.append((self._global, steps, begin, now - begin, gap, self._epoch,
-                              self._new_epoch, self._supplied, traces))
-        self.last = (self._global, steps, now - begin, gap)
-        self._global += steps
-        self._supplied = None
-        self._new_epoch = False
-        self.hooks += 1
-        if self._last_sync is None:
-            self._last_sync = begin
-        pending = len(self._pending)
-        if pending >= self.SYNC_MAX_HOOKS or (
-                pending >= self.SYNC_MIN_HOOKS and now - self._last_sync >= self.SYNC_SECONDS):
-            self.sync()
+    def drain(self):
+        """Takes the finished hooks, in order, on the loop's thread; syncs when due."""
+        for hook, start, span, gap, traces in self.clock.take():
+            epoch, first, supplied = hook.facts
+            self._pending.append((self._global, hook.steps, start, span, gap, epoch, first,
+                                  supplied, traces))
+            self.last = (self._global, hook.steps, span, gap)
+            self._global += hook.steps
+            self.hooks += 1
+            self._deliver("_after_hook")
+            if self._last_sync is None:
+                self._last_sync = start
+            pending = len(self._pending)
+            if pending >= self.SYNC_MAX_HOOKS or (
+                    pending >= self.SYNC_MIN_HOOKS
+                    and start + span - self._last_sync >= self.SYNC_SECONDS):
+                self.sync()
+
+    def upcoming_index(self) -> int:
+        """The global index of the step about to begin (the loop's thread).
+
+        Steps whose end is still in Keras's pool count as many steps as the
+        latest finished hook.
+        """
+        per = 1 if self.last is None else self.last[1]
+        return self._global + per * self.clock.pending
+
+    def settle(self):
+        """Waits (bounded) for end hooks still in Keras's pool, then drains them."""
+        self.clock.settle(self.SETTLE_SECONDS)
+        self.drain()
+
+    def fail_off_loop(self, where, exc):
+        """Keeps a failure of an end hook in Keras's pool for the loop's thread."""
+        if len(self._failures) < 16:
+            self._failures.append((where, exc))
+
+    def _report_pool_failures(self):
+        failures, self._failures = self._failures, []
+        for where, exc in failures:
+            self.leader._report_failure(where, exc)
 
     def train_end(self):
         """At the leader's train end hook: the last records and the final judgement."""
         if self._unframe is not None:
             self._unframe()
             self._unframe = None
+        self._report_pool_failures()
+        self.drain()
+        self.clock.drop_open()
         self.sync()
         if self._batch_clock is not None:
             self._batch_clock.detach()
@@ -428,14 +474,9 @@ class StepStream:
                 samples = size * steps if size else samples
             if shape is None:
                 shape = in_step
-            if wait is None and supplied is not None:  # unsynced: only the cycle is real
-                input_wait, step, between = None, span + gap, 0.0
-            elif wait is None:
-                input_wait, step, between = None, span, gap
-            elif supplied is not None or wait <= gap:
-                input_wait, step, between = wait, span, max(0.0, gap - wait)
-            else:
-                input_wait, step, between = wait - gap, span - (wait - gap), gap
+            input_wait, step, between = split_cycle(
+                span, gap, wait, supplied=supplied is not None,
+                unsynced=wait is None and supplied is not None)
             new_shape = False
             if shape is not None and shape not in self._shapes:
                 new_shape = True
@@ -534,10 +575,14 @@ class _Edge(keras.callbacks.Callback):
     """A stream's marker at the front (`end=True`) or back of a CallbackList.
 
     The front marker ends each step at `on_train_batch_end` before any
-    other callback runs; the back marker begins it at
+    other callback runs (and, at `on_train_batch_begin`, hands out the
+    hooks that ended in Keras's pool); the back marker begins it at
     `on_train_batch_begin` after all of them ran. A failure is reported by
-    the stream's leader, never raised into the user's loop.
+    the stream's leader on the loop's thread, never raised into the user's
+    loop.
     """
+
+    async_safe = True
 
     def __init__(self, stream, end):
         super().__init__()
@@ -545,7 +590,9 @@ class _Edge(keras.callbacks.Callback):
         self._end = end
 
     def on_train_batch_begin(self, batch, logs=None):
-        if not self._end:
+        if self._end:
+            self._guard(self._stream.cycle_begin)
+        else:
             self._guard(self._stream.batch_begin, batch)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -562,7 +609,10 @@ class _Edge(keras.callbacks.Callback):
         except UserError as exc:  # the user's own function raised: Keras lets that propagate
             error = exc.__cause__
         except Exception as exc:  # a monitor must never stop training
-            stream.leader._report_failure(f"step marker {hook.__name__}", exc)
+            if stream.clock.on_loop_thread():
+                stream.leader._report_failure(f"step marker {hook.__name__}", exc)
+            else:
+                stream.fail_off_loop(f"step marker {hook.__name__}", exc)
             return
         raise error  # outside the handler: the user's traceback, not ours
 
@@ -588,7 +638,9 @@ class TimedCallback(GuardedCallback):
 
     - `_begin()` / `_end()`: at the start / end of each run (after joining
       the stream; after the stream's last records were handed out);
-    - `_after_hook()`: after each end hook (a step, or N steps);
+    - `_after_hook()`: after each end hook (a step, or N steps), on the
+      loop's thread (`stream.last` holds it): at the end hook where Keras
+      runs it there, else at the next step's begin;
     - `_on_records(records)`: new `StepRecord`s, in order (every quarter
       second, before validation, at epoch end and at the end of training);
     - `_epoch_done()`: at epoch end, after `_on_records`;
@@ -598,7 +650,14 @@ class TimedCallback(GuardedCallback):
     `report()` of every subclass starts with the run's verdict
     (`_verdict_report()`: `verdict`, `fix`, `phase`, `cost_share`,
     `because`, `changed`, `errors`), then what the callback itself measured.
+
+    Every subclass is `async_safe`: its end hook only stamps the step clock
+    (`callbacks/_clock.py`), so Keras keeps dispatching end hooks to its
+    thread pool and the loop never waits for the device on our account.
+    Everything else runs on the loop's thread.
     """
+
+    async_safe = True
 
     def __init__(self):
         super().__init__()
@@ -662,28 +721,31 @@ class TimedCallback(GuardedCallback):
     @guarded
     def on_train_batch_begin(self, batch, logs=None):
         stream = self.stream
-        if stream is not None and stream.members[-1] is self and not stream.framed:
-            stream.batch_begin(batch)
+        if stream is not None and not stream.framed:
+            if stream.leader is self:
+                stream.cycle_begin()
+            if stream.members[-1] is self:
+                stream.batch_begin(batch)
 
     @guarded
     def on_train_batch_end(self, batch, logs=None):
         stream = self.stream
-        if stream is not None:
-            if stream.leader is self and not stream.framed:
-                stream.end_hook(batch, logs)
-            self._after_hook()
+        if stream is not None and stream.leader is self and not stream.framed:
+            stream.end_hook(batch, logs)
 
     @guarded
     def on_test_begin(self, logs=None):
         # Validation runs before on_epoch_end: read training's input first,
         # so an instrumented validation set is never taken for it.
         if self.stream is not None and self.stream.leader is self:
+            self.stream.settle()
             self.stream.sync()
 
     @guarded
     def on_epoch_end(self, epoch, logs=None):
         if self.stream is not None:
             if self.stream.leader is self:
+                self.stream.settle()
                 self.stream.sync()
                 if isinstance(logs, dict):
                     self.stream.epoch_logs(logs)

@@ -210,28 +210,36 @@ class ProfilerTrigger(TimedCallback):
         if self.stream is None:
             return
         try:
-            step = self._global
+            # Steps whose end is still in Keras's pool (asynchronous
+            # dispatch) count: the step now beginning is the stream's next.
+            step = self.stream.upcoming_index()
+            self._exit_marker()
             while self._next_at and self._next_at[0] <= step:
                 self._arm(f"step {self._next_at.pop(0)}")
             if self._current is None and self._armed is not None:
                 self._maybe_start(step)
             if self._current is not None:
-                self._marker = profiling.step_marker(step)
-                self._marker.__enter__()
+                marker = profiling.step_marker(step)
+                marker.__enter__()
+                self._marker = (step, marker)
         finally:  # the stream's clock starts after our own work
             super().on_train_batch_begin(batch, logs)
 
+    def _exit_marker(self, before=None):
+        """Closes the open step marker (only one of a step before `before`)."""
+        if self._marker is not None and (before is None or self._marker[0] < before):
+            (_, marker), self._marker = self._marker, None
+            marker.__exit__(None, None, None)
+
     def _after_hook(self):
-        """After each end hook: the step just timed by the stream."""
+        """After each end hook, on the loop's thread: the step just timed by the stream."""
         if self.stream.hooks == self._hooks:
             return  # the stream timed no step (its begin hook was missed)
         self._hooks = self.stream.hooks
         index, count, span, gap = self.stream.last
         self._global = index + count
         skip, self._skip = self._skip, False
-        if self._marker is not None:
-            marker, self._marker = self._marker, None
-            marker.__exit__(None, None, None)
+        self._exit_marker(before=self._global)
         if self._current is not None:
             if self._global - self._current["start_step"] >= self.steps:
                 self._stop(self._global - 1)
@@ -317,9 +325,7 @@ class ProfilerTrigger(TimedCallback):
 
     def _stop(self, end_step, note=""):
         trace, self._current = self._current, None
-        if self._marker is not None:  # a step cut short by an exception
-            marker, self._marker = self._marker, None
-            marker.__exit__(None, None, None)
+        self._exit_marker()  # a step cut short by an exception
         trace["end_step"] = end_step
         trace["reason"] += note
         self._last_end = end_step

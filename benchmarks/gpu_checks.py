@@ -1,0 +1,446 @@
+"""The checks to run where a GPU is lent (../shared/GPU_CHECKS.md), on the Keras JAX backend.
+
+    python benchmarks/gpu_checks.py [--small] [--rounds 3] [--out PATH]
+
+Runs without TensorFlow (the lent machine has jax with CUDA and
+`nvidia-ml-py`, not TensorFlow). `--small` is a CPU mode: a small model and
+short runs, to try the script anywhere. What it does:
+
+1. Planted cases with known verdicts, in `fit` and in a `jax.jit` loop
+   under `kg.watch`:
+
+   | run                                   | planted                      | verdict          |
+   |---------------------------------------|------------------------------|------------------|
+   | `fit`, in-memory `PyDataset`          | nothing                      | `healthy`        |
+   | `fit`, slow `PyDataset`               | each batch sleeps 2x a step  | `input_bound`    |
+   | `fit`, a callback                     | sleeps 3x a step every 5th   | `periodic_stall` |
+   | loop, loss read every step            | nothing                      | `healthy`        |
+   | loop, loss read every 5th step        | nothing                      | `healthy`        |
+   | the same, `kg.watch(..., sync=False)` | nothing                      | `healthy`        |
+   | loop, slow input                      | each batch sleeps 2x a step  | `input_bound`    |
+   | loop, work every 5th step             | sleeps 3x a step every 5th   | `periodic_stall` |
+
+   A `fit` whose input is a `PyDataset` measures no input wait on the JAX
+   backend: there the slow input is seen only in the GPU's utilisation
+   (NVML); without a GPU it reads `healthy` at the slower step, which is
+   then what is expected (said in its `note`).
+2. Beside every planted run, `nvidia-smi --query-gpu=utilization.gpu -lms
+   100` runs in the same time, and its mean is put beside the monitor's
+   NVML reading (skipped, with a note, where there is no GPU).
+3. Overhead: steps/s of `fit` with every keras_gpufix callback ÷ the same
+   `fit` with none, at a long (~30 ms on an H100) and a short (~4 ms) step,
+   in interleaved rounds (median of the rounds' ratios; goal >= 0.98), with
+   whether Keras kept its asynchronous callback dispatch; and steps/s of a
+   `jax.jit` loop (loss read every 5th step) under `kg.watch` ÷ the bare
+   loop.
+
+Figures are written as JSON to `--out` (default
+`benchmarks/results/gpu_checks.json`) and, where `$OUT` is set (the lent
+machine's folder that comes back), to `$OUT/gpu_checks.json`, after every
+part, so a run cut short still leaves what it measured.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_gpufix as kg  # noqa: E402
+from _results import add_out_argument, write_results  # noqa: E402
+from keras_gpufix.keras_internals import async_train_dispatch  # noqa: E402
+from keras_gpufix.nvml import nvml_status  # noqa: E402
+
+EVERY = 5
+# model and batch sizes per mode: ~30 ms and ~4 ms steps on an H100 (Dense
+# 8 x 4096, 118 M parameters), a few to tens of ms on a CPU
+SIZES = {
+    "gpu": {"features": 256, "width": 4096, "depth": 8, "long": 12288, "short": 1024,
+            "steps": 200, "distinct": 8},
+    "small": {"features": 64, "width": 256, "depth": 3, "long": 2048, "short": 256,
+              "steps": 120, "distinct": 4},
+}
+
+
+class Batches(keras.utils.PyDataset):
+    """`steps` batches cycling over a few made in memory; `sleep` seconds each (slow input)."""
+
+    def __init__(self, batches, steps, sleep=0.0):
+        super().__init__()
+        self.batches, self.steps, self.sleep = batches, steps, sleep
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, index):
+        if self.sleep:
+            time.sleep(self.sleep)
+        return self.batches[index % len(self.batches)]
+
+
+class SleepEvery(keras.callbacks.Callback):
+    """Sleeps `seconds` at the end of every `k`-th step (a checkpoint-like callback)."""
+
+    def __init__(self, k, seconds):
+        super().__init__()
+        self.k, self.seconds = k, seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch % self.k == self.k - 1:
+            time.sleep(self.seconds)
+
+
+class EpochTime(keras.callbacks.Callback):
+    """Seconds of the last epoch (no batch-end hook: Keras's dispatch stays asynchronous)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.t0 = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds = time.perf_counter() - self.t0
+
+
+class SmiReader:
+    """`nvidia-smi --query-gpu=utilization.gpu -lms 100` in the background; its mean, %."""
+
+    def __init__(self):
+        self.values, self._proc, self._thread = [], None, None
+
+    def __enter__(self):
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            first = line.strip().split(",")[0].strip()
+            if first.isdigit():
+                self.values.append(float(first))
+
+    def __exit__(self, *exc):
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+        self._thread.join(timeout=10)
+
+    def mean(self):
+        return statistics.fmean(self.values) if self.values else None
+
+
+class _NoSmi:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def mean(self):
+        return None
+
+
+def build_model(size):
+    layers = [keras.Input((size["features"],))]
+    layers += [keras.layers.Dense(size["width"], activation="relu") for _ in range(size["depth"])]
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-4), "mse")
+    return model
+
+
+def make_batches(size, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(size["distinct"]):
+        x = rng.random((batch, size["features"]), dtype=np.float32)
+        out.append((x, x[:, :1] * 2.0))
+    return out
+
+
+def our_callbacks(log_dir, verbose=0):
+    """Every public keras_gpufix callback (the monitor first: the reports' source)."""
+    return [kg.GPUOscillationMonitor(verbose=verbose), kg.StepTimer(),
+            kg.ProfilerTrigger(log_dir, analyze=False, verbose=verbose),
+            kg.RetracingMonitor(verbose=verbose)]
+
+
+def _judged(report, planted, expected, smi, note=None, **extra):
+    period = None
+    for event in report.get("events", []):
+        if event["verdict"] == report["verdict"]:
+            period = event.get("period")
+    step = report.get("step_time") or {}
+    nvml = report.get("gpu_util")
+    ok = report["verdict"] == expected[0] and (expected[1] is None or period == expected[1])
+    return {"run": planted, "verdict": report["verdict"], "period": period,
+            "expected": expected[0], "expected_period": expected[1], "as_planted": ok,
+            "median_step_ms": step.get("p50_ms"), "input_wait": report.get("input_wait"),
+            "gpu_util_nvml_pct": None if nvml is None else 100.0 * nvml,
+            "gpu_util_smi_pct": smi.mean(), "note": note, **extra}
+
+
+def step_seconds(model, batches, rounds=3):
+    """Median seconds per step of `fit` with no callbacks (after a warm-up fit)."""
+    times = []
+    for _ in range(rounds):
+        clock = EpochTime()
+        model.fit(Batches(batches, 20), epochs=1, verbose=0, callbacks=[clock])
+        times.append(clock.seconds / 20)
+    return statistics.median(times)
+
+
+def planted_fits(size, smi_on, nvml_on, log_dir):
+    model = build_model(size)
+    batches = make_batches(size, size["long"])
+    model.fit(Batches(batches, 10), epochs=1, verbose=0)  # compile
+    step = step_seconds(model, batches)
+    steps = size["steps"]
+    cases = [
+        ("fit: in-memory", Batches(batches, steps), [], ("healthy", None), None),
+        # A PyDataset's wait is not measured in a JAX fit: only the GPU's
+        # utilisation shows it; without NVML the step is just slower.
+        ("fit: slow PyDataset", Batches(batches, steps, sleep=2 * step), [],
+         ("input_bound" if nvml_on else "healthy", None),
+         "a PyDataset's wait is not measured in a JAX fit: judged from GPU utilisation"
+         + ("" if nvml_on else "; none sampled here, so the slower step reads healthy")),
+        ("fit: callback sleeping every 5th step", Batches(batches, steps),
+         [SleepEvery(EVERY, 3 * step)], ("periodic_stall", EVERY), None),
+    ]
+    out = []
+    for name, data, user, expected, note in cases:
+        callbacks = our_callbacks(log_dir)
+        hooks = keras.callbacks.CallbackList(callbacks + user, add_history=True, model=model)
+        with (SmiReader() if smi_on else _NoSmi()) as smi:
+            model.fit(data, epochs=1, verbose=0, callbacks=hooks)
+        out.append(_judged(callbacks[0].report(), name, expected, smi, note,
+                           async_dispatch=async_train_dispatch(hooks),
+                           planted_step_ms=step * 1e3))
+    return out
+
+
+def jit_step(model, optimizer, loss_fn):
+    """A `jax.jit` train step over the model's state (Keras's JAX custom-loop guide).
+
+    Returns `train_step(xb, yb) -> loss` (also used by tests/test_watch_async.py).
+    """
+    import jax
+
+    optimizer.build(model.trainable_variables)
+
+    def compute_loss(trainable, non_trainable, xb, yb):
+        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, training=True)
+        return loss_fn(yb, pred), non_trainable
+
+    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
+
+    @jax.jit
+    def step(state, xb, yb):
+        trainable, non_trainable, opt_vars = state
+        (loss, non_trainable), grads = grad_fn(trainable, non_trainable, xb, yb)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss, (trainable, non_trainable, opt_vars)
+
+    state = [[v.value for v in model.trainable_variables],
+             [v.value for v in model.non_trainable_variables],
+             [v.value for v in optimizer.variables]]
+
+    def train_step(xb, yb):
+        loss, state[:] = step(tuple(state), xb, yb)
+        return loss
+
+    return train_step
+
+
+def loop_step(size):
+    return jit_step(build_model(size), keras.optimizers.SGD(1e-4),
+                    keras.losses.MeanSquaredError())
+
+
+def device_batches(batches):
+    import jax
+
+    return [tuple(jax.device_put(a) for a in batch) for batch in batches]
+
+
+def feed(batches, steps, sleep=0.0):
+    for i in range(steps):
+        if sleep:
+            time.sleep(sleep)
+        yield batches[i % len(batches)]
+
+
+def loop_seconds(train_step, batches, steps, read_every=EVERY):
+    """Seconds per step of the bare loop (loss read every `read_every` steps)."""
+    t0 = time.perf_counter()
+    loss = None
+    for i, (xb, yb) in enumerate(feed(batches, steps)):
+        loss = train_step(xb, yb)
+        if i % read_every == read_every - 1:
+            float(loss)
+    float(loss)
+    return (time.perf_counter() - t0) / steps
+
+
+def planted_loops(size, smi_on):
+    train_step = loop_step(size)
+    batches = device_batches(make_batches(size, size["long"]))
+    loop_seconds(train_step, batches, 10)  # compile
+    step = statistics.median(loop_seconds(train_step, batches, 20, read_every=1)
+                             for _ in range(3))
+    steps = size["steps"]
+    cases = [  # name, read every, sync, input sleep, body sleep every EVERY, expected
+        ("loop: loss read every step", 1, True, 0.0, 0.0, ("healthy", None)),
+        ("loop: loss read every 5th step", EVERY, True, 0.0, 0.0, ("healthy", None)),
+        ("loop: loss read every 5th step, sync=False", EVERY, False, 0.0, 0.0,
+         ("healthy", None)),
+        ("loop: slow input", 1, True, 2 * step, 0.0, ("input_bound", None)),
+        ("loop: work every 5th step", 1, True, 0.0, 3 * step, ("periodic_stall", EVERY)),
+    ]
+    out = []
+    for name, read_every, sync, input_sleep, body_sleep, expected in cases:
+        monitor = kg.GPUOscillationMonitor(verbose=0)
+        with (SmiReader() if smi_on else _NoSmi()) as smi:
+            with kg.watch(feed(batches, steps, input_sleep), callbacks=[monitor],
+                          sync=sync) as watched:
+                for i, (xb, yb) in enumerate(watched):
+                    loss = train_step(xb, yb)
+                    if i % read_every == read_every - 1:
+                        float(loss)
+                    if body_sleep and i % EVERY == EVERY - 1:
+                        time.sleep(body_sleep)
+        out.append(_judged(monitor.report(), name, expected, smi,
+                           planted_step_ms=step * 1e3))
+    return out
+
+
+def fit_overhead(size, rounds, log_dir):
+    """Steps/s with every keras_gpufix callback ÷ none, long and short steps, interleaved."""
+    model = build_model(size)
+    out = {}
+    for label in ("long", "short"):
+        batches = make_batches(size, size[label])
+        model.fit(Batches(batches, 10), epochs=1, verbose=0)  # compile this shape
+        ratios, bare_ms, async_on, traces = [], [], [], 0
+        for _ in range(rounds):
+            none = EpochTime()
+            model.fit(Batches(batches, size["steps"]), epochs=1, verbose=0, callbacks=[none])
+            timed, callbacks = EpochTime(), our_callbacks(log_dir)
+            hooks = keras.callbacks.CallbackList([timed, *callbacks], add_history=True,
+                                                 model=model)
+            model.fit(Batches(batches, size["steps"]), epochs=1, verbose=0, callbacks=hooks)
+            ratios.append(none.seconds / timed.seconds)
+            bare_ms.append(none.seconds / size["steps"] * 1e3)
+            async_on.append(async_train_dispatch(hooks))
+            traces += len(callbacks[2].traces)
+        out[label] = {"batch": size[label], "step_ms_without_callbacks": statistics.median(bare_ms),
+                      "steps_per_s_ratio_ours_over_none": statistics.median(ratios),
+                      "ratios": ratios, "async_dispatch": async_on,
+                      "profiler_traces_taken": traces}
+    return out
+
+
+def watch_overhead(size, rounds):
+    """Steps/s of a jax.jit loop under kg.watch ÷ the bare loop (loss read every 5th)."""
+    train_step = loop_step(size)
+    batches = device_batches(make_batches(size, size["short"]))
+    loop_seconds(train_step, batches, 10)
+    steps, ratios, bare_ms = size["steps"], [], []
+    for _ in range(rounds):
+        bare = loop_seconds(train_step, batches, steps)
+        t0 = time.perf_counter()
+        with kg.watch(feed(batches, steps),
+                      callbacks=[kg.GPUOscillationMonitor(verbose=0)]) as watched:
+            loss = None
+            for i, (xb, yb) in enumerate(watched):
+                loss = train_step(xb, yb)
+                if i % EVERY == EVERY - 1:
+                    float(loss)
+            float(loss)
+        ratios.append(bare / ((time.perf_counter() - t0) / steps))
+        bare_ms.append(bare * 1e3)
+    return {"batch": size["short"], "step_ms_bare": statistics.median(bare_ms),
+            "steps_per_s_ratio_watch_over_bare": statistics.median(ratios), "ratios": ratios}
+
+
+def device_name():
+    import jax
+
+    device = jax.devices()[0]
+    return f"{device.platform}: {getattr(device, 'device_kind', device)}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true",
+                        help="a CPU mode: a small model and short runs")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of each overhead ratio (default 3)")
+    add_out_argument(parser, "gpu_checks")
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != "jax":
+        parser.error(f"runs on the Keras JAX backend (KERAS_BACKEND=jax); "
+                     f"this is {keras.backend.backend()}")
+    size = SIZES["small" if args.small else "gpu"]
+    nvml = nvml_status()
+    smi_on = nvml["available"] and shutil.which("nvidia-smi") is not None
+    paths = [args.out] + ([os.path.join(os.environ["OUT"], "gpu_checks.json")]
+                          if os.environ.get("OUT") else [])
+    details = {"mode": "small" if args.small else "gpu", "device": device_name(),
+               "sizes": size, "rounds": args.rounds, "nvml": nvml,
+               "utilisation_note": None if smi_on else
+               f"no GPU utilisation compared: {nvml['reason'] or 'nvidia-smi not found'}"}
+    figures = {}
+
+    def save():
+        for path in paths:
+            write_results(path, "gpu_checks", figures, details)
+
+    log_dir = tempfile.mkdtemp(prefix="gpu_checks_")
+    parts = [("planted", lambda: planted_fits(size, smi_on, nvml["available"], log_dir)
+              + planted_loops(size, smi_on)),
+             ("fit_overhead", lambda: fit_overhead(size, args.rounds, log_dir)),
+             ("watch_overhead", lambda: watch_overhead(size, args.rounds))]
+    for name, part in parts:
+        started = time.perf_counter()
+        details[name] = part()
+        details[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
+        if name == "planted":
+            figures["planted_as_planted"] = sum(r["as_planted"] for r in details[name])
+            figures["planted_runs"] = len(details[name])
+            gaps = [abs(r["gpu_util_nvml_pct"] - r["gpu_util_smi_pct"]) for r in details[name]
+                    if r["gpu_util_nvml_pct"] is not None and r["gpu_util_smi_pct"] is not None]
+            figures["gpu_util_max_gap_nvml_vs_smi_points"] = max(gaps) if gaps else None
+        elif name == "fit_overhead":
+            for label, row in details[name].items():
+                figures[f"fit_steps_per_s_ratio_ours_over_none_{label}"] = row[
+                    "steps_per_s_ratio_ours_over_none"]
+                figures[f"fit_step_ms_{label}"] = row["step_ms_without_callbacks"]
+        else:
+            figures["watch_steps_per_s_ratio_over_bare"] = details[name][
+                "steps_per_s_ratio_watch_over_bare"]
+        save()
+        print(f"{name}: done in {details[f'{name}_seconds']} s", flush=True)
+    for row in details["planted"]:
+        print(f"{row['run']}: {row['verdict']}"
+              + ("" if row["period"] is None else f" period {row['period']}")
+              + ("" if row["as_planted"] else f" (planted: {row['expected']})")
+              + ("" if row["median_step_ms"] is None else
+                 f", median step {row['median_step_ms']:.1f} ms")
+              + ("" if row["gpu_util_nvml_pct"] is None else
+                 f", GPU {row['gpu_util_nvml_pct']:.1f}% (nvidia-smi "
+                 f"{row['gpu_util_smi_pct']}%)"), flush=True)
+    return 0 if figures["planted_as_planted"] == figures["planted_runs"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ __all__ = [
     "callback_model",
     "concrete_functions",
     "cross_device_ops_name",
+    "data_source",
     "fit_epoch_iterator",
     "flatten_layers",
     "function_jit_compile",
@@ -632,6 +633,27 @@ def time_batches(epoch_iterator, record, consumer: bool):
     except AttributeError as exc:
         _off("the data adapter of fit's EpochIterator (_get_iterator, data_adapter)", exc)
         return None
+
+
+def data_source(epoch_iterator) -> tuple:
+    """`(kind, workers)` of the data source `fit` reads through `epoch_iterator`.
+
+    Keras 3.15.1: the kind is the class of `epoch_iterator.data_adapter`
+    without `DataAdapter` / `Adapter` (`PyDataset`, `Generator`, `Array`,
+    `TFDataset`, ...); `workers` is a `PyDataset`'s `workers` when Keras
+    runs it through its queue of workers (`PyDatasetAdapter.enqueuer`),
+    else None. `("unknown", None)` when the adapter is not where it was.
+    """
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    if adapter is None:
+        _off("the data adapter of fit's EpochIterator (data_adapter)",
+             AttributeError("no data_adapter"))
+        return "unknown", None
+    kind = type(adapter).__name__.replace("DataAdapter", "").replace("Adapter", "") or "unknown"
+    workers = None
+    if getattr(adapter, "enqueuer", None) is not None:
+        workers = getattr(getattr(adapter, "py_dataset", None), "workers", None)
+    return kind, workers
 
 
 def _wrap(owner, name, wrapper):

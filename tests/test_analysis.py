@@ -697,3 +697,16 @@ def test_input_bound_fix_names_fits_python_source():
 
     assert fix_for("input_bound", source="PyDataset") == INPUT_SOURCE_FIXES["PyDataset"]
     assert fix_for("input_bound", source="TFDataset") == FIXES["input_bound"]
+
+
+def test_a_wait_every_workers_batches_is_the_input_being_slow_not_a_schedule():
+    from keras_gpufix.analysis import judge
+
+    # 2 PyDataset workers, 20 ms each, 1 ms steps: batches arrive in pairs.
+    rs = [StepRecord(index=i, steps=1, input_wait=0.02 if i % 2 else 0.0, step=0.001,
+                     between=0.0) for i in range(60)]
+    assert judge(rs)["verdict"] == "periodic_stall"
+    assert judge(rs, input_workers=2)["verdict"] == "input_bound"
+    # A stall every 7 batches stays a schedule beside 2 workers.
+    every7 = [r._replace(input_wait=0.02 if i % 7 == 6 else 0.0) for i, r in enumerate(rs)]
+    assert judge(every7, input_workers=2)["verdict"] == "periodic_stall"

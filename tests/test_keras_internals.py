@@ -455,8 +455,8 @@ def test_time_batches_records_each_batch_fit_takes(source):
     assert "_get_iterator" not in vars(iterator.found)
 
 
-def test_blocks_async_dispatch_and_async_train_dispatch_follow_keras_rule():
-    from keras_gpufix.keras_internals import async_train_dispatch, blocks_async_dispatch
+def test_blocks_async_dispatch_follows_keras_rule():
+    from keras_gpufix.keras_internals import blocks_async_dispatch
 
     class AtBatchEnd(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -469,6 +469,3 @@ def test_blocks_async_dispatch_and_async_train_dispatch_follow_keras_rule():
     assert not blocks_async_dispatch(Safe())
     assert not blocks_async_dispatch(keras.callbacks.History())
     assert blocks_async_dispatch(keras.callbacks.TerminateOnNaN())
-    # TensorFlow: Keras never dispatches asynchronously.
-    assert async_train_dispatch(keras.callbacks.CallbackList([Safe()])) is False
-    assert async_train_dispatch(object()) is None

@@ -173,7 +173,7 @@ def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
 
 
 def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
-          shapes_seen=0, synced=None, async_blockers=None) -> dict:
+          shapes_seen=0, synced=None, async_blockers=None, input_workers=None) -> dict:
     """Judges a window of step records; no side effects.
 
     Args:
@@ -195,6 +195,11 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             none). Their price: the host time of each cycle (between steps
             and waiting for input) that would overlap the device step with
             dispatch on, at most the step (`sync_callbacks`).
+        input_workers: workers that make the batches in parallel (a
+            PyDataset's), or None. Their batches arrive in bursts: an input
+            wait that recurs every `input_workers` batches or fewer is the
+            input being slow as a whole (`input_bound`), not a stall on a
+            schedule.
 
     Returns:
         A dict `verdict`, `phase` (where the time goes: `input_wait`,
@@ -337,6 +342,8 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         if share < th["cost_share"] or cost * 1e3 < th["min_lost_ms"]:
             continue  # noise that lines up by chance costs little in step
         stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
+        if stall_phase == "input_wait" and input_workers and period <= input_workers:
+            continue  # the workers' bursts: judged as input_bound below
         if (stall_phase == "input_wait" and wait_share is not None
                 and wait_share - share >= max(th["input_wait_share"], share)):
             # The input is waited for at every step, the periodic part is the
@@ -461,6 +468,7 @@ class OscillationDetector:
         self.eager_where = eager_where
         self.async_blockers = None  # set by the run's step stream (judge's argument)
         self.input_source = None  # fit's Python data source (INPUT_SOURCE_FIXES), or None
+        self.input_workers = None  # its parallel workers (judge's argument), or None
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -535,7 +543,8 @@ class OscillationDetector:
     def judge(self) -> dict:
         """`judge` of the current window (no side effects)."""
         return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit,
-                     self.eager, len(self._shapes), self.synced, self.async_blockers)
+                     self.eager, len(self._shapes), self.synced, self.async_blockers,
+                     self.input_workers)
 
     def finish(self):
         """Judges the records not judged yet at the end of a run.

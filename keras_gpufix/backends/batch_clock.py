@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from keras_gpufix.keras_internals import fit_epoch_iterator, time_batches
+from keras_gpufix.keras_internals import data_source, fit_epoch_iterator, time_batches
 
 __all__ = ["BatchClock"]
 
@@ -51,7 +51,9 @@ class BatchClock:
     `detach()` at the end of training.
 
     Attributes:
-        source: the kind of data source (`PyDataset`, `generator`, ...).
+        source: the kind of data source (`PyDataset`, `Generator`, `Array`, ...).
+        workers: a PyDataset's workers when Keras runs it through its queue
+            (its batches then arrive in bursts of `workers`), else None.
         probe: itself (the stream reads `shape_key`, `batch_size`,
             `frames_per_second` from the probe it follows).
     """
@@ -60,8 +62,9 @@ class BatchClock:
     CAPACITY = 4096
     frames_per_second = None  # real frames are known only through kg.data
 
-    def __init__(self, source):
+    def __init__(self, source, workers=None):
         self.source = source
+        self.workers = workers
         self.probe = self
         self._lock = threading.Lock()
         self._ready = np.full(self.CAPACITY, np.nan)
@@ -84,8 +87,7 @@ class BatchClock:
         iterator = fit_epoch_iterator()
         if iterator is None:
             return None
-        adapter = type(getattr(iterator, "data_adapter", None)).__name__
-        clock = cls(adapter.replace("DataAdapter", "").replace("Adapter", "") or "unknown")
+        clock = cls(*data_source(iterator))
         clock._restore = time_batches(iterator, clock.record,
                                       consumer=not backend.tensorflow_step)
         return clock if clock._restore is not None else None

@@ -502,7 +502,9 @@ class StepStream:
         det.eager_where = self.eager_where
         det.synced = self.synced
         det.async_blockers = self.async_blockers
-        det.input_source = None if self._batch_clock is None else self._batch_clock.source
+        clock = self._batch_clock
+        det.input_source, det.input_workers = (None, None) if clock is None else (
+            clock.source, clock.workers)
         for record in records:
             self._add_to_epoch(record)
             judged = det.judgements

@@ -30,6 +30,7 @@ from keras_gpufix.analysis.verdicts import (
     fix_for,
     is_recompiling,
     recompile_cost,
+    slow_limit,
     slow_mask,
     step_compiled,
 )
@@ -435,6 +436,9 @@ class OscillationDetector:
     """
 
     MAX_EVENTS = 100
+    # `stall_limit()`: recent cycles it is taken over, and how often renewed.
+    STALL_REFERENCE = 64
+    STALL_RENEW = 16
 
     def __init__(self, window=96, hop=None, warmup=5, min_windows=2, jit=None, eager=False,
                  synced=None, eager_where=None, **thresholds):
@@ -491,8 +495,45 @@ class OscillationDetector:
         self.judgements = 0
         self.last_judgement = None
         self._baseline_ms = None
+        self._stall = (None, 0)  # (limit, median) and the count of cycles it was taken at
         # Overrides for this run only (a RetracingMonitor's max_new_shapes).
         self.run_thresholds = {}
+
+    def stall_limit(self, coming=0, recent=None):
+        """`(limit, median)` in seconds per step: a cycle over `limit` is a stall.
+
+        THE slow-step rule (`slow_limit`) with this run's `stall_factor` and
+        `min_slow_ms`, over the last `STALL_REFERENCE` per-step cycles of
+        the log (after warmup, epoch starts left out) and of the records
+        still coming (measured, not yet added), renewed every `STALL_RENEW`
+        cycles; for a callback that judges each step as it ends
+        (`ProfilerTrigger`'s `"slow_step"`).
+
+        Args:
+            coming: how many records are measured and not yet added.
+            recent: called (only when the limit is renewed) for those
+                records' `(cycle per step, epoch_first)`, oldest first.
+
+        Returns:
+            The pair, or None before `min_judge_steps` cycles were seen.
+        """
+        limit, at = self._stall
+        count = self.log.records_added + coming
+        if limit is not None and count - at < self.STALL_RENEW:
+            return limit
+        th = self.active_thresholds()
+        times = [r.cycle / r.steps for r in self.log.records()[-self.STALL_REFERENCE:]]
+        if coming and recent is not None:
+            skip = max(0, self.warmup - self._seen)  # not logged: warmup
+            times += [c for c, first in list(recent())[skip:] if not first]
+        times = times[-self.STALL_REFERENCE:]
+        if len(times) < th["min_judge_steps"]:
+            return None
+        median = float(np.median(times))
+        limit = (float(slow_limit(times, median, factor=th["stall_factor"],
+                                  min_ms=th["min_slow_ms"])), median)
+        self._stall = (limit, count)
+        return limit
 
     def update(self, record, **signals):
         """Adds one record; returns a new event (dict) or None.

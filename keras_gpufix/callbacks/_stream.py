@@ -396,6 +396,12 @@ class StepStream:
                     and start + span - self._last_sync >= self.SYNC_SECONDS):
                 self.sync()
 
+    def stall_limit(self):
+        """The run's detector's `stall_limit()` over its log and the hooks not yet handed to it."""
+        pending = self._pending
+        return self.detector.stall_limit(
+            len(pending), lambda: [((p[3] + p[4]) / p[1], p[6]) for p in pending])
+
     def upcoming_index(self) -> int:
         """The global index of the step about to begin (the loop's thread).
 

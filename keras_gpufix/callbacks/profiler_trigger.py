@@ -40,12 +40,11 @@ import threading
 import time
 import types
 import weakref
-from collections import deque
 
 import numpy as np
 
 from keras_gpufix import profiling
-from keras_gpufix.analysis import slow_limit, weigh
+from keras_gpufix.analysis import weigh
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._stream import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -123,7 +122,6 @@ class ProfilerTrigger(TimedCallback):
     'highly_input_bound'
     """
 
-    MEDIAN_WINDOW = 64
     MAX_SKIPPED = 100
 
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
@@ -165,10 +163,6 @@ class ProfilerTrigger(TimedCallback):
         self._taken = 0
         self._last_end = None
         self._marker = None
-        self._times = deque(maxlen=self.MEDIAN_WINDOW)
-        self._normal = 0
-        self._threshold = None
-        self._median = None
         self._skip = True  # the next cycle holds an epoch start or our own work
         self._next_at = list(self._at_steps)
 
@@ -268,23 +262,15 @@ class ProfilerTrigger(TimedCallback):
     # -- internals -------------------------------------------------------
 
     def _watch(self, step_time):
-        """Slow-step trigger: a stall by the run's thresholds (`analysis.slow_limit`
-        with `stall_factor`, `min_slow_ms`) on the cycle (the step and the host
-        time before it), against the last `MEDIAN_WINDOW` normal cycles (at
-        least `min_judge_steps` of them), renewed every 16."""
+        """Slow-step trigger: a stall by the run's judgement (its detector's
+        `stall_limit()`: `analysis.slow_limit` with `stall_factor` and
+        `min_slow_ms` over the recent cycles the stream measured) on the
+        cycle (the step and the host time before it)."""
         if self._global > self.warmup:
-            if self._threshold is not None and step_time > self._threshold:
+            limit = self.stream.stall_limit()
+            if limit is not None and step_time > limit[0]:
                 self._arm(f"slow step {self._global - 1}: {step_time * 1e3:.1f} ms against "
-                          f"a median of {self._median * 1e3:.1f} ms")
-                return
-            self._times.append(step_time)
-            self._normal += 1
-            th = self.stream.detector.active_thresholds()
-            if self._normal >= th["min_judge_steps"] and (
-                    self._threshold is None or self._normal % 16 == 0):
-                self._median = float(np.median(self._times))
-                self._threshold = slow_limit(self._times, self._median,
-                                             factor=th["stall_factor"], min_ms=th["min_slow_ms"])
+                          f"a median of {limit[1] * 1e3:.1f} ms")
 
     def _maybe_start(self, step):
         if self._taken >= self.max_traces:

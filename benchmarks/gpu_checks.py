@@ -539,8 +539,9 @@ def main(argv=None):
           f"compiles, {row['compile_seconds_measured']:.1f} s compiling of a "
           f"{row['fit_seconds']:.1f} s fit", flush=True)
     row = details["keras_tensorboard"]
+    price = row["price_cost_share"][-1]
     print(f"fit with Keras's {row['callback']}: {row['verdicts'][-1]} naming {row['named'][-1]}, "
-          f"price {row['price_cost_share'][-1]}, measured slowdown "
+          f"price {'-' if price is None else f'{price:.2f}'} of the time, measured slowdown "
           f"{1.0 - row['steps_per_s_ratio_with_over_without']:.2f}", flush=True)
     planted_ok = figures["planted_as_planted"] == figures["planted_runs"]
     return 0 if planted_ok and figures["variable_length_verdict"] == "recompiling" else 1

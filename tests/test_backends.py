@@ -239,6 +239,22 @@ def test_jax_trace_and_scalars_without_tensorflow_are_listed_by_tensorboard(jax_
 
 # -- TensorFlow, in this process ------------------------------------------------
 
+def test_a_backend_without_profiler_or_compile_counts_says_so_in_one_line(tmp_path):
+    from keras_gpufix.backends import Backend, NotSupported, current
+
+    assert current().name == "tensorflow" and current().tensorflow_step
+    torch = Backend("torch")
+    assert torch.async_callbacks and not torch.tensorflow_step
+    assert torch.compile_log() is None
+    with pytest.raises(NotSupported, match="a profiler trace is not supported on the Keras "
+                                           "torch backend"):
+        torch.start_trace(tmp_path)
+    writer = torch.scalar_writer(str(tmp_path))  # scalars need only the tensorboard package
+    writer.write("t/x", 1.0, 0, "a description")
+    writer.close()
+    assert any(f.startswith("events.out.tfevents.") for f in os.listdir(tmp_path))
+
+
 def test_compile_log_checks_at_start_that_jax_reports_compiles(monkeypatch):
     pytest.importorskip("jax")
     from keras_gpufix.backends import jax_backend

@@ -81,12 +81,9 @@ def _jax_cases(log_dir):
 
     import keras_gpufix as kg
 
-    out = {}
-    caught = []
-    warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", kg.GpufixWarning)
-        out.update(_jax_fits(keras, kg, log_dir))
+        out = _jax_fits(keras, kg, log_dir)
     out["gpufix_warnings"] = [str(w.message) for w in caught
                               if issubclass(w.category, kg.GpufixWarning)]
     out["tensorflow_imported"] = "tensorflow" in sys.modules

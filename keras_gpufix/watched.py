@@ -255,7 +255,7 @@ class Watched:
             waiter()
             self._said_wait_error()
         else:
-            self._stream.clock.attach(waiter)
+            self._stream.await_step(waiter)
 
     def _waiter(self, outputs):
         """A function that waits for this step's device work, made on the loop's thread.
@@ -297,7 +297,7 @@ class Watched:
     def _tell_stream(self):
         """Lets the step stream (and our monitors' detectors) know whether steps are synced."""
         if self._stream is not None:
-            self._stream.synced = self.synced
+            self._stream.tell(synced=self.synced)
 
     def _say_unsynced(self):
         """Says once how to get per-step times, when steps were judged per period."""

@@ -680,8 +680,10 @@ def test_callbacks_that_stop_async_dispatch_are_named_and_priced_by_their_host_t
     assert found["verdict"] == "sync_callbacks"
     assert found["cost_share"] == pytest.approx(0.002 / 0.006)
     assert found["evidence"]["sync_callbacks"] == ["TensorBoard", "Mine"]
+    from keras_gpufix.analysis import RunFacts
+
     det = OscillationDetector()
-    det.async_blockers = ["TensorBoard"]
+    det.tell(RunFacts(async_blockers=("TensorBoard",)))
     for r in rs:
         det.update(r)
     det.finish()

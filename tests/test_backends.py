@@ -149,7 +149,7 @@ def _jax_fits(keras, kg, log_dir):
     model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=ours)
     out["plain_batch_end_callback"] = {k: blocked.report()[k] for k in ("verdict", "fix")}
     out["ours_only"] = {"verdict": ours[0].report()["verdict"],
-                        "blockers": ours[0].stream.async_blockers}
+                        "blockers": ours[0].stream.facts.async_blockers}
     out["traces"] = [t["path"] for t in ours[3].report()["traces"]]
 
     import jax

@@ -127,6 +127,9 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
         def drop_probe(self):  # a list is not the instrumented dataset itself
             supplied.append("drop_probe")
 
+        def tell(self, **facts):  # what the run's judgement knows (synced)
+            pass
+
     # iter(): 0.125 s to create the iterator; next(): start, return;
     # the ending next() and the iterator's release: 2 s, for the next step.
     clock = iter([0.0, 0.125, 10.0, 10.5, 11.0, 11.25, 12.0, 13.0, 13.0, 14.0])
@@ -219,6 +222,9 @@ def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
             raise RuntimeError("stream gone")
 
         def drop_probe(self):
+            pass
+
+        def tell(self, **facts):
             pass
 
     monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Broken())

@@ -10,8 +10,13 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
 | `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
-|               | `is_recompiling`, `rank_causes`, `fix_for`                   |
+|               | `is_recompiling`, `rank_causes`, `fix_for`,                  |
+|               | `not_run_verdict`                                            |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
+| `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
+|               | -> its input wait, step and time between steps               |
+| `facts`       | `RunFacts`: what the adapters know about a run (jit, eager,  |
+|               | synced, thresholds), handed to the detector as one object    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
 |               | what-if weighed into it), `locate_periodic` (the line where  |
@@ -23,6 +28,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 """
 
 from keras_gpufix.analysis.detector import OscillationDetector, judge, locate_periodic, weigh
+from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import judge_stages, stages_needed
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
@@ -36,6 +42,7 @@ from keras_gpufix.analysis.verdicts import (
     VERDICTS,
     fix_for,
     is_recompiling,
+    not_run_verdict,
     rank_causes,
     recompile_cost,
     slow_limit,
@@ -47,6 +54,7 @@ __all__ = [
     "FIXES",
     "OscillationDetector",
     "PHASES",
+    "RunFacts",
     "STAGE_FIXES",
     "StepLog",
     "StepRecord",
@@ -60,6 +68,7 @@ __all__ = [
     "judge_job",
     "judge_stages",
     "locate_periodic",
+    "not_run_verdict",
     "rank_causes",
     "recompile_cost",
     "slow_limit",

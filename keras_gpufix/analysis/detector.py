@@ -470,12 +470,20 @@ class OscillationDetector:
         self.eager = eager
         self.synced = synced
         self.eager_where = eager_where
-        self.async_blockers = None  # set by the run's step stream (judge's argument)
-        self.input_source = None  # fit's Python data source (INPUT_SOURCE_FIXES), or None
-        self.input_workers = None  # its parallel workers (judge's argument), or None
+        self.async_blockers = None  # RunFacts (tell): judge's arguments and the fix's fields
+        self.input_source = None
+        self.input_workers = None
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
+
+    def tell(self, facts):
+        """Takes what the run's adapters know about it (an `analysis.RunFacts`)."""
+        self.jit, self.eager, self.eager_where = facts.jit, facts.eager, facts.eager_where
+        self.synced = facts.synced
+        self.run_thresholds = dict(facts.thresholds)
+        self.async_blockers = facts.async_blockers
+        self.input_source, self.input_workers = facts.input_source, facts.input_workers
 
     def active_thresholds(self) -> dict:
         """Every threshold this detector judges with (`THRESHOLDS`, the

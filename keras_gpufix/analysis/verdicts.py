@@ -39,6 +39,7 @@ __all__ = [
     "CONTENTION_FIX",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "not_run_verdict",
     "UNSYNCED_NOTE",
     "INPUT_SOURCE_FIXES",
     "fix_for",
@@ -227,6 +228,13 @@ TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
 )
+
+def not_run_verdict() -> dict:
+    """The verdict of a monitor that took part in no run yet: `unknown`, in
+    the shape of `OscillationDetector.verdict()`."""
+    return {"verdict": "unknown", "fix": "no run was monitored yet", "phase": None,
+            "cost_share": None, "because": [], "changed": None}
+
 
 #: Said with a judgement of unsynced asynchronous steps (analysis.dispatch).
 UNSYNCED_NOTE = (

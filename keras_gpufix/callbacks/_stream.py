@@ -86,7 +86,13 @@ import weakref
 import keras
 
 from keras_gpufix._step_shapes import StepShapes
-from keras_gpufix.analysis import VERDICTS, OscillationDetector, StepRecord
+from keras_gpufix.analysis import (
+    VERDICTS,
+    OscillationDetector,
+    RunFacts,
+    StepRecord,
+    not_run_verdict,
+)
 from keras_gpufix.analysis.phases import split_cycle
 from keras_gpufix.backends import current
 from keras_gpufix.backends.batch_clock import BatchClock
@@ -119,21 +125,17 @@ class StepStream:
             right at that hook (for callbacks that act on the next step).
         input_probe: the `InputProbe` being read, or None.
         detector: the run's one `OscillationDetector`.
-        jit, eager: whether the step is XLA-compiled (None: not known) and
-            whether it runs eagerly; the model's, refined by a
-            `RetracingMonitor`.
-        eager_where: `file:line` where the step was made eager (the line
-            of a user's `compile` override that hands `run_eagerly` to
-            Keras), named by the `eager_step` fix; None when not known.
-        run_thresholds: thresholds for this run's judgement (a
-            `RetracingMonitor`'s `max_new_shapes`).
+        facts: what is known about the run (`analysis.RunFacts`: jit,
+            eager, eager_where, synced, thresholds), handed to the detector
+            whenever it changes (`tell`): the model's when the run starts
+            (`eager_where`: the line of a user's `compile` override that
+            hands `run_eagerly` to Keras), refined by a `RetracingMonitor`,
+            `kg.watch` (synced), diagnose's loop patch; `synced` becomes
+            True once Keras handed logs to an end hook, which it turns into
+            numbers first, waiting for the step.
         step_shapes: the `StepShapes` probe of fit's XLA train step (the
             input shapes of a plain `tf.data` dataset), or None;
             `step_shapes_note` says why it could not be attached.
-        synced: whether each step is timed where its device work ends (set
-            by `kg.watch`; True once Keras handed logs to an end hook, which
-            it turns into numbers first, waiting for the step; None: not
-            known). Given to the detector with each record.
         framed: whether markers at the front and back of the running
             CallbackList time the step (else the members' own hooks do).
     """
@@ -157,10 +159,11 @@ class StepStream:
         self.members = []
         self.leader = None
         self.batch_size = None
-        self.sampler = None
+        self._sampler = None
         self.hooks = 0
         self.last = None
-        self.synced = None
+        self.facts = RunFacts()
+        self._logs_seen = False  # an end hook got logs (Keras waited for the step)
         self.clock = StepClock()
         self._offset = self.clock.offset
         self._cursor = None
@@ -175,15 +178,10 @@ class StepStream:
         self._failures = []  # end-hook failures in Keras's pool, reported on the loop's thread
         self.detector = OscillationDetector()
         self._own_detector = True
-        self.jit = None
-        self.eager = False
-        self.eager_where = None
-        self.run_thresholds = {}
         self.step_shapes = self.step_shapes_note = None
         self.framed = False
         self._unframe = None
         self.backend = None
-        self.async_blockers = None
         self._compiles = None
         self._compiles_read = 0.0
         self._batch_clock = None
@@ -206,20 +204,21 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
-            stream.async_blockers = stream._blockers(callback)
+            stream.tell(async_blockers=stream._blockers(callback))
             stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
                                                  _Edge(stream, end=False))
             stream.framed = stream._unframe is not None
             model = callback_model(callback)
-            stream.jit = step_jit_compile(model)
-            stream.eager = bool(getattr(model, "run_eagerly", False))
-            stream.eager_where = _compile_site(model) if stream.eager else None
+            eager = bool(getattr(model, "run_eagerly", False))
+            stream.tell(jit=step_jit_compile(model), eager=eager,
+                        eager_where=_compile_site(model) if eager else None)
             stream._watch_step_shapes(model)
             stream._watch_source()
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
             detector.reset()
+            detector.tell(stream.facts)
         size = getattr(callback, "batch_size", None)
         if stream.batch_size is None and size is not None:
             stream.batch_size = size
@@ -253,7 +252,7 @@ class StepStream:
         only: the probe is a TensorFlow op.
         """
         self.step_shapes, self.step_shapes_note = None, None
-        if (self.backend.tensorflow_step and self.jit and not self.eager
+        if (self.backend.tensorflow_step and self.facts.jit and not self.facts.eager
                 and model is not None):
             self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
 
@@ -267,6 +266,8 @@ class StepStream:
         self._batch_clock = BatchClock.attach(self.backend)
         if self._batch_clock is not None:
             self._cursor = self._batch_clock
+            self.tell(input_source=self._batch_clock.source,
+                      input_workers=self._batch_clock.workers)
 
     def _blockers(self, callback):
         """Names of the callbacks that turned Keras's asynchronous dispatch off.
@@ -279,7 +280,8 @@ class StepStream:
         hooks = running_callback_list(callback)
         if hooks is None or async_train_dispatch(hooks) is not False:
             return None
-        return [type(c).__name__ for c in hooks.callbacks if blocks_async_dispatch(c)] or None
+        return tuple(type(c).__name__ for c in hooks.callbacks
+                     if blocks_async_dispatch(c)) or None
 
     def _compile_seconds(self, pending):
         """Per pending hook, seconds JAX spent compiling inside it (None: not counted)."""
@@ -321,6 +323,21 @@ class StepStream:
         """
         wait = None if input_wait is None else float(input_wait)
         self._supplied = (wait, samples, shape, bool(split))
+
+    def tell(self, **facts):
+        """Updates what is known about the run (`analysis.RunFacts` fields by
+        name; `thresholds` are added to the run's) and hands it to the detector."""
+        self.facts = self.facts.merged(**facts)
+        self.detector.tell(self.facts)
+
+    def sample_utilisation(self, sampler):
+        """Reads each record's GPU utilisation from `sampler` (an `NvmlSampler`, or None)."""
+        self._sampler = sampler
+
+    def await_step(self, waiter):
+        """Has the step now running end where `waiter()` returns (a custom-loop
+        wrapper's wait for the step's device work; called before its end hook)."""
+        self.clock.attach(waiter)
 
     def count_traces(self, counter):
         """Counts traces with `counter()` (total traces so far) at every end hook.
@@ -370,8 +387,8 @@ class StepStream:
         thread; the records are made on the loop's thread (here when it
         runs there, else at the next step's begin).
         """
-        if logs and self.synced is None:
-            self.synced = True  # Keras made the logs numbers: it waited for the step
+        if logs:
+            self._logs_seen = True  # Keras made the logs numbers: it waited for the step
         per_step = self.clock.end(batch)
         if isinstance(logs, dict) and per_step is not None:
             logs["step_ms"] = per_step * 1e3
@@ -380,6 +397,8 @@ class StepStream:
 
     def drain(self):
         """Takes the finished hooks, in order, on the loop's thread; syncs when due."""
+        if self._logs_seen and self.facts.synced is None:
+            self.tell(synced=True)
         for hook, start, span, gap, traces in self.clock.take():
             epoch, first, supplied = hook.facts
             self._pending.append((self._global, hook.steps, start, span, gap, epoch, first,
@@ -489,8 +508,8 @@ class StepStream:
                 if len(self._shapes) < self.MAX_SHAPES:
                     self._shapes.add(shape)
             util = None
-            if self.sampler is not None:
-                util = self.sampler.mean_between(begin + self._offset,
+            if self._sampler is not None:
+                util = self._sampler.mean_between(begin + self._offset,
                                                  begin + span + self._offset)
             records.append(StepRecord(
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
@@ -504,13 +523,6 @@ class StepStream:
     def _judge(self, records):
         """Feeds the run's one detector; hands its judgements and events to every member."""
         det = self.detector
-        det.jit, det.eager, det.run_thresholds = self.jit, self.eager, self.run_thresholds
-        det.eager_where = self.eager_where
-        det.synced = self.synced
-        det.async_blockers = self.async_blockers
-        clock = self._batch_clock
-        det.input_source, det.input_workers = (None, None) if clock is None else (
-            clock.source, clock.workers)
         for record in records:
             self._add_to_epoch(record)
             judged = det.judgements
@@ -701,8 +713,7 @@ class TimedCallback(GuardedCallback):
     def _verdict_report(self):
         """The head of every `report()`: the run's one verdict (unknown before a run)."""
         if self.stream is None:
-            verdict = {"verdict": "unknown", "fix": "no run was monitored yet",
-                       "phase": None, "cost_share": None, "because": [], "changed": None}
+            verdict = not_run_verdict()
         else:
             verdict = self.stream.detector.verdict()
         return {**verdict, "errors": list(self.errors)}

@@ -139,7 +139,7 @@ class GPUOscillationMonitor(TimedCallback):
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
         self._start_sampler()
-        self.stream.sampler = self._sampler
+        self.stream.sample_utilisation(self._sampler)
 
     def _start_sampler(self):
         self._sampler = None  # a stopped sampler keeps its samples for report()

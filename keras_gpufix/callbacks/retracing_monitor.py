@@ -177,11 +177,11 @@ class RetracingMonitor(TimedCallback):
         if self._functions:
             self.stream.count_traces(self._trace_total)
         if self.functions is not None:
-            self.stream.jit = self._jit
+            self.stream.tell(jit=self._jit)
         if self._compiled is False:
-            self.stream.eager = True
+            self.stream.tell(eager=True)
         if self.max_new_shapes is not None:
-            self.stream.run_thresholds["max_new_shapes"] = self.max_new_shapes
+            self.stream.tell(thresholds={"max_new_shapes": self.max_new_shapes})
 
     def _watch_functions(self):
         """The custom loop's own step functions."""

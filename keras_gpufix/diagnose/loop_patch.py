@@ -205,8 +205,8 @@ class _Loop:
         epoch = iter(self.watched)  # ends the previous epoch, if open
         stream = stream_of(self.watched.callbacks)
         if stream is not None and self.patch.step_info["eager"]:
-            stream.eager = True  # the run's judgement gets the direct evidence of eager_step
-            stream.eager_where = self.patch.step_info["eager_where"]
+            # the run's judgement gets the direct evidence of eager_step
+            stream.tell(eager=True, eager_where=self.patch.step_info["eager_where"])
         return epoch
 
     def finish(self):

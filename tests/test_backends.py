@@ -12,6 +12,8 @@ scalars without TensorFlow. Each case is a tiny model on the CPU:
 - arrays -> `healthy`; no GpufixWarning in any plain JAX fit;
 - `ProfilerTrigger` writes a `jax.profiler` trace that TensorBoard's profile
   plugin lists;
+- a `jax.jit` loop under `kg.watch` with a new shape each step and
+  `RetracingMonitor(functions=[step])` -> `recompiling`, every compile timed;
 - a Keras callback that sleeps in `on_train_batch_end` -> `sync_callbacks`
   naming it; our callbacks alone -> no such finding.
 
@@ -162,6 +164,21 @@ def _jax_fits(keras, kg, log_dir):
         for batch in watched:
             w = step(w, batch)
     out["watch_steps"] = watch.report()["step_time"]["count"]
+
+    @jax.jit
+    def shaped_step(w, x):
+        return w - 0.01 * x.mean()
+
+    counted = kg.RetracingMonitor(functions=[shaped_step], warn=False, verbose=0)
+    with kg.watch([np.ones((4, 8 + i), "float32") for i in range(24)],
+                  callbacks=[kg.GPUOscillationMonitor(verbose=0), counted]) as watched:
+        for x in watched:
+            w = shaped_step(w, x)
+    report = counted.report()
+    out["watch_new_shapes"] = {
+        "verdict": report["verdict"], "compiled": report["compiled"],
+        "shapes": report["new_shapes"],
+        "measured": sum(1 for e in report["shape_events"] if e["compile_s"])}
     return out
 
 
@@ -203,6 +220,12 @@ def test_jax_healthy_fit_and_no_gpufix_warning_without_tensorflow(jax_cases):
     assert out["gpufix_warnings"] == []
     assert out["tensorflow_imported"] is False
     assert out["watch_steps"] == 24
+
+
+def test_jax_jit_loop_under_watch_with_new_shapes_is_recompiling_not_eager(jax_cases):
+    case = jax_cases[0]["watch_new_shapes"]
+    assert case["compiled"] is True and case["verdict"] == "recompiling", case
+    assert case["shapes"] == 24 and case["measured"] == 24  # every compile timed by jax
 
 
 def test_jax_plain_batch_end_callback_is_named_ours_alone_are_not(jax_cases):

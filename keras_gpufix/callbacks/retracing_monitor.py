@@ -185,6 +185,10 @@ class RetracingMonitor(TimedCallback):
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
+        backend = current()
+        if not backend.tensorflow_step:
+            self._watch_jitted(backend)
+            return
         traced = [f for f in self.functions
                   if callable(getattr(f, "experimental_get_tracing_count", None))]
         for f in self.functions:
@@ -207,6 +211,23 @@ class RetracingMonitor(TimedCallback):
             self._baseline = self._trace_total()
             jit = [function_jit_compile(f) for f in self._functions.values()]
             self._jit = True if any(jit) else (None if None in jit else False)
+
+    def _watch_jitted(self, backend):
+        """The loop's step functions on a backend without tf.function (JAX: `jax.jit`).
+
+        A jitted function (it has `lower`) compiles once per input shape:
+        its compiles come from the backend (each record's `compile_s`); a
+        plain Python function runs op by op, compiling nothing.
+        """
+        jitted = [f for f in self.functions if callable(getattr(f, "lower", None))]
+        for f in self.functions:
+            if f not in jitted:
+                self.notes.append(f"{_name(f)} is not jitted: it runs op by op, so nothing is "
+                                  "compiled (wrap it in jax.jit)")
+        self._compiled = bool(jitted)
+        self._jit = bool(jitted)
+        if jitted and backend.compile_log() is None:
+            self.notes.append(backend.unsupported("counting XLA compiles"))
 
     def _watch_train_function(self):
         """The `tf.function`s of `model.fit`'s train step."""

@@ -1,5 +1,13 @@
 """The shared step stream: one measurement per hook for all our callbacks.
 
+Parts, one job each: `_clock.py` stamps begin and ready times across
+threads; `analysis/phases.py` splits a cycle into its phases;
+`_edge.py` holds the markers that frame the callback list;
+`_model_facts.py` reads what the model says about the run (jit, eager,
+where); `_timed.py` is the base class of our callbacks; this module joins the
+members, reads the input probe, makes the records and feeds the run's one
+detector (its facts as one `analysis.RunFacts`, `tell`).
+
 All keras_gpufix callbacks in one `fit` (or one `kg.watch` loop) join one
 `StepStream`. Its step clock (`callbacks/_clock.py`) is read once per hook
 (`time.perf_counter`; wall times come from one offset taken when the stream
@@ -80,34 +88,28 @@ CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 |              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
 """
 
-import os
 import weakref
 
 import keras
 
 from keras_gpufix._step_shapes import StepShapes
-from keras_gpufix.analysis import (
-    VERDICTS,
-    OscillationDetector,
-    RunFacts,
-    StepRecord,
-    not_run_verdict,
-)
+from keras_gpufix.analysis import VERDICTS, OscillationDetector, RunFacts, StepRecord
 from keras_gpufix.analysis.phases import split_cycle
 from keras_gpufix.backends import current
 from keras_gpufix.backends.batch_clock import BatchClock
-from keras_gpufix.callbacks._base import GuardedCallback, UserError, guarded
+from keras_gpufix.callbacks._base import UserError
 from keras_gpufix.callbacks._clock import StepClock
+from keras_gpufix.callbacks._edge import Edge
+from keras_gpufix.callbacks._model_facts import model_facts
 from keras_gpufix.keras_internals import (
     async_train_dispatch,
     blocks_async_dispatch,
     callback_model,
     running_callback_list,
-    step_jit_compile,
     surround_callbacks,
 )
 
-__all__ = ["StepStream", "TimedCallback", "stream_of"]
+__all__ = ["StepStream", "stream_of"]
 
 # id(model) -> the StepStream of the running fit on that model. Weak: its
 # members hold it while they run; a fit that ended by an exception (no
@@ -205,13 +207,11 @@ class StepStream:
             stream.leader = callback
             stream._open()
             stream.tell(async_blockers=stream._blockers(callback))
-            stream._unframe = surround_callbacks(callback, _Edge(stream, end=True),
-                                                 _Edge(stream, end=False))
+            stream._unframe = surround_callbacks(callback, Edge(stream, end=True),
+                                                 Edge(stream, end=False))
             stream.framed = stream._unframe is not None
             model = callback_model(callback)
-            eager = bool(getattr(model, "run_eagerly", False))
-            stream.tell(jit=step_jit_compile(model), eager=eager,
-                        eager_where=_compile_site(model) if eager else None)
+            stream.tell(**model_facts(model))
             stream._watch_step_shapes(model)
             stream._watch_source()
         detector = getattr(callback, "detector", None)
@@ -565,78 +565,6 @@ class StepStream:
         return len(self._shapes)
 
 
-def _compile_site(model):
-    """`file:line` of the call in the user's `compile` override that hands
-    `run_eagerly` on (`super().compile(..., run_eagerly=...)`), or None
-    (no override, or its source is not readable)."""
-    import ast
-    import inspect
-    import textwrap
-
-    method = getattr(type(model), "compile", None)
-    code = getattr(method, "__code__", None)
-    if code is None or code.co_filename.startswith(_KERAS_DIR):
-        return None
-    try:
-        lines, first = inspect.getsourcelines(method)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and any(k.arg == "run_eagerly" for k in n.keywords)]
-    return (f"{code.co_filename}:{first + min(c.lineno for c in calls) - 1}" if calls
-            else None)
-
-
-_KERAS_DIR = os.path.dirname(keras.__file__) + os.sep
-
-
-class _Edge(keras.callbacks.Callback):
-    """A stream's marker at the front (`end=True`) or back of a CallbackList.
-
-    The front marker ends each step at `on_train_batch_end` before any
-    other callback runs (and, at `on_train_batch_begin`, hands out the
-    hooks that ended in Keras's pool); the back marker begins it at
-    `on_train_batch_begin` after all of them ran. A failure is reported by
-    the stream's leader on the loop's thread, never raised into the user's
-    loop.
-    """
-
-    async_safe = True
-
-    def __init__(self, stream, end):
-        super().__init__()
-        self._stream = stream
-        self._end = end
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._end:
-            self._guard(self._stream.cycle_begin)
-        else:
-            self._guard(self._stream.batch_begin, batch)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._end:
-            self._guard(self._stream.end_hook, batch, logs)
-
-    def _guard(self, hook, *args):
-        stream = self._stream
-        if stream._closed or not stream.framed:
-            return
-        try:
-            hook(*args)
-            return
-        except UserError as exc:  # the user's own function raised: Keras lets that propagate
-            error = exc.__cause__
-        except Exception as exc:  # a monitor must never stop training
-            if stream.clock.on_loop_thread():
-                stream.leader._report_failure(f"step marker {hook.__name__}", exc)
-            else:
-                stream.fail_off_loop(f"step marker {hook.__name__}", exc)
-            return
-        raise error  # outside the handler: the user's traceback, not ours
-
-
 def stream_of(callbacks):
     """The `StepStream` our callbacks in `callbacks` joined, or None.
 
@@ -649,130 +577,3 @@ def stream_of(callbacks):
         if isinstance(stream, StepStream) and not stream._closed:
             return stream
     return None
-
-
-class TimedCallback(GuardedCallback):
-    """Base of our callbacks that observe steps through the shared stream.
-
-    Subclasses implement the parts they need:
-
-    - `_begin()` / `_end()`: at the start / end of each run (after joining
-      the stream; after the stream's last records were handed out);
-    - `_after_hook()`: after each end hook (a step, or N steps), on the
-      loop's thread (`stream.last` holds it): at the end hook where Keras
-      runs it there, else at the next step's begin;
-    - `_on_records(records)`: new `StepRecord`s, in order (every quarter
-      second, before validation, at epoch end and at the end of training);
-    - `_epoch_done()`: at epoch end, after `_on_records`;
-    - `_on_judgement(judgement, step)`, `_on_event(event)`: the run's one
-      detector judged a window / reported an event.
-
-    `report()` of every subclass starts with the run's verdict
-    (`_verdict_report()`: `verdict`, `fix`, `phase`, `cost_share`,
-    `because`, `changed`, `errors`), then what the callback itself measured.
-
-    Every subclass is `async_safe`: its end hook only stamps the step clock
-    (`callbacks/_clock.py`), so Keras keeps dispatching end hooks to its
-    thread pool and the loop never waits for the device on our account.
-    Everything else runs on the loop's thread.
-    """
-
-    async_safe = True
-
-    def __init__(self):
-        super().__init__()
-        self.stream = None
-
-    def _begin(self):
-        pass
-
-    def _end(self):
-        pass
-
-    def _after_hook(self):
-        pass
-
-    def _on_records(self, records):
-        pass
-
-    def _epoch_done(self):
-        pass
-
-    def _on_judgement(self, judgement, step):
-        pass
-
-    def _on_event(self, event):
-        pass
-
-    def _take_records(self, records):
-        try:
-            self._on_records(records)
-        except Exception as exc:  # a monitor must never stop training
-            self._report_failure("_on_records", exc)
-
-    def _verdict_report(self):
-        """The head of every `report()`: the run's one verdict (unknown before a run)."""
-        if self.stream is None:
-            verdict = not_run_verdict()
-        else:
-            verdict = self.stream.detector.verdict()
-        return {**verdict, "errors": list(self.errors)}
-
-    @guarded
-    def on_train_begin(self, logs=None):
-        self.stream = None
-        self.stream = StepStream.join(self)
-        self._begin()
-
-    # After a failed on_train_begin (warned once) the hooks do nothing.
-
-    # Each stream hook is called by one member: the leader (the first), but a
-    # step's begin by the last member, so that the last member's begin and
-    # the leader's end frame the step tightly: our own hooks fall in
-    # `between`, not in the step. Where the stream's markers frame the step
-    # around the whole callback list (`StepStream.framed`), they do instead.
-
-    @guarded
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.stream is not None and self.stream.leader is self:
-            self.stream.epoch_begin()
-
-    @guarded
-    def on_train_batch_begin(self, batch, logs=None):
-        stream = self.stream
-        if stream is not None and not stream.framed:
-            if stream.leader is self:
-                stream.cycle_begin()
-            if stream.members[-1] is self:
-                stream.batch_begin(batch)
-
-    @guarded
-    def on_train_batch_end(self, batch, logs=None):
-        stream = self.stream
-        if stream is not None and stream.leader is self and not stream.framed:
-            stream.end_hook(batch, logs)
-
-    @guarded
-    def on_test_begin(self, logs=None):
-        # Validation runs before on_epoch_end: read training's input first,
-        # so an instrumented validation set is never taken for it.
-        if self.stream is not None and self.stream.leader is self:
-            self.stream.settle()
-            self.stream.sync()
-
-    @guarded
-    def on_epoch_end(self, epoch, logs=None):
-        if self.stream is not None:
-            if self.stream.leader is self:
-                self.stream.settle()
-                self.stream.sync()
-                if isinstance(logs, dict):
-                    self.stream.epoch_logs(logs)
-            self._epoch_done()
-
-    @guarded
-    def on_train_end(self, logs=None):
-        if self.stream is not None:
-            if self.stream.leader is self:
-                self.stream.train_end()
-            self._end()

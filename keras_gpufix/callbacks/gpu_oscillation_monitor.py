@@ -57,7 +57,7 @@ import time
 from keras_gpufix.analysis import OscillationDetector
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
 from keras_gpufix.callbacks._job import cluster_task, gather_job
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler

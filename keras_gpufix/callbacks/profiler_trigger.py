@@ -46,7 +46,7 @@ import numpy as np
 from keras_gpufix import profiling
 from keras_gpufix.analysis import weigh
 from keras_gpufix.callbacks._base import guarded
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from keras_gpufix.analysis import FIXES, recompile_cost, step_compiled
 from keras_gpufix.backends import current
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import (
     concrete_functions,

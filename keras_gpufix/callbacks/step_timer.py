@@ -33,7 +33,7 @@ Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
 
 from keras_gpufix.analysis import StepLog
 from keras_gpufix.callbacks._base import ScalarWriter
-from keras_gpufix.callbacks._stream import TimedCallback
+from keras_gpufix.callbacks._timed import TimedCallback
 
 __all__ = ["StepTimer"]
 

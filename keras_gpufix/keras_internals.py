@@ -42,6 +42,7 @@ __all__ = [
     "step_on_data_cell",
     "surround_callbacks",
     "time_batches",
+    "time_train_function",
     "symbolic_build",
     "tf_function_class",
     "traced_functions",
@@ -654,6 +655,37 @@ def data_source(epoch_iterator) -> tuple:
     if getattr(adapter, "enqueuer", None) is not None:
         workers = getattr(getattr(adapter, "py_dataset", None), "workers", None)
     return kind, workers
+
+
+def time_train_function(model, stamp):
+    """Calls `stamp()` each time `model.train_function` returns, in `fit`.
+
+    Keras 3.15.1's `fit` on JAX, torch and NumPy looks `self.train_function`
+    up at every step (`logs, state = self.train_function(state, iterator)`
+    on JAX); `make_train_function` sets it before `on_train_begin`. On JAX it
+    returns once the step is dispatched. The wrapper is an instance
+    attribute of the same name and calls the original unchanged.
+
+    Returns:
+        A function that puts the original back, or None (no train function).
+    """
+    original = getattr(model, "train_function", None)
+    if not callable(original):
+        return None
+
+    def timed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        stamp()
+        return out
+
+    timed.__wrapped__ = original
+    model.train_function = timed
+
+    def restore():
+        if getattr(model, "train_function", None) is timed:
+            model.train_function = original
+
+    return restore
 
 
 def _wrap(owner, name, wrapper):

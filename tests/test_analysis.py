@@ -712,3 +712,15 @@ def test_a_wait_every_workers_batches_is_the_input_being_slow_not_a_schedule():
     # A stall every 7 batches stays a schedule beside 2 workers.
     every7 = [r._replace(input_wait=0.02 if i % 7 == 6 else 0.0) for i, r in enumerate(rs)]
     assert judge(every7, input_workers=2)["verdict"] == "periodic_stall"
+
+
+def test_sync_callbacks_price_splits_each_step_at_its_dispatch_where_measured():
+    from keras_gpufix.analysis import judge
+
+    # 6 ms cycles: 1 ms between, the step dispatched after 2 ms of host work,
+    # then 3 ms awaited on the device: 3 ms of host and 3 of device, 3 lost.
+    rs = [StepRecord(index=i, steps=1, input_wait=0.0, step=0.005, between=0.001,
+                     awaited=0.003) for i in range(40)]
+    found = judge(rs, async_blockers=("Mine",))
+    assert found["verdict"] == "sync_callbacks"
+    assert found["cost_share"] == pytest.approx(0.5)

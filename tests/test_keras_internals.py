@@ -469,3 +469,19 @@ def test_blocks_async_dispatch_follows_keras_rule():
     assert not blocks_async_dispatch(Safe())
     assert not blocks_async_dispatch(keras.callbacks.History())
     assert blocks_async_dispatch(keras.callbacks.TerminateOnNaN())
+
+
+def test_time_train_function_stamps_each_step_and_gives_it_back():
+    from keras_gpufix.keras_internals import time_train_function
+
+    stamps = []
+    seen = _Seen(lambda cb: time_train_function(cb.model, lambda: stamps.append(1)))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((12, 4)), np.zeros((12, 1)), batch_size=4, epochs=1, verbose=0,
+              callbacks=[seen])
+    assert len(stamps) == 3
+    wrapped = model.train_function
+    seen.found()
+    assert model.train_function is wrapped.__wrapped__
+    assert time_train_function(keras.Sequential(), stamps.append) is None  # not compiled

@@ -195,7 +195,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             dispatch off (names), or None (it is on, or the backend has
             none). Their price: the host time of each cycle (between steps
             and waiting for input) that would overlap the device step with
-            dispatch on, at most the step (`sync_callbacks`).
+            dispatch on, at most the step (`sync_callbacks`); where the
+            records hold what the host `awaited` after dispatching each
+            step, the host's part is the rest of the cycle.
         input_workers: workers that make the batches in parallel (a
             PyDataset's), or None. Their batches arrive in bursts: an input
             wait that recurs every `input_workers` batches or fewer is the
@@ -362,8 +364,17 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
     if async_blockers:
-        host = phase["between"] + phase["input_wait"]
-        sync_share = float(np.dot(np.minimum(host, phase["step"]), n)) / total if total else 0.0
+        # With dispatch on, the host's part of each cycle overlaps the device's:
+        # the smaller of the two is lost per step. The device's part is what the
+        # host awaited after dispatching (`StepRecord.awaited`); without it, the
+        # step is taken as the device's and the host's part is what the hooks see.
+        awaited = [r.awaited for r in rs]
+        if all(a is not None for a in awaited):
+            device = np.array(awaited) / n
+            host = cycle - device
+        else:
+            device, host = phase["step"], phase["between"] + phase["input_wait"]
+        sync_share = float(np.dot(np.minimum(host, device), n)) / total if total else 0.0
         ev.update(sync_callbacks=list(async_blockers), sync_host_ms=float(np.median(host)) * 1e3,
                   sync_time_share=sync_share)
         if sync_share >= th["cost_share"]:

@@ -50,6 +50,7 @@ class StepRecord(NamedTuple):
     split: bool = True
     traces: int = 0
     compile_s: Optional[float] = None
+    awaited: Optional[float] = None
 
     @property
     def cycle(self) -> float:

@@ -97,6 +97,7 @@ from keras_gpufix.analysis import VERDICTS, OscillationDetector, RunFacts, StepR
 from keras_gpufix.analysis.phases import split_cycle
 from keras_gpufix.backends import current
 from keras_gpufix.backends.batch_clock import BatchClock
+from keras_gpufix.backends.dispatch_clock import DispatchClock
 from keras_gpufix.callbacks._base import UserError
 from keras_gpufix.callbacks._clock import StepClock
 from keras_gpufix.callbacks._edge import Edge
@@ -187,6 +188,7 @@ class StepStream:
         self._compiles = None
         self._compiles_read = 0.0
         self._batch_clock = None
+        self._dispatch = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
@@ -214,6 +216,7 @@ class StepStream:
             stream.tell(**model_facts(model))
             stream._watch_step_shapes(model)
             stream._watch_source()
+            stream._watch_dispatch(model)
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -268,6 +271,12 @@ class StepStream:
             self._cursor = self._batch_clock
             self.tell(input_source=self._batch_clock.source,
                       input_workers=self._batch_clock.workers)
+
+    def _watch_dispatch(self, model):
+        """Where callbacks stopped asynchronous dispatch, stamps each step's dispatch."""
+        self._dispatch = None
+        if self.facts.async_blockers and model is not None:
+            self._dispatch = DispatchClock.attach(model)
 
     def _blockers(self, callback):
         """Names of the callbacks that turned Keras's asynchronous dispatch off.
@@ -456,6 +465,8 @@ class StepStream:
         self.sync()
         if self._batch_clock is not None:
             self._batch_clock.detach()
+        if self._dispatch is not None:
+            self._dispatch.detach()
         event = self.detector.finish()
         if event is not None:
             self._deliver("_on_event", event)
@@ -483,9 +494,11 @@ class StepStream:
         records = []
         seen_in_step = self._step_shape_keys(pending)
         compiled = self._compile_seconds(pending)
+        awaited = ([None] * len(pending) if self._dispatch is None else
+                   self._dispatch.awaited([(p[2], p[2] + p[3]) for p in pending]))
         for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
-                frames, in_step, compile_s in zip(pending, waits, rows, reals, seen_in_step,
-                                                  compiled):
+                frames, in_step, compile_s, device in zip(pending, waits, rows, reals,
+                                                          seen_in_step, compiled, awaited):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -515,7 +528,7 @@ class StepStream:
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
-                split=split, traces=traces, compile_s=compile_s))
+                split=split, traces=traces, compile_s=compile_s, awaited=device))
         for callback in self.members:
             callback._take_records(records)
         self._judge(records)

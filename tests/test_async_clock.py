@@ -93,6 +93,55 @@ def test_kg_watch_waits_for_the_step_off_the_loop_thread(jax_run):
     assert watch["verdict"] == "healthy" and watch["synced"] is True
 
 
+def test_every_public_callback_keeps_async_dispatch(monkeypatch, tmp_path):
+    import keras
+    from keras.src.callbacks import callback_list
+
+    import keras_gpufix as kg
+    from keras_gpufix.keras_internals import async_train_dispatch
+
+    monkeypatch.setattr(callback_list.backend, "IS_THREAD_SAFE", True)  # as on JAX
+    for callback in (kg.StepTimer(), kg.GPUOscillationMonitor(nvml=False, verbose=0),
+                     kg.ProfilerTrigger(str(tmp_path)), kg.RetracingMonitor()):
+        assert callback.async_safe is True
+        assert async_train_dispatch(keras.callbacks.CallbackList([callback])) is True
+
+
+def test_the_clock_hands_out_steps_in_order_whatever_order_they_end_in(monkeypatch):
+    import threading
+    import types
+
+    import keras_gpufix.callbacks._clock as clock_module
+    from keras_gpufix.analysis.phases import hook_span, split_cycle
+
+    now = iter([0.0, 0.0, 1.0, 2.0, 5.0, 3.0, 9.0, 10.0])
+    monkeypatch.setattr(clock_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: next(now), time=lambda: 0.0, monotonic=time.monotonic))
+    clock = clock_module.StepClock()
+    for batch in range(3):  # the loop dispatches three steps before any ends
+        clock.begin(batch, facts=batch)
+
+    def end(batch):  # Keras's pool: ends out of order, off the loop's thread
+        thread = threading.Thread(target=clock.end, args=(batch,))
+        thread.start()
+        thread.join()
+
+    end(1)  # ready at 5
+    assert clock.take() == []  # step 0 has not ended: nothing is handed out before it
+    end(0)  # ready at 3
+    taken = [(h.facts, start, span, gap) for h, start, span, gap, _ in clock.take()]
+    # step = ready(N) - max(begin(N), ready(N-1)); the loop was ahead: no host gap
+    assert taken == [(0, 0.0, 3.0, 0.0), (1, 3.0, 2.0, 0.0)]
+    clock.end(2)  # on the loop's thread, at 9
+    clock.begin(3, facts=3)  # at 10: the device waited 1 s for the host
+    assert [(h.facts, start, span, gap) for h, start, span, gap, _ in clock.take()] == [
+        (2, 5.0, 4.0, 0.0)]
+    assert hook_span(10.0, 12.0, 9.0) == (10.0, 2.0, 1.0)
+    assert split_cycle(2.0, 1.0, 0.4, supplied=True) == (0.4, 2.0, 0.6)
+    # a supplied wait that overlapped the device's work counts only where it idled
+    assert split_cycle(2.0, 0.0, 0.4, supplied=True) == (0.0, 2.0, 0.0)
+
+
 # -- the subprocess ---------------------------------------------------------
 
 def _main():

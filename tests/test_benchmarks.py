@@ -70,6 +70,7 @@ def test_gpu_checks_imports_on_the_jax_backend_without_tensorflow():
     pytest.importorskip("jax")
     code = ("import sys; sys.modules['tensorflow'] = None; sys.path.insert(0, 'benchmarks'); "
             "import gpu_checks, keras; from _results import machine; "
+            "gpu_checks.our_callbacks('logs'), gpu_checks.kg.watch([]); "
             "print(keras.backend.backend(), sorted(gpu_checks.SIZES), machine())")
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

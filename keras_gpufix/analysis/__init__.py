@@ -35,6 +35,7 @@ from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_t
 from keras_gpufix.analysis.verdicts import (
     FIXES,
     PHASES,
+    RETRACE_FIX,
     STAGE_FIXES,
     THRESHOLDS,
     TOO_FEW_STEPS,
@@ -54,6 +55,7 @@ __all__ = [
     "FIXES",
     "OscillationDetector",
     "PHASES",
+    "RETRACE_FIX",
     "RunFacts",
     "STAGE_FIXES",
     "StepLog",

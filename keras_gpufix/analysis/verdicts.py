@@ -39,6 +39,7 @@ __all__ = [
     "CONTENTION_FIX",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "RETRACE_FIX",
     "not_run_verdict",
     "UNSYNCED_NOTE",
     "INPUT_SOURCE_FIXES",
@@ -228,6 +229,12 @@ TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
 )
+
+#: Said first in the `recompiling` fix when the step was traced again (not only
+#: compiled for new shapes): what makes tf.function retrace.
+RETRACE_FIX = ("feed tensors of fixed dtype and structure (no Python numbers or lists in "
+               "the batch)")
+
 
 def not_run_verdict() -> dict:
     """The verdict of a monitor that took part in no run yet: `unknown`, in

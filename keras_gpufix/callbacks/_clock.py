@@ -53,9 +53,10 @@ class StepClock:
         loop_thread: the thread that runs the begin hooks (the loop's).
     """
 
-    # Hooks begun and not yet ended that are kept; older ones lost their end
-    # (a loop that skipped on_train_batch_end) and are dropped.
-    MAX_OPEN = 256
+    # Hooks begun and not yet taken that are kept (the loop may run this far
+    # ahead of the device); older ones are dropped, and their end matches
+    # nothing.
+    MAX_OPEN = 4096
 
     def __init__(self):
         self.offset = time.time() - time.perf_counter()
@@ -142,7 +143,7 @@ class StepClock:
                 self._open.remove(hook)
             return waiting[-1]
         before = [h for h in waiting if h.first <= batch]
-        return before[-1] if before else waiting[0]
+        return before[-1] if before else None
 
     def take(self):
         """The finished hooks not taken yet, in the order they began.

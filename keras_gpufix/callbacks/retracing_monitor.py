@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from keras_gpufix.analysis import FIXES, recompile_cost, step_compiled
+from keras_gpufix.analysis import FIXES, RETRACE_FIX, recompile_cost, step_compiled
 from keras_gpufix.backends import current
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -422,8 +422,8 @@ class RetracingMonitor(TimedCallback):
             shapes = "".join(f" {name} was traced for {traces[-12:]}."
                              for name, traces in self._traced_shapes().items())
             parts.append(f"{what} traced {self._trace_count()} times in this fit, "
-                         f"{retraces} after the first compile.{shapes} Feed tensors of fixed "
-                         "dtype and structure (no Python numbers or lists in the batch).")
+                         f"{retraces} after the first compile.{shapes} "
+                         f"{RETRACE_FIX[0].upper()}{RETRACE_FIX[1:]}.")
         parts.append(f"Fix: {FIXES['recompiling']}.")
         return " ".join(parts)
 
@@ -461,8 +461,7 @@ class RetracingMonitor(TimedCallback):
         recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
         head = self._verdict_report()
         if head["verdict"] == "recompiling" and self._retraces(priced):
-            head["fix"] = ("feed tensors of fixed dtype and structure (no Python numbers or "
-                           "lists in the batch); " + head["fix"])
+            head["fix"] = f"{RETRACE_FIX}; {head['fix']}"
         return {
             **head,
             "trace_count": self._trace_count(),

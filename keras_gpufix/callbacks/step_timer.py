@@ -1,10 +1,14 @@
 """StepTimer: per-step wall time, phases and throughput of `model.fit`.
 
-Why begin->end is a real step on the TensorFlow backend: Keras converts the
-step's logs to Python numbers ("pythonify") before it calls
-`on_train_batch_end` whenever a callback overrides that hook, which waits for
-the step's results, so `on_train_batch_begin` -> `on_train_batch_end` covers
-fetching the batch, the step and its synchronisation. With
+Why begin->end is a real step: Keras converts the step's logs to Python
+numbers ("pythonify") before it calls `on_train_batch_end` whenever a
+callback overrides that hook, which waits for the step's results, so
+`on_train_batch_begin` -> `on_train_batch_end` covers fetching the batch,
+the step and its synchronisation. On the JAX, torch and NumPy backends Keras
+does that in its thread pool (the timer is `async_safe`), while the loop
+dispatches the next step: the step is then timed from its begin, or from the
+previous step's end when it was dispatched before that, to its end
+(`analysis/phases.py`). With
 `steps_per_execution=N` Keras calls the hooks once per N steps
 (`on_train_batch_begin(first)`, `on_train_batch_end(last)`): one record
 covers the N steps and says so.

@@ -24,7 +24,7 @@ from keras_gpufix.diagnose.report import (healthy_evidence, rank_causes, seen_in
                                           trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
-from keras_gpufix.diagnose.what_if import (Cycles, cycle_callbacks, fit_replay, input_rate,
+from keras_gpufix.diagnose.what_if import (Cycles, fit_replay, input_rate,
                                            replay_rates, what_if)
 from keras_gpufix.exceptions import GpufixWarning, warn
 from keras_gpufix.output import import_tensorflow_quietly
@@ -236,17 +236,19 @@ class FitPatch:
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
         counter = _step_counter(self.steps)
-        cycles = Cycles()
-        first, last = cycle_callbacks(cycles)
-        arguments["callbacks"] = [first] + user + ours + [last, counter]
+        arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
-        return bound, mine, counter, info, (x if dataset else None, cycles)
+        return bound, mine, counter, info, x if dataset else None
 
-    def fit_what_if(self, model, dataset, cycles):
-        """The what-if of one fit (`what_if.py`), or a dict with the reason it was not measured."""
+    def fit_what_if(self, model, dataset, timer):
+        """The what-if of one fit (`what_if.py`) over its `StepTimer`'s records,
+        or a dict with the reason it was not measured."""
         if dataset is None:
             return {"reason": "the input is not a tf.data.Dataset"}
+        if timer is None:
+            return {"reason": "no StepTimer timed the fit's steps"}
+        cycles = Cycles.of(timer.records())
         try:
             input_per_s = input_rate(dataset)
             cached, real, variables, per_call = fit_replay(model, dataset)
@@ -271,8 +273,7 @@ class FitPatch:
 
     def _fit(self, original, model, args, kwargs):
         try:
-            bound, mine, counter, info, (dataset, cycles) = self._prepare(original, model, args,
-                                                                           kwargs)
+            bound, mine, counter, info, dataset = self._prepare(original, model, args, kwargs)
         except Exception as exc:  # never break the user's fit
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
@@ -301,7 +302,7 @@ class FitPatch:
             # py_function in flight deadlocks there (TF 2.21). Free it now.
             gc.collect()
         if self.what_if:
-            entry["what_if"] = self.fit_what_if(model, dataset, cycles)
+            entry["what_if"] = self.fit_what_if(model, dataset, mine.get("timer"))
             stages = self.input_stages(entry, dataset)
             if stages is not None:
                 entry["stages"] = stages

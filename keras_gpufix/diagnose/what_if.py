@@ -51,7 +51,7 @@ import time
 
 from keras_gpufix.analysis import THRESHOLDS
 
-__all__ = ["Cycles", "cycle_callbacks", "input_rate", "fit_replay", "replay_rates", "what_if",
+__all__ = ["Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "format_what_if"]
 
 SECONDS = 1.5  # budget of each of the two measurements
@@ -78,11 +78,26 @@ class Cycles:
         """A new epoch begins: its first `skip` cycles are left out."""
         self._left = self.skip
 
+    @classmethod
+    def of(cls, records, skip=2):
+        """The steady cycles of a run's step records (the step stream's clock).
+
+        `fit`'s records, as `StepTimer.records()` gives them: each record's
+        cycle, its measured input wait (0 when not measured: then it lies
+        in the step, where `fit` fetches the batch) and its step.
+        """
+        cycles = cls(skip)
+        for record in records:
+            if record.epoch_first:
+                cycles.epoch()
+            cycles.add(record.cycle, record.input_wait or 0.0, record.step)
+        return cycles
+
     def add(self, cycle_s, input_s, step_s):
         """One cycle: batch start to next batch start, its time getting the batch, its step.
 
-        `fit` gets its batch inside the train function: its wait is in
-        `step_s`, and `input_s` is 0.
+        `fit` gets its batch inside the train function: a wait the input
+        probe did not measure is in `step_s`.
         """
         if self._left:
             self._left -= 1
@@ -90,41 +105,6 @@ class Cycles:
         self.cycle_s.append(cycle_s)
         self.input_s.append(input_s)
         self.step_s.append(step_s)
-
-
-def cycle_callbacks(cycles):
-    """Two Keras callbacks that feed `fit`'s cycles into `cycles` (a `Cycles`).
-
-    Pass them as `[first, *callbacks, last]`: Keras calls the hooks in list
-    order, so a cycle runs from `first`'s batch begin to the next, and the
-    step from `last`'s batch begin (the train function starts) to `first`'s
-    batch end (Keras has read the logs back: the step's work is done);
-    every other hook stays outside the step.
-    """
-    import keras
-
-    marks = {"begin": None, "step_begin": None, "step": None}
-
-    class CycleStart(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            cycles.epoch()
-            marks.update(begin=None, step_begin=None, step=None)
-
-        def on_train_batch_begin(self, batch, logs=None):
-            now = time.perf_counter()
-            if marks["begin"] is not None and marks["step"] is not None:
-                cycles.add(now - marks["begin"], 0.0, marks["step"])
-            marks.update(begin=now, step=None)
-
-        def on_train_batch_end(self, batch, logs=None):
-            if marks["step_begin"] is not None:
-                marks["step"] = time.perf_counter() - marks["step_begin"]
-
-    class StepStart(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            marks["step_begin"] = time.perf_counter()
-
-    return CycleStart(), StepStart()
 
 
 def input_rate(dataset, seconds=SECONDS):

@@ -58,10 +58,19 @@ and under `kg.watch` alike (when watch iterates the dataset itself; over
 an iterator or a generator it calls `drop_probe()`); other datasets leave
 them None.
 
-Input shapes in `fit` under XLA: when the model's step is XLA-compiled,
-the leader puts a probe inside `model.train_function`
+Input shapes in `fit` under XLA: on TensorFlow, when the model's step is
+XLA-compiled, the leader puts a probe inside `model.train_function`
 (`keras_gpufix/_step_shapes.py`) and reads each step's input shapes from it
 with the rest (any dataset; an instrumented one's shapes come first).
+
+Every backend (`backends.current()`, chosen once per run): a `PyDataset`,
+generator or arrays in `fit` (every source on JAX) are read through a
+`BatchClock` (`backends/batch_clock.py`) instead of the probe: each batch's ready time (the
+input wait) and shapes. On JAX each record gets the seconds JAX spent
+compiling inside it (`jax.monitoring`, `StepRecord.compile_s`). Where
+callbacks turned Keras's asynchronous dispatch off, the stream tells the
+detector which (`RunFacts.async_blockers`) and stamps each dispatch
+(`DispatchClock`, `backends/dispatch_clock.py`; `StepRecord.awaited`) to price it.
 
 One judgement per run: the stream feeds its records to one
 `analysis.OscillationDetector` (the `GPUOscillationMonitor`'s in the run,

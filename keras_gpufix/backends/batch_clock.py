@@ -33,14 +33,24 @@ __all__ = ["BatchClock"]
 
 
 def _shape_key(batch):
-    import keras
-
+    """`((B, T, F), (B, 1), ...)`: the shapes of a batch's tensors of rank >= 1,
+    in the order of its tuples, lists and dicts (a few us a batch)."""
     shapes = []
-    for value in keras.tree.flatten(batch):
+    _add_shapes(batch, shapes)
+    return tuple(shapes)
+
+
+def _add_shapes(value, shapes):
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _add_shapes(item, shapes)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _add_shapes(item, shapes)
+    else:
         shape = getattr(value, "shape", None)
         if shape is not None and len(shape):
             shapes.append(tuple(-1 if d is None else int(d) for d in shape))
-    return tuple(shapes)
 
 
 class BatchClock:

@@ -20,10 +20,8 @@ short runs, to try the script anywhere. What it does:
    | loop, slow input                      | each batch sleeps 2x a step  | `input_bound`    |
    | loop, work every 5th step             | sleeps 3x a step every 5th   | `periodic_stall` |
 
-   A `fit` whose input is a `PyDataset` measures no input wait on the JAX
-   backend: there the slow input is seen only in the GPU's utilisation
-   (NVML); without a GPU it reads `healthy` at the slower step, which is
-   then what is expected (said in its `note`).
+   A `fit` measures the wait for a `PyDataset`'s batches on the JAX backend
+   too (`backends/batch_clock.py`), with or without NVML.
 2. Beside every planted run, `nvidia-smi --query-gpu=utilization.gpu -lms
    100` runs in the same time, and its mean is put beside the monitor's
    NVML reading (skipped, with a note, where there is no GPU).
@@ -33,6 +31,17 @@ short runs, to try the script anywhere. What it does:
    whether Keras kept its asynchronous callback dispatch; and steps/s of a
    `jax.jit` loop (loss read every 5th step) under `kg.watch` ÷ the bare
    loop.
+4. Variable-length batches: a Conv1D `fit` on a `PyDataset` whose every
+   batch has a new length (an unbucketed speech loader), two epochs: the verdict
+   (`recompiling` planted), the distinct shapes, the XLA compile seconds JAX
+   reported (`jax.monitoring`) and the fit's wall time.
+5. Keras's `TensorBoard` callback (`update_freq="epoch"`, no profiling) in a
+   `fit` with our callbacks, at the short step: the finding
+   (`sync_callbacks`, naming it) and its price (share of the time) beside
+   the slowdown measured against the same `fit` without it, interleaved.
+   Keras's TensorBoard needs TensorFlow; where it is not installed (the lent
+   GPU machine) `TerminateOnNaN`, which also overrides a batch-end hook, is
+   used instead and the `note` says so.
 
 Figures are written as JSON to `--out` (default
 `benchmarks/results/gpu_checks.json`) and, where `$OUT` is set (the lent
@@ -66,9 +75,9 @@ EVERY = 5
 # 8 x 4096, 118 M parameters), a few to tens of ms on a CPU
 SIZES = {
     "gpu": {"features": 256, "width": 4096, "depth": 8, "long": 12288, "short": 1024,
-            "steps": 200, "distinct": 8},
+            "steps": 200, "distinct": 8, "lengths": 10, "conv_batch": 64},
     "small": {"features": 64, "width": 256, "depth": 3, "long": 2048, "short": 256,
-              "steps": 120, "distinct": 4},
+              "steps": 120, "distinct": 4, "lengths": 8, "conv_batch": 8},
 }
 
 
@@ -199,7 +208,7 @@ def step_seconds(model, batches, rounds=3):
     return statistics.median(times)
 
 
-def planted_fits(size, smi_on, nvml_on, log_dir):
+def planted_fits(size, smi_on, log_dir):
     model = build_model(size)
     batches = make_batches(size, size["long"])
     model.fit(Batches(batches, 10), epochs=1, verbose=0)  # compile
@@ -207,12 +216,8 @@ def planted_fits(size, smi_on, nvml_on, log_dir):
     steps = size["steps"]
     cases = [
         ("fit: in-memory", Batches(batches, steps), [], ("healthy", None), None),
-        # A PyDataset's wait is not measured in a JAX fit: only the GPU's
-        # utilisation shows it; without NVML the step is just slower.
         ("fit: slow PyDataset", Batches(batches, steps, sleep=2 * step), [],
-         ("input_bound" if nvml_on else "healthy", None),
-         "a PyDataset's wait is not measured in a JAX fit: judged from GPU utilisation"
-         + ("" if nvml_on else "; none sampled here, so the slower step reads healthy")),
+         ("input_bound", None), None),
         ("fit: callback sleeping every 5th step", Batches(batches, steps),
          [SleepEvery(EVERY, 3 * step)], ("periodic_stall", EVERY), None),
     ]
@@ -372,6 +377,84 @@ def watch_overhead(size, rounds):
             "steps_per_s_ratio_watch_over_bare": statistics.median(ratios), "ratios": ratios}
 
 
+class NewLengths(keras.utils.PyDataset):
+    """`steps` batches an epoch of `(batch, T, 80)` features, T new at every batch."""
+
+    def __init__(self, batch, steps):
+        super().__init__()
+        self.batch, self.steps, self.made = batch, steps, 0
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, index):
+        self.made += 1
+        x = np.zeros((self.batch, 64 + 8 * self.made, 80), np.float32)
+        return x, np.zeros((self.batch, 1), np.float32)
+
+
+def variable_length(size, smi_on):
+    """A Conv1D fit on batches of a new length each (issue 30): recompiling, priced."""
+    model = keras.Sequential([
+        keras.Input((None, 80)), keras.layers.Conv1D(256, 5, padding="same", activation="relu"),
+        keras.layers.Conv1D(256, 5, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-4), "mse")
+    monitor = kg.GPUOscillationMonitor(verbose=0)
+    counted = kg.RetracingMonitor(verbose=0, warn=False)
+    data = NewLengths(size["conv_batch"], size["lengths"])
+    started = time.perf_counter()
+    with (SmiReader() if smi_on else _NoSmi()) as smi:
+        model.fit(data, epochs=2, verbose=0, callbacks=[monitor, counted])
+    wall = time.perf_counter() - started
+    retraced = counted.report()
+    compiles = [e["compile_s"] for e in retraced["shape_events"] if e["compile_s"]]
+    return _judged(monitor.report(), "fit: a new batch length every step",
+                   ("recompiling", None), smi, fit_seconds=wall,
+                   new_shapes=retraced["new_shapes"], compiles=len(compiles),
+                   compile_seconds_measured=sum(compiles),
+                   recompile_ms_priced=retraced["recompile_ms"])
+
+
+def keras_tensorboard(size, rounds, log_dir):
+    """Keras's TensorBoard in a fit with ours: the finding and its price vs the slowdown."""
+    import importlib.util
+
+    with_tf = importlib.util.find_spec("tensorflow") is not None
+    note = None if with_tf else ("TensorFlow is not installed: Keras's TensorBoard cannot "
+                                 "run, TerminateOnNaN (also a batch-end hook) stands in")
+
+    def blocker():
+        if with_tf:
+            return keras.callbacks.TensorBoard(os.path.join(log_dir, "keras_tb"),
+                                               update_freq="epoch", profile_batch=0,
+                                               write_graph=False)
+        return keras.callbacks.TerminateOnNaN()
+
+    model = build_model(size)
+    batches = make_batches(size, size["short"])
+    model.fit(Batches(batches, 10), epochs=1, verbose=0)  # compile this shape
+    ratios, prices, verdicts, named = [], [], [], []
+    for _ in range(rounds):
+        alone, ours = EpochTime(), our_callbacks(log_dir)
+        model.fit(Batches(batches, size["steps"]), epochs=1, verbose=0,
+                  callbacks=[alone, *ours])
+        timed, ours = EpochTime(), our_callbacks(log_dir)
+        model.fit(Batches(batches, size["steps"]), epochs=1, verbose=0,
+                  callbacks=[timed, blocker(), *ours])
+        ratios.append(alone.seconds / timed.seconds)
+        report = ours[0].report()
+        verdicts.append(report["verdict"])
+        prices.append(report["cost_share"])
+        named.append(report["fix"].split(" override ")[0]
+                     if report["verdict"] == "sync_callbacks" else None)
+    return {"callback": "TensorBoard" if with_tf else "TerminateOnNaN", "note": note,
+            "batch": size["short"], "verdicts": verdicts, "named": named,
+            "price_cost_share": prices,
+            "measured_slowdown": [1.0 - r for r in ratios],
+            "steps_per_s_ratio_with_over_without": statistics.median(ratios)}
+
+
 def device_name():
     import jax
 
@@ -406,10 +489,12 @@ def main(argv=None):
             write_results(path, "gpu_checks", figures, details)
 
     log_dir = tempfile.mkdtemp(prefix="gpu_checks_")
-    parts = [("planted", lambda: planted_fits(size, smi_on, nvml["available"], log_dir)
+    parts = [("planted", lambda: planted_fits(size, smi_on, log_dir)
               + planted_loops(size, smi_on)),
              ("fit_overhead", lambda: fit_overhead(size, args.rounds, log_dir)),
-             ("watch_overhead", lambda: watch_overhead(size, args.rounds))]
+             ("watch_overhead", lambda: watch_overhead(size, args.rounds)),
+             ("variable_length", lambda: variable_length(size, smi_on)),
+             ("keras_tensorboard", lambda: keras_tensorboard(size, args.rounds, log_dir))]
     for name, part in parts:
         started = time.perf_counter()
         details[name] = part()
@@ -425,9 +510,19 @@ def main(argv=None):
                 figures[f"fit_steps_per_s_ratio_ours_over_none_{label}"] = row[
                     "steps_per_s_ratio_ours_over_none"]
                 figures[f"fit_step_ms_{label}"] = row["step_ms_without_callbacks"]
-        else:
+        elif name == "watch_overhead":
             figures["watch_steps_per_s_ratio_over_bare"] = details[name][
                 "steps_per_s_ratio_watch_over_bare"]
+        elif name == "variable_length":
+            row = details[name]
+            figures["variable_length_verdict"] = row["verdict"]
+            figures["variable_length_compile_seconds"] = row["compile_seconds_measured"]
+        else:
+            row = details[name]
+            figures["keras_tensorboard_finding"] = row["verdicts"][-1]
+            figures["keras_tensorboard_price_share"] = row["price_cost_share"][-1]
+            figures["keras_tensorboard_measured_slowdown"] = (
+                1.0 - row["steps_per_s_ratio_with_over_without"])
         save()
         print(f"{name}: done in {details[f'{name}_seconds']} s", flush=True)
     for row in details["planted"]:
@@ -439,7 +534,17 @@ def main(argv=None):
               + ("" if row["gpu_util_nvml_pct"] is None else
                  f", GPU {row['gpu_util_nvml_pct']:.1f}% (nvidia-smi "
                  f"{row['gpu_util_smi_pct']}%)"), flush=True)
-    return 0 if figures["planted_as_planted"] == figures["planted_runs"] else 1
+    row = details["variable_length"]
+    print(f"{row['run']}: {row['verdict']}, {row['new_shapes']} shapes, {row['compiles']} "
+          f"compiles, {row['compile_seconds_measured']:.1f} s compiling of a "
+          f"{row['fit_seconds']:.1f} s fit", flush=True)
+    row = details["keras_tensorboard"]
+    price = row["price_cost_share"][-1]
+    print(f"fit with Keras's {row['callback']}: {row['verdicts'][-1]} naming {row['named'][-1]}, "
+          f"price {'-' if price is None else f'{price:.2f}'} of the time, measured slowdown "
+          f"{1.0 - row['steps_per_s_ratio_with_over_without']:.2f}", flush=True)
+    planted_ok = figures["planted_as_planted"] == figures["planted_runs"]
+    return 0 if planted_ok and figures["variable_length_verdict"] == "recompiling" else 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ __all__ = [
     "callback_model",
     "concrete_functions",
     "cross_device_ops_name",
+    "data_source",
+    "fit_epoch_iterator",
     "flatten_layers",
     "function_jit_compile",
     "in_multi_worker_mode",
@@ -39,11 +41,15 @@ __all__ = [
     "step_jit_compile",
     "step_on_data_cell",
     "surround_callbacks",
+    "time_batches",
+    "time_train_function",
     "symbolic_build",
     "tf_function_class",
     "tensorflow_started",
     "traced_functions",
     "worker_server_port",
+    "blocks_async_dispatch",
+    "running_callback_list",
 ]
 
 CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
@@ -395,6 +401,52 @@ def install_multi_worker_fixes(model) -> None:
     set_symbolic_build(model, maybe_symbolic_build)
 
 
+def running_callback_list(callback, depth: int = 16):
+    """The `keras.callbacks.CallbackList` running `callback`'s hook, or None.
+
+    Keras keeps no reference to the CallbackList of a `fit` (or of a user's
+    loop, or `kg.watch`'s), so it is found on the call stack, as the `self`
+    of the frame running the hook (within `depth` frames of the caller).
+    """
+    import keras
+
+    return _on_stack("self", lambda hooks: isinstance(hooks, keras.callbacks.CallbackList)
+                     and any(c is callback for c in hooks.callbacks), depth)
+
+
+def _on_stack(name, wanted, depth):
+    """The first local `name` for which `wanted(value)` holds, from the caller's
+    caller up `depth` frames of the call stack, or None."""
+    import sys
+
+    frame = sys._getframe(2)
+    try:
+        for _ in range(depth):
+            if frame is None:
+                return None
+            value = frame.f_locals.get(name)
+            if wanted(value):
+                return value
+            frame = frame.f_back
+        return None
+    finally:
+        frame = None  # no reference cycle through the stack
+
+
+def blocks_async_dispatch(callback) -> bool:
+    """Whether `callback` turns Keras's asynchronous batch-end dispatch off.
+
+    Keras 3.6-3.15.1 (`CallbackList._configure_async_dispatch`): a callback
+    without `async_safe = True` that overrides `on_batch_end` or
+    `on_train_batch_end`; Keras marks the base class's own hooks with
+    `_is_default`.
+    """
+    if getattr(callback, "async_safe", False):
+        return False
+    return any(not getattr(getattr(callback, name, None), "_is_default", False)
+               for name in ("on_batch_end", "on_train_batch_end"))
+
+
 def surround_callbacks(callback, first, last, depth: int = 16):
     """Puts `first` before and `last` after every callback of the running
     `keras.callbacks.CallbackList` that holds `callback`.
@@ -413,30 +465,16 @@ def surround_callbacks(callback, first, last, depth: int = 16):
         no CallbackList holding `callback` runs the hook (the caller then
         keeps its own timing).
     """
-    import sys
-
-    import keras
-
+    hooks = running_callback_list(callback, depth)
+    if hooks is None:
+        return None
     try:
-        frame = sys._getframe(1)
-        for _ in range(depth):
-            if frame is None:
-                return None
-            hooks = frame.f_locals.get("self")
-            if isinstance(hooks, keras.callbacks.CallbackList) and any(
-                    c is callback for c in hooks.callbacks):
-                break
-            frame = frame.f_back
-        else:
-            return None
         stale = (type(first), type(last))
         hooks.callbacks = [first] + [c for c in hooks.callbacks
                                      if not isinstance(c, stale)] + [last]
     except Exception as exc:
         _off("the running keras.callbacks.CallbackList (its `callbacks` list)", exc)
         return None
-    finally:
-        frame = None  # no reference cycle through the stack
 
     def restore():
         hooks.callbacks = [c for c in hooks.callbacks if c is not first and c is not last]
@@ -577,3 +615,148 @@ def worker_server_port(server) -> "int | None":
     except Exception as exc:  # any change in TF's private structure
         _off("a tf.data service WorkerServer's port (WorkerServer._server.bound_port)", exc)
         return None
+
+
+def fit_epoch_iterator(depth: int = 16):
+    """The `EpochIterator` of the running `fit`, from a callback's `on_train_begin`.
+
+    Keras 3.15.1's `fit` (every backend) keeps it in the local
+    `epoch_iterator` of its frame, the caller of
+    `CallbackList.on_train_begin`; Keras offers no public way to it. Found
+    on the call stack, as `surround_callbacks` finds the CallbackList.
+
+    Returns:
+        The iterator, or None (no `fit` on the stack: a custom loop).
+    """
+    try:
+        from keras.src.trainers.epoch_iterator import EpochIterator
+    except ImportError as exc:
+        _off("keras.src.trainers.epoch_iterator.EpochIterator", exc)
+        return None
+    return _on_stack("epoch_iterator", lambda found: isinstance(found, EpochIterator), depth)
+
+
+def time_batches(epoch_iterator, record, consumer: bool):
+    """Calls `record(batch)` as each batch of `fit`'s data source becomes ready.
+
+    Keras 3.15.1 fetches the batch inside `train_function`, between the
+    begin and end hooks, with no hook of its own. Two places see it:
+
+    - `consumer=True` (JAX, torch, numpy: the loop's thread takes each batch
+      with `next()`): the iterators that `epoch_iterator._get_iterator()`
+      returns (any data source) are wrapped, `record` runs when `next()`
+      returns;
+    - `consumer=False` (TensorFlow: a `tf.data` thread runs the Python
+      source through `from_generator`): the data adapter's producer is
+      wrapped, a `PyDatasetAdapter`'s `_standardize_batch` (with or without
+      workers: it sees each batch once the queue handed it over) or a
+      `GeneratorDataAdapter`'s `generator`. Arrays and `tf.data` datasets
+      have no Python producer: None.
+
+    Instance attributes shadow the methods, so nothing of Keras is changed
+    for other iterators. Call before the first epoch's iterator is made
+    (`on_train_begin`).
+
+    Returns:
+        A function that takes the wrappers out again, or None where no
+        Python producer exists.
+    """
+    try:
+        if consumer:
+            return _wrap(epoch_iterator, "_get_iterator",
+                         lambda get: lambda: _TimedIterator(get(), record))
+        adapter = epoch_iterator.data_adapter
+        if hasattr(adapter, "py_dataset") and callable(adapter._standardize_batch):
+            def standardize(original):
+                def timed(batch):
+                    out = original(batch)
+                    record(out)
+                    return out
+                return timed
+            return _wrap(adapter, "_standardize_batch", standardize)
+        if type(adapter).__name__ == "GeneratorDataAdapter" and callable(adapter.generator):
+            return _wrap(adapter, "generator",
+                         lambda make: lambda: _TimedIterator(make(), record))
+        return None
+    except AttributeError as exc:
+        _off("the data adapter of fit's EpochIterator (_get_iterator, data_adapter)", exc)
+        return None
+
+
+def data_source(epoch_iterator) -> tuple:
+    """`(kind, workers)` of the data source `fit` reads through `epoch_iterator`.
+
+    Keras 3.15.1: the kind is the class of `epoch_iterator.data_adapter`
+    without `DataAdapter` / `Adapter` (`PyDataset`, `Generator`, `Array`,
+    `TFDataset`, ...); `workers` is a `PyDataset`'s `workers` when Keras
+    runs it through its queue of workers (`PyDatasetAdapter.enqueuer`),
+    else None. `("unknown", None)` when the adapter is not where it was.
+    """
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    if adapter is None:
+        _off("the data adapter of fit's EpochIterator (data_adapter)",
+             AttributeError("no data_adapter"))
+        return "unknown", None
+    kind = type(adapter).__name__.replace("DataAdapter", "").replace("Adapter", "") or "unknown"
+    workers = None
+    if getattr(adapter, "enqueuer", None) is not None:
+        workers = getattr(getattr(adapter, "py_dataset", None), "workers", None)
+    return kind, workers
+
+
+def time_train_function(model, stamp):
+    """Calls `stamp()` each time `model.train_function` returns, in `fit`.
+
+    Keras 3.15.1's `fit` on JAX, torch and NumPy looks `self.train_function`
+    up at every step (`logs, state = self.train_function(state, iterator)`
+    on JAX); `make_train_function` sets it before `on_train_begin`. On JAX it
+    returns once the step is dispatched. The wrapper is an instance
+    attribute of the same name and calls the original unchanged.
+
+    Returns:
+        A function that puts the original back, or None (no train function).
+    """
+    original = getattr(model, "train_function", None)
+    if not callable(original):
+        return None
+
+    def timed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        stamp()
+        return out
+
+    timed.__wrapped__ = original
+    model.train_function = timed
+
+    def restore():
+        if getattr(model, "train_function", None) is timed:
+            model.train_function = original
+
+    return restore
+
+
+def _wrap(owner, name, wrapper):
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+
+    def restore():
+        if name in vars(owner):
+            delattr(owner, name)
+
+    return restore
+
+
+class _TimedIterator:
+    """An iterator that calls `record(batch)` when each `next()` returns."""
+
+    def __init__(self, iterable, record):
+        self._it = iter(iterable)
+        self._record = record
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._it)
+        self._record(batch)
+        return batch

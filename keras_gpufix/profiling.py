@@ -5,7 +5,8 @@ Plain functions, usable from a callback (`kg.ProfilerTrigger`), the CLI
 
 | function                    | what it does                                          |
 |-----------------------------|-------------------------------------------------------|
-| `start_trace(log_dir)`      | starts `tf.profiler`; `ProfilerBusyError` if another  |
+| `start_trace(log_dir)`      | starts the backend's profiler (`tf.profiler`,         |
+|                             | `jax.profiler`); `ProfilerBusyError` if another       |
 |                             | profiler is running (TensorBoard's `profile_batch`)   |
 | `step_marker(step)`         | context manager: one training step as XProf sees it   |
 | `stop_trace()`              | stops the trace *we* started; returns its run folder  |
@@ -25,12 +26,11 @@ tensorflow/tensorflow#66410); traces taken with `step_marker` do not.
 
 Traces land in `log_dir/plugins/profile/<run>/<host>.xplane.pb`, where
 `tensorboard --logdir log_dir` (Profile tab) or `xprof --logdir log_dir`
-finds them. TensorFlow names the run after the second the trace stopped;
+finds them. The profiler names the run after the second the trace stopped;
 `stop_trace` renames it `<that time>_<tag>` so two traces stopped within one
 second never overwrite each other.
 """
 
-import contextlib
 import glob
 import json
 import os
@@ -38,9 +38,10 @@ import re
 import shlex
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from keras_gpufix.analysis import THRESHOLDS
+from keras_gpufix.backends import NotSupported, current
 
 __all__ = [
     "ProfilerBusyError",
@@ -83,7 +84,10 @@ def active_trace() -> "dict | None":
 def start_trace(log_dir: "str | os.PathLike", owner: Any = None, tag: "str | None" = None,
                 host_tracer_level: int = 2, python_tracer_level: int = 0,
                 device_tracer_level: int = 1) -> None:
-    """Starts a `tf.profiler` trace that `stop_trace` will save under `log_dir`.
+    """Starts a trace that `stop_trace` will save under `log_dir`.
+
+    The profiler is the Keras backend's (`backends.current()`):
+    `tf.profiler` on TensorFlow, `jax.profiler` on JAX.
 
     Args:
         log_dir: the TensorBoard log directory; the trace is saved in
@@ -92,33 +96,35 @@ def start_trace(log_dir: "str | os.PathLike", owner: Any = None, tag: "str | Non
             can tell its own trace from another's. Defaults to None.
         tag: suffix of the run folder name (letters, digits, `-`, `_`).
             Defaults to None (`trace`).
-        host_tracer_level: `tf.profiler` host tracing, 1 to 3. Defaults to 2.
+        host_tracer_level: host tracing, 1 to 3. Defaults to 2.
         python_tracer_level: 1 traces Python calls (slow). Defaults to 0.
-        device_tracer_level: 1 traces the GPU (CUPTI). Defaults to 1.
+        device_tracer_level: 1 traces the GPU (CUPTI; TensorFlow only, JAX
+            always does). Defaults to 1.
 
     Raises:
         ProfilerBusyError: another profiler is running (a trace of
             `keras.callbacks.TensorBoard(profile_batch=...)`, a profiler
             server session, or a trace of ours not stopped yet).
-        Exception: whatever else `tf.profiler.experimental.start` raises.
+        backends.NotSupported: the backend has no profiler (torch, numpy).
+        Exception: whatever else the profiler raises when it starts.
     """
     global _ACTIVE
-    import tensorflow as tf
-
+    backend = current()
     tag = re.sub(r"[^A-Za-z0-9_-]+", "-", tag or "trace").strip("-") or "trace"
     with _LOCK:
         if _ACTIVE is not None:
             raise ProfilerBusyError(
                 f"A keras_gpufix trace into {_ACTIVE['log_dir']} is running.")
-        options = tf.profiler.experimental.ProfilerOptions(
-            host_tracer_level=host_tracer_level,
-            python_tracer_level=python_tracer_level,
-            device_tracer_level=device_tracer_level,
-        )
         try:
-            tf.profiler.experimental.start(os.fspath(log_dir), options=options)
-        except tf.errors.AlreadyExistsError as exc:
-            raise ProfilerBusyError("another profiler is running (tf.profiler refused to start a second)") from None
+            backend.start_trace(os.fspath(log_dir), host_tracer_level=host_tracer_level,
+                                python_tracer_level=python_tracer_level,
+                                device_tracer_level=device_tracer_level)
+        except NotSupported:
+            raise
+        except RuntimeError as exc:
+            if "another profiler" in str(exc):
+                raise ProfilerBusyError(str(exc)) from None
+            raise
         _ACTIVE = {"log_dir": os.fspath(log_dir), "owner": owner,
                    "started": time.time(), "tag": tag}
 
@@ -127,25 +133,20 @@ def stop_trace(save: bool = True) -> "str | None":
     """Stops the trace `start_trace` started; never another profiler.
 
     Args:
-        save: write the trace. Defaults to True.
+        save: write the trace. Defaults to True (`jax.profiler` always
+            writes it; with False its folder is left unnamed).
 
     Returns:
         The run folder holding the trace's `.xplane.pb`, or None (nothing of
         ours was running, or `save=False`).
     """
     global _ACTIVE
-    import tensorflow as tf
-
     with _LOCK:
         if _ACTIVE is None:
             return None
         trace, _ACTIVE = _ACTIVE, None
         before = _runs(trace["log_dir"])
-        try:
-            tf.profiler.experimental.stop(save=save)
-        except tf.errors.UnavailableError:
-            return None  # someone stopped it under us: nothing to save
-        if not save:
+        if not current().stop_trace(save=save) or not save:
             return None
         return _claim_run(trace["log_dir"], before, trace["tag"])
 
@@ -180,16 +181,14 @@ def _claim_run(log_dir, before, tag):
     return dst
 
 
-@contextlib.contextmanager
-def step_marker(step: int, name: str = "train") -> Iterator[None]:
-    """Marks one training step for XProf (`Trace(name, step_num=step, _r=1)`).
+def step_marker(step: int, name: str = "train"):
+    """Marks one training step for XProf: a context manager.
 
-    Costs nothing measurable when no profiler runs.
+    TensorFlow: `Trace(name, step_num=step, _r=1)`; JAX:
+    `jax.profiler.StepTraceAnnotation(name, step_num=step)`. Costs nothing
+    measurable when no profiler runs.
     """
-    import tensorflow as tf
-
-    with tf.profiler.experimental.Trace(name, step_num=int(step), _r=1):
-        yield
+    return current().step_marker(step, name)
 
 
 def xplane_files(path: "str | os.PathLike") -> "list[str]":

@@ -659,3 +659,69 @@ def test_weigh_names_contention_when_the_what_if_gains_and_the_wait_reads_zero()
 
     doc = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
     assert f"| `step` | {CONTENTION_FIX} |" in doc
+
+
+def test_measured_compile_seconds_price_a_step_and_decide_whether_it_compiled():
+    from keras_gpufix.analysis import recompile_cost, step_compiled
+
+    # JAX counted the compiles: a new shape that compiled nothing (cached) costs 0,
+    # a step that compiled costs its measured seconds (at most the step).
+    assert not step_compiled(new_shape=True, jit=True, compile_s=0.0)
+    assert recompile_cost(0.5, 0.001, new_shape=True, jit=True, compile_s=0.0) == 0.0
+    assert recompile_cost(0.5, 0.001, compile_s=0.3) == pytest.approx(0.3)
+    assert recompile_cost(0.2, 0.001, compile_s=0.3) == pytest.approx(0.2)
+
+
+def test_callbacks_that_stop_async_dispatch_are_named_and_priced_by_their_host_time():
+    from keras_gpufix.analysis import judge
+
+    rs = [StepRecord(index=i, steps=1, input_wait=0.0, step=0.004, between=0.002)
+          for i in range(40)]
+    found = judge(rs, async_blockers=["TensorBoard", "Mine"])
+    assert found["verdict"] == "sync_callbacks"
+    assert found["cost_share"] == pytest.approx(0.002 / 0.006)
+    assert found["evidence"]["sync_callbacks"] == ["TensorBoard", "Mine"]
+    from keras_gpufix.analysis import RunFacts
+
+    det = OscillationDetector()
+    det.tell(RunFacts(async_blockers=("TensorBoard",)))
+    for r in rs:
+        det.update(r)
+    det.finish()
+    assert det.verdict()["fix"].startswith("TensorBoard override a batch-end hook")
+    # Dispatch on (no blockers), or host time too small to matter: no finding.
+    assert judge(rs)["verdict"] == "healthy"
+    cheap = [r._replace(between=0.0002) for r in rs]
+    assert judge(cheap, async_blockers=["Mine"])["verdict"] == "healthy"
+
+
+def test_input_bound_fix_names_fits_python_source():
+    from keras_gpufix.analysis.verdicts import INPUT_SOURCE_FIXES
+
+    assert fix_for("input_bound", source="PyDataset") == INPUT_SOURCE_FIXES["PyDataset"]
+    assert fix_for("input_bound", source="TFDataset") == FIXES["input_bound"]
+
+
+def test_a_wait_every_workers_batches_is_the_input_being_slow_not_a_schedule():
+    from keras_gpufix.analysis import judge
+
+    # 2 PyDataset workers, 20 ms each, 1 ms steps: batches arrive in pairs.
+    rs = [StepRecord(index=i, steps=1, input_wait=0.02 if i % 2 else 0.0, step=0.001,
+                     between=0.0) for i in range(60)]
+    assert judge(rs)["verdict"] == "periodic_stall"
+    assert judge(rs, input_workers=2)["verdict"] == "input_bound"
+    # A stall every 7 batches stays a schedule beside 2 workers.
+    every7 = [r._replace(input_wait=0.02 if i % 7 == 6 else 0.0) for i, r in enumerate(rs)]
+    assert judge(every7, input_workers=2)["verdict"] == "periodic_stall"
+
+
+def test_sync_callbacks_price_splits_each_step_at_its_dispatch_where_measured():
+    from keras_gpufix.analysis import judge
+
+    # 6 ms cycles: 1 ms between, the step dispatched after 2 ms of host work,
+    # then 3 ms awaited on the device: 3 ms of host and 3 of device, 3 lost.
+    rs = [StepRecord(index=i, steps=1, input_wait=0.0, step=0.005, between=0.001,
+                     awaited=0.003) for i in range(40)]
+    found = judge(rs, async_blockers=("Mine",))
+    assert found["verdict"] == "sync_callbacks"
+    assert found["cost_share"] == pytest.approx(0.5)

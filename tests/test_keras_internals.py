@@ -419,3 +419,103 @@ def test_tensorflow_started_once_it_made_its_devices(monkeypatch):
     assert tensorflow_started() is True
     monkeypatch.delitem(sys.modules, "tensorflow")
     assert tensorflow_started() is False  # not imported
+
+
+class _Seen(keras.callbacks.Callback):
+    """Records what the internals find from inside fit's on_train_begin."""
+
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+        self.found = None
+
+    def on_train_begin(self, logs=None):
+        self.found = self.call(self)
+
+
+def _small_fit(callback, data, **fit):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, epochs=1, verbose=0, callbacks=[callback], **fit)
+
+
+def test_fit_epoch_iterator_and_running_callback_list_from_on_train_begin():
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    from keras_gpufix.keras_internals import fit_epoch_iterator, running_callback_list
+
+    seen = _Seen(lambda cb: (fit_epoch_iterator(), running_callback_list(cb)))
+    _small_fit(seen, np.zeros((8, 4)), y=np.zeros((8, 1)), batch_size=4)
+    iterator, hooks = seen.found
+    assert isinstance(iterator, EpochIterator)
+    assert isinstance(hooks, keras.callbacks.CallbackList) and seen in hooks.callbacks
+    assert fit_epoch_iterator() is None and running_callback_list(seen) is None  # no fit
+
+
+@pytest.mark.parametrize("source", ["pydataset", "generator", "arrays"])
+def test_time_batches_records_each_batch_fit_takes(source):
+    from keras_gpufix.keras_internals import fit_epoch_iterator, time_batches
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return np.zeros((2, 4), "float32"), np.zeros((2, 1), "float32")
+
+    def generator():
+        while True:
+            yield np.zeros((2, 4), "float32"), np.zeros((2, 1), "float32")
+
+    recorded = []
+    data = {"pydataset": (Batches(), {}),
+            "generator": (generator(), {"steps_per_epoch": 3}),
+            "arrays": (np.zeros((6, 4), "float32"), {"y": np.zeros((6, 1)), "batch_size": 2})}
+    seen = _Seen(lambda cb: time_batches(fit_epoch_iterator(), recorded.append, consumer=False))
+    _small_fit(seen, data[source][0], **data[source][1])
+    if source == "arrays":  # TensorFlow makes a tf.data dataset of arrays: no Python producer
+        assert seen.found is None and recorded == []
+    else:
+        # tf.data prefetches the generator's batches: maybe one beyond the 3 taken
+        assert len(recorded) >= 3 and all(b[0].shape == (2, 4) for b in recorded)
+        seen.found()  # takes the wrapper out
+    consumer = []
+    iterator = _Seen(lambda cb: fit_epoch_iterator())
+    _small_fit(iterator, np.zeros((6, 4), "float32"), y=np.zeros((6, 1)), batch_size=2)
+    restore = time_batches(iterator.found, consumer.append, consumer=True)
+    batches = list(iterator.found._get_iterator())
+    assert len(consumer) == len(batches) == 3
+    restore()
+    assert "_get_iterator" not in vars(iterator.found)
+
+
+def test_blocks_async_dispatch_follows_keras_rule():
+    from keras_gpufix.keras_internals import blocks_async_dispatch
+
+    class AtBatchEnd(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    class Safe(AtBatchEnd):
+        async_safe = True
+
+    assert blocks_async_dispatch(AtBatchEnd())
+    assert not blocks_async_dispatch(Safe())
+    assert not blocks_async_dispatch(keras.callbacks.History())
+    assert blocks_async_dispatch(keras.callbacks.TerminateOnNaN())
+
+
+def test_time_train_function_stamps_each_step_and_gives_it_back():
+    from keras_gpufix.keras_internals import time_train_function
+
+    stamps = []
+    seen = _Seen(lambda cb: time_train_function(cb.model, lambda: stamps.append(1)))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((12, 4)), np.zeros((12, 1)), batch_size=4, epochs=1, verbose=0,
+              callbacks=[seen])
+    assert len(stamps) == 3
+    wrapped = model.train_function
+    seen.found()
+    assert model.train_function is wrapped.__wrapped__
+    assert time_train_function(keras.Sequential(), stamps.append) is None  # not compiled

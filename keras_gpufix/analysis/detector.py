@@ -174,7 +174,7 @@ def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
 
 
 def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
-          shapes_seen=0, synced=None) -> dict:
+          shapes_seen=0, synced=None, async_blockers=None, input_workers=None) -> dict:
     """Judges a window of step records; no side effects.
 
     Beside the verdict (the first cause in precedence order), `causes`
@@ -200,6 +200,18 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
             (`kg.watch` syncs; None: not known). Unless True, unsynced
             asynchronous steps (`dispatch.fold_unsynced`) are judged per
             period, `evidence["unsynced_period"]` says so.
+        async_blockers: the callbacks that turned Keras's asynchronous
+            dispatch off (names), or None (it is on, or the backend has
+            none). Their price: the host time of each cycle (between steps
+            and waiting for input) that would overlap the device step with
+            dispatch on, at most the step (`sync_callbacks`); where the
+            records hold what the host `awaited` after dispatching each
+            step, the host's part is the rest of the cycle.
+        input_workers: workers that make the batches in parallel (a
+            PyDataset's), or None. Their batches arrive in bursts: an input
+            wait that recurs every `input_workers` batches or fewer is the
+            input being slow as a whole (`input_bound`), not a stall on a
+            schedule.
 
     Returns:
         A dict `verdict`, `phase` (where the time goes: `input_wait`,
@@ -208,7 +220,8 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         (figures, and `signals`: the evidence used) and `causes` (dicts
         `verdict`, `share`, `phase`, `period`; the verdict's first).
     """
-    judgement = _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced)
+    judgement = _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced,
+                       async_blockers, input_workers)
     ev = judgement["evidence"]
     also = ev.pop("also", [])
     causes = [] if judgement["verdict"] in ("healthy", "unknown") else [_cause(judgement)]
@@ -227,7 +240,8 @@ def _cause(judgement):
             "phase": judgement["phase"], "period": judgement["period"]}
 
 
-def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced):
+def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blockers,
+           input_workers):
     """`judge` without the eager step: the verdict in precedence order; a periodic
     stall's window that also waits for input lists that in `evidence["also"]`."""
     th = {**THRESHOLDS, **(thresholds or {})}
@@ -238,9 +252,10 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced):
     # and judged by the one rule (`recompile_cost`, `is_recompiling`). Only
     # a step at a new shape or with new traces can have compiled, and a step
     # that did not compile costs 0: only those that did are priced.
-    seen_shapes = any(r.new_shape or r.traces for r in rs)
+    seen_shapes = any(r.new_shape or r.traces or r.compile_s for r in rs)
     if seen_shapes:
-        how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit} for r in rs]
+        how = [{"traces": r.traces, "new_shape": r.new_shape, "jit": jit,
+                "compile_s": r.compile_s} for r in rs]
         compiled = [step_compiled(**h) for h in how]
         compile_s = 0.0
         if any(compiled):
@@ -363,6 +378,8 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced):
         if share < th["cost_share"] or cost * 1e3 < th["min_lost_ms"]:
             continue  # noise that lines up by chance costs little in step
         stall_phase = max(PHASES, key=lambda p: float(np.dot(phase_excess[p][on], n[on])))
+        if stall_phase == "input_wait" and input_workers and period <= input_workers:
+            continue  # the workers' bursts: judged as input_bound below
         if (stall_phase == "input_wait" and wait_share is not None
                 and wait_share - share >= max(th["input_wait_share"], share)):
             # The input is waited for at every step, the periodic part is the
@@ -382,6 +399,23 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced):
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
+    if async_blockers:
+        # With dispatch on, the host's part of each cycle overlaps the device's:
+        # the smaller of the two is lost per step. The device's part is what the
+        # host awaited after dispatching (`StepRecord.awaited`); without it, the
+        # step is taken as the device's and the host's part is what the hooks see.
+        awaited = [r.awaited for r in rs]
+        if all(a is not None for a in awaited):
+            device = np.array(awaited) / n
+            host = cycle - device
+        else:
+            device, host = phase["step"], phase["between"] + phase["input_wait"]
+        sync_share = float(np.dot(np.minimum(host, device), n)) / total if total else 0.0
+        ev.update(sync_callbacks=list(async_blockers), sync_host_ms=float(np.median(host)) * 1e3,
+                  sync_time_share=sync_share)
+        if sync_share >= th["cost_share"]:
+            ev["signals"].append("sync_callbacks")
+            return _judgement("sync_callbacks", ev, phase="between", cost_share=sync_share)
     if util is not None and util < th["low_gpu_util"]:
         if wait_share is None and med * 1e3 >= th["short_step_ms"]:
             return _judgement("input_bound", ev, phase="input_wait", cost_share=1.0 - util)
@@ -483,6 +517,9 @@ class OscillationDetector:
         self.eager = eager
         self.synced = synced
         self.eager_where = eager_where
+        self.async_blockers = None  # RunFacts (tell): judge's arguments and the fix's fields
+        self.input_source = None
+        self.input_workers = None
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
         self.reset()
@@ -492,6 +529,8 @@ class OscillationDetector:
         self.jit, self.eager, self.eager_where = facts.jit, facts.eager, facts.eager_where
         self.synced = facts.synced
         self.run_thresholds = dict(facts.thresholds)
+        self.async_blockers = facts.async_blockers
+        self.input_source, self.input_workers = facts.input_source, facts.input_workers
 
     def active_thresholds(self) -> dict:
         """Every threshold this detector judges with (`THRESHOLDS`, the
@@ -600,7 +639,8 @@ class OscillationDetector:
     def judge(self) -> dict:
         """`judge` of the current window (no side effects)."""
         return judge(self._ring, self.active_thresholds(), self._baseline_ms, self.jit,
-                     self.eager, len(self._shapes), self.synced)
+                     self.eager, len(self._shapes), self.synced, self.async_blockers,
+                     self.input_workers)
 
     def finish(self):
         """Judges the records not judged yet at the end of a run.
@@ -642,7 +682,7 @@ class OscillationDetector:
                 return None
         elif self._streak[1] < (1 if verdict in ("recompiling", "eager_step") else min_windows):
             return None
-        event = _event(judgement, start, end, self._where(verdict))
+        event = _event(judgement, start, end, self._where(verdict), self.input_source)
         self._current = event
         if len(self.events) < self.MAX_EVENTS:
             self.events.append(event)
@@ -650,6 +690,8 @@ class OscillationDetector:
 
     def _where(self, verdict):
         """The file:line a verdict's fix names (the eager step's), or None."""
+        if verdict == "sync_callbacks":
+            return ", ".join(self.async_blockers or ()) or None
         return self.eager_where if verdict == "eager_step" else None
 
     def dominant_verdict(self) -> str:
@@ -695,7 +737,7 @@ class OscillationDetector:
         elif judgement is not None and verdict not in ("healthy", "unknown"):
             phase, share = judgement["phase"], judgement["cost_share"]
             fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
-                          where=self._where(verdict))
+                          where=self._where(verdict), source=self.input_source)
         else:
             fix, phase, share = FIXES[verdict], None, None
         others = [e for e in self.events if e["verdict"] != verdict]
@@ -712,7 +754,7 @@ class OscillationDetector:
                 "because": because, "changed": changed, "causes": causes}
 
 
-def _event(judgement, start, end, where=None):
+def _event(judgement, start, end, where=None, source=None):
     verdict, ev = judgement["verdict"], judgement["evidence"]
     period, phase, share = judgement["period"], judgement["phase"], judgement["cost_share"]
     return {
@@ -724,7 +766,8 @@ def _event(judgement, start, end, where=None):
         "period": period,
         "cost_share": share,
         "evidence": ev,
-        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where),
+        "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where,
+                       source=source),
         "message": _message(verdict, start, ev, period, phase, share),
         "causes": [dict(c) for c in judgement.get("causes", ())],
     }

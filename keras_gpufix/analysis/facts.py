@@ -24,6 +24,13 @@ class RunFacts(NamedTuple):
         thresholds: this run's threshold overrides by name (a
             `RetracingMonitor`'s `max_new_shapes`); a dict, never changed
             in place (`merged` makes a new one).
+        async_blockers: names of the callbacks that turned Keras's
+            asynchronous dispatch off (`sync_callbacks`), or None (it is
+            on, or the backend has none).
+        input_source: the kind of fit's Python data source (`PyDataset`,
+            `Generator`, ...: `INPUT_SOURCE_FIXES`), or None.
+        input_workers: the workers that make its batches in parallel (a
+            `PyDataset`'s), or None.
     """
 
     jit: Optional[bool] = None
@@ -31,6 +38,9 @@ class RunFacts(NamedTuple):
     eager_where: Optional[str] = None
     synced: Optional[bool] = None
     thresholds: dict = {}
+    async_blockers: Optional[tuple] = None
+    input_source: Optional[str] = None
+    input_workers: Optional[int] = None
 
     def merged(self, **changes) -> "RunFacts":
         """A copy with `changes`; `thresholds` are added to the current ones."""

@@ -49,6 +49,8 @@ class StepRecord(NamedTuple):
     epoch_first: bool = False
     split: bool = True
     traces: int = 0
+    compile_s: Optional[float] = None
+    awaited: Optional[float] = None
 
     @property
     def cycle(self) -> float:

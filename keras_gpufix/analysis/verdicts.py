@@ -17,6 +17,9 @@ Verdicts, in order of precedence (the detector tries them in this order):
 |                   | utilisation on long steps; phase `step` (contention): the   |
 |                   | what-if finds the input costing >= `what_if_share` while    |
 |                   | the wait reads low (`detector.weigh`)                       |
+| `sync_callbacks`  | callbacks turned Keras's asynchronous dispatch off (JAX,    |
+|                   | torch, numpy) and the host time per step that no longer     |
+|                   | overlaps the device step costs >= `cost_share`              |
 | `dispatch_bound`  | low GPU utilisation on short steps, input ready             |
 | `irregular_stall` | steps slower than `stall_factor` x the median, without a    |
 |                   | period, cost >= `irregular_share`                           |
@@ -39,6 +42,7 @@ __all__ = [
     "RETRACE_FIX",
     "not_run_verdict",
     "UNSYNCED_NOTE",
+    "INPUT_SOURCE_FIXES",
     "fix_for",
     "slow_limit",
     "slow_mask",
@@ -58,6 +62,7 @@ VERDICTS = (
     "eager_step",
     "periodic_stall",
     "input_bound",
+    "sync_callbacks",
     "dispatch_bound",
     "irregular_stall",
     "degrading",
@@ -291,6 +296,13 @@ FIXES = {
         "feature cache (kg.data.SpeechDatasetBuilder(cache_dir=...)), raise "
         "map parallelism to AUTOTUNE and prefetch"
     ),
+    "sync_callbacks": (
+        "{where} override a batch-end hook without `async_safe = True`, so Keras waits for "
+        "each step before dispatching the next ({share} of the time lost): set "
+        "`async_safe = True` on a callback whose batch-end work is thread-safe, or move "
+        "per-batch work to on_epoch_end (Keras's own TensorBoard, ModelCheckpoint, "
+        "BackupAndRestore and TerminateOnNaN block it whatever their update_freq / save_freq)"
+    ),
     "dispatch_bound": (
         "steps are too short for per-step dispatch: raise steps_per_execution "
         "(kg.compile_model(steps_per_execution='auto')) or the batch size"
@@ -311,6 +323,22 @@ FIXES = {
 }
 
 
+#: The `input_bound` fix for fit's Python data sources (the Keras data
+#: adapter's kind, `backends.batch_clock.BatchClock.source`), not `tf.data`.
+INPUT_SOURCE_FIXES = {
+    "PyDataset": (
+        "the step waits for data from a keras.utils.PyDataset: give it workers "
+        "(PyDataset(workers=N, use_multiprocessing=True) for CPU-heavy __getitem__), or compute "
+        "the features once into a cache (kg.data.SpeechDatasetBuilder(cache_dir=...))"
+    ),
+    "Generator": (
+        "the step waits for data from a Python generator: make it a keras.utils.PyDataset "
+        "with workers (use_multiprocessing=True for CPU-heavy work), or compute the features "
+        "once into a cache (kg.data.SpeechDatasetBuilder(cache_dir=...))"
+    ),
+}
+
+
 class _Fields(dict):
     def __missing__(self, key):
         return "?"
@@ -325,7 +353,9 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
             (`input_wait`, `step`, `between`, or `loop_body` for an unsplit
             custom-loop span); selects the phase's text from `PHASE_FIXES`.
             For `input_bound`, `step` (the input's cost shows as a slower
-            step: contention for the host's cores) selects `CONTENTION_FIX`.
+            step: contention for the host's cores) selects `CONTENTION_FIX`,
+            and a `source` field of `INPUT_SOURCE_FIXES` (fit's Python data
+            source) that source's text.
             `FIXES` itself uses `{period}`, `{where}`, `{share}` and
             `{phase}` (`irregular_stall`: the phase holding most of the
             long cycles' excess).
@@ -341,6 +371,8 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         text = PHASE_FIXES[phase]
     elif verdict == "input_bound" and phase == "step":
         text = CONTENTION_FIX
+    elif verdict == "input_bound" and fields.get("source") in INPUT_SOURCE_FIXES:
+        text = INPUT_SOURCE_FIXES[fields["source"]]
     else:
         text = FIXES[verdict]
     if verdict == "periodic_stall" and fields.get("where"):
@@ -410,7 +442,8 @@ def slow_mask(times, median: float = None, factor: float = None,
 
 
 def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: int = 0,
-                   new_shape: bool = False, jit=None, compiled_before: bool = False) -> float:
+                   new_shape: bool = False, jit=None, compiled_before: bool = False,
+                   compile_s: float = None) -> float:
     """THE recompile pricing: seconds a step spent compiling (estimated).
 
     A step compiled when it traced its function again (`traces > 0`) or met
@@ -418,7 +451,10 @@ def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: in
     earlier fit. It then costs its time above the median step; any other
     step costs no compile (an eager step, a new shape without XLA, or a
     slow step whose shape is unknown: without `kg.data.instrument` slow
-    steps are never priced as recompiles).
+    steps are never priced as recompiles). Where the backend counted the
+    step's compiles (`compile_s`, JAX's `jax.monitoring` events), that
+    measurement decides: the step cost its compile seconds (at most its
+    time).
 
     Args:
         step_s: the step's time, without its input wait (seconds, for all
@@ -429,18 +465,25 @@ def recompile_cost(step_s: float, median_s: float, steps: int = 1, *, traces: in
         new_shape: the step met an input shape never seen before.
         jit: whether the step is XLA-compiled (None: not known).
         compiled_before: the shape was compiled in an earlier fit.
+        compile_s: seconds the step spent compiling, measured (None: not
+            counted).
     """
     if not step_compiled(traces=traces, new_shape=new_shape, jit=jit,
-                         compiled_before=compiled_before):
+                         compiled_before=compiled_before, compile_s=compile_s):
         return 0.0
+    if compile_s is not None:
+        return min(float(compile_s), float(step_s))
     return max(0.0, float(step_s) - float(median_s) * steps)
 
 
 def step_compiled(*, traces: int = 0, new_shape: bool = False, jit=None,
-                  compiled_before: bool = False) -> bool:
+                  compiled_before: bool = False, compile_s: float = None) -> bool:
     """Whether a step compiled: it traced again, or met a new input shape
-    under XLA (`jit is True`) not compiled in an earlier fit. The arguments
-    are those of `recompile_cost`."""
+    under XLA (`jit is True`) not compiled in an earlier fit; where its
+    compiles were counted (`compile_s` not None), whether it spent time
+    compiling. The arguments are those of `recompile_cost`."""
+    if compile_s is not None:
+        return compile_s > 0
     return traces > 0 or (new_shape and jit is True and not compiled_before)
 
 

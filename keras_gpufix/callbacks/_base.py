@@ -18,6 +18,7 @@ import os
 
 import keras
 
+from keras_gpufix.backends import NotSupported, current
 from keras_gpufix.exceptions import warn
 
 __all__ = ["guarded", "GuardedCallback", "ScalarWriter", "UserError"]
@@ -71,8 +72,10 @@ class GuardedCallback(keras.callbacks.Callback):
 class ScalarWriter:
     """Buffered TensorBoard scalars under `log_dir/<run>`.
 
-    Uses `tf.summary` (imported on first flush). Where TensorFlow is not
-    installed (another Keras backend) it warns once and drops the scalars.
+    Writes through the Keras backend's adapter (`backends.current()`):
+    `tf.summary` on TensorFlow, the `tensorboard` package's event files on
+    other backends (no TensorFlow needed). Where neither is installed it
+    warns once and drops the scalars.
     At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
     early). Each scalar is written with its description from
     `DESCRIPTIONS` (the tables of `StepTimer` and `GPUOscillationMonitor`);
@@ -131,23 +134,19 @@ class ScalarWriter:
         if self._disabled or not self._pending:
             self._pending = []
             return
-        try:
-            import tensorflow as tf
-        except ImportError:
-            self._disabled = True
-            self._pending = []
-            warn("TensorBoard scalars need TensorFlow (`pip install tensorflow`); "
-                 f"nothing is written to {self.path}.")
-            return
         if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.path)
+            try:
+                self._writer = current().scalar_writer(self.path)
+            except NotSupported as exc:
+                self._disabled = True
+                self._pending = []
+                warn(str(exc))
+                return
         pending, self._pending = self._pending, []
-        with self._writer.as_default():
-            for tag, value, step in pending:
-                description = self.DESCRIPTIONS.get(
-                    tag, f"written by keras_gpufix's {tag.split('/')[0]} callback")
-                summary = tf.summary.text if isinstance(value, str) else tf.summary.scalar
-                summary(tag, value, step=step, description=description)
+        for tag, value, step in pending:
+            description = self.DESCRIPTIONS.get(
+                tag, f"written by keras_gpufix's {tag.split('/')[0]} callback")
+            self._writer.write(tag, value, step, description)
         self._writer.flush()
 
     def close(self):

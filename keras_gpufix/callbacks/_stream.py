@@ -58,10 +58,19 @@ and under `kg.watch` alike (when watch iterates the dataset itself; over
 an iterator or a generator it calls `drop_probe()`); other datasets leave
 them None.
 
-Input shapes in `fit` under XLA: when the model's step is XLA-compiled,
-the leader puts a probe inside `model.train_function`
+Input shapes in `fit` under XLA: on TensorFlow, when the model's step is
+XLA-compiled, the leader puts a probe inside `model.train_function`
 (`keras_gpufix/_step_shapes.py`) and reads each step's input shapes from it
 with the rest (any dataset; an instrumented one's shapes come first).
+
+Every backend (`backends.current()`, chosen once per run): a `PyDataset`,
+generator or arrays in `fit` (every source on JAX) are read through a
+`BatchClock` (`backends/batch_clock.py`) instead of the probe: each batch's ready time (the
+input wait) and shapes. On JAX each record gets the seconds JAX spent
+compiling inside it (`jax.monitoring`, `StepRecord.compile_s`). Where
+callbacks turned Keras's asynchronous dispatch off, the stream tells the
+detector which (`RunFacts.async_blockers`) and stamps each dispatch
+(`DispatchClock`, `backends/dispatch_clock.py`; `StepRecord.awaited`) to price it.
 
 One judgement per run: the stream feeds its records to one
 `analysis.OscillationDetector` (the `GPUOscillationMonitor`'s in the run,
@@ -95,11 +104,20 @@ import keras
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, RunFacts, StepRecord
 from keras_gpufix.analysis.phases import split_cycle
+from keras_gpufix.backends import current
+from keras_gpufix.backends.batch_clock import BatchClock
+from keras_gpufix.backends.dispatch_clock import DispatchClock
 from keras_gpufix.callbacks._base import UserError
 from keras_gpufix.callbacks._clock import StepClock
 from keras_gpufix.callbacks._edge import Edge
 from keras_gpufix.callbacks._model_facts import model_facts
-from keras_gpufix.keras_internals import callback_model, surround_callbacks
+from keras_gpufix.keras_internals import (
+    async_train_dispatch,
+    blocks_async_dispatch,
+    callback_model,
+    running_callback_list,
+    surround_callbacks,
+)
 
 __all__ = ["StepStream", "stream_of"]
 
@@ -175,6 +193,11 @@ class StepStream:
         self.step_shapes = self.step_shapes_note = None
         self.framed = False
         self._unframe = None
+        self.backend = None
+        self._compiles = None
+        self._compiles_read = 0.0
+        self._batch_clock = None
+        self._dispatch = None
         self._epoch_sums = (-1, 0.0, 0.0, 0.0, 0)  # epoch, cycle, wait, waited cycle, steps
 
     # -- membership ------------------------------------------------------
@@ -194,12 +217,15 @@ class StepStream:
         if stream.leader is None:
             stream.leader = callback
             stream._open()
+            stream.tell(async_blockers=stream._blockers(callback))
             stream._unframe = surround_callbacks(callback, Edge(stream, end=True),
                                                  Edge(stream, end=False))
             stream.framed = stream._unframe is not None
             model = callback_model(callback)
             stream.tell(**model_facts(model))
             stream._watch_step_shapes(model)
+            stream._watch_source()
+            stream._watch_dispatch(model)
         detector = getattr(callback, "detector", None)
         if stream._own_detector and isinstance(detector, OscillationDetector):
             stream.detector, stream._own_detector = detector, False
@@ -213,6 +239,9 @@ class StepStream:
     def _open(self):
         import sys
 
+        self.backend = current()
+        self._compiles = self.backend.compile_log()  # compiles before the first hook are
+        # never a hook's (`_compile_seconds` reads only those inside a hook's span)
         if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
             from keras_gpufix.data.input_probe import InputCursor
 
@@ -235,9 +264,54 @@ class StepStream:
         only: the probe is a TensorFlow op.
         """
         self.step_shapes, self.step_shapes_note = None, None
-        if (self.facts.jit and not self.facts.eager and model is not None
-                and keras.backend.backend() == "tensorflow"):
+        if (self.backend.tensorflow_step and self.facts.jit and not self.facts.eager
+                and model is not None):
             self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+
+    def _watch_source(self):
+        """Times the batches of fit's PyDataset, generator or arrays (`BatchClock`).
+
+        Where it can (every source on JAX, a Python source on TensorFlow), the
+        clock replaces the `kg.data.instrument` cursor: it follows the source
+        fit actually reads.
+        """
+        self._batch_clock = BatchClock.attach(self.backend)
+        if self._batch_clock is not None:
+            self._cursor = self._batch_clock
+            self.tell(input_source=self._batch_clock.source,
+                      input_workers=self._batch_clock.workers)
+
+    def _watch_dispatch(self, model):
+        """Where callbacks stopped asynchronous dispatch, stamps each step's dispatch."""
+        self._dispatch = None
+        if self.facts.async_blockers and model is not None:
+            self._dispatch = DispatchClock.attach(model)
+
+    def _blockers(self, callback):
+        """Names of the callbacks that turned Keras's asynchronous dispatch off.
+
+        None where the backend never dispatches callbacks asynchronously
+        (TensorFlow), where dispatch is on, or where it cannot be told.
+        """
+        if not self.backend.async_callbacks:
+            return None
+        hooks = running_callback_list(callback)
+        if hooks is None or async_train_dispatch(hooks) is not False:
+            return None
+        return tuple(type(c).__name__ for c in hooks.callbacks
+                     if blocks_async_dispatch(c)) or None
+
+    def _compile_seconds(self, pending):
+        """Per pending hook, seconds JAX spent compiling inside it (None: not counted)."""
+        if self._compiles is None:
+            return [None] * len(pending)
+        events = self._compiles.since(self._compiles_read)
+        self._compiles_read = pending[-1][2] + pending[-1][3]
+        out = []
+        for p in pending:
+            begin, end = p[2], p[2] + p[3]
+            out.append(sum(e[1] for e in events if begin < e[0] <= end))
+        return out
 
     def _step_shape_keys(self, pending):
         """Per pending hook, the shape key the train step saw (or None)."""
@@ -398,6 +472,10 @@ class StepStream:
         self.drain()
         self.clock.drop_open()
         self.sync()
+        if self._batch_clock is not None:
+            self._batch_clock.detach()
+        if self._dispatch is not None:
+            self._dispatch.detach()
         event = self.detector.finish()
         if event is not None:
             self._deliver("_on_event", event)
@@ -424,8 +502,12 @@ class StepStream:
         per_second = None if probe is None else probe.frames_per_second
         records = []
         seen_in_step = self._step_shape_keys(pending)
+        compiled = self._compile_seconds(pending)
+        awaited = ([None] * len(pending) if self._dispatch is None else
+                   self._dispatch.awaited([(p[2], p[2] + p[3]) for p in pending]))
         for (index, steps, begin, span, gap, epoch, first, supplied, traces), wait, row, \
-                frames, in_step in zip(pending, waits, rows, reals, seen_in_step):
+                frames, in_step, compile_s, device in zip(pending, waits, rows, reals,
+                                                          seen_in_step, compiled, awaited):
             split = True
             samples = None if self.batch_size is None else self.batch_size * steps
             shape = None
@@ -455,7 +537,7 @@ class StepStream:
                 index=index, steps=steps, input_wait=input_wait, step=step, between=between,
                 samples=samples, audio_seconds=audio, real_frames=frames, shape=shape,
                 new_shape=new_shape, gpu_util=util, epoch=max(0, epoch), epoch_first=first,
-                split=split, traces=traces))
+                split=split, traces=traces, compile_s=compile_s, awaited=device))
         for callback in self.members:
             callback._take_records(records)
         self._judge(records)

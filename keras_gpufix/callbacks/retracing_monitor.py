@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from keras_gpufix.analysis import FIXES, RETRACE_FIX, recompile_cost, step_compiled
+from keras_gpufix.backends import current
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import (
@@ -184,6 +185,10 @@ class RetracingMonitor(TimedCallback):
 
     def _watch_functions(self):
         """The custom loop's own step functions."""
+        backend = current()
+        if not backend.tensorflow_step:
+            self._watch_jitted(backend)
+            return
         traced = [f for f in self.functions
                   if callable(getattr(f, "experimental_get_tracing_count", None))]
         for f in self.functions:
@@ -207,10 +212,38 @@ class RetracingMonitor(TimedCallback):
             jit = [function_jit_compile(f) for f in self._functions.values()]
             self._jit = True if any(jit) else (None if None in jit else False)
 
+    def _watch_jitted(self, backend):
+        """The loop's step functions on a backend without tf.function (JAX: `jax.jit`).
+
+        A jitted function (it has `lower`) compiles once per input shape:
+        its compiles come from the backend (each record's `compile_s`); a
+        plain Python function runs op by op, compiling nothing.
+        """
+        jitted = [f for f in self.functions if callable(getattr(f, "lower", None))]
+        for f in self.functions:
+            if f not in jitted:
+                self.notes.append(f"{_name(f)} is not jitted: it runs op by op, so nothing is "
+                                  "compiled (wrap it in jax.jit)")
+        self._compiled = bool(jitted)
+        self._jit = bool(jitted)
+        if jitted and backend.compile_log() is None:
+            self.notes.append(backend.unsupported("counting XLA compiles"))
+
     def _watch_train_function(self):
         """The `tf.function`s of `model.fit`'s train step."""
         model = self.model
         train_function = getattr(model, "train_function", None)
+        backend = current()
+        if not backend.tensorflow_step:
+            # No tf.function: XLA compiles come from the backend (JAX's
+            # jax.monitoring events, in each record's compile_s).
+            self._compiled = not getattr(model, "run_eagerly", False)
+            self._jit = step_jit_compile(model) if self._compiled else False
+            how = ("XLA compiles are counted from jax.monitoring" if backend.compile_log()
+                   else "compiles are not counted")
+            self.notes.append(f"Keras {backend.name} backend: no tf.function traces; {how}, "
+                              "input shapes come from fit's data source")
+            return
         self._functions = traced_functions(train_function)
         if self._functions:
             self._baseline = self._trace_total()
@@ -280,11 +313,12 @@ class RetracingMonitor(TimedCallback):
                 self._note_too_many_shapes()
             if new_shape:
                 self._seen[key] = self._global - count
-            if new_shape or record.traces:
+            if new_shape or record.traces or record.compile_s:
                 # Time spent waiting for the batch is the input's, not a compile.
                 event = {"step": self._global - count, "steps": count, "shape": key,
                          "traces": record.traces, "step_ms": record.step * 1e3,
-                         "epoch": self._epoch, "compiled_before": key in self._compiled_shapes}
+                         "epoch": self._epoch, "compiled_before": key in self._compiled_shapes,
+                         "compile_s": record.compile_s}
                 event["compiles"] = step_compiled(**self._how(event))
                 self._events.append(event)
                 if (new_shape and self._functions
@@ -334,7 +368,8 @@ class RetracingMonitor(TimedCallback):
         return {"traces": 0 if eager else event["traces"],
                 "new_shape": event["shape"] is not None,
                 "jit": False if eager else self._jit,
-                "compiled_before": event["compiled_before"]}
+                "compiled_before": event["compiled_before"],
+                "compile_s": None if eager else event.get("compile_s")}
 
     def _trace_count(self):
         """Traces during the fit (so far, while it runs)."""

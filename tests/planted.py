@@ -67,9 +67,13 @@ class StepWork(keras.callbacks.Callback):
 
         @functools.wraps(original)
         def train_function(*args, **kwargs):
+            # After the original: fit's train function takes its batch first
+            # (on JAX the loop's `next()` inside it is the input wait), then
+            # steps; a sleep before the fetch would be time waiting for input.
             slow = self.every and next(calls) % self.every == 0
+            out = original(*args, **kwargs)
             time.sleep(self.seconds + (self.extra if slow else 0.0))
-            return original(*args, **kwargs)
+            return out
 
         self.model.train_function = train_function
 

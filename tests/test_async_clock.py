@@ -76,7 +76,7 @@ def test_step_records_agree_with_a_fit_without_callbacks(jax_run):
 
 def test_planted_runs_get_their_verdicts_with_async_dispatch_where_it_applies(jax_run):
     verdict, _, median_ms = jax_run["planted"]["healthy"]
-    if verdict != "healthy" or median_ms > 16:
+    if median_ms > 16:  # a wrong verdict at the planted speed is a failure, not load
         pytest.skip(f"host too loaded: the planted 8 ms steps took {median_ms:.1f} ms "
                     f"({verdict})")
     for planted, (verdict, async_dispatch, _) in jax_run["planted"].items():

@@ -50,7 +50,7 @@ def test_a_loop_over_a_distributed_dataset_is_measured_and_stopped_by_steps():
     # strategy.experimental_distribute_dataset (a one-CPU MirroredStrategy: a
     # DistributedDataset, not a tf.data one) + strategy.run in a tf.function
     proc, result = diagnose("mirrored", 14, "--no-what-if", script_steps=40)
-    assert f"done mirrored" in proc.stdout  # the `for` loop ended cleanly, the script ran on
+    assert "done mirrored" in proc.stdout  # the `for` loop ended cleanly, the script ran on
     (loop,) = result["fits"]
     assert loop["kind"] == "loop" and loop["stopped_by_diagnose"] is True
     assert loop["monitor"]["step_time"]["count"] == 14 - 5  # the monitor's warm-up drops 5

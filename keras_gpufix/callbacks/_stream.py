@@ -99,8 +99,6 @@ CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 
 import weakref
 
-import keras
-
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis import VERDICTS, OscillationDetector, RunFacts, StepRecord
 from keras_gpufix.analysis.phases import split_cycle

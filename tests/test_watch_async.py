@@ -8,8 +8,10 @@ Keras MLP trains in the user's own loop (on JAX it computes its step, on
 one thread; on TensorFlow it is tiny and its step's first op sleeps
 `DEVICE_S`, the device's share, as in `custom_loops.py`); the loss is read
 every `EVERY`-th step, as a loop that logs every few steps does. Each mode
-runs its loops one after the other, the loop that reads the loss every step
-once before and once after the others (the reference for the step time).
+runs its loops one after the other. The reference for a loop's step time is
+its own wall time per step, read around the loop (the monitor's cost beside
+the same loop without it is a benchmark's figure, not a test's: the script
+prints it, `bare` and `bare_after`, one run either side of the others).
 Run as a script (`KERAS_BACKEND=jax python tests/test_watch_async.py`) it
 prints the runs' figures as one JSON line.
 """
@@ -147,28 +149,26 @@ def runs(request):
     return _loop_runs(request.param)
 
 
-def test_reading_the_loss_every_k_steps_is_healthy_at_the_synced_step_time(runs):
-    before, after = runs["read_every_step"], runs["read_every_step_after"]
-    refs = sorted([before["median_ms"], after["median_ms"]])
-    if {before["verdict"], after["verdict"]} != {"healthy"} or refs[1] > 1.35 * refs[0]:
-        # Other work on the host changed the step's time (real computing
-        # under JAX) by more than is compared here: the reference itself was
-        # not a steady healthy loop, so there is nothing to compare with.
-        pytest.skip(f"host too loaded to compare: the reference runs were {before['verdict']} "
-                    f"at {before['median_ms']:.1f} ms and {after['verdict']} at "
-                    f"{after['median_ms']:.1f} ms per step")
-    # Within 20% of the synchronous runs, one run either side of these.
-    low, high = 0.8 * refs[0], 1.2 * refs[1]
-    unsynced = runs["read_every_k_unsynced"]
-    for synced in (runs["read_every_k"], runs["read_every_k_step_done"]):
+def test_reading_the_loss_every_k_steps_is_healthy_at_the_loops_step_time(runs):
+    # Each loop's judged step time is its wall time per step (read around the
+    # loop), not the dispatch's time nor the wait of the read for EVERY steps:
+    # the median lies under the mean where the host's load added outliers.
+    def near_wall(run, judged):
+        return 0.6 * run["wall_ms"] <= judged <= 1.25 * run["wall_ms"]
+
+    assert runs["read_every_step"]["verdict"] == "healthy", runs["read_every_step"]
+    for synced in (runs["read_every_step"], runs["read_every_k"], runs["read_every_k_step_done"]):
         assert synced["verdict"] == "healthy", synced
-        assert low <= synced["median_ms"] <= high, (synced, refs)
+        assert near_wall(synced, synced["median_ms"]), synced
         assert synced["input_wait"] < 0.2  # next() did not queue behind the device
-    # Unsynced: not measured per step, judged per period of EVERY steps.
+    # Unsynced: not measured per step (records at dispatch), judged per
+    # period of EVERY steps.
+    unsynced = runs["read_every_k_unsynced"]
     assert unsynced["verdict"] == "healthy", unsynced
     assert unsynced["input_wait"] is None
     assert unsynced["unsynced_period"] == EVERY
-    assert low <= unsynced["judged_ms"] <= high, (unsynced, refs)
+    assert unsynced["median_ms"] < 0.5 * unsynced["wall_ms"], unsynced
+    assert near_wall(unsynced, unsynced["judged_ms"]), unsynced
 
 
 def test_slow_input_and_work_every_k_steps_are_named(runs):
@@ -223,6 +223,8 @@ def _main():
         monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
         with kg.watch(batches(slow), callbacks=[monitor], sync=sync) as watched:
             for step, (xb, yb) in enumerate(watched):
+                if step == 1:
+                    started = time.perf_counter()  # steps 1.. (the first's begin holds the setup)
                 loss = train_step(xb, yb)
                 if done:
                     watched.step_done(loss)  # on JAX: waits for the loss alone
@@ -230,18 +232,32 @@ def _main():
                     float(loss)  # logging the loss
                 if work and step % EVERY == EVERY - 1:
                     time.sleep(WORK_S)  # a plot written every 5th step
+            wall_ms = (time.perf_counter() - started) / (STEPS - 1) * 1e3
         report = monitor.report()
         judged = monitor.detector.last_judgement["evidence"]
         events = report["events"]
         return {"verdict": report["verdict"], "events": [e["message"] for e in events], "median_ms": report["step_time"]["p50_ms"],
                 "input_wait": report["input_wait"], "judged_ms": judged.get("median_ms"),
                 "unsynced_period": judged.get("unsynced_period"),
-                "period": events[-1]["period"] if events else None}
+                "period": events[-1]["period"] if events else None, "wall_ms": wall_ms}
 
-    runs = {"read_every_step": run(1), "read_every_k": run(EVERY),
+    def bare():
+        """The loop without the monitor: its step time, the median of the
+        spans between two reads of the loss (each waits for its step) per step."""
+        reads, started = [], time.perf_counter()
+        for step, (xb, yb) in enumerate(batches(False)):
+            loss = train_step(xb, yb)
+            if step % EVERY == EVERY - 1:
+                float(loss)
+                reads.append(time.perf_counter())
+        spans = np.diff(reads[1:]) / EVERY  # the first span holds the compile
+        return {"median_ms": float(np.median(spans)) * 1e3,
+                "wall_ms": (time.perf_counter() - started) / STEPS * 1e3}
+
+    runs = {"bare": bare(), "read_every_step": run(1), "read_every_k": run(EVERY),
             "read_every_k_unsynced": run(EVERY, sync=False),
             "read_every_k_step_done": run(EVERY, done=True)}
-    runs["read_every_step_after"] = run(1)  # the host's load drifts: a reference either side
+    runs["bare_after"] = bare()  # the host's load drifts: a reference either side
     runs["slow_input"] = run(EVERY, slow=True)
     runs["work_every_k"] = run(EVERY, work=True)
     print(json.dumps(runs))

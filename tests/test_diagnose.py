@@ -686,3 +686,30 @@ def test_a_diagnose_note_points_at_the_scripts_fit_line(tmp_path, monkeypatch):
     (note,) = [w for w in caught if issubclass(w.category, GpufixWarning)]
     assert "could not attach the monitors (RuntimeError: injected)" in str(note.message)
     assert (note.filename, note.lineno) == (str(script), 5)  # the script's fit(...) line
+
+
+def test_the_step_counter_keeps_async_dispatch_and_stops_at_the_steps(monkeypatch):
+    import threading
+    import types
+
+    import keras
+    from keras.src.callbacks import callback_list
+
+    from keras_gpufix.diagnose.run import _step_counter
+    from keras_gpufix.keras_internals import async_train_dispatch
+
+    monkeypatch.setattr(callback_list.backend, "IS_THREAD_SAFE", True)  # as on JAX
+    assert async_train_dispatch(keras.callbacks.CallbackList([_step_counter(5)])) is True
+    model = types.SimpleNamespace(steps_per_execution=2, stop_training=False)
+    counter = _step_counter(5)
+    counter.set_model(model)
+    counter.on_train_begin()
+    stops = []
+    for first in (0, 2, 4):  # executions of 2 steps; the end hooks in another thread
+        counter.on_train_batch_begin(first)
+        stops.append(model.stop_training)
+        end = threading.Thread(target=counter.on_train_batch_end, args=(first + 1,))
+        end.start()
+        end.join()
+    assert stops == [False, False, True]  # set before the execution that reaches 5 steps
+    assert counter.seen == 6 and counter.stopped

@@ -86,25 +86,46 @@ def _instrumented(dataset, depth=64):
 
 def _step_counter(steps=None):
     """A callback that counts `fit`'s steps (counting steps_per_execution) and,
-    with `steps`, stops `fit` after that many."""
+    with `steps`, stops `fit` after that many.
+
+    It is `async_safe`, so a diagnosed fit keeps Keras's asynchronous
+    dispatch (JAX, torch, NumPy backends). The stop is decided on the
+    loop's thread, in the begin hook of the execution that reaches `steps`
+    (Keras checks `stop_training` right after that execution's end hook,
+    as it did when the end hook set it); the steps run are counted in the
+    end hooks, under a lock (Keras's pool has several threads).
+    """
     import keras
 
     class StepCounter(keras.callbacks.Callback):
+        async_safe = True
+
         def __init__(self):
             super().__init__()
-            self.seen, self.stopped, self._first = 0, False, 0
+            self.seen, self.stopped, self._begun = 0, False, 0
+            self._first = {}
+            self._lock = threading.Lock()
 
         def on_train_begin(self, logs=None):
-            self.seen, self.stopped = 0, False
+            self.seen, self.stopped, self._begun = 0, False, 0
+            self._first = {}
 
         def on_train_batch_begin(self, batch, logs=None):
-            self._first = batch
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seen += max(1, batch - self._first + 1)
-            if steps and self.seen >= steps:
+            try:  # Keras's epoch iterator ends this execution at batch + per_call - 1
+                per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+            except (TypeError, ValueError):
+                per_call = 1
+            with self._lock:
+                self._first[batch + per_call - 1] = batch
+            self._begun += per_call
+            if steps and self._begun >= steps:
                 self.model.stop_training = True
                 self.stopped = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            with self._lock:
+                first = self._first.pop(batch, batch)
+                self.seen += max(1, batch - first + 1)
 
     return StepCounter()
 

@@ -117,6 +117,7 @@ def test_watching_a_list_on_jax_imports_no_tensorflow():
 
 def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch):
     from keras_gpufix import watched as watched_module
+    from keras_gpufix.callbacks import _clock as clock_module
 
     supplied = []
 
@@ -140,7 +141,7 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
             return next(clock)
 
     monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Stream())
-    monkeypatch.setattr(watched_module, "time", Clock)
+    monkeypatch.setattr(clock_module, "time", Clock)  # the step clock times next()
     batches = [(np.zeros((4, 2)), np.zeros(4)), {"x": np.zeros((3, 5, 2))}]
     with kg.watch(batches, callbacks=[Recorder()]) as watched:
         assert sum(1 for _ in watched) == 2

@@ -18,7 +18,8 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.analysis import stages_needed
+from keras_gpufix.analysis import (MONITOR_WARMUP, main_what_if, names_no_cause, stages_needed,
+                                   trace_plan)
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
@@ -195,7 +196,7 @@ class FitPatch:
         import keras_gpufix as kg
 
         mine = {}
-        warmup = 5
+        warmup = MONITOR_WARMUP
         verbose = self.verbose
         run_dir = os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}")
         classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
@@ -219,10 +220,9 @@ class FitPatch:
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
-                at = min(10, max(warmup, (total or 30) // 3))
-                steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(run_dir, trigger=["oscillation", at], steps=steps, max_traces=2,
-                                verbose=verbose)
+                plan = trace_plan(total)
+                mine[key] = cls(run_dir, trigger=["oscillation", plan["at"]], steps=plan["steps"],
+                                max_traces=plan["max_traces"], verbose=verbose)
         return mine
 
     @staticmethod
@@ -469,12 +469,6 @@ def _jsonable(value):
     return str(value)
 
 
-def _main_what_if(fits):
-    """The what-if of the run that took longest, or None when no run has one."""
-    runs = sorted(fits, key=lambda f: -(f.get("wall_s") or 0))
-    return next((f["what_if"] for f in runs if f.get("what_if")), None)
-
-
 def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
@@ -568,7 +562,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
-    if verdict in ("healthy", "unknown"):
+    if names_no_cause(verdict):
         evidence = healthy_evidence(patch.fits, loops.seen())
     if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
         evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],
@@ -588,7 +582,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,
-        "what_if": _main_what_if(patch.fits),
+        "what_if": main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
         "notes": notes + patch.notes + ([_QUIET_NOTE] if quiet else []),

@@ -304,3 +304,19 @@ def test_the_sync_of_each_backend(monkeypatch):
     assert _sync_call("torch") is cuda.synchronize
     cuda.is_available = lambda: False
     assert _sync_call("torch") is None
+
+
+def test_an_eager_gradient_in_the_loop_reaches_the_runs_judgement_with_its_line():
+    import tensorflow as tf
+
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    weight = tf.Variable(1.0)
+    with kg.watch([np.ones(2)] * 2, callbacks=[monitor]) as watched:
+        for _ in watched:
+            with tf.GradientTape() as tape:
+                loss = weight * 2.0
+            tape.gradient(loss, weight)
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if "tape.gradient(loss, weight)" in text)
+    assert monitor.detector.eager is True
+    assert monitor.detector.eager_where == f"{__file__}:{line}"

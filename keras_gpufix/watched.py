@@ -71,12 +71,12 @@ it.
 import atexit
 import functools
 import sys
-import time
 import weakref
 
 import keras
 
 from keras_gpufix.analysis import UNSYNCED_NOTE
+from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.callbacks._stream import stream_of
 from keras_gpufix.callbacks.gpu_oscillation_monitor import GPUOscillationMonitor
 from keras_gpufix.exceptions import warn
@@ -209,9 +209,8 @@ class Watched:
                 # recorded, in order (an iterator made before the run).
                 self._stream.drop_probe()
         self._hooks.on_epoch_begin(self.epoch)
-        start = time.perf_counter()
-        iterator = iter(self.iterable)
-        self._carry += time.perf_counter() - start
+        iterator, took = timed(iter, self.iterable)
+        self._carry += took
         self._open = _Epoch(self, iterator, self.epoch)
         self.epoch += 1
         return self._open
@@ -388,8 +387,8 @@ def _probe_eager_gradients(watched):
             frame = sys._getframe(1)
             while frame is not None and frame.f_code.co_filename.startswith(library):
                 frame = frame.f_back
-            watched._stream.eager = True
-            watched._stream.eager_where = frame and f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            watched._stream.tell(eager=True, eager_where=frame and (
+                f"{frame.f_code.co_filename}:{frame.f_lineno}"))
             frame = None
         return original(tape, *args, **kwargs)
 
@@ -472,7 +471,8 @@ def _batch_facts(element):
 
 
 class _Epoch:
-    """One epoch's iterator: times `next()` and fires the step hooks."""
+    """One epoch's iterator: times `next()` (the step clock's `timed`) and fires
+    the step hooks."""
 
     def __init__(self, watched, iterator, epoch):
         self.watched = watched
@@ -495,13 +495,15 @@ class _Epoch:
             self.watched._hooks.on_train_batch_end(self.batch)
             self.watched._said_wait_error()
 
+    def _release(self):
+        self.iterator = None
+
     def end(self, failed=False):
         self.end_step(split=self.split)
         if not self.done:
             self.done = True
-            start = time.perf_counter()
-            self.iterator = None  # released here, its cost timed as input
-            self.watched._carry += time.perf_counter() - start
+            _, took = timed(self._release)  # its cost timed as input
+            self.watched._carry += took
             if not failed:
                 self.watched._hooks.on_epoch_end(self.epoch)
 
@@ -510,20 +512,15 @@ class _Epoch:
         if self.done:
             raise StopIteration
         watched = self.watched
-        start = time.perf_counter()
-        try:
-            element = next(self.iterator)
-        except StopIteration:
-            element = _END
-        if element is _END:  # outside the handler: its traceback holds the iterator
-            watched._carry += time.perf_counter() - start
+        element, wait = timed(next, self.iterator, _END)
+        if element is _END:
+            watched._carry += wait
             if watched._open is self:
                 watched._open = None
             self.end()
             if not watched._in_with:  # `iter(kg.watch(...))`: the run ends with its data
                 watched.close()
             raise StopIteration
-        wait = time.perf_counter() - start
         self.batch += 1
         watched.steps += 1
         watched._supply(wait, element, self.split)

@@ -686,3 +686,50 @@ def test_a_diagnose_note_points_at_the_scripts_fit_line(tmp_path, monkeypatch):
     (note,) = [w for w in caught if issubclass(w.category, GpufixWarning)]
     assert "could not attach the monitors (RuntimeError: injected)" in str(note.message)
     assert (note.filename, note.lineno) == (str(script), 5)  # the script's fit(...) line
+
+
+def test_the_step_counter_keeps_async_dispatch_and_stops_at_the_steps(monkeypatch):
+    import threading
+    import types
+
+    import keras
+    from keras.src.callbacks import callback_list
+
+    from keras_gpufix.diagnose.run import _step_counter
+    from keras_gpufix.keras_internals import async_train_dispatch
+
+    monkeypatch.setattr(callback_list.backend, "IS_THREAD_SAFE", True)  # as on JAX
+    assert async_train_dispatch(keras.callbacks.CallbackList([_step_counter(5)])) is True
+    model = types.SimpleNamespace(steps_per_execution=2, stop_training=False)
+    counter = _step_counter(5)
+    counter.set_model(model)
+    counter.on_train_begin()
+    stops = []
+    for first in (0, 2, 4):  # executions of 2 steps; the end hooks in another thread
+        counter.on_train_batch_begin(first)
+        stops.append(model.stop_training)
+        end = threading.Thread(target=counter.on_train_batch_end, args=(first + 1,))
+        end.start()
+        end.join()
+    assert stops == [False, False, True]  # set before the execution that reaches 5 steps
+    assert counter.seen == 6 and counter.stopped
+
+
+def test_a_loops_cycles_are_its_records_with_the_train_functions_time_as_step():
+    from keras_gpufix.analysis import StepRecord, stall_period, trace_plan
+
+    # a custom loop's records hold its whole body in `step` (split False)
+    records = [StepRecord(index=i, steps=1, input_wait=0.01, step=0.02, between=0.001,
+                          epoch_first=i in (0, 4), split=False) for i in range(8)]
+    cycles = Cycles.of(records, steps={i: 0.005 for i in range(8)})
+    assert cycles.cycle_s == pytest.approx([0.031] * 4)  # 2 left out of each epoch
+    assert cycles.input_s == [0.01] * 4 and cycles.step_s == [0.005] * 4
+    assert Cycles.of(records).step_s == [0.02] * 4  # fit's: the record's own step
+    # the stall whose line the loop patch looks for: the latest periodic one
+    monitor = {"events": [{"verdict": "periodic_stall", "period": 4}],
+               "causes": [{"verdict": "input_bound"}, {"verdict": "periodic_stall", "period": 5}]}
+    assert stall_period(monitor) == 5 and stall_period({"events": []}) is None
+    # diagnose's trace schedule, as before it moved to analysis
+    assert [trace_plan(t) for t in (None, 12, 60)] == [
+        {"at": 10, "steps": 10, "max_traces": 2}, {"at": 5, "steps": 3, "max_traces": 2},
+        {"at": 10, "steps": 10, "max_traces": 2}]

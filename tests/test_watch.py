@@ -117,6 +117,7 @@ def test_watching_a_list_on_jax_imports_no_tensorflow():
 
 def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch):
     from keras_gpufix import watched as watched_module
+    from keras_gpufix.callbacks import _clock as clock_module
 
     supplied = []
 
@@ -140,7 +141,7 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
             return next(clock)
 
     monkeypatch.setattr(watched_module, "stream_of", lambda callbacks: Stream())
-    monkeypatch.setattr(watched_module, "time", Clock)
+    monkeypatch.setattr(clock_module, "time", Clock)  # the step clock times next()
     batches = [(np.zeros((4, 2)), np.zeros(4)), {"x": np.zeros((3, 5, 2))}]
     with kg.watch(batches, callbacks=[Recorder()]) as watched:
         assert sum(1 for _ in watched) == 2
@@ -303,3 +304,19 @@ def test_the_sync_of_each_backend(monkeypatch):
     assert _sync_call("torch") is cuda.synchronize
     cuda.is_available = lambda: False
     assert _sync_call("torch") is None
+
+
+def test_an_eager_gradient_in_the_loop_reaches_the_runs_judgement_with_its_line():
+    import tensorflow as tf
+
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    weight = tf.Variable(1.0)
+    with kg.watch([np.ones(2)] * 2, callbacks=[monitor]) as watched:
+        for _ in watched:
+            with tf.GradientTape() as tape:
+                loss = weight * 2.0
+            tape.gradient(loss, weight)
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if "tape.gradient(loss, weight)" in text)
+    assert monitor.detector.eager is True
+    assert monitor.detector.eager_where == f"{__file__}:{line}"

@@ -27,8 +27,15 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | job (samples/s counted once, the straggler and why)          |
 | `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
 |               | fix and predicted gain; `stages_needed`                      |
+| `what_if`     | the what-if's judgement: `Cycles` (a run's steady cycles),   |
+|               | `what_if` (its figures), `what_if_until_known`,              |
+|               | `ratio_words`, `format_what_if`, its budgets                 |
+| `diagnosis`   | diagnose's other decisions: `trace_plan`, `names_no_cause`,  |
+|               | `stall_period`, `main_what_if`, `MONITOR_WARMUP`             |
 """
 
+from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, NO_CAUSE, main_what_if,
+                                             names_no_cause, stall_period, trace_plan)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.facts import RunFacts
@@ -58,6 +65,8 @@ from keras_gpufix.analysis.verdicts import (
     speedup_of,
     step_compiled,
 )
+from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
+                                           what_if_until_known)
 
 __all__ = [
     "COMPILED_STEP_FIXES",
@@ -94,4 +103,14 @@ __all__ = [
     "weigh",
     "what_if_input_cost",
     "worker_summary",
+    "Cycles",
+    "MONITOR_WARMUP",
+    "NO_CAUSE",
+    "format_what_if",
+    "main_what_if",
+    "names_no_cause",
+    "ratio_words",
+    "stall_period",
+    "trace_plan",
+    "what_if_until_known",
 ]

@@ -18,7 +18,13 @@ A lock guards what both sides touch. The pool has several threads, so end
 hooks may come out of order: `take()` hands out the finished hooks in the
 order they began, never one before all earlier ones are finished. Phases
 come from `analysis.phases`; the clock reads `time.perf_counter` twice per
-hook and once when it opens (the offset to wall time), nowhere else.
+hook and once when it opens (the offset to wall time).
+
+`timed(call, ...)` is the one other reading of time on the step path: the
+calls a custom-loop wrapper times itself (`kg.watch`: each `next()`, the
+input wait, and an epoch's iterator made and released; diagnose's loop
+patch: each call of the user's train function). Nothing else on the step
+path reads a clock.
 """
 
 import threading
@@ -26,7 +32,14 @@ import time
 
 from keras_gpufix.analysis.phases import hook_span
 
-__all__ = ["StepClock", "Hook"]
+__all__ = ["StepClock", "Hook", "timed"]
+
+
+def timed(call, *args, **kwargs):
+    """`(call(*args, **kwargs), seconds it took)`; an exception propagates untimed."""
+    start = time.perf_counter()
+    result = call(*args, **kwargs)
+    return result, time.perf_counter() - start
 
 
 class Hook:

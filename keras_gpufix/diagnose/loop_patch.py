@@ -30,7 +30,10 @@ step was seen; from then on its batches come through `kg.watch` (each
 training iterator is one of its epochs), which fires the monitors' Keras
 hooks (`on_train_begin`, `on_epoch_begin/end`, `on_train_batch_begin/end`,
 `on_train_end`) and hands the time in `next()` to the step stream as the
-input wait. With
+input wait. The loop's cycles, input waits and loop-body seconds are the
+stream's records (its `StepTimer`'s), read when the loop ends: nothing here
+times a cycle again. Only the calls of the train functions are timed
+(the step clock's `timed`), as the what-if's step of each cycle. With
 `steps=N` the iterator ends (`StepsReached`, a `StopIteration`, like an
 exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
 later epochs over the same dataset end at once. A loop that calls `next()`
@@ -47,7 +50,8 @@ import threading
 import time
 from collections import Counter, deque
 
-from keras_gpufix.analysis import locate_periodic
+from keras_gpufix.analysis import locate_periodic, stall_period
+from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
                                            what_if_until_known)
 
@@ -105,7 +109,8 @@ class _StackSampler:
     body runs (`begin` .. `end`) it reads the main thread's stack
     (`sys._current_frames()`, a few microseconds, no tracing hook) and
     counts the line of the loop's own frame. The last `MAX_CYCLES`
-    cycles are kept: their loop-body seconds and their counts.
+    cycles are kept: their step index and their counts; their loop-body
+    seconds come from the step stream's records (`locate`).
     """
 
     INTERVAL = 0.002
@@ -113,24 +118,26 @@ class _StackSampler:
 
     def __init__(self):
         self.main = threading.main_thread().ident
-        self.cycles = deque(maxlen=self.MAX_CYCLES)  # (seconds, Counter of "file:line")
+        self.cycles = deque(maxlen=self.MAX_CYCLES)  # (step index, Counter of "file:line")
         self._code = None
+        self._index = None
         self._counts = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="keras-gpufix-sampler",
                                         daemon=True)
         self._thread.start()
 
-    def begin(self, code):
-        """A loop body starts in the frame running `code` (the loop's)."""
+    def begin(self, code, index):
+        """The loop body of step `index` starts in the frame running `code` (the loop's)."""
         self._code = code
+        self._index = index
         self._counts = Counter()
 
-    def end(self, seconds):
-        """The loop body of `seconds` ended (the loop asks for the next batch)."""
+    def end(self):
+        """The loop body ended (the loop asks for the next batch)."""
         counts, self._counts = self._counts, None
         if counts is not None:
-            self.cycles.append((seconds, counts))
+            self.cycles.append((self._index, counts))
 
     def stop(self):
         self._stop.set()
@@ -148,9 +155,16 @@ class _StackSampler:
                 counts[_where(frame)] += 1
             frame = None
 
-    def locate(self, period):
-        """`(file:line, share)` of the work every `period` cycles, or None."""
-        cycles = list(self.cycles)
+    def locate(self, period, body_s):
+        """`(file:line, share)` of the work every `period` cycles, or None.
+
+        Args:
+            period: the stall's period, in cycles.
+            body_s: step index -> seconds of its loop body (the stream's
+                record: its cycle less its input wait); cycles without
+                one are left out.
+        """
+        cycles = [(body_s[i], counts) for i, counts in self.cycles if i in body_s]
         return locate_periodic([c[0] for c in cycles], [c[1] for c in cycles], period)
 
 
@@ -190,7 +204,6 @@ class _Current:
     def __init__(self, patch):
         self.patch = patch
         self.iterator = None
-        self.wait_s = 0.0  # the last next()'s own time, without watch's hooks around it
 
     def __iter__(self):
         return self
@@ -198,11 +211,7 @@ class _Current:
     def __next__(self):
         if self.patch.stopped:
             raise StopIteration
-        t0 = time.perf_counter()
-        try:
-            return next(self.iterator)
-        finally:
-            self.wait_s = time.perf_counter() - t0
+        return next(self.iterator)
 
 
 class _Loop:
@@ -224,13 +233,11 @@ class _Loop:
                       "step": dict(patch.step_info)}
         patch.fits_patch.fits.append(self.entry)
         self.cycles = 0
-        self.clock = Cycles()
+        self.step_s = deque(maxlen=_StackSampler.MAX_CYCLES)  # (step index, train functions' s)
         self.dataset = None  # the first training dataset (tf.data, PyDataset), for the what-if
         self.remake = None  # dataset -> what the loop iterated (its distributed dataset)
         self.sampler = _StackSampler()
         self.last_element = None  # the last batch it handed out
-        self.wait_s = 0.0  # time in next() of the training iterators
-        self.busy_s = 0.0  # from next() returning to the next call: step + between
         self.t0 = time.perf_counter()
 
     def open_epoch(self, iterator):
@@ -238,7 +245,6 @@ class _Loop:
         if self.dataset is None:
             self.dataset, self.remake = iterator.dataset, iterator.remake
             self.entry["x"] = f"{iterator.kind} (iterated by the script)"
-        self.clock.epoch()
         self.source.iterator = iterator.iterator
         from keras_gpufix.callbacks._stream import stream_of
 
@@ -256,22 +262,31 @@ class _Loop:
         self.entry["wall_s"] = time.perf_counter() - self.t0
         self.entry["stopped_by_diagnose"] = self.patch.stopped
         self.entry["step"] = dict(self.patch.step_info)
-        cycle = self.wait_s + self.busy_s
-        self.entry["phases"] = {"input_wait_s": self.wait_s, "step_and_between_s": self.busy_s,
-                                "input_share": self.wait_s / cycle if cycle else None}
+        timer = self.mine.get("timer")
+        self.records = [] if timer is None else timer.records()
+        summary = {} if timer is None else timer.summary()  # after its warm-up steps
+        total, share = summary.get("total_s"), summary.get("input_wait")
+        wait = None if total is None or share is None else share * total
+        self.entry["phases"] = {"input_wait_s": wait,
+                                "step_and_between_s": None if wait is None else total - wait,
+                                "input_share": share}
         self.patch.fits_patch.collect(self.entry, self.mine)
         self.entry["step"]["stall_where"] = self._stall_where()
+
+    def cycles_timed(self):
+        """The loop's steady cycles for the what-if: the stream's records (cycle,
+        input wait), each step the time in the train functions diagnose saw
+        (0 for an eager step: none was seen)."""
+        return Cycles.of(self.records, steps=dict(self.step_s))
 
     def _stall_where(self):
         """The loop-body line of the run's periodic stall, its verdict or a cause beside
         it (stack samples), or None."""
-        monitor = self.entry.get("monitor") or {}
-        periods = [e.get("period") for e in (*(monitor.get("events") or ()),
-                                             *(monitor.get("causes") or ()))
-                   if e.get("verdict") == "periodic_stall" and e.get("period")]
-        if not periods:  # neither the verdict nor a cause beside it
+        period = stall_period(self.entry.get("monitor"))
+        if period is None:  # neither the verdict nor a cause beside it
             return None
-        found = self.sampler.locate(periods[-1])
+        body = {r.index: r.cycle - (r.input_wait or 0.0) for r in self.records}
+        found = self.sampler.locate(period, body)
         return found and found[0]
 
 
@@ -287,11 +302,9 @@ class _WatchedIterator:
         self.key = id(dataset)
         self.mark = None  # the patch's step count at the last next()
         self.epoch = None  # watch's epoch iterator, once this iterator trains
-        self.open = False  # a batch was handed out and its cycle not yet timed
-        self.called = None  # perf_counter when next() was last called
-        self.returned = None  # perf_counter when next() last returned a batch
+        self.open = False  # a batch was handed out and its cycle not yet closed
+        self.index = None  # the step index (the stream's) of the batch handed out last
         self.in_step = 0.0  # the patch's time in step functions when it returned
-        self.input_s = 0.0  # the last batch's own time in the dataset's next()
 
     def __iter__(self):
         return self
@@ -310,19 +323,15 @@ class _WatchedIterator:
             self.mark = patch.step_calls
             return next(self.iterator)
         loop = patch.loop
-        now = time.perf_counter()
         if self.open:
             self.open = False
             loop.cycles += 1
-            busy = now - self.returned
-            loop.sampler.end(busy)
-            loop.busy_s += busy
+            loop.sampler.end()
             step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
-            loop.clock.add(now - self.called, self.input_s, step)
+            loop.step_s.append((self.index, step))
             if patch.steps and loop.cycles >= patch.steps:
                 patch.stopped = True  # the source ends: watch closes the step and epoch
         self.mark = patch.step_calls
-        self.called = now
         try:
             element = next(self.epoch)
         except StopIteration:
@@ -330,14 +339,12 @@ class _WatchedIterator:
             if patch.stopped:
                 raise StepsReached(patch.steps) from None
             raise
-        self.returned = time.perf_counter()
-        self.input_s = loop.source.wait_s  # the batch's own wait: watch's hooks stay
         if self.dataset is loop.dataset:
             loop.last_element = element
         self.in_step = patch.step_s
-        loop.wait_s += self.returned - now
+        self.index = loop.watched.steps - 1  # watch's run: one record per batch, in order
         self.open = True
-        loop.sampler.begin(sys._getframe(1).f_code)  # the loop's own frame asked
+        loop.sampler.begin(sys._getframe(1).f_code, self.index)  # the loop's own frame asked
         return element
 
     next = __next__
@@ -476,15 +483,15 @@ class LoopPatch:
                 if not patch._stack:
                     patch._called(fn)
                 patch._stack.append(fn)
-                t0 = time.perf_counter()
                 try:
-                    return original(fn, *args, **kwargs)
+                    result, took = timed(original, fn, *args, **kwargs)
                 finally:
                     patch._stack.pop()
-                    if not patch._stack and id(fn) in patch._train_functions:
-                        patch.step_s += time.perf_counter() - t0
-                        patch.last_step = (fn, args, kwargs)
-                        patch._step_function_called(fn)
+                if not patch._stack and id(fn) in patch._train_functions:
+                    patch.step_s += took
+                    patch.last_step = (fn, args, kwargs)
+                    patch._step_function_called(fn)
+                return result
             return __call__
 
         import keras
@@ -560,7 +567,7 @@ class LoopPatch:
 
                 def measure():
                     return replay_rates(cached, variables, real=real)
-            result = what_if_until_known(loop.clock, input_per_s, measure)
+            result = what_if_until_known(loop.cycles_timed(), input_per_s, measure)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

@@ -18,7 +18,8 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.analysis import stages_needed
+from keras_gpufix.analysis import (MONITOR_WARMUP, main_what_if, names_no_cause, stages_needed,
+                                   trace_plan)
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
@@ -86,25 +87,46 @@ def _instrumented(dataset, depth=64):
 
 def _step_counter(steps=None):
     """A callback that counts `fit`'s steps (counting steps_per_execution) and,
-    with `steps`, stops `fit` after that many."""
+    with `steps`, stops `fit` after that many.
+
+    It is `async_safe`, so a diagnosed fit keeps Keras's asynchronous
+    dispatch (JAX, torch, NumPy backends). The stop is decided on the
+    loop's thread, in the begin hook of the execution that reaches `steps`
+    (Keras checks `stop_training` right after that execution's end hook,
+    as it did when the end hook set it); the steps run are counted in the
+    end hooks, under a lock (Keras's pool has several threads).
+    """
     import keras
 
     class StepCounter(keras.callbacks.Callback):
+        async_safe = True
+
         def __init__(self):
             super().__init__()
-            self.seen, self.stopped, self._first = 0, False, 0
+            self.seen, self.stopped, self._begun = 0, False, 0
+            self._first = {}
+            self._lock = threading.Lock()
 
         def on_train_begin(self, logs=None):
-            self.seen, self.stopped = 0, False
+            self.seen, self.stopped, self._begun = 0, False, 0
+            self._first = {}
 
         def on_train_batch_begin(self, batch, logs=None):
-            self._first = batch
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seen += max(1, batch - self._first + 1)
-            if steps and self.seen >= steps:
+            try:  # Keras's epoch iterator ends this execution at batch + per_call - 1
+                per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+            except (TypeError, ValueError):
+                per_call = 1
+            with self._lock:
+                self._first[batch + per_call - 1] = batch
+            self._begun += per_call
+            if steps and self._begun >= steps:
                 self.model.stop_training = True
                 self.stopped = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            with self._lock:
+                first = self._first.pop(batch, batch)
+                self.seen += max(1, batch - first + 1)
 
     return StepCounter()
 
@@ -174,7 +196,7 @@ class FitPatch:
         import keras_gpufix as kg
 
         mine = {}
-        warmup = 5
+        warmup = MONITOR_WARMUP
         verbose = self.verbose
         run_dir = os.path.join(self.log_dir, f"{kind}_{len(self.fits) + 1}")
         classes = {"monitor": "GPUOscillationMonitor", "retracing": "RetracingMonitor",
@@ -198,10 +220,9 @@ class FitPatch:
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
-                at = min(10, max(warmup, (total or 30) // 3))
-                steps = max(2, min(10, ((total or 30) - at) // 2))
-                mine[key] = cls(run_dir, trigger=["oscillation", at], steps=steps, max_traces=2,
-                                verbose=verbose)
+                plan = trace_plan(total)
+                mine[key] = cls(run_dir, trigger=["oscillation", plan["at"]], steps=plan["steps"],
+                                max_traces=plan["max_traces"], verbose=verbose)
         return mine
 
     @staticmethod
@@ -448,12 +469,6 @@ def _jsonable(value):
     return str(value)
 
 
-def _main_what_if(fits):
-    """The what-if of the run that took longest, or None when no run has one."""
-    runs = sorted(fits, key=lambda f: -(f.get("wall_s") or 0))
-    return next((f["what_if"] for f in runs if f.get("what_if")), None)
-
-
 def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
@@ -547,7 +562,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
-    if verdict in ("healthy", "unknown"):
+    if names_no_cause(verdict):
         evidence = healthy_evidence(patch.fits, loops.seen())
     if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
         evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],
@@ -567,7 +582,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "scan": scan,
         "environment": environment(),
         "fits": patch.fits,
-        "what_if": _main_what_if(patch.fits),
+        "what_if": main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
         "notes": notes + patch.notes + ([_QUIET_NOTE] if quiet else []),

@@ -38,6 +38,10 @@ A range wider than `THRESHOLDS["what_if_uncertainty"]` of the prediction
 either side (the host's load changed between blocks) makes it `known`
 False: the what-if does not know, and `analysis.weigh` ignores it.
 
+This module measures (its timers time the hypothetical: the input drained
+alone, the step replayed alone, the eager step compiled); the figures,
+the budgets and whether the what-if knows are `analysis.what_if`'s.
+
 A loop step that was not called on its batches as they came (`step(x /
 255)`) is replayed on its last batch only, against the run's own cycles
 (`method` `replay`: the changed part of each cycle becomes the replayed
@@ -52,64 +56,13 @@ import re
 import statistics
 import time
 
-from keras_gpufix.analysis import THRESHOLDS
+# The judgement (figures, budgets, when it knows) is analysis's; diagnose measures.
+from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS, SECONDS,
+                                           Cycles, format_what_if, ratio_words, what_if,
+                                           what_if_until_known)
 
 __all__ = ["Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
-
-SECONDS = 1.5  # budget of each of the two measurements
-ROUNDS = 4  # timings per block of the replay (`replay_rates`)
-MAX_BATCHES = 2000  # the input drain never reads more than this
-TRIES = 3  # side-by-side what-ifs measured at most, while they do not know
-PAIRS = 4  # real/cached block pairs of one measurement (`replay_rates`)
-
-
-class Cycles:
-    """Steady-state cycles of one run, in seconds.
-
-    Args:
-        skip: cycles left out at the start of each epoch (iterator
-            start-up, the first call's trace and compile). Defaults to 2.
-    """
-
-    def __init__(self, skip=2):
-        self.skip = skip
-        self.cycle_s = []
-        self.input_s = []
-        self.step_s = []
-        self._left = skip
-
-    def epoch(self):
-        """A new epoch begins: its first `skip` cycles are left out."""
-        self._left = self.skip
-
-    @classmethod
-    def of(cls, records, skip=2):
-        """The steady cycles of a run's step records (the step stream's clock).
-
-        `fit`'s records, as `StepTimer.records()` gives them: each record's
-        cycle, its measured input wait (0 when not measured: then it lies
-        in the step, where `fit` fetches the batch) and its step.
-        """
-        cycles = cls(skip)
-        for record in records:
-            if record.epoch_first:
-                cycles.epoch()
-            cycles.add(record.cycle, record.input_wait or 0.0, record.step)
-        return cycles
-
-    def add(self, cycle_s, input_s, step_s):
-        """One cycle: batch start to next batch start, its time getting the batch, its step.
-
-        `fit` gets its batch inside the train function: a wait the input
-        probe did not measure is in `step_s`.
-        """
-        if self._left:
-            self._left -= 1
-            return
-        self.cycle_s.append(cycle_s)
-        self.input_s.append(input_s)
-        self.step_s.append(step_s)
 
 
 def input_rate(dataset, seconds=SECONDS):
@@ -230,178 +183,14 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
     return out
 
 
-def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
-    """The what-if figures of one run, or None when it had no steady cycles.
-
-    Args:
-        cycles: the run's `Cycles`.
-        input_per_s: batches/s the input supplies alone (None: not measured).
-        rates: `replay_rates`'s dict; None when the step could not be
-            replayed: then the step stays as measured in the run and only
-            its wait for input goes (`method` "in_run").
-        batches_per_cycle: batches one cycle runs (`steps_per_execution`).
-
-    Returns:
-        A dict `input_batches_per_s`, `step_batches_per_s` (the step alone
-        on a cached batch), `input_and_step_batches_per_s` (the step alone
-        on the real input; None when not timed), `observed_batches_per_s`,
-        `between_ms` (mean time of a cycle outside its input and step:
-        every hook, the loop's own work), `step_in_run_ms` (mean time in
-        the step in the run, with `fit`'s batch fetch),
-        `speedup_if_input_free`, `speedup_range` (`[low, high]`, high None
-        when unbounded), `known` (the range lies within
-        `what_if_uncertainty` of the speedup), `bound` (`input` or `step`),
-        `method` (`side_by_side`: the step timed on the real and on the
-        cached input, block beside block; `replay`: the cached step against
-        the run's own cycles; `in_run`), `cycles` (how many were timed).
-    """
-    if not cycles.cycle_s:
-        return None
-    n = len(cycles.cycle_s)
-    cycle = statistics.fmean(cycles.cycle_s)
-    in_run = [i + s for i, s in zip(cycles.input_s, cycles.step_s)]
-    rest = cycle - statistics.fmean(in_run)  # hooks and the loop's work: they stay
-
-    def per_batch(blocks):  # seconds per batch of each block (its median timing)
-        return [batches_per_cycle / statistics.median(b) for b in blocks]
-
-    real_rate = None
-    if rates and rates.get("real"):  # each real block against the cached block beside it
-        method = "side_by_side"
-        real, free = per_batch(rates["real"]), per_batch(rates["cached"])
-        pairs = sorted((r + rest) / (f + rest) for r, f in zip(real, free))
-        z, low, high = statistics.median(pairs), pairs[0], pairs[-1]
-        if len(pairs) > PAIRS:  # measured again: the middle half of all the pairs
-            low, _, high = statistics.quantiles(pairs, n=4)
-        real_rate = statistics.median([r for b in rates["real"] for r in b])
-        rate = statistics.median([r for b in rates["cached"] for r in b])
-    else:
-        if rates:  # the cached step against the run's own cycles
-            method, changed = "replay", in_run
-            free = per_batch(rates["cached"])
-            replay, spread = statistics.median(free), (max(free) - min(free)) / 2
-            rate = statistics.median([r for b in rates["cached"] for r in b])
-        else:  # the step stays as it ran: only the wait for input goes
-            method, changed, replay, spread = "in_run", list(cycles.input_s), 0.0, 0.0
-            outside = cycle - statistics.fmean(changed)
-            rate = batches_per_cycle / outside if outside > 0 else None
-        saving = statistics.fmean(changed) - replay
-        error = spread + (2 * statistics.stdev(changed) / n ** 0.5 if n > 1 else float("inf"))
-
-        def speedup(gain):
-            return cycle / (cycle - gain) if gain < cycle else None
-
-        z, low, high = speedup(saving), speedup(saving - error), speedup(saving + error)
-    limit = THRESHOLDS["what_if_uncertainty"]
-    known = bool(z and low and high and low >= z * (1 - limit) and high <= z * (1 + limit))
-    bound = None
-    if input_per_s and rate and z:
-        bound = "input" if input_per_s < batches_per_cycle * z / cycle else "step"
-    return {"input_batches_per_s": input_per_s, "step_batches_per_s": rate,
-            "input_and_step_batches_per_s": real_rate,
-            "observed_batches_per_s": batches_per_cycle / cycle, "between_ms": 1000 * rest,
-            "step_in_run_ms": 1000 * statistics.fmean(cycles.step_s),
-            "speedup_if_input_free": z, "speedup_range": [low, high], "known": known,
-            "bound": bound, "method": method, "cycles": n}
-
-
-def ratio_words(z):
-    """A speedup in words: `1.30x faster`, `no faster (0.98x)`, `1.06x slower (0.94x)`;
-    a ratio below 1 is never "faster"."""
-    if z >= THRESHOLDS["min_speedup"]:
-        return f"{z:.2f}x faster"
-    if z * THRESHOLDS["min_speedup"] > 1.0:
-        return f"no faster ({z:.2f}x)"
-    return f"{1 / z:.2f}x slower ({z:.2f}x)"
-
-
-def _why_unknown(result):
-    if result.get("method") != "side_by_side":
-        return "; the run's own cycles varied"
-    repeats = result.get("repeats") or 1
-    return (f"; measured {repeats} time{'s' * (repeats != 1)}, the real and cached blocks "
-            "disagreed each time: the host's load changed between blocks")
-
-
-def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries=TRIES):
-    """`what_if` of `measure()`'s rates, measured afresh while it does not know.
-
-    A side-by-side what-if whose range is too wide (`known` False: the
-    host's load changed between its blocks) is measured again, up to
-    `tries` times in all: a measurement that knows alone is kept, else the
-    pairs of all measurements so far are pooled and their middle half is
-    the range (more pairs: one block beside a load spike no longer sets
-    it). When none knows, the last is kept, with `repeats` saying how many
-    times it was measured (the sentence gives that as the reason). A
-    replay against the run's own cycles is not repeated: its range is the
-    run's.
-
-    Args:
-        cycles, input_per_s, batches_per_cycle: as `what_if` takes them.
-        measure: returns `replay_rates`'s dict; None when the step cannot be
-            replayed (`method` `in_run`).
-        tries: measurements at most. Defaults to `TRIES`.
-    """
-    pooled = None
-    for attempt in range(1, tries + 1):
-        rates = measure() if measure is not None else None
-        result = what_if(cycles, input_per_s, rates, batches_per_cycle=batches_per_cycle)
-        if result is None:
-            return None
-        result["repeats"] = attempt
-        if result["known"] or result["method"] != "side_by_side":
-            return result
-        if pooled is None:
-            pooled = {"cached": list(rates["cached"]), "real": list(rates["real"])}
-        else:  # every pair so far: their middle half is the range
-            pooled["cached"] += rates["cached"]
-            pooled["real"] += rates["real"]
-            result = what_if(cycles, input_per_s, pooled, batches_per_cycle=batches_per_cycle)
-            result["repeats"] = attempt
-            if result["known"]:
-                return result
-    return result
-
-
-def format_what_if(result):
-    """The what-if as one sentence for people."""
-    x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
-    z = result.get("speedup_if_input_free")
-    if not x or not y or z is None:
-        return (f"what-if: not measured ({result.get('reason', 'no steady cycles')}); "
-                f"the run went at {result.get('observed_batches_per_s') or 0:.1f} batches/s")
-    low, high = result.get("speedup_range") or (None, None)
-    span = (f"{low:.2f}x-{high:.2f}x" if low and high
-            else f"at least {low:.2f}x" if low else "unbounded")
-    known = result.get("known", True)
-    faster = known and z >= THRESHOLDS["min_speedup"]
-    if not known:
-        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
-                f"varied{_why_unknown(result)})")
-    elif faster:
-        gain = f"{z:.2f}x faster ({span})"
-    else:
-        gain = f"{ratio_words(z)} ({span})"
-    replayed = result.get("method") in ("replay", "side_by_side")
-    how = "" if replayed else " (step as measured in the run)"
-    if result["bound"] == "input":
-        return (f"what-if: input supplies {x:.1f} batches/s, the step consumes {y:.1f} "
-                f"batches/s{how}: with input free the run would be {gain} "
-                f"(it ran at {result['observed_batches_per_s']:.1f} batches/s)")
-    return (f"what-if: the step consumes {y:.1f} batches/s{how}, input supplies {x:.1f} "
-            f"batches/s: the step is the bound (the input could feed a step {x / y:.1f}x "
-            f"faster); with input free the run would be {gain}"
-            + (" (the input competes with the step for the host)"
-               if faster and replayed else "")
-            + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")
-
-
 def _per_call_ms(call, sync, seconds):
     """Median ms of `call()` (its first call, a trace and compile, not timed): at least
-    three timings, as many more as fit in `seconds`."""
+    `COMPILE_TIMINGS[0]` timings, as many more as fit in `seconds` (at most
+    `COMPILE_TIMINGS[1]`)."""
+    least, most = COMPILE_TIMINGS
     sync(call())
     times, deadline = [], time.perf_counter() + seconds
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+    while len(times) < least or (time.perf_counter() < deadline and len(times) < most):
         t0 = time.perf_counter()
         sync(call())
         times.append(time.perf_counter() - t0)

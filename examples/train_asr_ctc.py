@@ -31,8 +31,6 @@ import os
 import sys
 
 import keras
-import numpy as np
-import tensorflow as tf
 from keras import layers, ops
 
 import keras_gpufix as kg

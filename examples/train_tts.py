@@ -39,7 +39,6 @@ import sys
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import layers, ops
 

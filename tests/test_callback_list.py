@@ -3,7 +3,6 @@
 import time
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -33,7 +33,6 @@ jitter), clipped to `[min_seconds, max_seconds]`, as in read speech.
 
 import os
 import struct
-import wave
 
 import numpy as np
 

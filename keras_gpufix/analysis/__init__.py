@@ -12,7 +12,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
-|               | `not_run_verdict`                                            |
+|               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
 |               | -> its input wait, step and time between steps               |
@@ -26,15 +26,31 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
 | `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
-|               | fix and predicted gain; `stages_needed`                      |
+|               | fix and predicted gain; `stages_needed`; `located_by_stage`, |
+|               | `located_stage`: the fix the slow stage locates              |
+| `traps`       | `TRAPS`: the one table of a script's traps and the verdict   |
+|               | each would produce (`traps_of`); config traps' rules:        |
+|               | `divisible_batch`, `missing_gpus`                            |
+| `xprof`       | `classify_input_percent` (XProf's classification of a trace),|
+|               | `reads_not_input_bound`                                      |
+| `causes`      | diagnose's findings -> causes: `is_cause`, `is_judged`,      |
+|               | `what_if_cause`, `cause_where`, `compiled_cause_share`,      |
+|               | `priced_by_compile`, `measured_fix`, `measured_lines`,       |
+|               | `prediction_source`, `ruled_out`                             |
 """
 
+from keras_gpufix.analysis.causes import (NOT_CAUSES, cause_where, compiled_cause_share,
+                                          is_cause, is_judged, measured_fix, measured_lines,
+                                          priced_by_compile, prediction_source, ruled_out,
+                                          what_if_cause)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
-from keras_gpufix.analysis.stages import judge_stages, stages_needed
+from keras_gpufix.analysis.stages import (judge_stages, located_by_stage, located_stage,
+                                          stages_needed)
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
+from keras_gpufix.analysis.traps import TRAPS, divisible_batch, missing_gpus, traps_of
 from keras_gpufix.analysis.verdicts import (
     COMPILED_STEP_FIXES,
     FIXES,
@@ -53,11 +69,13 @@ from keras_gpufix.analysis.verdicts import (
     not_run_verdict,
     rank_causes,
     recompile_cost,
+    recompiling_fix,
     slow_limit,
     slow_mask,
     speedup_of,
     step_compiled,
 )
+from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
     "COMPILED_STEP_FIXES",
@@ -94,4 +112,24 @@ __all__ = [
     "weigh",
     "what_if_input_cost",
     "worker_summary",
+    "TRAPS",
+    "traps_of",
+    "divisible_batch",
+    "missing_gpus",
+    "classify_input_percent",
+    "reads_not_input_bound",
+    "NOT_CAUSES",
+    "is_cause",
+    "is_judged",
+    "what_if_cause",
+    "cause_where",
+    "compiled_cause_share",
+    "priced_by_compile",
+    "measured_fix",
+    "measured_lines",
+    "prediction_source",
+    "ruled_out",
+    "located_by_stage",
+    "located_stage",
+    "recompiling_fix",
 ]

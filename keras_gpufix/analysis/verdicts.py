@@ -40,6 +40,7 @@ __all__ = [
     "THRESHOLDS",
     "TOO_FEW_STEPS",
     "RETRACE_FIX",
+    "recompiling_fix",
     "not_run_verdict",
     "UNSYNCED_NOTE",
     "INPUT_SOURCE_FIXES",
@@ -260,6 +261,13 @@ TOO_FEW_STEPS = (
 #: compiled for new shapes): what makes tf.function retrace.
 RETRACE_FIX = ("feed tensors of fixed dtype and structure (no Python numbers or lists in "
                "the batch)")
+
+
+def recompiling_fix(verdict: str, fix: str, retraces: int) -> str:
+    """The run's `fix`, with `RETRACE_FIX` said first when the run is `recompiling`
+    and its step was traced again after its first compile (`retraces`), not only
+    compiled for new shapes."""
+    return f"{RETRACE_FIX}; {fix}" if verdict == "recompiling" and retraces else fix
 
 
 def not_run_verdict() -> dict:

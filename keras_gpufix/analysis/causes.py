@@ -55,7 +55,7 @@ def what_if_cause(cost, input_wait: "float | None",
         verdict: the run's verdict (`weigh`ed).
 
     Returns:
-        `(share, phase)` when the what-if finds the input costing at least
+        `("input_bound", share, phase)` when the what-if finds the input costing at least
         `THRESHOLDS["what_if_share"]` of a run whose verdict is not already
         `input_bound`: phase `step` (contention) where the input wait explains
         that much less of it, else `input_wait`. None otherwise.
@@ -64,7 +64,7 @@ def what_if_cause(cost, input_wait: "float | None",
     if cost is None or verdict == "input_bound" or not cost[0] >= share:
         return None
     contention = input_wait is not None and cost[1] - input_wait >= share
-    return cost[0], "step" if contention else "input_wait"
+    return "input_bound", cost[0], "step" if contention else "input_wait"
 
 
 def cause_where(verdict: str, step: dict, findings=()) -> "str | None":

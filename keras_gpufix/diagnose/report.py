@@ -81,14 +81,14 @@ def _fit_causes(fit, scan):
     cost = analysis.what_if_input_cost(fit.get("what_if"))
     beside = analysis.what_if_cause(cost, _input_wait(fit), run["verdict"])
     if beside is not None:  # the input's cost the what-if measured, beside another cause
-        phase = beside[1]
-        out.append(("input_bound", beside[0], {
+        verdict, share, phase = beside
+        out.append((verdict, share, {
             "source": "what-if", "figure": "speedup_if_input_free", "value": cost[0],
             "text": f"{label}: the what-if finds the input costing "
                     f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
             "period": None, "phase": phase, "where": None}))
     for event in events:
-        if event["verdict"] != "healthy":
+        if analysis.is_cause(event["verdict"]):
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
                 "source": "GPUOscillationMonitor", "figure": "event",
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",

@@ -8,7 +8,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | module        | what it defines                                              |
 |---------------|--------------------------------------------------------------|
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
-| `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
+| `verdicts`    | `VERDICTS`, `NOT_CAUSES`, `FIXES`, `THRESHOLDS`,             |
+|               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
@@ -39,8 +40,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `prediction_source`, `ruled_out`                             |
 """
 
-from keras_gpufix.analysis.causes import (NOT_CAUSES, cause_where, compiled_cause_share,
-                                          is_cause, is_judged, measured_fix, measured_lines,
+from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_cause,
+                                          is_judged, measured_fix, measured_lines,
                                           priced_by_compile, prediction_source, ruled_out,
                                           what_if_cause)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
@@ -54,6 +55,7 @@ from keras_gpufix.analysis.traps import TRAPS, divisible_batch, missing_gpus, tr
 from keras_gpufix.analysis.verdicts import (
     COMPILED_STEP_FIXES,
     FIXES,
+    NOT_CAUSES,
     PHASES,
     RETRACE_FIX,
     STAGE_FIXES,

@@ -22,16 +22,14 @@ decision about a verdict in it is one of these pure functions:
 """
 
 from keras_gpufix.analysis.traps import traps_of
-from keras_gpufix.analysis.verdicts import THRESHOLDS, compiled_share, compiled_step_fix
+from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, compiled_share,
+                                           compiled_step_fix)
 
-__all__ = ["NOT_CAUSES", "is_cause", "is_judged", "what_if_cause", "cause_where",
+__all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
            "compiled_cause_share", "priced_by_compile", "measured_fix", "measured_lines",
            "prediction_source", "ruled_out"]
 
-#: Verdicts that name no cause: nothing to fix, or nothing measured.
-NOT_CAUSES = ("healthy", "unknown")
-
-#: Where diagnose's compile of the user's step was not possible, where else to look.
+#: Where an eager step comes from when neither its measured gradient nor a scanned line says.
 _EAGER_DEFAULT_WHERE = "the model's compile (run_eagerly=True)"
 
 

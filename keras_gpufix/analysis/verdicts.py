@@ -32,6 +32,7 @@ import numpy as np
 
 __all__ = [
     "VERDICTS",
+    "NOT_CAUSES",
     "FIXES",
     "PHASES",
     "PHASE_FIXES",
@@ -70,6 +71,9 @@ VERDICTS = (
     "healthy",
     "unknown",
 )
+
+#: Verdicts that name no cause: nothing to fix, or nothing measured.
+NOT_CAUSES = ("healthy", "unknown")
 
 #: The three phases of one training cycle, in the order they happen.
 PHASES = ("input_wait", "step", "between")
@@ -542,7 +546,7 @@ def rank_causes(causes) -> list:
     """
     merged = {}
     for verdict, share, evidence in causes:
-        if verdict in ("healthy", "unknown"):
+        if verdict in NOT_CAUSES:
             continue
         if verdict not in FIXES:
             raise ValueError(f"Unknown verdict {verdict!r}; expected one of {VERDICTS}")

@@ -641,12 +641,12 @@ def _traps(cfg, doc, info):
     replicas = 1 if mode in ("default", "one_device") else (
         max(1, len(devices) or len(info["gpus"])) * (sum(cluster.values()) if cluster else 1))
     batch = checked.get("build.batch_size")
-    divisible = divisible_batch(batch, replicas) if isinstance(batch, int) else None
-    if divisible is not None:
+    shared = divisible_batch(batch, replicas) if isinstance(batch, int) else None
+    if shared is not None:
         doc.add("batch_not_divisible", "build.batch_size",
                 f"`build.batch_size` {batch} is not divisible by the {replicas} replicas of "
                 "`strategy`: replicas get unequal batches and the last one a different shape",
-                fix=fix("build.batch_size", divisible))
+                fix=fix("build.batch_size", shared))
     policy = checked.get("compile.mixed_precision")
     if isinstance(policy, str) and policy != "auto":
         fast, reason = precision_support(policy, info)

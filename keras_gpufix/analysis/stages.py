@@ -26,10 +26,10 @@ allows.
 | `stages_needed` | measure the stages of this run? (input_bound, or the    |
 |                 | what-if finds the input costing time)                   |
 | `judge_stages`  | each stage's cost, the slow stage, its fix and gain     |
-| `located_by_stage` | is a verdict's fix located by the slow stage?        |
+| `located_by_stage` | does the slow stage locate a verdict's fix?          |
 |                 | (`input_bound`'s)                                       |
-| `located_stage` | the first judgement whose slow stage's fix gains        |
-|                 | at least `min_speedup`                                  |
+| `located_stage` | the first judgement whose slow stage's fix gains at     |
+|                 | least `min_speedup`                                     |
 """
 
 from keras_gpufix.analysis.verdicts import STAGE_FIXES, THRESHOLDS

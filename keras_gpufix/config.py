@@ -615,6 +615,7 @@ def load_config(path) -> Config:
 def _traps(cfg, doc, info):
     """This machine's performance traps in `cfg`, added to `doc.problems`
     (only for values that no call refused)."""
+    from keras_gpufix.analysis import divisible_batch, missing_gpus
     from keras_gpufix.compile.hardware import precision_support
     from keras_gpufix.data.cache import writable_problem
     from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
@@ -640,11 +641,12 @@ def _traps(cfg, doc, info):
     replicas = 1 if mode in ("default", "one_device") else (
         max(1, len(devices) or len(info["gpus"])) * (sum(cluster.values()) if cluster else 1))
     batch = checked.get("build.batch_size")
-    if isinstance(batch, int) and batch % replicas:
+    shared = divisible_batch(batch, replicas) if isinstance(batch, int) else None
+    if shared is not None:
         doc.add("batch_not_divisible", "build.batch_size",
                 f"`build.batch_size` {batch} is not divisible by the {replicas} replicas of "
                 "`strategy`: replicas get unequal batches and the last one a different shape",
-                fix=fix("build.batch_size", -(-batch // replicas) * replicas))
+                fix=fix("build.batch_size", shared))
     policy = checked.get("compile.mixed_precision")
     if isinstance(policy, str) and policy != "auto":
         fast, reason = precision_support(policy, info)
@@ -655,8 +657,7 @@ def _traps(cfg, doc, info):
     prefetch = checked.get("build.prefetch_to_device")
     for key, names in (("strategy.devices", devices),
                        ("build.prefetch_to_device", [prefetch] if prefetch else [])):
-        gpus = [re.search(r"gpu:(\d+)$", str(n), re.IGNORECASE) for n in names]
-        missing = [n for n, m in zip(names, gpus) if m and int(m.group(1)) >= len(info["gpus"])]
+        missing = missing_gpus(names, len(info["gpus"]))
         if missing:
             doc.add("device_missing", key, f"`{key}` names {', '.join(missing)} but this "
                     f"machine has {len(info['gpus'])} GPU(s)",

@@ -13,8 +13,8 @@ Plain functions, usable from a callback (`kg.ProfilerTrigger`), the CLI
 | `active_trace()`            | our running trace (dict) or None                      |
 | `xplane_files(path)`        | the `*.xplane.pb` files of a run folder or log dir    |
 | `analyze_trace(path)`       | XProf `input_pipeline_analyzer` -> step time, input % |
-| `classify_input_percent(p)` | XProf's classification (thresholds in                 |
-|                             | `analysis.THRESHOLDS`: >= 20 highly, >= 5 moderately) |
+| `classify_input_percent(p)` | XProf's classification (`analysis.xprof`, its         |
+|                             | thresholds in `analysis.THRESHOLDS`)                  |
 | `format_analysis(a)`        | the one line we log for a trace                       |
 | `tensorboard_command(dir)`  | the command that opens the traces                     |
 
@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from keras_gpufix.analysis import THRESHOLDS
+from keras_gpufix.analysis import classify_input_percent
 from keras_gpufix.backends import NotSupported, current
 
 __all__ = [
@@ -214,24 +214,6 @@ def xplane_files(path: "str | os.PathLike") -> "list[str]":
         return []
     latest = max(found, key=os.path.getmtime)
     return sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(latest)), "*.xplane.pb")))
-
-
-def classify_input_percent(percent: "float | None") -> "str | None":
-    """XProf's classification of a run by the share of step time spent on input.
-
-    Returns:
-        `highly_input_bound` (>= `THRESHOLDS["xprof_highly_input_bound_percent"]`,
-        20%), `moderately_input_bound` (>=
-        `THRESHOLDS["xprof_moderately_input_bound_percent"]`, 5%),
-        `not_input_bound`, or None when `percent` is None.
-    """
-    if percent is None:
-        return None
-    if percent >= THRESHOLDS["xprof_highly_input_bound_percent"]:
-        return "highly_input_bound"
-    if percent >= THRESHOLDS["xprof_moderately_input_bound_percent"]:
-        return "moderately_input_bound"
-    return "not_input_bound"
 
 
 def _float(value):

@@ -725,3 +725,32 @@ def test_sync_callbacks_price_splits_each_step_at_its_dispatch_where_measured():
     found = judge(rs, async_blockers=("Mine",))
     assert found["verdict"] == "sync_callbacks"
     assert found["cost_share"] == pytest.approx(0.5)
+
+
+def test_diagnose_cause_rules_from_analysis():
+    from keras_gpufix import analysis as a
+
+    share = THRESHOLDS["what_if_share"]
+    # The what-if's input cost makes input_bound a cause from what_if_share up; where
+    # the input wait explains that much less of it, the time goes in the step.
+    assert a.what_if_cause((share * 0.99, share, True), 0.0, "healthy") is None
+    assert a.what_if_cause((0.3, 0.3, True), 0.25, "periodic_stall") == (
+        "input_bound", 0.3, "input_wait")
+    assert a.what_if_cause((0.3, 0.3, True), 0.0, "periodic_stall")[2] == "step"
+    assert a.what_if_cause((0.3, 0.3, True), 0.0, "input_bound") is None
+    assert a.ruled_out("eager_step", judged=True, input_wait_measured=True,
+                       compiles_counted=False) == {"input_bound"}
+    assert a.ruled_out("healthy", judged=False, input_wait_measured=True,
+                       compiles_counted=True) == set()
+    ran = [{"trap": "run_eagerly", "file": "t.py", "line": 3, "ran": False},
+           {"trap": "run_eagerly", "file": "t.py", "line": 9}]
+    assert a.cause_where("eager_step", {}, ran) == "t.py:9"
+    assert a.cause_where("input_bound", {"eager_where": "x"}, ran) is None
+    gain = THRESHOLDS["min_speedup"]
+    assert a.located_stage([None, {"slow": {"predicted_gain": gain * 0.99}},
+                            {"slow": {"predicted_gain": gain}, "id": 2}])["id"] == 2
+    assert a.traps_of("input_bound") == {"py_function_in_map", "python_generator",
+                                         "no_prefetch"}
+    assert (a.divisible_batch(10, 4), a.divisible_batch(12, 4)) == (12, None)
+    assert a.missing_gpus(["/gpu:0", "/device:GPU:1", "/cpu:0"], 1) == ["/device:GPU:1"]
+    assert a.classify_input_percent(4.9) == "not_input_bound"

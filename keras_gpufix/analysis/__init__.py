@@ -8,11 +8,12 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | module        | what it defines                                              |
 |---------------|--------------------------------------------------------------|
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
-| `verdicts`    | `VERDICTS`, `FIXES`, `THRESHOLDS`, `slow_limit`,             |
+| `verdicts`    | `VERDICTS`, `NOT_CAUSES`, `FIXES`, `THRESHOLDS`,             |
+|               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
-|               | `not_run_verdict`                                            |
+|               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
 |               | -> its input wait, step and time between steps               |
@@ -26,25 +27,41 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
 | `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
-|               | fix and predicted gain; `stages_needed`                      |
+|               | fix and predicted gain; `stages_needed`; `located_by_stage`, |
+|               | `located_stage`: the fix the slow stage locates              |
 | `what_if`     | the what-if's judgement: `Cycles` (a run's steady cycles),   |
 |               | `what_if` (its figures), `what_if_until_known`,              |
 |               | `ratio_words`, `format_what_if`, its budgets                 |
-| `diagnosis`   | diagnose's other decisions: `trace_plan`, `names_no_cause`,  |
-|               | `stall_period`, `main_what_if`, `MONITOR_WARMUP`             |
+| `diagnosis`   | diagnose's other decisions: `trace_plan`, `stall_period`,    |
+|               | `main_what_if`, `MONITOR_WARMUP`                             |
+| `traps`       | `TRAPS`: the one table of a script's traps and the verdict   |
+|               | each would produce (`traps_of`); config traps' rules:        |
+|               | `divisible_batch`, `missing_gpus`                            |
+| `xprof`       | `classify_input_percent` (XProf's classification of a trace),|
+|               | `reads_not_input_bound`                                      |
+| `causes`      | diagnose's findings -> causes: `is_cause`, `is_judged`,      |
+|               | `what_if_cause`, `cause_where`, `compiled_cause_share`,      |
+|               | `priced_by_compile`, `measured_fix`, `measured_lines`,       |
+|               | `prediction_source`, `ruled_out`                             |
 """
 
-from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, NO_CAUSE, main_what_if,
-                                             names_no_cause, stall_period, trace_plan)
+from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_cause,
+                                          is_judged, measured_fix, measured_lines,
+                                          priced_by_compile, prediction_source, ruled_out,
+                                          what_if_cause)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
+from keras_gpufix.analysis.diagnosis import MONITOR_WARMUP, main_what_if, stall_period, trace_plan
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
-from keras_gpufix.analysis.stages import judge_stages, stages_needed
+from keras_gpufix.analysis.stages import (judge_stages, located_by_stage, located_stage,
+                                          stages_needed)
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
+from keras_gpufix.analysis.traps import TRAPS, divisible_batch, missing_gpus, traps_of
 from keras_gpufix.analysis.verdicts import (
     COMPILED_STEP_FIXES,
     FIXES,
+    NOT_CAUSES,
     PHASES,
     RETRACE_FIX,
     STAGE_FIXES,
@@ -60,6 +77,7 @@ from keras_gpufix.analysis.verdicts import (
     not_run_verdict,
     rank_causes,
     recompile_cost,
+    recompiling_fix,
     slow_limit,
     slow_mask,
     speedup_of,
@@ -67,6 +85,7 @@ from keras_gpufix.analysis.verdicts import (
 )
 from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
                                            what_if_until_known)
+from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
     "COMPILED_STEP_FIXES",
@@ -105,12 +124,30 @@ __all__ = [
     "worker_summary",
     "Cycles",
     "MONITOR_WARMUP",
-    "NO_CAUSE",
     "format_what_if",
     "main_what_if",
-    "names_no_cause",
     "ratio_words",
     "stall_period",
     "trace_plan",
     "what_if_until_known",
+    "TRAPS",
+    "traps_of",
+    "divisible_batch",
+    "missing_gpus",
+    "classify_input_percent",
+    "reads_not_input_bound",
+    "NOT_CAUSES",
+    "is_cause",
+    "is_judged",
+    "what_if_cause",
+    "cause_where",
+    "compiled_cause_share",
+    "priced_by_compile",
+    "measured_fix",
+    "measured_lines",
+    "prediction_source",
+    "ruled_out",
+    "located_by_stage",
+    "located_stage",
+    "recompiling_fix",
 ]

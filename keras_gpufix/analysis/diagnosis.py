@@ -2,23 +2,16 @@
 
 Pure functions over the monitors' reports, so every threshold and choice of
 a diagnosis lives in `analysis/`: how long the monitors warm up and when a
-run's traces are taken (`trace_plan`), when a verdict names no cause to fix
-(`names_no_cause`), the period of the run's periodic stall whose line the
+run's traces are taken (`trace_plan`), the period of the run's periodic stall whose line the
 loop patch looks for (`stall_period`), and which run's what-if is the
 report's (`main_what_if`). Imports neither TensorFlow nor Keras.
 """
 
-__all__ = ["MONITOR_WARMUP", "NO_CAUSE", "trace_plan", "names_no_cause", "stall_period",
-           "main_what_if"]
+__all__ = ["MONITOR_WARMUP", "trace_plan", "stall_period", "main_what_if"]
 
 #: Steps the diagnose monitors leave out at the start of each run (trace,
 #: compile, the pipeline's start-up).
 MONITOR_WARMUP = 5
-
-#: Verdicts that name no cause: the report gives the evidence that the run
-#: is healthy (or what was seen, when nothing could be judged) instead.
-NO_CAUSE = ("healthy", "unknown")
-
 
 def trace_plan(total) -> dict:
     """When diagnose's `ProfilerTrigger` traces a run of `total` steps (None: unknown).
@@ -32,11 +25,6 @@ def trace_plan(total) -> dict:
     total = total or 30
     at = min(10, max(MONITOR_WARMUP, total // 3))
     return {"at": at, "steps": max(2, min(10, (total - at) // 2)), "max_traces": 2}
-
-
-def names_no_cause(verdict) -> bool:
-    """Whether the run's verdict names no cause to fix (`NO_CAUSE`)."""
-    return verdict in NO_CAUSE
 
 
 def stall_period(monitor) -> "int | None":

@@ -26,11 +26,15 @@ allows.
 | `stages_needed` | measure the stages of this run? (input_bound, or the    |
 |                 | what-if finds the input costing time)                   |
 | `judge_stages`  | each stage's cost, the slow stage, its fix and gain     |
+| `located_by_stage` | does the slow stage locate a verdict's fix?          |
+|                 | (`input_bound`'s)                                       |
+| `located_stage` | the first judgement whose slow stage's fix gains at     |
+|                 | least `min_speedup`                                     |
 """
 
 from keras_gpufix.analysis.verdicts import STAGE_FIXES, THRESHOLDS
 
-__all__ = ["stages_needed", "judge_stages"]
+__all__ = ["stages_needed", "judge_stages", "located_by_stage", "located_stage"]
 
 
 
@@ -149,3 +153,17 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
     out["slow"] = slow
     return out
+
+
+def located_by_stage(verdict: str) -> bool:
+    """Whether the slow stage of the input (`judge_stages`) locates `verdict`'s fix:
+    `input_bound`'s."""
+    return verdict == "input_bound"
+
+
+def located_stage(judgements) -> "dict | None":
+    """The first of `judge_stages`'s judgements (None: a run whose stages were not
+    measured) with a slow stage whose fix gains at least `THRESHOLDS["min_speedup"]`
+    (a stage whose fix gains nothing is no located fix), or None."""
+    return next((j for j in judgements if j and j["slow"]
+                 and j["slow"]["predicted_gain"] >= THRESHOLDS["min_speedup"]), None)

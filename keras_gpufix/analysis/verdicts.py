@@ -32,6 +32,7 @@ import numpy as np
 
 __all__ = [
     "VERDICTS",
+    "NOT_CAUSES",
     "FIXES",
     "PHASES",
     "PHASE_FIXES",
@@ -40,6 +41,7 @@ __all__ = [
     "THRESHOLDS",
     "TOO_FEW_STEPS",
     "RETRACE_FIX",
+    "recompiling_fix",
     "not_run_verdict",
     "UNSYNCED_NOTE",
     "INPUT_SOURCE_FIXES",
@@ -69,6 +71,9 @@ VERDICTS = (
     "healthy",
     "unknown",
 )
+
+#: Verdicts that name no cause: nothing to fix, or nothing measured.
+NOT_CAUSES = ("healthy", "unknown")
 
 #: The three phases of one training cycle, in the order they happen.
 PHASES = ("input_wait", "step", "between")
@@ -260,6 +265,13 @@ TOO_FEW_STEPS = (
 #: compiled for new shapes): what makes tf.function retrace.
 RETRACE_FIX = ("feed tensors of fixed dtype and structure (no Python numbers or lists in "
                "the batch)")
+
+
+def recompiling_fix(verdict: str, fix: str, retraces: int) -> str:
+    """The run's `fix`, with `RETRACE_FIX` said first when the run is `recompiling`
+    and its step was traced again after its first compile (`retraces`), not only
+    compiled for new shapes."""
+    return f"{RETRACE_FIX}; {fix}" if verdict == "recompiling" and retraces else fix
 
 
 def not_run_verdict() -> dict:
@@ -534,7 +546,7 @@ def rank_causes(causes) -> list:
     """
     merged = {}
     for verdict, share, evidence in causes:
-        if verdict in ("healthy", "unknown"):
+        if verdict in NOT_CAUSES:
             continue
         if verdict not in FIXES:
             raise ValueError(f"Unknown verdict {verdict!r}; expected one of {VERDICTS}")

@@ -44,7 +44,7 @@ import weakref
 import numpy as np
 
 from keras_gpufix import profiling
-from keras_gpufix.analysis import weigh
+from keras_gpufix.analysis import is_cause, weigh
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -176,7 +176,7 @@ class ProfilerTrigger(TimedCallback):
     @guarded
     def on_oscillation(self, event):
         """Arms a trace for an event of the run's judgement (not `healthy`)."""
-        if "oscillation" in self._kinds and event.get("verdict") != "healthy":
+        if "oscillation" in self._kinds and is_cause(event.get("verdict")):
             self._arm(f"oscillation: {event.get('verdict')} at steps "
                       f"{event.get('start_step')}-{event.get('end_step')}")
 

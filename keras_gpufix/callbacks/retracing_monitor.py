@@ -41,7 +41,8 @@ import time
 
 import numpy as np
 
-from keras_gpufix.analysis import FIXES, RETRACE_FIX, recompile_cost, step_compiled
+from keras_gpufix.analysis import (FIXES, RETRACE_FIX, recompile_cost, recompiling_fix,
+                                   step_compiled)
 from keras_gpufix.backends import current
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
@@ -460,8 +461,7 @@ class RetracingMonitor(TimedCallback):
         priced = self._priced()
         recompile_ms = sum(e["cost_ms"] for e in priced if not e["first_compile"])
         head = self._verdict_report()
-        if head["verdict"] == "recompiling" and self._retraces(priced):
-            head["fix"] = f"{RETRACE_FIX}; {head['fix']}"
+        head["fix"] = recompiling_fix(head["verdict"], head["fix"], self._retraces(priced))
         return {
             **head,
             "trace_count": self._trace_count(),

@@ -36,9 +36,10 @@ alone vs step alone), `stages` (the input's stages, where built and how
 fast) and `report` (the ranking and the text report).
 """
 
+from keras_gpufix.analysis import TRAPS
 from keras_gpufix.diagnose.report import format_report, rank_causes
 from keras_gpufix.diagnose.run import environment, run_diagnosis
-from keras_gpufix.diagnose.scan import TRAPS, scan_script
+from keras_gpufix.diagnose.scan import scan_script
 
 __all__ = [
     "run_diagnosis",

@@ -48,27 +48,8 @@ def run_verdict(fit):
 
 
 def _where(fit, verdict, scan):
-    """Where an `eager_step` was seen: the measured eager gradient, or the script's line;
-    where a loop's `periodic_stall` runs: the loop-body line its slow cycles were sampled at."""
-    if verdict == "periodic_stall":
-        return (fit.get("step") or {}).get("stall_where")
-    if verdict != "eager_step":
-        return None
-    where = (fit.get("step") or {}).get("eager_where")
-    return where or next((f"{f['file']}:{f['line']}" for f in scan
-                          if f["trap"] == "run_eagerly" and f.get("ran") is not False),
-                         "the model's compile (run_eagerly=True)")
-
-
-def _eager_share(fit):
-    """The share of the run that compiling its eager step saves, measured
-    (`compiled_step`: the user's step timed eager and compiled on a real batch), or None."""
-    compiled = fit.get("compiled_step") or {}
-    steady = next((c["share"] for c in (fit.get("monitor") or {}).get("causes") or ()
-                   if c["verdict"] == "eager_step"), None)
-    if compiled.get("best_ms") is None or steady is None:
-        return None
-    return analysis.compiled_share(steady, compiled["eager_ms"], compiled["best_ms"])
+    """Where a cause of this run was seen (`analysis.cause_where`)."""
+    return analysis.cause_where(verdict, fit.get("step") or {}, scan)
 
 
 def _fit_causes(fit, scan):
@@ -82,7 +63,7 @@ def _fit_causes(fit, scan):
     monitor = fit.get("monitor") or {}
     events = monitor.get("events") or []
     out = []
-    if run["verdict"] not in ("healthy", "unknown"):
+    if analysis.is_cause(run["verdict"]):
         period = next((e.get("period") for e in events if e["verdict"] == run["verdict"]), None)
         out.append((run["verdict"], run["cost_share"] or 0.0, {
             "source": "judgement", "figure": "cost_share", "value": run["cost_share"],
@@ -98,27 +79,23 @@ def _fit_causes(fit, scan):
                 "period": cause.get("period"), "phase": cause.get("phase"),
                 "where": _where(fit, cause["verdict"], scan)}))
     cost = analysis.what_if_input_cost(fit.get("what_if"))
-    if cost is not None and run["verdict"] != "input_bound" and cost[0] >= analysis.THRESHOLDS[
-            "what_if_share"]:  # the input's cost the what-if measured, beside another cause
-        wait = _input_wait(fit)
-        phase = ("step" if wait is not None and cost[1] - wait >= analysis.THRESHOLDS[
-            "what_if_share"] else "input_wait")
-        out.append(("input_bound", cost[0], {
+    beside = analysis.what_if_cause(cost, _input_wait(fit), run["verdict"])
+    if beside is not None:  # the input's cost the what-if measured, beside another cause
+        verdict, share, phase = beside
+        out.append((verdict, share, {
             "source": "what-if", "figure": "speedup_if_input_free", "value": cost[0],
             "text": f"{label}: the what-if finds the input costing "
                     f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
             "period": None, "phase": phase, "where": None}))
     for event in events:
-        if event["verdict"] != "healthy":
+        if analysis.is_cause(event["verdict"]):
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
                 "source": "GPUOscillationMonitor", "figure": "event",
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
                 "period": event.get("period"), "phase": event.get("phase"),
                 "where": _where(fit, event["verdict"], scan)}))
-    measured = _eager_share(fit)
-    if measured is not None:  # every eager_step item: the measured excess, not the bound
-        out = [(v, measured if v == "eager_step" else share, e) for v, share, e in out]
-    return out
+    return analysis.priced_by_compile(out, analysis.compiled_cause_share(
+        monitor.get("causes"), fit.get("compiled_step")))
 
 
 def _xprof_text(a):
@@ -131,7 +108,7 @@ def _xprof_text(a):
     conclusion = a.get("conclusion") or ""
     others = re.search(r"POTENTIALLY input-bound because ([0-9.]+)% of the total step time "
                        r"sampled is spent on '([^']+)'", conclusion)
-    if a.get("classification") == "not_input_bound" and others:
+    if analysis.reads_not_input_bound(a) and others:
         return (f"step time {a['step_time_ms']:.1f} ms over {a['steps']} steps, waiting for "
                 f"input {a['input_percent']:.1f}% -> not input-bound by its input wait; "
                 f"{others.group(1)}% of the step is '{others.group(2)}' time (host work: "
@@ -165,15 +142,11 @@ def _ruled_out(fits, verdict):
     (`dispatch_bound` without GPU utilisation) keeps its findings.
     """
     judged = _judged(fits)
-    if not judged:
-        return set()
-    out = {"eager_step"} - {verdict}
-    if all(_input_wait(f) is not None for f in judged):
-        out |= {"input_bound"} - {verdict}
-    if any((f.get("retracing") or {}).get("trace_count") is not None
-           or (f.get("monitor") or {}).get("new_shapes") for f in judged):
-        out |= {"recompiling"} - {verdict}
-    return out
+    return analysis.ruled_out(
+        verdict, judged=bool(judged),
+        input_wait_measured=all(_input_wait(f) is not None for f in judged),
+        compiles_counted=any((f.get("retracing") or {}).get("trace_count") is not None
+                             or (f.get("monitor") or {}).get("new_shapes") for f in judged))
 
 
 def _main(fits):
@@ -194,7 +167,10 @@ def _predicted(cause, fits):
     what_if = next((f.get("what_if") for f in fits if f.get("what_if")
                     and (run_verdict(f) or {}).get("verdict") == cause["verdict"]), None) or {}
     speedup = what_if.get("speedup_if_input_free")
-    if cause["verdict"] == "input_bound" and speedup and what_if.get("known", True):
+    compiled = next((f.get("compiled_step") for f in fits
+                     if (f.get("compiled_step") or {}).get("best_ms") is not None), None)
+    source = analysis.prediction_source(cause["verdict"], what_if, compiled)
+    if source == "what-if":
         low, high = what_if.get("speedup_range") or (None, None)
         return {"share": share, "speedup": speedup, "speedup_range": [low, high],
                 "source": "what-if",
@@ -203,9 +179,7 @@ def _predicted(cause, fits):
                         + " (the what-if: the step timed alone on the real input and on a "
                           "cached batch)"}
     speedup = analysis.speedup_of(share)
-    compiled = next((f.get("compiled_step") for f in fits
-                     if (f.get("compiled_step") or {}).get("best_ms") is not None), None)
-    if cause["verdict"] == "eager_step" and compiled:
+    if source == "compiled-step":
         return {"share": share, "speedup": speedup, "speedup_range": None,
                 "source": "compiled-step",
                 "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
@@ -243,24 +217,17 @@ def rank_causes(fits, scan=()):
     """
     ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
     main = _main(fits)
-    verdict = "unknown" if main is None else run_verdict(main)["verdict"]
+    verdict = _verdict(main)
     ranking.sort(key=lambda c: c["verdict"] != verdict)  # stable: the verdict first
     fixes = []
+    steps = [f.get("step") or {} for f in fits]
+    compiled = [f.get("compiled_step") or {} for f in fits]
     for cause in ranking:
         if not cause["score"]:  # no measured cost: nothing to predict, not ranked
             continue
         where = [f for f in scan if f.get("verdict") == cause["verdict"] and _offered(f, fits)]
-        seen = []
-        if cause["verdict"] == "eager_step":
-            seen = [f"{(f.get('step') or {})['eager_where']}: the step's gradient, measured eager"
-                    for f in fits if (f.get("step") or {}).get("eager_where")]
-            seen += [f"{f['compiled_step'].get('function', 'the step')}: diagnose could not "
-                     f"compile it to check the fix ({f['compiled_step']['reason']})"
-                     for f in fits if (f.get("compiled_step") or {}).get("reason")]
-        fix = cause["fix"]
-        if cause["verdict"] == "eager_step":  # the user's step, compiled and timed
-            fix = next((analysis.compiled_step_fix(f.get("compiled_step")) for f in fits
-                        if analysis.compiled_step_fix(f.get("compiled_step"))), fix)
+        seen = analysis.measured_lines(cause["verdict"], steps, compiled)
+        fix = analysis.measured_fix(cause["verdict"], cause["fix"], compiled)
         fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": fix,
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where],
@@ -287,7 +254,7 @@ def seen_in_code(fits, scan, fixes):
         A list of dicts `verdict`, `fix`, `where` (`file:line: why`).
     """
     main = _main(fits)
-    ruled_out = _ruled_out(fits, "unknown" if main is None else run_verdict(main)["verdict"])
+    ruled_out = _ruled_out(fits, _verdict(main))
     ranked = {f["verdict"] for f in fixes}
     out = {}
     for f in scan:
@@ -358,25 +325,24 @@ def locate_input_stage(fixes, fits):
     cheap); `stage` holds the judgement. Fixes stay as they were when no
     run's input was measured or no stage is slow.
     """
-    fix = next((f for f in fixes if f["verdict"] == "input_bound"), None)
-    judged = [j for j in map(input_stage, sorted(fits, key=lambda f: -(f.get("wall_s") or 0)))
-              if j and j["slow"]  # a stage whose fix gains nothing is no located fix
-              and j["slow"]["predicted_gain"] >= analysis.THRESHOLDS["min_speedup"]]
-    if fix is None or not judged:
+    fix = next((f for f in fixes if analysis.located_by_stage(f["verdict"])), None)
+    judged = analysis.located_stage(
+        map(input_stage, sorted(fits, key=lambda f: -(f.get("wall_s") or 0))))
+    if fix is None or judged is None:
         return
-    slow = judged[0]["slow"]
+    slow = judged["slow"]
     where = slow.get("where") or slow.get("function") or "?"
 
     def line(where):  # file:line, the file made absolute (the scan's may be relative)
         file, _, number = where.split(": ", 1)[0].rpartition(":")
         return os.path.abspath(file), number
 
-    named = {line(s[k]) for s in judged[0]["stages"] for k in ("where", "function") if s.get(k)}
+    named = {line(s[k]) for s in judged["stages"] for k in ("where", "function") if s.get(k)}
     fix["fix"] = slow["text"]
     fix["stage"] = {k: slow.get(k) for k in ("op", "where", "function", "kind", "rate_per_s",
                                              "share", "predicted_gain", "predicted_per_s")}
-    fix["stage"].update(input_per_s=judged[0]["input_per_s"],
-                        demand_per_s=judged[0]["demand_per_s"])
+    fix["stage"].update(input_per_s=judged["input_per_s"],
+                        demand_per_s=judged["demand_per_s"])
     fix["where"] = [f"{where}: `{slow['op']}`, the input's slow stage: {slow['rate_per_s']:.1f} "
                     f"batches/s alone, {slow['share']:.0%} of the input's time"] + [
         w for w in fix["where"] if line(w) not in named]
@@ -385,7 +351,12 @@ def locate_input_stage(fixes, fits):
 def _judged(fits):
     """The runs whose steps were timed and numerous enough for the monitor to judge."""
     return [f for f in fits if ((f.get("monitor") or {}).get("step_time") or {}).get("count")
-            and (f.get("monitor") or {}).get("verdict") not in (None, "unknown")]
+            and analysis.is_judged((f.get("monitor") or {}).get("verdict"))]
+
+
+def _verdict(main):
+    """The verdict of the main run (`_main`); `unknown` without one."""
+    return (analysis.not_run_verdict() if main is None else run_verdict(main))["verdict"]
 
 
 def _what_was_seen(seen):

@@ -18,7 +18,7 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.analysis import (MONITOR_WARMUP, main_what_if, names_no_cause, stages_needed,
+from keras_gpufix.analysis import (MONITOR_WARMUP, is_cause, main_what_if, stages_needed,
                                    trace_plan)
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
@@ -562,7 +562,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
-    if names_no_cause(verdict):
+    if not is_cause(verdict):  # the evidence that the run is healthy, or what was seen
         evidence = healthy_evidence(patch.fits, loops.seen())
     if ended is not None and verdict == "unknown":  # not "the script ran": it stopped
         evidence = [{"source": "diagnose", "figure": "steps", "value": ended["steps_seen"],

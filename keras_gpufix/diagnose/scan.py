@@ -20,48 +20,9 @@ import ast
 import os
 import sys
 
-from keras_gpufix.analysis import fix_for
+from keras_gpufix.analysis import TRAPS, fix_for
 
-__all__ = ["TRAPS", "scan_script"]
-
-# Static traps: id -> (the measured verdict it would produce, why, and what to
-# change on that line). The fix of the verdict is the one verdict table's
-# (`analysis.FIXES`); `jit_compile_false` produces no verdict of its own (XLA
-# off is slower, not oscillating), so it is listed but never ranked as a fix.
-TRAPS = {
-    "py_function_in_map": (
-        "input_bound",
-        "`tf.py_function`/`tf.numpy_function` inside `Dataset.map` runs Python per "
-        "element under the GIL: the map cannot run in parallel; compute the features with "
-        "TF ops (kg.data.log_mel) or once into a feature cache",
-    ),
-    "python_generator": (
-        "input_bound",
-        "a Python generator feeds the model: every batch is produced by Python, one at a "
-        "time, with no parallelism or prefetch; build a tf.data pipeline "
-        "(kg.data.SpeechDatasetBuilder)",
-    ),
-    "no_prefetch": (
-        "input_bound",
-        "the tf.data pipeline has no `prefetch`: the next batch is prepared only after "
-        "the step that needs it asked for it; end the pipeline with "
-        "`.prefetch(tf.data.AUTOTUNE)`",
-    ),
-    "run_eagerly": (
-        "eager_step",
-        "`run_eagerly=True` runs every op from Python: no graph, no XLA",
-    ),
-    "jit_compile_false": (
-        None,
-        "`jit_compile=False` turns XLA off: no op fusion; kg.compile_model(model, ..., "
-        "jit_compile=True) with bucketed shapes",
-    ),
-    "numpy_in_loop": (
-        "dispatch_bound",
-        "`.numpy()` inside a loop copies to the host and waits for the device at every "
-        "iteration; keep values as tensors inside the loop and convert once after it",
-    ),
-}
+__all__ = ["scan_script"]
 
 _PY_FUNCS = {"py_function", "numpy_function", "py_func", "eager_py_func"}
 
@@ -413,7 +374,7 @@ def scan_script(path):
 
     Returns:
         A list of findings, the script's first, each file's sorted by line,
-        each a dict with `trap` (a key of `TRAPS`), `file` (relative to the
+        each a dict with `trap` (a key of `analysis.TRAPS`), `file` (relative to the
         working directory when under it), `line`, `code`
         (the source line), `detail`, `why` (with what to change on the
         line), `verdict` (the measured cause it would produce, None for a

@@ -1,0 +1,174 @@
+"""How diagnose weighs a run's findings into causes: which verdicts are causes, which of
+its measurements locate, price and predict each, which static findings it rules out.
+
+`diagnose/report.py` gathers the runs' figures and words the report; every
+decision about a verdict in it is one of these pure functions:
+
+| function               | what it answers                                        |
+|------------------------|--------------------------------------------------------|
+| `is_cause`             | is a verdict a cause (not `healthy`, not `unknown`)?   |
+| `is_judged`            | did a monitor's verdict judge steps (not `unknown`)?   |
+| `what_if_cause`        | does the what-if's input cost make `input_bound` a     |
+|                        | cause beside another verdict, and in which phase?      |
+| `cause_where`          | where a cause was seen (the eager gradient, the        |
+|                        | loop-body line of a periodic stall, the script's line) |
+| `compiled_cause_share` | the share compiling the eager step saves, measured     |
+| `priced_by_compile`    | causes with `eager_step` priced by that measurement    |
+| `measured_fix`         | a cause's fix, from diagnose's own measurement of it   |
+| `measured_lines`       | the lines diagnose measured a cause at                 |
+| `prediction_source`    | which measurement predicts a ranked cause's effect     |
+| `ruled_out`            | the verdicts a judgement had the evidence for and did  |
+|                        | not give (their static findings are not fixes)         |
+"""
+
+from keras_gpufix.analysis.traps import traps_of
+from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, compiled_share,
+                                           compiled_step_fix)
+
+__all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
+           "compiled_cause_share", "priced_by_compile", "measured_fix", "measured_lines",
+           "prediction_source", "ruled_out"]
+
+#: Where an eager step comes from when neither its measured gradient nor a scanned line says.
+_EAGER_DEFAULT_WHERE = "the model's compile (run_eagerly=True)"
+
+
+def is_cause(verdict: "str | None") -> bool:
+    """Whether `verdict` names a cause (a verdict other than `NOT_CAUSES`)."""
+    return verdict not in NOT_CAUSES
+
+
+def is_judged(verdict: "str | None") -> bool:
+    """Whether a monitor's `verdict` judged steps: given, and not `unknown`."""
+    return verdict not in (None, "unknown")
+
+
+def what_if_cause(cost, input_wait: "float | None",
+                  verdict: "str | None") -> "tuple | None":
+    """`input_bound` as a cause beside the run's other verdict, from the what-if.
+
+    Args:
+        cost: `what_if_input_cost`'s `(share, least, known)`, or None.
+        input_wait: the run's measured input-wait share (None: not measured).
+        verdict: the run's verdict (`weigh`ed).
+
+    Returns:
+        `("input_bound", share, phase)` when the what-if finds the input costing at least
+        `THRESHOLDS["what_if_share"]` of a run whose verdict is not already
+        `input_bound`: phase `step` (contention) where the input wait explains
+        that much less of it, else `input_wait`. None otherwise.
+    """
+    share = THRESHOLDS["what_if_share"]
+    if cost is None or verdict == "input_bound" or not cost[0] >= share:
+        return None
+    contention = input_wait is not None and cost[1] - input_wait >= share
+    return "input_bound", cost[0], "step" if contention else "input_wait"
+
+
+def cause_where(verdict: str, step: dict, findings=()) -> "str | None":
+    """Where a cause was seen: an `eager_step`'s measured eager gradient (`eager_where`),
+    else the first scan finding of its trap on a line that ran, else the model's
+    compile; a `periodic_stall`'s loop-body line its slow cycles were sampled at
+    (`stall_where`); None for the others.
+
+    Args:
+        verdict: the cause.
+        step: the run's step facts (`eager_where`, `stall_where`).
+        findings: the static scan's findings (`trap`, `file`, `line`, `ran`).
+    """
+    if verdict == "periodic_stall":
+        return step.get("stall_where")
+    if verdict != "eager_step":
+        return None
+    traps = traps_of(verdict)
+    return step.get("eager_where") or next(
+        (f"{f['file']}:{f['line']}" for f in findings
+         if f["trap"] in traps and f.get("ran") is not False), _EAGER_DEFAULT_WHERE)
+
+
+def compiled_cause_share(causes, compiled: dict) -> "float | None":
+    """The share of a run that compiling its eager step saves, measured, or None.
+
+    Args:
+        causes: the judgement's causes (`verdict`, `share`).
+        compiled: diagnose's compile of the user's step on a real batch
+            (`eager_ms`, `best_ms`), or None.
+    """
+    compiled = compiled or {}
+    steady = next((c["share"] for c in causes or () if c["verdict"] == "eager_step"), None)
+    if compiled.get("best_ms") is None or steady is None:
+        return None
+    return compiled_share(steady, compiled["eager_ms"], compiled["best_ms"])
+
+
+def priced_by_compile(causes: list, measured: "float | None") -> list:
+    """`(verdict, share, evidence)` causes with every `eager_step` priced at `measured`
+    (`compiled_cause_share`: the eager step's excess over the compiled one, not
+    the bound); unchanged when it was not measured."""
+    if measured is None:
+        return causes
+    return [(v, measured if v == "eager_step" else share, e) for v, share, e in causes]
+
+
+def measured_fix(verdict: str, fix: str, compiled_steps) -> str:
+    """A ranked cause's fix: for `eager_step`, the first measured compile of the user's
+    step (`compiled_step_fix`); else (or without one) `fix`."""
+    if verdict != "eager_step":
+        return fix
+    return next((compiled_step_fix(c) for c in compiled_steps if compiled_step_fix(c)), fix)
+
+
+def measured_lines(verdict: str, steps, compiled_steps) -> list:
+    """The lines diagnose measured a cause at: for `eager_step`, each run's measured
+    eager gradient and each compile of the step that could not be done (why);
+    nothing for the others.
+
+    Args:
+        verdict: the cause.
+        steps: each run's step facts (`eager_where`).
+        compiled_steps: each run's compile of its step (`function`, `reason`).
+    """
+    if verdict != "eager_step":
+        return []
+    lines = [f"{s['eager_where']}: the step's gradient, measured eager"
+             for s in steps if s.get("eager_where")]
+    return lines + [f"{c.get('function', 'the step')}: diagnose could not compile it to "
+                    f"check the fix ({c['reason']})" for c in compiled_steps if c.get("reason")]
+
+
+def prediction_source(verdict: str, what_if: dict, compiled: "dict | None") -> str:
+    """Which measurement predicts a ranked cause's effect: `what-if` for `input_bound`
+    where the what-if found a speedup and knows it, `compiled-step` for
+    `eager_step` where the user's step was compiled and timed, else
+    `cost_share` (the share the cause cost: the most its fix can save)."""
+    if verdict == "input_bound" and what_if.get("speedup_if_input_free") \
+            and what_if.get("known", True):
+        return "what-if"
+    if verdict == "eager_step" and compiled:
+        return "compiled-step"
+    return "cost_share"
+
+
+def ruled_out(verdict: str, *, judged: bool, input_wait_measured: bool,
+              compiles_counted: bool) -> set:
+    """Verdicts the run's judgement had the evidence for and did not give.
+
+    Their static findings are not ranked as fixes: `input_bound` when the
+    input wait was measured, `eager_step` and `recompiling` (traces or
+    shapes counted) when steps were judged. A cause it cannot see
+    (`dispatch_bound` without GPU utilisation) keeps its findings.
+
+    Args:
+        verdict: the run's verdict.
+        judged: some run's steps were judged.
+        input_wait_measured: every judged run measured its input wait.
+        compiles_counted: some judged run counted traces or new shapes.
+    """
+    if not judged:
+        return set()
+    out = {"eager_step"} - {verdict}
+    if input_wait_measured:
+        out |= {"input_bound"} - {verdict}
+    if compiles_counted:
+        out |= {"recompiling"} - {verdict}
+    return out

@@ -23,6 +23,7 @@ from keras_gpufix.analysis.dispatch import fold_unsynced
 from keras_gpufix.analysis.step_log import StepLog, StepRecord
 from keras_gpufix.analysis.verdicts import (
     FIXES,
+    NOT_CAUSES,
     PHASES,
     THRESHOLDS,
     TOO_FEW_STEPS,
@@ -224,7 +225,7 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
                        async_blockers, input_workers)
     ev = judgement["evidence"]
     also = ev.pop("also", [])
-    causes = [] if judgement["verdict"] in ("healthy", "unknown") else [_cause(judgement)]
+    causes = [] if judgement["verdict"] in NOT_CAUSES else [_cause(judgement)]
     causes += [_cause(j) for j in also]
     if eager and judgement["verdict"] not in ("unknown", "recompiling"):
         ev["signals"].append("eager")
@@ -734,7 +735,7 @@ class OscillationDetector:
             causes = same[-1].get("causes") or []
             because.append(f"{verdict} from step {same[0]['start_step']} to step "
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
-        elif judgement is not None and verdict not in ("healthy", "unknown"):
+        elif judgement is not None and verdict not in NOT_CAUSES:
             phase, share = judgement["phase"], judgement["cost_share"]
             fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
                           where=self._where(verdict), source=self.input_source)

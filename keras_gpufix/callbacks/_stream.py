@@ -126,15 +126,18 @@ class StepStream:
     """The step records of one running `fit` or loop, measured once.
 
     Its parts are its own; members read them through read-only views
-    (`leader`, `hooks`, `last`, `detector`, `facts`, `input_probe`,
-    `step_shapes`, `step_shapes_note`, `shapes_seen`) and hand facts over
-    through its methods.
+    (`hooks`, `last`, `detector`, `facts`, `input_probe`, `step_shapes`,
+    `step_shapes_note`, `shapes_seen`) and hand facts over through its
+    methods; its own attributes are set by itself alone.
 
     Attributes:
         clock: the run's `StepClock`.
         members: the run's `Members` (our callbacks, in join order).
+        leader: the member that joined first (its hooks drive the stream
+            where no markers frame the callback list).
         framed: whether markers at the front and back of the running
             CallbackList time the step (else the members' own hooks do).
+        closed: whether the run ended (`train_end`).
     """
 
     # Seconds the loop waits, before validation, for end hooks still in
@@ -150,9 +153,10 @@ class StepStream:
         self._feed = DetectorFeed()
         self._epoch = EpochLog()
         self._dispatch = SyncCallbacks()
+        self.leader = None
         self.framed = False
         self._unframe = None
-        self._closed = False
+        self.closed = False
 
     # -- membership ------------------------------------------------------
 
@@ -175,6 +179,7 @@ class StepStream:
 
     def _open(self, leader):
         """When the leader joins: the run's facts, its input, the markers."""
+        self.leader = leader
         backend = current()
         model = callback_model(leader)
         self.tell(**self._dispatch.open(backend, leader, model))
@@ -184,7 +189,6 @@ class StepStream:
         self.tell(**self._inputs.open(backend, model, self.facts))
 
     # Read-only views of the parts, for the members.
-    leader = _view("members", "leader", "The member that joined first.")
     hooks = _view("_records", "hooks", "End hooks recorded so far.")
     last = _view("_records", "last", "`(index, steps, span_s, gap_s)` of the latest end "
                  "hook, read right at that hook (for callbacks that act on the next step).")
@@ -196,11 +200,6 @@ class StepStream:
     step_shapes_note = _view("_inputs", "step_shapes_note",
                              "Why fit's step shapes cannot be watched, or None.")
     shapes_seen = _view("_inputs", "shapes_seen", "Distinct input shapes seen.")
-
-    @property
-    def closed(self) -> bool:
-        """Whether the run ended (`train_end`)."""
-        return self._closed
 
     # -- what other parts of the package hand over -------------------------
 
@@ -333,7 +332,7 @@ class StepStream:
         self._inputs.close()
         self._dispatch.close()
         self._feed.finish(self.members.deliver)
-        self._closed = True
+        self.closed = True
         if _OPEN.get(self.key) is self:
             del _OPEN[self.key]
 

@@ -387,8 +387,8 @@ def _probe_eager_gradients(watched):
             frame = sys._getframe(1)
             while frame is not None and frame.f_code.co_filename.startswith(library):
                 frame = frame.f_back
-            watched._stream.tell(eager=True, eager_where=frame and (
-                f"{frame.f_code.co_filename}:{frame.f_lineno}"))
+            where = frame and f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            watched._stream.tell(eager=True, eager_where=where)
             frame = None
         return original(tape, *args, **kwargs)
 

@@ -112,7 +112,7 @@ def test_the_clock_hands_out_steps_in_order_whatever_order_they_end_in(monkeypat
     import types
 
     import keras_gpufix.callbacks._clock as clock_module
-    from keras_gpufix.analysis.phases import hook_span, split_cycle
+    from keras_gpufix.analysis.phases import hook_span, seconds_within, split_cycle
 
     now = iter([0.0, 0.0, 1.0, 2.0, 5.0, 3.0, 9.0, 10.0])
     monkeypatch.setattr(clock_module, "time", types.SimpleNamespace(
@@ -140,6 +140,9 @@ def test_the_clock_hands_out_steps_in_order_whatever_order_they_end_in(monkeypat
     assert split_cycle(2.0, 1.0, 0.4, supplied=True) == (0.4, 2.0, 0.6)
     # a supplied wait that overlapped the device's work counts only where it idled
     assert split_cycle(2.0, 0.0, 0.4, supplied=True) == (0.0, 2.0, 0.0)
+    # JAX's compile events (end, seconds, ...) counted in the hook whose span holds their end
+    assert seconds_within([(1.0, 0.5, True), (3.0, 0.25, True)],
+                          [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]) == [0.5, 0, 0.25]
 
 
 # -- the subprocess ---------------------------------------------------------

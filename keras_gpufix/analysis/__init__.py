@@ -16,7 +16,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
-|               | -> its input wait, step and time between steps               |
+|               | -> its input wait, step and time between steps;              |
+|               | `seconds_within` (compile seconds per hook)                  |
 | `facts`       | `RunFacts`: what the adapters know about a run (jit, eager,  |
 |               | synced, thresholds), handed to the detector as one object    |
 | `detector`    | `judge` (no side effects), `OscillationDetector` (its        |

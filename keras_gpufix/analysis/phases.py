@@ -22,9 +22,12 @@ ready(N-1))`. Then
 Where every hook runs on the loop's thread (TensorFlow, or a callback that
 is not `async_safe`), `begin(N)` comes after `ready(N-1)` and these are the
 plain `begin -> end` span and `end -> begin` gap.
+
+Events timed inside a hook (JAX's compiles) are summed per hook by
+`seconds_within`.
 """
 
-__all__ = ["hook_span", "split_cycle"]
+__all__ = ["hook_span", "split_cycle", "seconds_within"]
 
 
 def hook_span(begin: float, ready: float, last_ready: "float | None") -> tuple:
@@ -68,3 +71,16 @@ def split_cycle(span: float, gap: float, wait: "float | None", supplied: bool = 
         wait = min(wait, gap) if supplied else wait
         return wait, span, max(0.0, gap - wait)
     return wait - gap, span - (wait - gap), gap
+
+
+def seconds_within(events, spans) -> list:
+    """Per span, the seconds of the events inside it.
+
+    Args:
+        events: tuples that start with `(time, seconds)` (an event's end
+            and length).
+        spans: `(begin, end)` pairs on the same clock; an event counts in
+            a span where `begin < time <= end`.
+    """
+    return [sum(e[1] for e in events if begin < e[0] <= end)
+            for begin, end in spans]

@@ -43,7 +43,7 @@ class Edge(keras.callbacks.Callback):
 
     def _guard(self, hook, *args):
         stream = self._stream
-        if stream._closed or not stream.framed:
+        if stream.closed or not stream.framed:
             return
         try:
             hook(*args)

@@ -44,6 +44,7 @@ When no step was seen, `LoopPatch.seen()` lists what was: the iterables
 the script iterated and the tf.functions it called.
 """
 
+import functools
 import os
 import sys
 import threading
@@ -564,9 +565,7 @@ class LoopPatch:
                 variables = list(fn.get_concrete_function(*args, **kwargs).variables)
                 cached, real = _steps_on(fn, args, kwargs, loop) or (
                     lambda: fn(*args, **kwargs), None)
-
-                def measure():
-                    return replay_rates(cached, variables, real=real)
+                measure = functools.partial(replay_rates, cached, variables, real=real)
             result = what_if_until_known(loop.cycles_timed(), input_per_s, measure)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,206 @@
+"""What fed each cycle: its input wait, samples, shapes, real frames and compile seconds.
+
+One `CycleInputs` per step stream, with the sources it reads:
+
+- the input probe of a dataset that went through `kg.data.instrument`
+  (`data/input_probe.py`'s `InputCursor`; TensorFlow datasets only), or, where
+  it can (every source on JAX, a Python source on TensorFlow), a
+  `BatchClock` (`backends/batch_clock.py`) that follows the source fit
+  actually reads: each batch's ready time (the input wait), shapes and,
+  for an instrumented dataset, its real (unpadded) frames;
+- what a custom-loop wrapper (`kg.watch`) measured itself and hands over
+  with `supply()` before the begin hook (it replaces the probe's wait,
+  batch size and shape);
+- on TensorFlow, when the model's step is XLA-compiled, the input shapes
+  read inside `model.train_function` (`_step_shapes.py`);
+- on JAX, the seconds JAX spent compiling (`jax.monitoring`), per cycle.
+
+`read` turns the spans of finished hooks into one `CycleInput` each; new
+input shapes are remembered (at most `MAX_SHAPES`) to mark `new_shape`.
+
+Speech throughput: a dataset instrumented with its feature lengths
+(`kg.data.instrument(..., frames=, frames_per_second=)`, as the `kg.data`
+builder does) gives each cycle its real (unpadded) frames and seconds of
+audio, read with the rest of the probe (no extra read per step), in `fit`
+and under `kg.watch` alike (when watch iterates the dataset itself; over
+an iterator or a generator it calls `drop_probe()`); other datasets leave
+them None. Fit's XLA step's shapes serve any dataset; an instrumented
+one's shapes come first.
+"""
+
+import sys
+from typing import NamedTuple, Optional
+
+from keras_gpufix._step_shapes import StepShapes
+from keras_gpufix.analysis.phases import seconds_within
+from keras_gpufix.backends.batch_clock import BatchClock
+
+__all__ = ["CycleInputs", "CycleInput"]
+
+
+class CycleInput(NamedTuple):
+    """What fed one hook (a step, or N steps).
+
+    `wait` is the input wait in seconds (None: not measured, or a supplied
+    wait that is not input alone), `supplied` whether a custom-loop wrapper
+    measured it, `split` whether begin -> end holds only the step.
+    """
+
+    wait: Optional[float]
+    supplied: bool
+    split: bool
+    samples: Optional[int]
+    shape: object
+    new_shape: bool
+    frames: Optional[int]
+    audio: Optional[float]
+    compile_s: Optional[float]
+
+
+class CycleInputs:
+    """The input side of one step stream.
+
+    Args:
+        offset: wall time of a step-clock reading minus the reading
+            (`StepClock.offset`): the probe stamps wall times.
+
+    Attributes:
+        step_shapes: the `StepShapes` probe of fit's XLA train step (the
+            input shapes of a plain `tf.data` dataset), or None;
+            `step_shapes_note` says why it could not be attached.
+    """
+
+    # Distinct input shapes remembered for `new_shape` (bounded memory).
+    MAX_SHAPES = 4096
+
+    def __init__(self, offset):
+        self._offset = offset
+        self._cursor = self._batch_clock = self._compiles = None  # sources, see `open`
+        self._supplied = self._batch_size = None
+        self._compiles_read = 0.0
+        self._shapes = set()
+        self.step_shapes = self.step_shapes_note = None
+
+    def open(self, backend, model, facts) -> dict:
+        """Starts reading the run's input (when the leader joins).
+
+        Args:
+            backend: the run's `backends.current()`.
+            model: the model being trained, or None.
+            facts: the run's `analysis.RunFacts` so far (jit, eager).
+
+        Returns:
+            `RunFacts` fields the input side knows (`input_source`,
+            `input_workers` where a `BatchClock` follows fit's source).
+        """
+        self._compiles = backend.compile_log()  # compiles before the first hook are
+        # never a hook's (`read` counts only those inside a hook's span)
+        if "tensorflow" in sys.modules:  # only TF datasets can be instrumented
+            from keras_gpufix.data.input_probe import InputCursor
+
+            self._cursor = InputCursor()
+            self._cursor.start()
+        # Under XLA a new shape compiles the step, and a plain `tf.data`
+        # dataset (not through `kg.data.instrument`) shows no shape otherwise.
+        # TensorFlow's train function only: the probe is a TensorFlow op.
+        if backend.tensorflow_step and facts.jit and not facts.eager and model is not None:
+            self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+        self._batch_clock = BatchClock.attach(backend)
+        if self._batch_clock is None:
+            return {}
+        self._cursor = self._batch_clock
+        return {"input_source": self._batch_clock.source,
+                "input_workers": self._batch_clock.workers}
+
+    def offer_batch_size(self, size):
+        """A member's batch size: the default samples per step (the first one offered)."""
+        if self._batch_size is None and size is not None:
+            self._batch_size = size
+
+    @property
+    def probe(self):
+        """The `InputProbe` being read, or None."""
+        return None if self._cursor is None else self._cursor.probe
+
+    @property
+    def shapes_seen(self) -> int:
+        """Distinct input shapes seen (at most `MAX_SHAPES`)."""
+        return len(self._shapes)
+
+    def supply(self, input_wait, samples=None, shape=None, split=False):
+        """Keeps a custom-loop wrapper's facts for the next step (`StepStream.supply`)."""
+        wait = None if input_wait is None else float(input_wait)
+        self._supplied = (wait, samples, shape, bool(split))
+
+    def take_supplied(self):
+        """The supplied facts for the step that begins now (None: none supplied)."""
+        supplied, self._supplied = self._supplied, None
+        return supplied
+
+    def drop_probe(self):
+        """Stops reading the input probe (`StepStream.drop_probe`)."""
+        self._cursor = None
+
+    def epoch_begin(self):
+        if self._cursor is not None:
+            self._cursor.epoch_begin()
+
+    def close(self):
+        """At the end of training: lets go of fit's source."""
+        if self._batch_clock is not None:
+            self._batch_clock.detach()
+
+    def read(self, hooks) -> list:
+        """One `CycleInput` per finished hook, in order (the loop's thread).
+
+        Args:
+            hooks: `(start, span, gap, steps, supplied)` of each hook in
+                step-clock seconds; `supplied` is what `take_supplied`
+                gave at its begin.
+        """
+        n = len(hooks)
+        waits = rows = reals = [None] * n
+        if self._cursor is not None:
+            off = self._offset
+            waits, rows, reals = self._cursor.take(
+                [start - gap + off for start, _, gap, _, _ in hooks],   # each cycle's start
+                [start + span + off for start, span, _, _, _ in hooks],
+                [steps for *_, steps, _ in hooks])
+        in_step = ([None] * n if self.step_shapes is None
+                   else self.step_shapes.take([steps for *_, steps, _ in hooks]))
+        compiled = [None] * n
+        if self._compiles is not None:
+            spans = [(start, start + span) for start, span, *_ in hooks]
+            compiled = seconds_within(self._compiles.since(self._compiles_read), spans)
+            self._compiles_read = spans[-1][1]
+        probe = self.probe
+        per_second = None if probe is None else probe.frames_per_second
+        out = []
+        for (*_, steps, supplied), wait, row, frames, seen, compile_s in zip(
+                hooks, waits, rows, reals, in_step, compiled):
+            split = True
+            samples = None if self._batch_size is None else self._batch_size * steps
+            shape = None
+            if supplied is not None:
+                wait, sampled, shape, split = supplied
+                samples = sampled if sampled is not None else samples
+            elif row is not None:
+                shape = probe.shape_key(row)
+                size = probe.batch_size(shape)
+                samples = size * steps if size else samples
+            if shape is None:
+                shape = seen
+            out.append(CycleInput(
+                wait=wait, supplied=supplied is not None, split=split, samples=samples,
+                shape=shape, new_shape=self._remember(shape), frames=frames,
+                audio=None if frames is None or per_second is None else frames / per_second,
+                compile_s=compile_s))
+        return out
+
+    def _remember(self, shape) -> bool:
+        """Whether `shape` is new to the run (remembered up to `MAX_SHAPES`)."""
+        if shape is None or shape in self._shapes:
+            return False
+        if len(self._shapes) < self.MAX_SHAPES:
+            self._shapes.add(shape)
+        return True

@@ -9,8 +9,8 @@ a subprocess: the backend is per process) with all four and checks that
 - Keras's `CallbackList` keeps asynchronous training dispatch, and the
   clock's end hooks run off the loop's thread (in Keras's pool);
 - the step records come out in step order; their cycles add up to the wall
-  time of the `fit` they timed, and their mean cycle agrees with the
-  steps/s of the same `fit` without callbacks (interleaved rounds, median
+  time of the `fit` they timed, and their steps/s agree with the steps/s
+  of the same `fit` without callbacks (interleaved rounds, median
   of the rounds' ratios, within 10%; skipped where the host's load moved
   the runs without callbacks by more than a third between rounds);
 - the planted runs of `test_one_voice.py` (slow input, work between steps
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROUNDS = 3
+ROUNDS = 5
 STEPS = 60  # per timed fit
 BATCH = 128
 FEATURES = 256
@@ -207,8 +207,9 @@ def _main():
         starts = np.cumsum([0] + [r.steps for r in records])[:-1]
         timed["in_order"].append([r.index for r in records] == list(starts))
         timed["record_vs_wall"].append(sum(r.cycle for r in records) / watched.seconds)
-        steady = [r.cycle / r.steps for r in records if not r.epoch_first]
-        timed["record_vs_bare"].append(float(np.mean(steady)) / (bare.seconds / STEPS))
+        # the records' steps/s against the same fit's without callbacks: both
+        # over the whole epoch (its first step holds the epoch's start-up)
+        timed["record_vs_bare"].append(sum(r.cycle for r in records) / bare.seconds)
         timed["bare_ms"].append(bare.seconds / STEPS * 1e3)
         timed["steps_ratio"].append(bare.seconds / watched.seconds)
         timed["errors"] += [e for c in callbacks for e in c.errors]

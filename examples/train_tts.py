@@ -301,6 +301,9 @@ def main(argv=None):
     train = to_training_batches(train).repeat()
     steps_per_epoch = args.steps or report["batches_per_epoch"]
 
+    # Callbacks fire once per execution: keep >= 8 observations per epoch for the
+    # monitors (under 16 steps an epoch that is 1: nothing to calibrate).
+    cap = max(1, steps_per_epoch // 8)
     with strategy.scope():
         model = build_model(len(builder.text.vocabulary) + 2, n_mels=args.n_mels,
                             d_model=args.d_model, heads=2, encoder_layers=args.layers,
@@ -309,13 +312,12 @@ def main(argv=None):
                             postnet_channels=args.postnet_channels)
         compiled = kg.compile_model(
             model, keras.optimizers.Adam(args.learning_rate, clipnorm=1.0), "mae",
-            mixed_precision=policy, steps_per_execution=args.steps_per_execution,
+            mixed_precision=policy,
+            steps_per_execution=1 if cap == 1 else args.steps_per_execution,
             sample_batch=train,
         )
     print(f"Model: {model.count_params():,} parameters; compile_model: "
           + str(compiled).replace("\n", "; "))
-    # Callbacks fire once per execution: keep >= 8 observations per epoch for the monitors.
-    cap = max(1, steps_per_epoch // 8)
     if model.steps_per_execution > cap:
         print(f"steps_per_execution {model.steps_per_execution} -> {cap} "
               f"({steps_per_epoch} steps per epoch)")

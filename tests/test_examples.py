@@ -59,8 +59,9 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoint", "latest.weights.h5"))
     assert os.path.exists(os.path.join(out, "tts.keras"))
     # one bucket, features from the cache: the monitor measures the input wait
-    # (instrumented) and fit traces only the train function made again for the
-    # measured steps_per_execution (its step and its loop, once each), not per batch
+    # (instrumented) and fit traces at most the train function made again for a
+    # new steps_per_execution (its step and its loop, once each), not per batch
+    # (8 steps an epoch: steps_per_execution 1, the step compile_model compiled)
     assert first["verdict"] == "healthy", first
     assert first["input_wait"] is not None and first["input_wait"] < 0.2
     assert first["retracing"]["trace_count"] <= 2

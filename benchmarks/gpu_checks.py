@@ -30,7 +30,8 @@ short runs, to try the script anywhere. What it does:
    in interleaved rounds (median of the rounds' ratios; goal >= 0.98), with
    whether Keras kept its asynchronous callback dispatch; and steps/s of a
    `jax.jit` loop (loss read every 5th step) under `kg.watch` ÷ the bare
-   loop.
+   loop, both timed from their first batch, with the watched run's
+   start-up and close (once a loop) beside it.
 4. Variable-length batches: a Conv1D `fit` on a `PyDataset` whose every
    batch has a new length (an unbucketed speech loader), two epochs: the verdict
    (`recompiling` planted), the distinct shapes, the XLA compile seconds JAX
@@ -285,10 +286,11 @@ def feed(batches, steps, sleep=0.0):
 
 
 def loop_seconds(train_step, batches, steps, read_every=EVERY):
-    """Seconds per step of the bare loop (loss read every `read_every` steps)."""
-    t0 = time.perf_counter()
-    loss = None
+    """Seconds per step of the bare loop (loss read every `read_every` steps),
+    timed from its first batch, as `watch_overhead` times the watched loop."""
+    loss = t0 = None
     for i, (xb, yb) in enumerate(feed(batches, steps)):
+        t0 = t0 or time.perf_counter()
         loss = train_step(xb, yb)
         if i % read_every == read_every - 1:
             float(loss)
@@ -359,22 +361,27 @@ def watch_overhead(size, rounds):
     train_step = loop_step(size)
     batches = device_batches(make_batches(size, size["short"]))
     loop_seconds(train_step, batches, 10)
-    steps, ratios, bare_ms = size["steps"], [], []
+    steps, ratios, bare_ms, start_ms = size["steps"], [], [], []
     for _ in range(rounds):
         bare = loop_seconds(train_step, batches, steps)
-        t0 = time.perf_counter()
+        opened = time.perf_counter()
         with kg.watch(feed(batches, steps),
                       callbacks=[kg.GPUOscillationMonitor(verbose=0)]) as watched:
-            loss = None
+            loss = t0 = None
             for i, (xb, yb) in enumerate(watched):
+                t0 = t0 or time.perf_counter()  # from the first batch, as the bare loop
                 loss = train_step(xb, yb)
                 if i % EVERY == EVERY - 1:
                     float(loss)
             float(loss)
-        ratios.append(bare / ((time.perf_counter() - t0) / steps))
+            seconds = time.perf_counter() - t0
+        ratios.append(bare / (seconds / steps))
         bare_ms.append(bare * 1e3)
+        # once a loop: the run's start-up (first batch included) and its close
+        start_ms.append((time.perf_counter() - opened - seconds) * 1e3)
     return {"batch": size["short"], "step_ms_bare": statistics.median(bare_ms),
-            "steps_per_s_ratio_watch_over_bare": statistics.median(ratios), "ratios": ratios}
+            "steps_per_s_ratio_watch_over_bare": statistics.median(ratios), "ratios": ratios,
+            "start_and_close_ms": statistics.median(start_ms)}
 
 
 class NewLengths(keras.utils.PyDataset):
@@ -513,6 +520,7 @@ def main(argv=None):
         elif name == "watch_overhead":
             figures["watch_steps_per_s_ratio_over_bare"] = details[name][
                 "steps_per_s_ratio_watch_over_bare"]
+            figures["watch_start_and_close_ms"] = details[name]["start_and_close_ms"]
         elif name == "variable_length":
             row = details[name]
             figures["variable_length_verdict"] = row["verdict"]

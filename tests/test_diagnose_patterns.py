@@ -8,6 +8,7 @@ import json
 import os
 import re
 import runpy
+import statistics
 import subprocess
 import sys
 
@@ -221,9 +222,12 @@ def test_a_heavy_map_beside_a_heavy_step_is_named_with_its_gain():
     assert result["verdict"] != "healthy", result["evidence"]
     fix = next(f for f in result["fixes"] if f["verdict"] == "input_bound")
     predicted = fix["predicted"]["speedup"]
-    runs = [float(re.search(r"FIT_S ([\d.]+)", run_script("contention", "--steps", "80",
-                                                           *flags).stdout).group(1))
-            for flags in [(), ("--cached",)]]
+    # the truth: the median of 3 runs each way (the cached run's time is
+    # bimodal on 2 cores: 0.64-0.68 s or 1.27 s, once 2.5 s)
+    runs = [statistics.median(
+        float(re.search(r"FIT_S ([\d.]+)", run_script("contention", "--steps", "80",
+                                                      *flags).stdout).group(1))
+        for _ in range(3)) for flags in [(), ("--cached",)]]
     print(f"contention: predicted {predicted:.2f}x, measured {runs[0] / runs[1]:.2f}x")
     assert predicted >= 1.2
     assert abs(predicted / (runs[0] / runs[1]) - 1) <= 0.25

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROUNDS = 5
+ROUNDS = 4
 STEPS = 60  # per timed fit
 BATCH = 128
 FEATURES = 256

@@ -34,7 +34,7 @@ STEPS = 60  # shorter than the monitor's window: judged once, at the end
 BATCH = 128
 FEATURES = 256
 HIDDEN = {"jax": 1024, "tensorflow": 32}  # JAX computes its step, TensorFlow sleeps
-DEVICE_S = 0.02  # TensorFlow: the step's stand-in device time
+DEVICE_S = 0.01  # TensorFlow: the step's stand-in device time
 INPUT_S = 0.05  # slow input: per batch
 WORK_S = 0.06  # work in the loop body every EVERY steps
 
@@ -155,8 +155,8 @@ def test_reading_the_loss_every_k_steps_is_healthy_at_the_loops_step_time(runs):
     # loop), not the dispatch's time nor the wait of the read for EVERY steps.
     # The median lies under the mean where the host's load added outliers,
     # and a TensorFlow loop's wall time sometimes doubles at the same step
-    # time (the loop without the monitor too, `bare_after`: 42.6 ms per step
-    # at 23.3 ms between reads): the low bound is the lower of the wall time
+    # time (the loop without the monitor too, `bare_after`: 21.2 ms per step
+    # at 12.4 ms between reads): the low bound is the lower of the wall time
     # and the step of the loop without the monitor.
     bare = min(runs["bare"]["median_ms"], runs["bare_after"]["median_ms"])
 

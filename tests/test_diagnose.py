@@ -713,6 +713,22 @@ def test_the_step_counter_keeps_async_dispatch_and_stops_at_the_steps(monkeypatc
         end.join()
     assert stops == [False, False, True]  # set before the execution that reaches 5 steps
     assert counter.seen == 6 and counter.stopped
+    # epochs of 6 steps in executions of 4: each epoch's last one has 2 steps
+    model = types.SimpleNamespace(steps_per_execution=4, stop_training=False)
+    counter = _step_counter(20)
+    counter.set_model(model)
+    counter.set_params({"steps": 6})
+    counter.on_train_begin()
+    begun = []
+    for epoch in range(4):
+        for first, last in ((0, 3), (4, 5)):
+            if model.stop_training:
+                break
+            counter.on_train_batch_begin(first)
+            begun.append((epoch, first))
+            counter.on_train_batch_end(last)
+        counter.on_epoch_end(epoch)
+    assert begun[-1] == (3, 0) and counter.seen == 22  # as a synchronous stop at >= 20
 
 
 def test_a_loops_cycles_are_its_records_with_the_train_functions_time_as_step():

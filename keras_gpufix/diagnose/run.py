@@ -93,8 +93,11 @@ def _step_counter(steps=None):
     dispatch (JAX, torch, NumPy backends). The stop is decided on the
     loop's thread, in the begin hook of the execution that reaches `steps`
     (Keras checks `stop_training` right after that execution's end hook,
-    as it did when the end hook set it); the steps run are counted in the
-    end hooks, under a lock (Keras's pool has several threads).
+    as it did when the end hook set it): the steps of the epochs that
+    ended, the execution's first batch and its length (`steps_per_execution`,
+    cut at the epoch's end). The steps run are counted in the end hooks,
+    under a lock (Keras's pool has several threads): an epoch's batches
+    are run up to the last one an end hook names.
     """
     import keras
 
@@ -103,30 +106,33 @@ def _step_counter(steps=None):
 
         def __init__(self):
             super().__init__()
-            self.seen, self.stopped, self._begun = 0, False, 0
-            self._first = {}
+            self.seen, self.stopped = 0, False
+            self._done = 0  # steps of the epochs that ended
+            self._reached = 0  # batches of this epoch up to the last an end hook named
             self._lock = threading.Lock()
 
         def on_train_begin(self, logs=None):
-            self.seen, self.stopped, self._begun = 0, False, 0
-            self._first = {}
+            self.seen, self.stopped, self._done, self._reached = 0, False, 0, 0
 
         def on_train_batch_begin(self, batch, logs=None):
             try:  # Keras's epoch iterator ends this execution at batch + per_call - 1
                 per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
             except (TypeError, ValueError):
                 per_call = 1
-            with self._lock:
-                self._first[batch + per_call - 1] = batch
-            self._begun += per_call
-            if steps and self._begun >= steps:
+            epoch_steps = (self.params or {}).get("steps")
+            if epoch_steps:
+                per_call = max(1, min(per_call, epoch_steps - batch))
+            if steps and self._done + batch + per_call >= steps:
                 self.model.stop_training = True
                 self.stopped = True
 
         def on_train_batch_end(self, batch, logs=None):
             with self._lock:
-                first = self._first.pop(batch, batch)
-                self.seen += max(1, batch - first + 1)
+                self._reached = max(self._reached, batch + 1)
+                self.seen = self._done + self._reached
+
+        def on_epoch_end(self, epoch, logs=None):  # Keras waited for the end hooks
+            self._done, self._reached = self._done + self._reached, 0
 
     return StepCounter()
 

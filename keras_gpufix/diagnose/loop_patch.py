@@ -315,6 +315,7 @@ class _WatchedIterator:
 
     def __next__(self):
         patch = self.patch
+        patch.fits_patch.raise_pending()
         if patch.stopped and self.key in patch.trained_datasets:
             raise StepsReached(patch.steps)  # a later epoch of a loop --steps stopped
         if self.mark is not None and patch.step_calls > self.mark and self.epoch is None:

@@ -85,7 +85,7 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _step_counter(steps=None):
+def _step_counter(steps=None, pending=lambda: None):
     """A callback that counts `fit`'s steps (counting steps_per_execution) and,
     with `steps`, stops `fit` after that many.
 
@@ -97,7 +97,8 @@ def _step_counter(steps=None):
     ended, the execution's first batch and its length (`steps_per_execution`,
     cut at the epoch's end). The steps run are counted in the end hooks,
     under a lock (Keras's pool has several threads): an epoch's batches
-    are run up to the last one an end hook names.
+    are run up to the last one an end hook names. Each begin hook first
+    calls `pending` (raises a signal the script lost, `FitPatch.raise_pending`).
     """
     import keras
 
@@ -115,6 +116,7 @@ def _step_counter(steps=None):
             self.seen, self.stopped, self._done, self._reached = 0, False, 0, 0
 
         def on_train_batch_begin(self, batch, logs=None):
+            pending()
             try:  # Keras's epoch iterator ends this execution at batch + per_call - 1
                 per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
             except (TypeError, ValueError):
@@ -153,6 +155,23 @@ class FitPatch:
         self.fits = []
         self.notes = []
         self._depth = 0
+        self._signal = None  # the SIGTERM or SIGINT that ends the script, once one came
+
+    def interrupt(self, exc):
+        """A signal ends the script (`exc`: `Terminated` or KeyboardInterrupt):
+        the what-ifs still to come are skipped, and `raise_pending` raises it
+        again should the script lose it."""
+        self._signal = exc
+        self.what_if = False
+
+    def raise_pending(self):
+        """Raises the signal's exception again when the script lost it and went on:
+        a KeyboardInterrupt that lands in a finalizer or weakref callback (TensorFlow
+        runs many) is printed as `Exception ignored in ...` and dropped by Python,
+        as it is by a script's own `except KeyboardInterrupt: pass`. Called on the
+        loop's thread before each step (fit's begin hook, a custom loop's next batch)."""
+        if self._signal is not None:
+            raise self._signal
 
     def __enter__(self):
         import keras
@@ -268,7 +287,7 @@ class FitPatch:
         user = list(arguments.get("callbacks") or [])
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
-        counter = _step_counter(self.steps)
+        counter = _step_counter(self.steps, self.raise_pending)
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
@@ -404,23 +423,31 @@ class Terminated(BaseException):
 
 @contextlib.contextmanager
 def _signals_end_the_script(patch):
-    """SIGTERM raises `Terminated` in the script (SIGINT raises KeyboardInterrupt), so
-    the run unwinds and its report is printed; the what-ifs still to come are
-    skipped. A second SIGTERM kills at once. Only in the main thread."""
+    """SIGTERM raises `Terminated` in the script, SIGINT KeyboardInterrupt (when
+    Python's own handler has it: not where SIGINT is ignored, as in a background
+    job), so the run unwinds and its report is printed; the what-ifs still to come
+    are skipped, and the next step raises it again if the script lost it
+    (`FitPatch.raise_pending`). A second SIGTERM kills at once, a second SIGINT
+    raises KeyboardInterrupt at once. Only in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    again = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
 
     def on_signal(signum, frame):
-        signal.signal(signum, signal.SIG_DFL)
-        patch.what_if = False
-        raise Terminated(signum)
+        signal.signal(signum, again[signum])
+        exc = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+        patch.interrupt(exc)
+        raise exc
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_signal)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _ended_by(exc, steps_seen):

@@ -159,7 +159,7 @@ class Watched:
         self.sync = sync
         self.synced = sync
         self._device_sync = None
-        self._waited = set()  # ids of the JAX arrays alive when the last wait was made
+        self._waited = {}  # id -> weak reference of the JAX arrays alive at the last wait
         self._wait_error = None  # (step, exception) of a wait that failed off the loop's thread
         params = {}
         try:
@@ -293,10 +293,10 @@ class Watched:
         if keras.backend.backend() == "jax":
             import jax
 
-            if outputs is None:
-                live = jax.live_arrays()
-                outputs = [a for a in live if id(a) not in self._waited]
-                self._waited = {id(a) for a in live}
+            if outputs is None:  # by identity: a new array often has a dead one's id
+                live, waited = jax.live_arrays(), self._waited
+                outputs = [a for a in live if (ref := waited.get(id(a))) is None or ref() is not a]
+                self._waited = {id(a): weakref.ref(a) for a in live}
             return functools.partial(_block_on, outputs)
         if keras.backend.backend() == "torch" and self._device_sync is not None:
             import torch

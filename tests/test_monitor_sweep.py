@@ -11,7 +11,7 @@
 | periodic   | every k-th batch sleeps 10-30 ms in the input        | periodic_stall (input)   |
 | between    | a 15 ms step; a callback sleeps 1.5x-3x the median   | periodic_stall (between) |
 |            | cycle after every                                    |                          |
-|            | k-th step (k in 3..20, the pairs costing >= 10 %)    |                          |
+|            | k-th step (k in 3..20, the pairs costing >= 12.5 %)  |                          |
 | cheap      | a 15 ms step; every k-th (k 3 or 4) takes only       | periodic_stall (step)    |
 |            | 1.5x-1.7x the                                        |                          |
 |            | median, which costs >= 11 % of the time              |                          |
@@ -47,7 +47,9 @@ def plant(kind, rng):
         return "periodic", {"batches": max(240, 12 * k + 120), "k": k, "sleep": sleep}, [], [], k
     if kind == "between":
         factor = float(rng.uniform(1.5, 3.0))
-        k = int(rng.integers(3, min(20, int(9 * factor)) + 1))  # cost factor/(k+factor) >= 10%
+        # cost factor/(k+factor) >= 12.5%, clear of the detector's 10% threshold: planted at
+        # 10-10.5% of the nominal cycle, the measured share was 9.5-10.4%, either side of it
+        k = int(rng.integers(3, min(20, int(7 * factor)) + 1))
         return "healthy", {"batches": max(200, 12 * k + 100)}, [StepWork(STEP_S)], \
             [SleepEvery(k, factor * CYCLE_S)], k
     if kind == "cheap":

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-__all__ = ["NvmlSampler", "nvml_status"]
+__all__ = ["NvmlSampler", "nvml_status", "visible_gpus"]
 
 INSTALL_HINT = "pip install nvidia-ml-py  (or: pip install keras-gpufix[nvml])"
 
@@ -36,27 +36,45 @@ def _visible_indices(count):
     return out
 
 
+def visible_gpus():
+    """The visible GPUs (`CUDA_VISIBLE_DEVICES` applied), as NVML names them,
+    without initialising CUDA: a list of `{"name", "compute_capability"}`
+    (`[major, minor]`, or None where the driver does not say).
+
+    Raises:
+        ImportError: without NVML bindings (`INSTALL_HINT`).
+        Exception: NVML's own error where it cannot start (no driver).
+    """
+    pynvml = _import_pynvml()
+    pynvml.nvmlInit()
+    try:
+        gpus = []
+        for i in _visible_indices(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            try:
+                capability = list(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+            except Exception:  # older drivers and bindings
+                capability = None
+            gpus.append({"name": name.decode() if isinstance(name, bytes) else name,
+                         "compute_capability": capability})
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def nvml_status():
     """Whether NVML sampling can run here, as a dict (`available`, `reason`,
     `gpus`: names of the visible GPUs)."""
     try:
-        pynvml = _import_pynvml()
-        pynvml.nvmlInit()
+        gpus = visible_gpus()
     except ImportError as exc:
         return {"available": False, "reason": str(exc), "gpus": []}
     except Exception as exc:  # NVMLError: no driver, no GPU
         return {"available": False, "reason": f"NVML init failed: {exc}", "gpus": []}
-    try:
-        indices = _visible_indices(pynvml.nvmlDeviceGetCount())
-        names = []
-        for i in indices:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-    finally:
-        pynvml.nvmlShutdown()
-    if not names:
+    if not gpus:
         return {"available": False, "reason": "NVML sees no GPU", "gpus": []}
-    return {"available": True, "reason": "", "gpus": names}
+    return {"available": True, "reason": "", "gpus": [g["name"] for g in gpus]}
 
 
 class NvmlSampler:

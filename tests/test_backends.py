@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import numpy as np
@@ -73,7 +74,8 @@ class _NoTensorFlow:
 
     def find_spec(self, name, path=None, target=None):
         if name == "tensorflow" or name.startswith("tensorflow."):
-            raise ImportError(f"No module named {name!r} (blocked by the test)")
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)",
+                                      name=name)
         return None
 
 
@@ -179,6 +181,23 @@ def _jax_fits(keras, kg, log_dir):
         "verdict": report["verdict"], "compiled": report["compiled"],
         "shapes": report["new_shapes"],
         "measured": sum(1 for e in report["shape_events"] if e["compile_s"])}
+
+    # Without TensorFlow the GPUs come from NVML (two fake H100s, the second visible)
+    sys.modules["pynvml"] = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: f"Fake H100 {h}".encode(),
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0))
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+    from keras_gpufix.compile.hardware import auto_policy
+
+    out["gpus"] = kg.compile.device_info()["gpus"]
+    out["auto_policy"] = list(auto_policy())
+    del sys.modules["pynvml"]
+    try:
+        kg.compile_model(_dense(keras), "sgd", "mse")
+    except RuntimeError as exc:
+        out["compile_model_error"] = str(exc)
     return out
 
 
@@ -220,6 +239,16 @@ def test_jax_healthy_fit_and_no_gpufix_warning_without_tensorflow(jax_cases):
     assert out["gpufix_warnings"] == []
     assert out["tensorflow_imported"] is False
     assert out["watch_steps"] == 24
+
+
+def test_jax_without_tensorflow_auto_precision_reads_nvml_and_compile_model_says_why_not(
+        jax_cases):
+    out = jax_cases[0]
+    assert out["gpus"] == [{"name": "Fake H100 1", "compute_capability": [9, 0]}]
+    assert out["auto_policy"][0] == "mixed_bfloat16" and "9.0" in out["auto_policy"][1]
+    error = out.get("compile_model_error", "")
+    assert "TensorFlow backend only" in error and "the jax backend" in error
+    assert "enable_mixed_precision('auto')" in error
 
 
 def test_jax_jit_loop_under_watch_with_new_shapes_is_recompiling_not_eager(jax_cases):

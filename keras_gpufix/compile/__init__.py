@@ -45,7 +45,28 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+_lazy_getattr = lazy_getattr(__name__, _EXPORTS)
+
+
+def tensorflow_only(name, backend):
+    """The error for `name` (TensorFlow-only: `compile_model`) on another backend."""
+    return RuntimeError(
+        f"kg.{name} compiles and checks a TensorFlow train step: it runs on the Keras "
+        f"TensorFlow backend only (this process: the {backend} backend). There: "
+        "kg.enable_mixed_precision('auto') before the model is built, then "
+        "model.compile(...) (on JAX Keras compiles every train step with XLA), and "
+        "CompileCache.enable() to keep compiles across runs (docs/backends.md)")
+
+
+def __getattr__(name):
+    try:
+        return _lazy_getattr(name)
+    except ModuleNotFoundError as exc:  # TensorFlow is not installed (JAX, torch)
+        if (exc.name or "").split(".")[0] != "tensorflow":
+            raise
+        from keras_gpufix.compile.compile_cache import _backend
+
+        raise tensorflow_only(name, _backend()) from None
 
 
 def __dir__():

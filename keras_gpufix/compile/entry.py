@@ -16,6 +16,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from keras_gpufix.compile import tensorflow_only
 from keras_gpufix.compile.calibration import (
     MAX_STEPS_PER_EXECUTION,
     choose_steps,
@@ -192,6 +193,7 @@ def compile_model(
 
     Raises:
         ValueError: for an invalid argument value.
+        RuntimeError: on a Keras backend other than TensorFlow.
 
     Example:
     ```python
@@ -199,6 +201,8 @@ def compile_model(
     print(report)
     ```
     """
+    if keras.backend.backend() != "tensorflow":
+        raise tensorflow_only("compile_model", keras.backend.backend())
     check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
     cache = CompileCache.enable(compile_cache) if jit_compile else None

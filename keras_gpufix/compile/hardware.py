@@ -25,24 +25,68 @@ def device_info() -> dict:
 
     Returns:
         A dict: `gpus`, a list of `{"name", "compute_capability"}` (a
-        `[major, minor]` list, or None when unknown) of the physical GPUs
-        TensorFlow sees; `cpu_bf16`, whether the CPU has AMX-BF16 (AVX512-BF16
-        alone runs a whole step slower than float32); `cpu_bf16_flags`, the
-        CPU's bfloat16 flags (`amx_bf16`, `avx512_bf16`) that are present.
+        `[major, minor]` list, or None when unknown) of the physical GPUs the
+        Keras backend uses (`_gpus`); `cpu_bf16`, whether the CPU has AMX-BF16
+        (AVX512-BF16 alone runs a whole step slower than float32);
+        `cpu_bf16_flags`, the CPU's bfloat16 flags (`amx_bf16`, `avx512_bf16`)
+        that are present.
     """
-    import tensorflow as tf
-
-    gpus = []
-    for device in tf.config.list_physical_devices("GPU"):
-        try:
-            details = tf.config.experimental.get_device_details(device)
-        except Exception:  # details are best-effort
-            details = {}
-        cc = details.get("compute_capability")
-        gpus.append({"name": details.get("device_name", device.name),
-                     "compute_capability": list(cc) if cc else None})
     flags = sorted(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    return {"gpus": gpus, "cpu_bf16": "amx_bf16" in flags, "cpu_bf16_flags": flags}
+    return {"gpus": _gpus(), "cpu_bf16": "amx_bf16" in flags, "cpu_bf16_flags": flags}
+
+
+def _gpus():
+    """The GPUs TensorFlow sees on the TensorFlow backend. Elsewhere (JAX,
+    torch: TensorFlow may not be installed) NVML's visible GPUs, else the
+    backend's own list (JAX then starts its GPU client, as its first array
+    would), else none."""
+    from keras_gpufix.compile.compile_cache import _backend
+
+    backend = _backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = []
+        for device in tf.config.list_physical_devices("GPU"):
+            try:
+                details = tf.config.experimental.get_device_details(device)
+            except Exception:  # details are best-effort
+                details = {}
+            cc = details.get("compute_capability")
+            gpus.append({"name": details.get("device_name", device.name),
+                         "compute_capability": list(cc) if cc else None})
+        return gpus
+    from keras_gpufix.nvml import visible_gpus
+
+    try:
+        return visible_gpus()
+    except Exception:  # no NVML bindings (ImportError) or no driver
+        pass
+    try:
+        if backend == "jax":
+            import jax
+
+            return [{"name": d.device_kind, "compute_capability": _capability(
+                getattr(d, "compute_capability", None))} for d in jax.devices()
+                if d.platform == "gpu"]
+        if backend == "torch":
+            import torch
+
+            return [{"name": torch.cuda.get_device_name(i),
+                     "compute_capability": list(torch.cuda.get_device_capability(i))}
+                    for i in range(torch.cuda.device_count())]
+    except Exception:  # no GPU runtime: CPU only
+        pass
+    return []
+
+
+def _capability(text):
+    """`[major, minor]` from JAX's "9.0", or None."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return [int(major), int(minor)]
+    except (TypeError, ValueError):
+        return None
 
 
 def precision_support(policy: str, info: Optional[dict] = None) -> Tuple[bool, str]:

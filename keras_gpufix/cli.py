@@ -24,6 +24,7 @@ import json
 import sys
 
 from keras_gpufix import __version__, data_service
+from keras_gpufix.backends import name as backend_name
 from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["main", "build_parser"]
@@ -250,8 +251,10 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     sub = args.subparser
-    if args.command != "demo":  # the demo turns its compile cache on before TensorFlow starts
-        import_tensorflow_quietly()  # TensorFlow's log lines would bury our one-line answers
+    # TensorFlow's log lines would bury our one-line answers (the demo turns its compile
+    # cache on before TensorFlow starts; other backends need no TensorFlow)
+    if args.command != "demo" and backend_name() == "tensorflow":
+        import_tensorflow_quietly()
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo,
                "data-service": data_service.run_from_args}[args.command]
@@ -259,6 +262,14 @@ def main(argv=None) -> int:
         return handler(args, sub)
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler
         return exc.code if isinstance(exc.code, int) else 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "tensorflow":
+            raise
+        print(f"keras-gpufix {args.command}: needs TensorFlow (its data pipeline is tf.data), "
+              f"which is not installed here (the Keras {backend_name()} backend): "
+              "pip install tensorflow. Without it the callbacks and kg.watch still monitor "
+              "training (docs/backends.md)", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt:
         print("keras-gpufix: interrupted" + ("; nothing half-written: the cache entry was not "
                                              "committed" if args.command == "cache" else ""),

@@ -64,6 +64,10 @@ def import_tensorflow_quietly() -> bool:
             import tensorflow as tf
 
             tf.config.list_physical_devices()
+        except ModuleNotFoundError as exc:  # JAX or torch without TensorFlow: nothing to hide
+            if (exc.name or "").split(".")[0] != "tensorflow":
+                raise
+            return _hidden
         finally:
             os.dup2(saved, 2)
             os.close(saved)

@@ -21,6 +21,8 @@ The TensorFlow cases (slow PyDataset and generator) run in this process.
 Run as a script, the JAX cases print their results as one JSON line.
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -198,6 +200,13 @@ def _jax_fits(keras, kg, log_dir):
         kg.compile_model(_dense(keras), "sgd", "mse")
     except RuntimeError as exc:
         out["compile_model_error"] = str(exc)
+    from keras_gpufix.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # a config's data section is tf.data
+        out["validate"] = [main(["validate", os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+            "tts.yaml")]), err.getvalue()]
     return out
 
 
@@ -249,6 +258,9 @@ def test_jax_without_tensorflow_auto_precision_reads_nvml_and_compile_model_says
     error = out.get("compile_model_error", "")
     assert "TensorFlow backend only" in error and "the jax backend" in error
     assert "enable_mixed_precision('auto')" in error
+    code, said = out["validate"]  # the CLI: one line, not a traceback
+    assert code == 2 and said.startswith("keras-gpufix validate: needs TensorFlow"), said
+    assert "pip install tensorflow" in said and "Traceback" not in said
 
 
 def test_jax_jit_loop_under_watch_with_new_shapes_is_recompiling_not_eager(jax_cases):

@@ -20,10 +20,22 @@ Where something is not supported the adapter says so in one line
 """
 
 import functools
+import os
+import sys
 
 from keras_gpufix.backends.base import Backend, NotSupported
 
-__all__ = ["Backend", "NotSupported", "current"]
+__all__ = ["Backend", "NotSupported", "current", "name"]
+
+
+def name() -> str:
+    """The Keras backend's name without importing Keras (nor TensorFlow):
+    `keras.backend.backend()` once Keras is imported, else `KERAS_BACKEND`
+    (Keras's default, `tensorflow`, when unset)."""
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        return keras.backend.backend()
+    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 
 
 @functools.lru_cache(maxsize=None)

@@ -64,9 +64,9 @@ def __getattr__(name):
     except ModuleNotFoundError as exc:  # TensorFlow is not installed (JAX, torch)
         if (exc.name or "").split(".")[0] != "tensorflow":
             raise
-        from keras_gpufix.compile.compile_cache import _backend
+        from keras_gpufix.backends import name as backend_name
 
-        raise tensorflow_only(name, _backend()) from None
+        raise tensorflow_only(name, backend_name()) from None
 
 
 def __dir__():

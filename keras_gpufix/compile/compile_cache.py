@@ -33,6 +33,8 @@ import shlex
 import sys
 from typing import Optional
 
+from keras_gpufix.backends import name as backend_name
+
 __all__ = ["CompileCache"]
 
 logger = logging.getLogger("keras_gpufix.compile")
@@ -41,15 +43,6 @@ _TF_FLAG = "--tf_xla_persistent_cache_directory"
 _SUBFOLDER = "xla"  # beside a feature cache: <cache_dir>/xla
 _JAX_HIT = "/jax/compilation_cache/cache_hits"
 _JAX_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-def _backend() -> str:
-    """The Keras backend; before Keras is imported, `KERAS_BACKEND` (or
-    TensorFlow), so that turning the cache on imports neither."""
-    keras = sys.modules.get("keras")
-    if keras is not None:
-        return keras.backend.backend()
-    return os.environ.get("KERAS_BACKEND") or "tensorflow"
 
 
 def _tf_flag_directory() -> Optional[str]:
@@ -138,7 +131,7 @@ class CompileCache:
             return cls(None, False, "off (compile_cache=None)")
         wanted = os.path.abspath(cls.default_directory(beside) if directory == "auto"
                                  else os.fspath(directory))
-        backend = _backend()
+        backend = backend_name()
         if backend == "tensorflow":
             cache = cls._enable_tensorflow(wanted)
         elif backend == "jax":
@@ -223,7 +216,7 @@ class CompileCache:
         """
         seen = {"written": 0, "compiles": None, "from_cache": None, "compile_s": None}
         before = {e["name"] for e in self.entries()}
-        listeners = self._jax_listeners(seen) if "jax" in sys.modules and _backend() == "jax" \
+        listeners = self._jax_listeners(seen) if "jax" in sys.modules and backend_name() == "jax" \
             else None
         try:
             yield seen

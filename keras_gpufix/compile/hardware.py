@@ -40,9 +40,9 @@ def _gpus():
     torch: TensorFlow may not be installed) NVML's visible GPUs, else the
     backend's own list (JAX then starts its GPU client, as its first array
     would), else none."""
-    from keras_gpufix.compile.compile_cache import _backend
+    from keras_gpufix.backends import name as backend_name
 
-    backend = _backend()
+    backend = backend_name()
     if backend == "tensorflow":
         import tensorflow as tf
 

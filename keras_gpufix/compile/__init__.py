@@ -50,9 +50,10 @@ _lazy_getattr = lazy_getattr(__name__, _EXPORTS)
 
 def tensorflow_only(name, backend):
     """The error for `name` (TensorFlow-only: `compile_model`) on another backend."""
+    what = "" if name == "compile_model" else f"kg.{name} is kg.compile_model's report; "
     return RuntimeError(
-        f"kg.{name} compiles and checks a TensorFlow train step: it runs on the Keras "
-        f"TensorFlow backend only (this process: the {backend} backend). There: "
+        f"{what}kg.compile_model compiles and checks a TensorFlow train step: it runs on "
+        f"the Keras TensorFlow backend only (this process: the {backend} backend). There: "
         "kg.enable_mixed_precision('auto') before the model is built, then "
         "model.compile(...) (on JAX Keras compiles every train step with XLA), and "
         "CompileCache.enable() to keep compiles across runs (docs/backends.md)")

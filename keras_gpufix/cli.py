@@ -265,7 +265,9 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "tensorflow":
             raise
-        print(f"keras-gpufix {args.command}: needs TensorFlow (its data pipeline is tf.data), "
+        why = ("it measures through tf.data and tf.function" if args.command == "diagnose"
+               else "its data pipeline is tf.data")
+        print(f"keras-gpufix {args.command}: needs TensorFlow ({why}), "
               f"which is not installed here (the Keras {backend_name()} backend): "
               "pip install tensorflow. Without it the callbacks and kg.watch still monitor "
               "training (docs/backends.md)", file=sys.stderr, flush=True)

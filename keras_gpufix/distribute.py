@@ -31,6 +31,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
+from keras_gpufix.backends import name as backend_name
 from keras_gpufix.keras_internals import cross_device_ops_name
 
 if TYPE_CHECKING:
@@ -125,7 +126,8 @@ def setup_strategy(
         ValueError: for an unknown `mode`, an empty `devices`, or an invalid
             `TF_CONFIG`.
         RuntimeError: when `memory_growth=True` comes after TensorFlow
-            initialised the GPUs.
+            initialised the GPUs, or on a Keras backend other than
+            TensorFlow (Keras uses a `tf.distribute` strategy there only).
 
     Example:
     ```python
@@ -136,6 +138,14 @@ def setup_strategy(
     train = builder.build(batch_size=kg.global_batch_size(32, strategy))
     ```
     """
+    backend = backend_name()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            "kg.setup_strategy makes a tf.distribute strategy, which Keras uses on the "
+            f"TensorFlow backend only (this process: the {backend} backend). There, "
+            "before the model is built: keras.distribution.set_distribution("
+            "keras.distribution.DataParallel()); kg.global_batch_size(per_replica) then "
+            "counts its devices")
     import tensorflow as tf
 
     _check_mode(mode)
@@ -184,7 +194,9 @@ def global_batch_size(per_replica: int, strategy: Optional["tf.distribute.Strate
 
     Args:
         per_replica: examples per replica and step, an int >= 1.
-        strategy: the strategy. Defaults to None (the current strategy).
+        strategy: the strategy. Defaults to None (the current strategy; on
+            other backends than TensorFlow, the devices along the batch
+            dimension of `keras.distribution.distribution()`, 1 without one).
 
     Returns:
         `per_replica * strategy.num_replicas_in_sync`.
@@ -196,6 +208,14 @@ def global_batch_size(per_replica: int, strategy: Optional["tf.distribute.Strate
         raise ValueError(
             f"`per_replica` must be an int >= 1. Received: per_replica={per_replica!r}"
         )
+    if strategy is None and backend_name() != "tensorflow":
+        import keras
+
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return per_replica
+        mesh = distribution.device_mesh
+        return per_replica * int(mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)])
     import tensorflow as tf
 
     strategy = strategy or tf.distribute.get_strategy()

@@ -200,6 +200,11 @@ def _jax_fits(keras, kg, log_dir):
         kg.compile_model(_dense(keras), "sgd", "mse")
     except RuntimeError as exc:
         out["compile_model_error"] = str(exc)
+    try:
+        kg.setup_strategy()
+    except RuntimeError as exc:
+        out["setup_strategy_error"] = str(exc)
+    out["global_batch_size"] = kg.global_batch_size(8)  # no keras.distribution: one device
     from keras_gpufix.cli import main
 
     err = io.StringIO()
@@ -250,7 +255,7 @@ def test_jax_healthy_fit_and_no_gpufix_warning_without_tensorflow(jax_cases):
     assert out["watch_steps"] == 24
 
 
-def test_jax_without_tensorflow_auto_precision_reads_nvml_and_compile_model_says_why_not(
+def test_jax_without_tensorflow_precision_batch_and_the_tensorflow_only_calls_say_why(
         jax_cases):
     out = jax_cases[0]
     assert out["gpus"] == [{"name": "Fake H100 1", "compute_capability": [9, 0]}]
@@ -258,6 +263,8 @@ def test_jax_without_tensorflow_auto_precision_reads_nvml_and_compile_model_says
     error = out.get("compile_model_error", "")
     assert "TensorFlow backend only" in error and "the jax backend" in error
     assert "enable_mixed_precision('auto')" in error
+    assert "keras.distribution.DataParallel()" in out.get("setup_strategy_error", "")
+    assert out["global_batch_size"] == 8
     code, said = out["validate"]  # the CLI: one line, not a traceback
     assert code == 2 and said.startswith("keras-gpufix validate: needs TensorFlow"), said
     assert "pip install tensorflow" in said and "Traceback" not in said

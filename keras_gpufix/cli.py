@@ -25,6 +25,7 @@ import sys
 
 from keras_gpufix import __version__, data_service
 from keras_gpufix.backends import name as backend_name
+from keras_gpufix.backends import tensorflow_missing
 from keras_gpufix.output import import_tensorflow_quietly
 
 __all__ = ["main", "build_parser"]
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # argparse errors (exit 2) from inside a handler
         return exc.code if isinstance(exc.code, int) else 2
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] != "tensorflow":
+        if not tensorflow_missing(exc):
             raise
         why = ("it measures through tf.data and tf.function" if args.command == "diagnose"
                else "its data pipeline is tf.data")

@@ -15,6 +15,8 @@ import re
 import sys
 import tempfile
 
+from keras_gpufix.backends import tensorflow_missing
+
 __all__ = ["emit", "faster", "progress", "import_tensorflow_quietly"]
 
 logger = logging.getLogger("keras_gpufix")
@@ -65,7 +67,7 @@ def import_tensorflow_quietly() -> bool:
 
             tf.config.list_physical_devices()
         except ModuleNotFoundError as exc:  # JAX or torch without TensorFlow: nothing to hide
-            if (exc.name or "").split(".")[0] != "tensorflow":
+            if not tensorflow_missing(exc):
                 raise
             return _hidden
         finally:

@@ -25,7 +25,7 @@ import sys
 
 from keras_gpufix.backends.base import Backend, NotSupported
 
-__all__ = ["Backend", "NotSupported", "current", "name"]
+__all__ = ["Backend", "NotSupported", "current", "name", "tensorflow_missing"]
 
 
 def name() -> str:
@@ -36,6 +36,12 @@ def name() -> str:
     if keras is not None:
         return keras.backend.backend()
     return os.environ.get("KERAS_BACKEND") or "tensorflow"
+
+
+def tensorflow_missing(exc: BaseException) -> bool:
+    """Whether `exc` is the ModuleNotFoundError of TensorFlow (or one of its
+    modules) not being installed, as on a JAX or torch machine."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "tensorflow"
 
 
 @functools.lru_cache(maxsize=None)

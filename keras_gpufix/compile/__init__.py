@@ -63,9 +63,11 @@ def __getattr__(name):
     try:
         return _lazy_getattr(name)
     except ModuleNotFoundError as exc:  # TensorFlow is not installed (JAX, torch)
-        if (exc.name or "").split(".")[0] != "tensorflow":
-            raise
         from keras_gpufix.backends import name as backend_name
+        from keras_gpufix.backends import tensorflow_missing
+
+        if not tensorflow_missing(exc):
+            raise
 
         raise tensorflow_only(name, backend_name()) from None
 

@@ -16,6 +16,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from keras_gpufix.backends import name as backend_name
 from keras_gpufix.compile import tensorflow_only
 from keras_gpufix.compile.calibration import (
     MAX_STEPS_PER_EXECUTION,
@@ -201,8 +202,8 @@ def compile_model(
     print(report)
     ```
     """
-    if keras.backend.backend() != "tensorflow":
-        raise tensorflow_only("compile_model", keras.backend.backend())
+    if backend_name() != "tensorflow":
+        raise tensorflow_only("compile_model", backend_name())
     check_args(jit_compile, mixed_precision, steps_per_execution, sample_batch)
     batch = _first_batch(sample_batch)
     cache = CompileCache.enable(compile_cache) if jit_compile else None

@@ -34,6 +34,11 @@ Logged TensorBoard text (Text tab): `oscillation/verdict`, at each event
 (`<verdict>: <message>. Fix: <fix>`) and at the end of `fit` (`final:
 <verdict>. Fix: <fix>`, the verdict of `report()`).
 
+The run's record (`keras_gpufix.run_record.RunRecord`, docs/run_record.md):
+with `log_dir`, `log_dir/keras_gpufix/run_record.json` at the end of `fit`
+(and when SIGTERM or SIGINT stops it; in a multi-worker job the chief's);
+`keras-gpufix report` renders it.
+
 Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
 (each epoch), written by the first of our callbacks in the list (see
 `callbacks/_stream.py`).
@@ -51,10 +56,12 @@ job's line; the other workers print nothing unless they are the
 straggler. `report()["job"]` holds the job's report.
 """
 
+import os
 import sys
 import time
 
 from keras_gpufix.analysis import OscillationDetector
+from keras_gpufix.analysis.step_series import StepSeries
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
 from keras_gpufix.callbacks._job import cluster_task, gather_job
 from keras_gpufix.callbacks._timed import TimedCallback
@@ -62,6 +69,7 @@ from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler
 from keras_gpufix.output import emit
+from keras_gpufix.run_record import RunRecord
 
 __all__ = ["GPUOscillationMonitor"]
 
@@ -125,6 +133,8 @@ class GPUOscillationMonitor(TimedCallback):
         self._task = None  # (index, chief, tasks) under a multi-worker strategy
         self._began = 0.0
         self.job = None
+        self._series = StepSeries(warmup=warmup)
+        self._keep_on_signal = None
 
     @property
     def events(self):
@@ -138,6 +148,10 @@ class GPUOscillationMonitor(TimedCallback):
         self.job = None
         if self.log_dir is not None and self._writer is None:
             self._writer = ScalarWriter(self.log_dir)
+        self._series.reset()
+        if self.log_dir is not None and (self._task is None or self._task[1]):
+            # a run stopped by a signal leaves its record too
+            self._keep_on_signal = RunRecord.on_signal(self._keep)
         self._start_sampler()
         self.stream.sample_utilisation(self._sampler)
 
@@ -180,6 +194,14 @@ class GPUOscillationMonitor(TimedCallback):
             self._sampler.stop()
             if self._sampler.error is not None:
                 warn(f"NVML sampling stopped: {self._sampler.error}")
+        if self._keep_on_signal is not None:
+            self._keep_on_signal()
+            self._keep_on_signal = None
+        if self.log_dir is not None and (self._task is None or self._task[1]):
+            try:
+                self._keep()
+            except Exception as exc:  # a full disk: one warning
+                self._report_failure("keep", exc)
         r = self.report()
         if self._writer is not None:
             self._writer.text("oscillation/verdict", f"final: {r['verdict']}. Fix: {r['fix']}",
@@ -209,6 +231,7 @@ class GPUOscillationMonitor(TimedCallback):
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         for record in records:
+            self._series.add(record)
             if record.epoch_first:
                 self._firsts[0] += 1
                 self._firsts[1] += record.cycle
@@ -261,9 +284,10 @@ class GPUOscillationMonitor(TimedCallback):
             `audio_seconds_per_s`, `real_frames_per_s`), `phases` (share of
             the cycle per phase), `input_wait` (share, None when not
             measured), `gpu_util` (mean, None without NVML),
-            `epoch_start_ms` (mean first step of an epoch), `new_shapes` and
+            `epoch_start_ms` (mean first step of an epoch), `new_shapes`,
             `job` (the multi-worker job's report, `analysis.judge_job`; None
-            outside a job or without `log_dir`).
+            outside a job or without `log_dir`) and `series` (every record
+            of the run in at most 1024 points, `analysis.StepSeries`).
         """
         summary = self.detector.log.summary()
         gpu_util = None
@@ -280,4 +304,17 @@ class GPUOscillationMonitor(TimedCallback):
             "epoch_start_ms": seconds / count * 1e3 if count else None,
             "new_shapes": 0 if self.stream is None else self.stream.shapes_seen,
             "job": self.job,
+            "series": self._series.as_dict(),
         }
+
+    def _keep(self, ended_by=None):
+        """Writes the run's record (`RunRecord`) into `log_dir/keras_gpufix/`.
+
+        Called at the end of each run, and when SIGTERM or SIGINT stops it
+        (`ended_by`: the signal's name), where `log_dir` was given.
+
+        Returns:
+            The record's path.
+        """
+        return RunRecord.from_monitor(self.report(), ended_by=ended_by).write(
+            os.path.join(os.fspath(self.log_dir), "keras_gpufix"))

@@ -14,6 +14,8 @@ MODE:
 - `watch_iter`: `it = iter(kg.watch(ds, model=m))` and `next(it)`, no `with`.
 - `contention`: `fit` with a heavy map (TF ops, parallel) beside a heavy compiled step:
   no input wait, but the map takes the step's cores.
+- `tf_gradients`: a Tacotron2-style trainer: `tf.gradients` (no GradientTape) inside
+  `strategy.run` inside a tf.function, over a repeated distributed dataset (80 steps).
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
@@ -160,6 +162,25 @@ elif MODE in ("distributed", "mirrored"):
             distributed_step(batch)
             time.sleep(DEVICE_S)
     say_watch()
+elif MODE == "tf_gradients":
+    dist = strategy.experimental_distribute_dataset(dataset)  # repeated: --steps must stop it
+
+    def replica_step(x, y):
+        loss = loss_fn(y, model(x, training=True))
+        weights = [v.value for v in model.trainable_variables]
+        grads = tf.gradients(loss, weights)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    @tf.function
+    def train_step(batch):
+        return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
+
+    for i, batch in enumerate(dist):
+        if i >= 80:
+            break
+        train_step(batch)
+        time.sleep(DEVICE_S)
 elif MODE == "pydataset":
     data = Batches()
     source = watched(data)

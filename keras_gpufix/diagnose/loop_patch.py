@@ -13,6 +13,9 @@ class is not exported: `keras_internals.tf_function_class`):
 |                             | replays the step on the distributed input dataset      |
 | `tf.GradientTape.gradient`  | a training step: eager (direct evidence of `eager_step`)|
 |                             | or traced inside a `tf.function` (that function trains)|
+| `tf.gradients`, an optimizer's `apply` | traced inside a `tf.function` (in         |
+|                             | `strategy.run` too): that function trains, whatever    |
+|                             | computed the gradient                                  |
 | `tf.function` calls         | each call of a function that computes gradients is a   |
 |                             | step                                                   |
 
@@ -462,21 +465,33 @@ class LoopPatch:
                 return result
             return distribute
 
+        def traced_training():
+            """A gradient or a weight update traced inside the outermost tf.function the
+            script called (in `strategy.run` too): that function trains."""
+            if not patch.fits_patch._depth and not tf.executing_eagerly() and patch._stack:
+                patch._train_functions.setdefault(id(patch._stack[0]), patch._stack[0])
+
         def make_gradient(original):
             def gradient(tape, *args, **kwargs):
-                if not patch.fits_patch._depth:
-                    if tf.executing_eagerly():
-                        patch.step_calls += 1
-                        frame = user_frame(2)
-                        if not patch.step_info["eager"]:
-                            patch.step_info["eager"] = True
-                            patch.step_info["eager_where"] = frame and _where(frame)
-                        patch._eager_call(frame)
-                        frame = None
-                    elif patch._stack:
-                        patch._train_functions.setdefault(id(patch._stack[0]), patch._stack[0])
+                if not patch.fits_patch._depth and tf.executing_eagerly():
+                    patch.step_calls += 1
+                    frame = user_frame(2)
+                    if not patch.step_info["eager"]:
+                        patch.step_info["eager"] = True
+                        patch.step_info["eager_where"] = frame and _where(frame)
+                    patch._eager_call(frame)
+                    frame = None
+                else:
+                    traced_training()
                 return original(tape, *args, **kwargs)
             return gradient
+
+        def make_traced(original):  # tf.gradients, an optimizer's apply: graph-mode training
+            @functools.wraps(original)
+            def traced(*args, **kwargs):
+                traced_training()
+                return original(*args, **kwargs)
+            return traced
 
         def make_call(original):
             def __call__(fn, *args, **kwargs):
@@ -504,6 +519,10 @@ class LoopPatch:
             owner = next(c for c in tf.distribute.Strategy.__mro__ if name in c.__dict__)
             self._patch(owner, name, make_distribute)
         self._patch(tf.GradientTape, "gradient", make_gradient)
+        for module in (tf, tf.compat.v1):  # gradients without a tape (a TF1-style trainer)
+            self._patch(module, "gradients", make_traced)
+        self._patch(next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in c.__dict__),
+                    "apply", make_traced)
         self._patch(function_cls, "__call__", make_call)
         return self
 
@@ -559,15 +578,18 @@ class LoopPatch:
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""
         loop = self.loop
         try:
-            input_per_s = input_rate(loop.dataset)
+            input_per_s = input_rate(loop.dataset,
+                                     budget=self.fits_patch.what_if_budget(loop.entry))
             measure = None  # no function to replay: the step as measured in the run
             if self.last_step is not None:  # replay the train tf.function
                 fn, args, kwargs = self.last_step
                 variables = list(fn.get_concrete_function(*args, **kwargs).variables)
                 cached, real = _steps_on(fn, args, kwargs, loop) or (
                     lambda: fn(*args, **kwargs), None)
-                measure = functools.partial(replay_rates, cached, variables, real=real)
-            result = what_if_until_known(loop.cycles_timed(), input_per_s, measure)
+                measure = functools.partial(replay_rates, cached, variables, real=real,
+                                            budget=self.fits_patch.what_if_budget(loop.entry))
+            result = what_if_until_known(loop.cycles_timed(), input_per_s, measure,
+                                         budget=self.fits_patch.what_if_budget(loop.entry))
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}

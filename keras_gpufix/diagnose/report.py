@@ -371,7 +371,8 @@ def _what_was_seen(seen):
 #: How a loop becomes visible to diagnose when it was not seen.
 POINT_AT_LOOP = (
     "diagnose times a loop whose body computes a gradient (tf.GradientTape.gradient, eager or "
-    "in a tf.function) between next() calls on a tf.data dataset, a tf.distribute "
+    "in a tf.function; tf.gradients or an optimizer's apply in a tf.function, in strategy.run "
+    "too) between next() calls on a tf.data dataset, a tf.distribute "
     "distributed dataset or a keras.utils.PyDataset that the script iterates; to point it at "
     "another loop, wrap what the loop iterates: `for batch in kg.watch(batches, model=model)`"
 )

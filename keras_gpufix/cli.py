@@ -7,6 +7,8 @@
 | `bench-data CORPUS [...]`                 | `benchdata.bench_data`                |
 | `cache build|info|clear CORPUS`           | `cache_cli.cache_build/info/clear`    |
 | `demo`                                    | `demo.run_demo`                       |
+| `report RUN [--out FILE]`                 | `run_record.RunRecord.write_html`     |
+| `compare [--json] BEFORE AFTER`           | `analysis.comparison.compare_runs`    |
 | `data-service dispatcher|worker [...]`    | `data_service.DataServiceServer`      |
 
 Each function returns a dict; `--json` prints it as one line (the last line
@@ -142,6 +144,26 @@ def build_parser():
                         "taken in the second (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("report", help="a run's record as one self-contained HTML file",
+                       description="Renders a run record (run_record.json, written by "
+                                   "diagnose, the demo and GPUOscillationMonitor(log_dir=...)) "
+                                   "as one HTML file: no script, nothing fetched.")
+    p.set_defaults(subparser=p)
+    p.add_argument("run", metavar="RUN",
+                   help="a run_record.json, or a folder holding one (directly or below it)")
+    p.add_argument("--out", metavar="FILE",
+                   help="the HTML file (default: report.html beside the record)")
+
+    p = sub.add_parser("compare", help="two run records: did the change do what BEFORE "
+                                       "predicted",
+                       description="Prints improvement, no change or regression first: the "
+                                   "steady gain measured (with its range) beside the gain "
+                                   "BEFORE predicted for the causes that went away.")
+    p.set_defaults(subparser=p)
+    p.add_argument("before", metavar="BEFORE", help="the first run's record (file or folder)")
+    p.add_argument("after", metavar="AFTER", help="the second run's record (file or folder)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     data_service.add_parser(sub)
     return parser
 
@@ -186,11 +208,29 @@ def _diagnose(args, sub):
                                what_if=not args.no_what_if, verbose=0 if args.json else 1)
     except ValueError as exc:
         sub.error(str(exc))
+    result["record"], result["html_report"] = _keep(result)
     if args.json:
         _print_json(result)
     else:
         print("\n" + format_report(result), flush=True)
+        if result["html_report"]:
+            print(f"report: {result['html_report']} (run record {result['record']}; after a "
+                  f"fix: keras-gpufix compare {result['record']} AFTER)", flush=True)
     return result["exit_code"]
+
+
+def _keep(result):
+    """diagnose's run record and HTML report, written in its log folder: their paths,
+    or (None, None) with one line on stderr when they could not be written."""
+    from keras_gpufix.run_record import RunRecord
+
+    try:
+        record = RunRecord.from_diagnosis(result)
+        return record.write(result["log_dir"]), record.write_html()
+    except (OSError, ValueError) as exc:
+        print(f"keras-gpufix diagnose: the run record was not written ({exc})",
+              file=sys.stderr, flush=True)
+        return None, None
 
 
 def _bench(args, sub):
@@ -240,6 +280,34 @@ def _demo(args, sub):
     return 0
 
 
+def _report(args, sub):
+    from keras_gpufix.run_record import RunRecord
+
+    try:
+        record = RunRecord.load(args.run)
+        path = record.write_html(args.out)
+    except (ValueError, OSError) as exc:
+        sub.error(str(exc))
+    print(path)
+    return 0
+
+
+def _compare(args, sub):
+    from keras_gpufix.analysis.comparison import compare_runs, format_comparison
+    from keras_gpufix.run_record import RunRecord
+
+    try:
+        before, after = RunRecord.load(args.before), RunRecord.load(args.after)
+    except (ValueError, OSError) as exc:
+        sub.error(str(exc))
+    result = compare_runs(before.data, after.data)
+    if args.json:
+        _print_json({**result, "before_record": before.path, "after_record": after.path})
+    else:
+        print(format_comparison(result, before.path, after.path))
+    return 0
+
+
 def main(argv=None) -> int:
     """Runs the CLI; returns the exit code."""
     parser = build_parser()
@@ -254,10 +322,10 @@ def main(argv=None) -> int:
     sub = args.subparser
     # TensorFlow's log lines would bury our one-line answers (the demo turns its compile
     # cache on before TensorFlow starts; other backends need no TensorFlow)
-    if args.command != "demo" and backend_name() == "tensorflow":
+    if args.command not in ("demo", "report", "compare") and backend_name() == "tensorflow":
         import_tensorflow_quietly()
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
-               "cache": _cache, "demo": _demo,
+               "cache": _cache, "demo": _demo, "report": _report, "compare": _compare,
                "data-service": data_service.run_from_args}[args.command]
     try:
         return handler(args, sub)

@@ -29,7 +29,6 @@ import os
 import platform
 import signal
 import sys
-import tempfile
 import threading
 
 from keras_gpufix import __version__
@@ -173,23 +172,27 @@ class RunRecord:
     # -- kept and read back ---------------------------------------------------
 
     def write(self, folder) -> str:
-        """Writes `folder/run_record.json` atomically; returns its path."""
-        folder = os.fspath(folder)
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, self.FILE)
-        fd, tmp = tempfile.mkstemp(prefix=".run_record.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.data, f, separators=(",", ":"), allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            self.path = path
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        return path
+        """Writes `folder/run_record.json` atomically; returns its path (also `path`)."""
+        self.path = _write_atomic(os.path.join(os.fspath(folder), self.FILE),
+                                  json.dumps(self.data, separators=(",", ":"), allow_nan=False))
+        return self.path
+
+    def write_html(self, path=None) -> str:
+        """Writes the record as one self-contained HTML page (`html_report`) atomically.
+
+        Args:
+            path: the HTML file. Defaults to None: `report.html` beside the
+                record's file (`path`).
+
+        Returns:
+            The HTML file's path.
+        """
+        from keras_gpufix.html_report import html_report
+
+        if path is None and self.path is None:
+            raise ValueError("`path` is needed for a record that was neither read nor written")
+        path = path or os.path.join(os.path.dirname(self.path), "report.html")
+        return _write_atomic(os.fspath(path), html_report(self))
 
     @classmethod
     def find(cls, run) -> str:
@@ -276,6 +279,24 @@ class RunRecord:
                     signal.signal(signum, before)
 
         return undo
+
+
+def _write_atomic(path, text):
+    """Writes `text` to `path` through a temporary file in its folder and `os.replace`:
+    a reader (or a run stopped halfway) never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # the umask's mode, as `path`
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
 
 
 def _cause(c):

@@ -22,8 +22,8 @@ point takes twice as many records. A 100,000-step run is at most
 | `epoch_first`   | holds the first record of an epoch                        |
 | `judged`        | every record in it was judged (after warmup, no epoch     |
 |                 | start): the run's steady steps                            |
-| `stall`         | its slowest record is slow by THE slow-step rule          |
-|                 | (`slow_limit` over the judged points)                     |
+| `stall`         | a judged point whose slowest record is slow by THE        |
+|                 | slow-step rule (`slow_limit` over the judged points)      |
 """
 
 import numpy as np
@@ -118,7 +118,8 @@ class StepSeries:
         cycles = np.array([(p[_WAIT] + p[_STEP] + p[_BETWEEN]) / p[_STEPS]
                            for p in points if p[_JUDGED]])
         limit = slow_limit(cycles) if cycles.size else None
-        out["stall"] = [limit is not None and bool(p[_MAX] > limit) for p in points]
+        out["stall"] = [limit is not None and p[_JUDGED] and bool(p[_MAX] > limit)
+                        for p in points]
         return out
 
 

@@ -1,0 +1,219 @@
+"""`keras-gpufix report`: a run record (`RunRecord`) as one self-contained HTML file.
+
+No script, nothing fetched: styles inline, the charts inline SVG written
+here (rectangles and lines; no plotting library to install), and a
+Content-Security-Policy that forbids every request, so the file can be
+attached to a bug report and opened anywhere. In order:
+
+1. the verdict, its fix and what it rests on; the ranked fixes, each with
+   its predicted effect and the lines (file:line) to change;
+2. the timeline: one stacked bar per point of the record's series (input
+   wait, step, time between steps, per step), compiles and stalls marked,
+   epoch starts drawn, steps not judged (warm-up, epoch starts) shaded; GPU
+   utilisation beside it where it was sampled;
+3. the step-time distribution, every cause with its share, the what-if;
+4. the environment and the command.
+"""
+
+import html
+
+__all__ = ["html_report"]
+
+#: Colours of the timeline's phases (and its legend).
+PHASE_COLOURS = {"input_wait": "#d62728", "step": "#1f77b4", "between": "#ff7f0e"}
+_WIDTH, _HEIGHT, _PAD = 960, 240, 40
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;
+max-width:1000px;color:#222;line-height:1.4;padding:0 1em}
+h1{font-size:1.6em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.6em;
+border-bottom:1px solid #ddd}
+.verdict{display:inline-block;padding:.1em .5em;border-radius:4px;color:#fff;
+background:#b22222} .verdict.healthy{background:#2e7d32} .verdict.unknown{background:#777}
+.fix{font-size:1.1em} ol.fixes li{margin-bottom:.8em} .where{font-family:monospace;
+font-size:.9em;color:#444} table{border-collapse:collapse} td,th{padding:.2em .8em;
+text-align:left;border-bottom:1px solid #eee} .muted{color:#666;font-size:.9em}
+code{background:#f4f4f4;padding:0 .2em} svg{background:#fafafa;border:1px solid #ddd}
+.legend span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;
+vertical-align:middle}
+"""
+
+
+def _e(value) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _pct(x):
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _ms(x):
+    return "-" if x is None else f"{x:.1f} ms"
+
+
+def _speedup(x):
+    return "unbounded" if x is None else f"{x:.2f}x"
+
+
+def html_report(record) -> str:
+    """The record as one HTML page (a string).
+
+    Args:
+        record: a `RunRecord` (or its `data` dict).
+    """
+    data = getattr(record, "data", record)
+    v = data["verdict"]
+    verdict = v.get("verdict") or "unknown"
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; "
+        "style-src 'unsafe-inline'; img-src data:\">",
+        f"<title>keras-gpufix report: {_e(verdict)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>Verdict: <span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}</span></h1>",
+    ]
+    if data.get("ended_by"):
+        parts.append(f"<p><b>Ended by:</b> {_e(data['ended_by'])}; this record covers what "
+                     "was measured until then.</p>")
+    if verdict not in ("healthy",):
+        parts.append(f"<p class='fix'><b>Fix:</b> {_e(v.get('fix'))}</p>")
+    because = [b for b in (v.get("because") or []) + [v.get("changed")] if b]
+    if because:
+        parts.append("<ul class='because'>" + "".join(f"<li>{_e(b)}</li>" for b in because)
+                     + "</ul>")
+    parts += _fixes(data["fixes"])
+    parts += _timeline(data["series"])
+    parts += _distribution(data)
+    parts += _environment(data)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _fixes(fixes):
+    if not fixes:
+        return ["<h2>Fixes</h2><p>None ranked: this run measured no cause with a cost.</p>"]
+    out = ["<h2>Fixes, ranked</h2><ol class='fixes'>"]
+    for f in fixes:
+        where = "".join(f"<div class='where'>{_e(w)}</div>" for w in f.get("where") or ())
+        out.append(f"<li><b>[{_e(f['verdict'])}]</b> <span class='fix-text'>{_e(f['fix'])}"
+                   f"</span><div class='muted'>{_e(f.get('text'))}</div>{where}</li>")
+    out.append("</ol>")
+    return out
+
+
+def _timeline(series):
+    """One stacked bar per point (`<g class='step'>`), marks for compiles and stalls."""
+    n = len(series["steps"])
+    if not n:
+        return ["<h2>Timeline</h2><p>No step was recorded.</p>"]
+    wait = [w or 0.0 for w in series["input_wait_ms"]]
+    cycles = [w + s + b for w, s, b in zip(wait, series["step_ms"], series["between_ms"])]
+    judged = sorted(c for c, j in zip(cycles, series["judged"]) if j) or sorted(cycles)
+    top = max(1e-6, 1.3 * judged[min(len(judged) - 1, int(0.98 * len(judged)))],
+              max(judged))  # a compile's bar runs off the top, marked, not the scale
+    bar = _WIDTH / n
+    y0 = _HEIGHT + 10
+    scale = _HEIGHT / top
+    svg = [f"<svg id='timeline' xmlns='http://www.w3.org/2000/svg' width='100%' "
+           f"viewBox='0 0 {_WIDTH + 2 * _PAD} {_HEIGHT + 50}' role='img' "
+           "aria-label='per-step timeline'>"]
+    for k, (first, steps) in enumerate(zip(series["first_step"], series["steps"])):
+        x = _PAD + k * bar
+        heights = [("input_wait", wait[k]), ("step", series["step_ms"][k]),
+                   ("between", series["between_ms"][k])]
+        label = (f"steps {first}-{first + steps - 1}: input wait "
+                 f"{_ms(series['input_wait_ms'][k])}, step {_ms(series['step_ms'][k])}, "
+                 f"between {_ms(series['between_ms'][k])} (per step)"
+                 + (f"; {series['compiles'][k]} compiled" if series["compiles"][k] else "")
+                 + ("; a stall" if series["stall"][k] else "")
+                 + ("" if series["judged"][k] else "; not judged (warm-up or epoch start)"))
+        g = [f"<g class='step'><title>{_e(label)}</title>"]
+        if not series["judged"][k]:
+            g.append(f"<rect x='{x:.2f}' y='10' width='{bar:.2f}' height='{_HEIGHT}' "
+                     "fill='#eee'/>")
+        y = y0
+        for phase, ms in heights:
+            h = min(ms * scale, y - 10)
+            if h > 0:
+                y -= h
+                g.append(f"<rect x='{x:.2f}' y='{y:.2f}' width='{max(bar, 0.5):.2f}' "
+                         f"height='{h:.2f}' fill='{PHASE_COLOURS[phase]}'/>")
+        if series["compiles"][k]:
+            g.append(f"<path class='compile' d='M{x + bar / 2:.2f} 2 l4 7 h-8 z' "
+                     "fill='#6a1b9a'/>")
+        if series["stall"][k]:
+            g.append(f"<line class='stall' x1='{x + bar / 2:.2f}' y1='{y0 + 4}' "
+                     f"x2='{x + bar / 2:.2f}' y2='{y0 + 12}' stroke='#000' stroke-width='2'/>")
+        if series["epoch_first"][k] and k:
+            g.append(f"<line x1='{x:.2f}' y1='10' x2='{x:.2f}' y2='{y0}' stroke='#999' "
+                     "stroke-dasharray='3,3'/>")
+        svg.append("".join(g) + "</g>")
+    svg.append(f"<text x='{_PAD}' y='{_HEIGHT + 40}' font-size='12'>step "
+               f"{series['first_step'][0]}</text><text x='{_PAD + _WIDTH}' y='{_HEIGHT + 40}' "
+               f"font-size='12' text-anchor='end'>step {series['first_step'][-1] + series['steps'][-1] - 1}"
+               f"</text><text x='2' y='20' font-size='11'>{top:.0f} ms</text>"
+               f"<text x='2' y='{y0}' font-size='11'>0</text></svg>")
+    legend = "".join(f"<span style='background:{c}'></span>{p.replace('_', ' ')}"
+                     for p, c in PHASE_COLOURS.items())
+    out = ["<h2>Timeline</h2>",
+           f"<p class='legend'>Per step, stacked:{legend}<span style='background:#6a1b9a'></span>"
+           "compiled (&#9660; above)<span style='background:#000'></span>stall (tick below)"
+           "<span style='background:#eee'></span>not judged</p>", *svg,
+           f"<p class='muted'>{n} points, each {series['stride']} record(s) of "
+           f"{series['records']}; a bar past {top:.0f} ms is cut at the top. Dashed lines: "
+           "epoch starts. Hover a bar for its figures.</p>"]
+    util = series["gpu_util"]
+    if any(u is not None for u in util):
+        points = " ".join(f"{_PAD + (k + 0.5) * bar:.2f},{10 + 80 * (1 - u):.2f}"
+                          for k, u in enumerate(util) if u is not None)
+        out.append(f"<h3>GPU utilisation (NVML)</h3><svg id='gpu-util' xmlns='http://www.w3.org/"
+                   f"2000/svg' width='100%' viewBox='0 0 {_WIDTH + 2 * _PAD} 100'><polyline points='{points}' "
+                   "fill='none' stroke='#2e7d32' stroke-width='1.5'/><text x='2' y='14' "
+                   "font-size='11'>100%</text><text x='2' y='90' font-size='11'>0</text></svg>")
+    else:
+        out.append("<p class='muted'>GPU utilisation: not sampled (no NVIDIA GPU or no "
+                   "nvidia-ml-py: <code>pip install keras-gpufix[nvml]</code>).</p>")
+    return out
+
+
+def _distribution(data):
+    st, phases = data["step_time"], data["phases"]
+    rows = [("steps judged", st.get("count")), ("median", _ms(st.get("p50_ms"))),
+            ("p95", _ms(st.get("p95_ms"))), ("p99", _ms(st.get("p99_ms"))),
+            ("max", _ms(st.get("max_ms"))),
+            ("cv", "-" if st.get("cv") is None else f"{st['cv']:.2f}"),
+            ("steps/s", "-" if st.get("steps_per_s") is None else f"{st['steps_per_s']:.1f}"),
+            ("samples/s", "-" if st.get("samples_per_s") is None
+             else f"{st['samples_per_s']:.1f}"),
+            ("input wait", _pct(phases.get("input_wait")) if phases.get("input_wait") is not None
+             else "not measured"),
+            ("step", _pct(phases.get("step"))), ("between steps", _pct(phases.get("between"))),
+            ("GPU utilisation", "not sampled" if data.get("gpu_util") is None
+             else _pct(data["gpu_util"]))]
+    out = ["<h2>Step time (steady steps)</h2><table>"
+           + "".join(f"<tr><th>{_e(k)}</th><td>{_e(val)}</td></tr>" for k, val in rows)
+           + "</table>"]
+    if data["causes"]:
+        out.append("<h2>Causes</h2><table><tr><th>cause</th><th>share of the run</th>"
+                   "<th>expected speedup when fixed</th></tr>" + "".join(
+                       f"<tr><td>{_e(c['verdict'])}</td><td>{_pct(c.get('share'))}</td>"
+                       f"<td>{_speedup(c.get('expected_speedup'))}</td></tr>"
+                       for c in data["causes"]) + "</table>")
+    what_if = data.get("what_if")
+    out.append("<h2>What-if</h2><p>" + (_e(what_if["text"]) if what_if else
+                                        "Not measured in this run (keras-gpufix diagnose "
+                                        "measures it).") + "</p>")
+    return out
+
+
+def _environment(data):
+    env = data["environment"]
+    rows = [(k, ", ".join(map(str, env[k])) if isinstance(env[k], list) else env[k])
+            for k in sorted(env) if env[k] not in (None, "", [], {})
+            and not isinstance(env[k], dict)]
+    return ["<h2>Environment</h2><table>"
+            + "".join(f"<tr><th>{_e(k)}</th><td>{_e(val)}</td></tr>" for k, val in rows)
+            + "</table>",
+            f"<p><b>Command:</b> <code>{_e(' '.join(data['command']))}</code></p>",
+            f"<p class='muted'>Run record {_e(data['schema'])} version {data['version']}, "
+            f"written {_e(data['written_at'])} by {_e(data['source'])}.</p>"]
+

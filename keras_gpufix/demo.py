@@ -19,7 +19,9 @@
    epoch), the measured ratio naming the faster way and the pay-back point:
    after how many utterances (and seconds) the keras_gpufix way had caught
    up with the naive way, both counted from their setup, measured in this
-   run (projected at the steady rates, and said so, when it had not yet).
+   run (projected at the steady rates, and said so, when it had not yet);
+6. each way's run record (`logs/<way>/run_record.json`, written by its
+   monitor) rendered as `logs/<way>/report.html` (`keras-gpufix report`).
 
 XLA compiles are kept across runs in `cache/xla` beside the feature cache
 (`CompileCache`, turned on before TensorFlow starts): a second demo in the
@@ -47,6 +49,7 @@ import time
 
 from keras_gpufix.compile.compile_cache import CompileCache
 from keras_gpufix.output import emit, faster, import_tensorflow_quietly
+from keras_gpufix.run_record import RunRecord
 
 __all__ = ["run_demo", "format_demo", "DEMO_CONFIG"]
 
@@ -229,7 +232,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         `compile_cache` (`directory`, `active`, `note`, `entries`,
         `written`: entries the keras_gpufix way's fit added, i.e. its
         fresh compiles), `log_dir` (TensorBoard: runs `naive` and
-        `keras_gpufix`, each with its scalars and its trace), `devices`.
+        `keras_gpufix`, each with its scalars, its trace and its run record),
+        `reports` (each way's HTML report), `devices`.
     """
     import dataclasses
 
@@ -310,6 +314,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,
                  seconds, setup.builder.report["utterances"], history, started, ends)
+    reports = {way: RunRecord.load(os.path.join(log_dir, way)).write_html() for way in
+               ("naive", "keras_gpufix")}  # the records each way's monitor wrote
     return {
         "workdir": workdir,
         "config": config_path,
@@ -322,6 +328,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         "payback": _payback(naive, fast),
         "compile_cache": {**(report.compile_cache or {}), "written": written["written"]},
         "log_dir": log_dir,
+        "reports": reports,
         "devices": [d.name for d in tf.config.list_logical_devices()],
     }
 
@@ -405,8 +412,12 @@ def format_demo(result):
         + _payback_words(result["payback"]),
         f"wall:     naive {naive['wall_seconds']:.1f} s, keras_gpufix {fast['wall_seconds']:.1f} s "
         "(each way from its setup, feature cache and compile included, to its last step)",
+        f"report:   {result['reports']['naive']}  {result['reports']['keras_gpufix']}",
         f"next:     tensorboard --logdir {result['log_dir']} (runs naive and keras_gpufix; "
-        "Profile tab: one trace of each)   |   keras-gpufix validate " + result["config"],
+        "Profile tab: one trace of each)   |   keras-gpufix compare "
+        f"{os.path.join(result['log_dir'], 'naive')} "
+        f"{os.path.join(result['log_dir'], 'keras_gpufix')}   |   keras-gpufix validate "
+        + result["config"],
         "TensorFlow's own log lines were hidden: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo "
         "shows them",
     ]

@@ -74,7 +74,7 @@ def html_report(record) -> str:
     if data.get("ended_by"):
         parts.append(f"<p><b>Ended by:</b> {_e(data['ended_by'])}; this record covers what "
                      "was measured until then.</p>")
-    if verdict not in ("healthy",):
+    if verdict != "healthy" and not data["fixes"]:  # else the first ranked fix says it
         parts.append(f"<p class='fix'><b>Fix:</b> {_e(v.get('fix'))}</p>")
     because = [b for b in (v.get("because") or []) + [v.get("changed")] if b]
     if because:

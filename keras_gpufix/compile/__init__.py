@@ -21,15 +21,16 @@ worked around are one `GpufixWarning` each.
 
 `compile_model` is `model.compile` with the arguments it chose, then the
 checks that they took. The package holds one concern per module:
-`hardware` (device facts and whether a policy is fast here), `precision`
+`hardware` (device facts and whether a policy is fast here), `arguments`
+(`compile_model`'s argument check), `precision`
 (the dtype policy and the check of the built layers), `verification`
 (whether XLA took, read from the traced step), `calibration` (the sample
 runner and `steps_per_execution`), `compile_cache` (XLA compiles kept
 across runs) and `entry` (`compile_model` and
 `CompileReport`). What needs Keras internals (the per-replica XLA step,
 the multi-worker fixes, reading the traced step) is in `keras_internals`.
-The names load on first use, so `keras_gpufix.compile.hardware` (what
-`kg.validate` needs) imports no TensorFlow until `device_info()` runs.
+The names load on first use, so `hardware` and `arguments` (what
+`keras-gpufix validate` needs) load without TensorFlow or Keras.
 """
 
 from keras_gpufix._lazy import lazy_getattr

@@ -13,9 +13,12 @@ slowest replica.
 """
 
 import os
+import sys
 from typing import Optional, Tuple
 
-__all__ = ["auto_policy", "device_info", "precision_support", "usable_cpus"]
+__all__ = ["POLICIES", "auto_policy", "device_info", "precision_support", "usable_cpus"]
+
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 _ALIASES = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 
@@ -36,33 +39,31 @@ def device_info() -> dict:
 
 
 def _gpus():
-    """The GPUs TensorFlow sees on the TensorFlow backend. Elsewhere (JAX,
-    torch: TensorFlow may not be installed) NVML's visible GPUs, else the
-    backend's own list (JAX then starts its GPU client, as its first array
-    would), else none."""
+    """The physical GPUs, without importing a framework the process has not
+    imported yet: TensorFlow's list where the Keras backend is TensorFlow and
+    it is imported (as `compile_model` runs); else NVML's visible GPUs; else
+    the backend's own list (TensorFlow's, `jax.devices()`, `torch.cuda`),
+    importing it only where a GPU driver may be loaded: on Linux without an
+    NVIDIA or AMD driver there is no GPU to list. So `validate` and
+    `enable_mixed_precision('auto')` on JAX import no TensorFlow, and
+    `validate` on TensorFlow imports none where NVML answers or there is no
+    driver."""
     from keras_gpufix.backends import name as backend_name
-
-    backend = backend_name()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        gpus = []
-        for device in tf.config.list_physical_devices("GPU"):
-            try:
-                details = tf.config.experimental.get_device_details(device)
-            except Exception:  # details are best-effort
-                details = {}
-            cc = details.get("compute_capability")
-            gpus.append({"name": details.get("device_name", device.name),
-                         "compute_capability": list(cc) if cc else None})
-        return gpus
     from keras_gpufix.nvml import visible_gpus
 
+    backend = backend_name()
+    if backend == "tensorflow" and "tensorflow" in sys.modules:
+        return _tensorflow_gpus()
     try:
         return visible_gpus()
     except Exception:  # no NVML bindings (ImportError) or no driver
         pass
+    if sys.platform.startswith("linux") and not any(
+            os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/kfd")):
+        return []
     try:
+        if backend == "tensorflow":
+            return _tensorflow_gpus()
         if backend == "jax":
             import jax
 
@@ -78,6 +79,21 @@ def _gpus():
     except Exception:  # no GPU runtime: CPU only
         pass
     return []
+
+
+def _tensorflow_gpus():
+    import tensorflow as tf
+
+    gpus = []
+    for device in tf.config.list_physical_devices("GPU"):
+        try:
+            details = tf.config.experimental.get_device_details(device)
+        except Exception:  # details are best-effort
+            details = {}
+        cc = details.get("compute_capability")
+        gpus.append({"name": details.get("device_name", device.name),
+                     "compute_capability": list(cc) if cc else None})
+    return gpus
 
 
 def _capability(text):

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import keras
 
-from keras_gpufix.compile.hardware import auto_policy
+from keras_gpufix.compile.hardware import POLICIES, auto_policy
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import flatten_layers
 from keras_gpufix.output import emit
@@ -28,8 +28,6 @@ from keras_gpufix.output import emit
 __all__ = ["POLICIES", "check_precision", "enable_mixed_precision"]
 
 logger = logging.getLogger("keras_gpufix.compile")
-
-POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
 _noted = set()  # (built policy, auto's policy) pairs already printed in this process
 

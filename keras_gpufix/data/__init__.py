@@ -1,4 +1,5 @@
-"""Speech corpus -> `tf.data` input path (TensorFlow only, loaded lazily)."""
+"""Speech corpus -> `tf.data` input path (TensorFlow only, loaded lazily;
+`AudioConfig`, `TextConfig` and the checks of `data/checks.py` load without it)."""
 
 from keras_gpufix._lazy import lazy_getattr
 
@@ -6,7 +7,7 @@ _EXPORTS = {
     "instrument": "keras_gpufix.data.input_probe",
     "InputProbe": "keras_gpufix.data.input_probe",
     "SpeechDatasetBuilder": "keras_gpufix.data.builder",
-    "AudioConfig": "keras_gpufix.data.audio",
+    "AudioConfig": "keras_gpufix.data.audio_config",
     "LogMelSpectrogram": "keras_gpufix.data.audio",
     "log_mel": "keras_gpufix.data.audio",
     "log_linear": "keras_gpufix.data.audio",
@@ -14,7 +15,7 @@ _EXPORTS = {
     "feature_frames": "keras_gpufix.data.audio",
     "trim_bounds": "keras_gpufix.data.audio",
     "mel_filterbank": "keras_gpufix.data.audio",
-    "TextConfig": "keras_gpufix.data.text",
+    "TextConfig": "keras_gpufix.data.text_config",
     "encode_text": "keras_gpufix.data.text",
     "normalize_text": "keras_gpufix.data.text",
     "Corpus": "keras_gpufix.data.corpus",

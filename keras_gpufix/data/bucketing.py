@@ -35,6 +35,8 @@ together and the order of the batches.
 import numpy as np
 import tensorflow as tf
 
+from keras_gpufix.data.checks import check_batching
+
 __all__ = ["BucketPlan", "padding_buckets", "MAX_CUTS"]
 
 # Most cut positions the bucket search considers (its cost grows with their square).
@@ -147,7 +149,7 @@ class BucketPlan:
 
     def __init__(self, frames, text_lengths, batch_size=None, num_buckets=8,
                  batch_frames=None, drop_remainder=False, batch_multiple=None):
-        self.check_batching(batch_size, batch_frames, batch_multiple)
+        check_batching(batch_size, batch_frames, batch_multiple)
         self.frames = np.asarray(frames, np.int64)
         self.text_lengths = np.asarray(text_lengths, np.int64)
         if batch_frames is not None and self.frames.max() > batch_frames:
@@ -172,22 +174,6 @@ class BucketPlan:
                                  sizes)
         self.bucket_sizes = sizes.astype(np.int64)
         self._layout(drop_remainder)
-
-    @staticmethod
-    def check_batching(batch_size, batch_frames=None, batch_multiple=None):
-        """Raises the `ValueError` that these batching arguments deserve, if any."""
-        for name, value in (("batch_size", batch_size), ("batch_frames", batch_frames),
-                            ("batch_multiple", batch_multiple)):
-            if value is not None and (not isinstance(value, (int, np.integer))
-                                      or isinstance(value, bool) or value < 1):
-                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
-        if batch_size is None and batch_frames is None:
-            raise ValueError("Pass `batch_size`, `batch_frames` or both. Received: "
-                             "batch_size=None, batch_frames=None")
-        if batch_multiple is not None and batch_frames is None:
-            raise ValueError("`batch_multiple` rounds the batch sizes that `batch_frames` "
-                             f"chooses. Received: batch_multiple={batch_multiple}, "
-                             "batch_frames=None")
 
     def _layout(self, drop_remainder):
         """Batches as slot lists; slot `s` is the s-th utterance in bucket order."""

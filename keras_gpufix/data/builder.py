@@ -55,6 +55,7 @@ from keras_gpufix.compile.hardware import usable_cpus
 from keras_gpufix.data import audio as audio_lib
 from keras_gpufix.data.bucketing import BucketPlan
 from keras_gpufix.data.cache import CACHE_FORMAT, FeatureCache, fingerprint
+from keras_gpufix.data.checks import check_build_args
 from keras_gpufix.data.corpus import Corpus, bad_input_error
 from keras_gpufix.data.input_probe import instrument
 from keras_gpufix.data.text import TextConfig, encode_transcripts
@@ -568,17 +569,7 @@ class SpeechDatasetBuilder:
         dataset.input_probe = probe
         return dataset
 
-    @staticmethod
-    def check_build_args(batch_size=None, num_buckets=8, service=None, batch_frames=None,
-                         batch_multiple=None) -> None:
-        """Raises the `ValueError` that these `build` arguments deserve, if
-        any, without a corpus (`kg.load_config` checks a config's `build`)."""
-        BucketPlan.check_batching(batch_size, batch_frames, batch_multiple)
-        if (not isinstance(num_buckets, (int, np.integer)) or isinstance(num_buckets, bool)
-                or num_buckets < 1):
-            raise ValueError(f"`num_buckets` must be an integer >= 1. Received: num_buckets={num_buckets!r}")
-        if service is not None and not str(service).startswith(("grpc://", "grpc+local://")):
-            raise ValueError(f'`service` must be "grpc://host:port". Received: service={service!r}')
+    check_build_args = staticmethod(check_build_args)
 
     def plan(self, batch_size=None, num_buckets=8, batch_frames=None, drop_remainder=False,
              batch_multiple=None) -> BucketPlan:

@@ -47,6 +47,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from keras_gpufix.data.checks import nearest_existing, writable_problem
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit
 
@@ -93,33 +94,6 @@ class _Lock:
         if fcntl is not None:
             fcntl.flock(self.file, fcntl.LOCK_UN)
         self.file.close()
-
-
-def _nearest_existing(path) -> str:
-    """`path` made absolute, or its nearest existing ancestor."""
-    probe = os.path.abspath(os.fspath(path))
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    return probe
-
-
-def writable_problem(path) -> "str | None":
-    """None when a cache folder can be created at `path`, else why not.
-
-    The nearest existing folder on the path is probed with a real write
-    (a read-only mount passes `os.access` but fails the write).
-    """
-    probe = _nearest_existing(path)
-    if not os.path.isdir(probe):
-        return f"{probe} is a file, not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=".kg-write-test-"):
-            pass
-    except OSError as exc:
-        return f"cannot write in {probe}: {exc.strerror or exc}"
-    return None
 
 
 class _Paths:
@@ -264,7 +238,7 @@ class FeatureCache:
 
     def check_space(self, needed_bytes) -> None:
         """Raises `OSError` (one line) if the cache folder's disk has less free space than needed."""
-        free = shutil.disk_usage(_nearest_existing(self.cache_dir)).free
+        free = shutil.disk_usage(nearest_existing(self.cache_dir)).free
         if free < needed_bytes:
             raise OSError(f"Not enough disk space for the feature cache in {self.cache_dir}: "
                           f"needs about {_mib(needed_bytes)}, {_mib(free)} free. "

@@ -90,8 +90,8 @@ def build_parser():
                     "or -c CODE); every model.fit and custom training loop gets the "
                     "monitors. Exits with the script's exit code (SIGTERM/SIGINT: the "
                     "report of what was measured, exit 143/130).",
-        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] -- "
-              "python train.py ARGS")
+        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] "
+              "[--what-if-budget SECONDS] -- python train.py ARGS")
     p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
@@ -103,6 +103,9 @@ def build_parser():
     p.add_argument("--no-trace", action="store_true", help="take no XProf trace")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the what-if (input alone vs step alone, a few seconds per run)")
+    p.add_argument("--what-if-budget", type=_positive_float, metavar="SECONDS",
+                   help="the most each run's what-if may take, stages included (default: "
+                        "a minute, or a tenth of the run where that is longer)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS",
                    help="the command to run, after `--`: python train.py ARGS, python -m "
                         "module ARGS or python -c CODE ARGS")
@@ -205,7 +208,8 @@ def _diagnose(args, sub):
     try:
         result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
                                trace=not args.no_trace,
-                               what_if=not args.no_what_if, verbose=0 if args.json else 1)
+                               what_if=not args.no_what_if, verbose=0 if args.json else 1,
+                               what_if_budget=args.what_if_budget)
     except ValueError as exc:
         sub.error(str(exc))
     result["record"], result["html_report"] = _keep(result)

@@ -7,6 +7,9 @@ steady cycles, read from the step stream's records (`Cycles.of`). Here are
 decided: how much each measurement may take (`SECONDS`, `ROUNDS`,
 `MAX_BATCHES`, `COMPILE_TIMINGS`), how many times a what-if that does not know is measured
 again (`TRIES`) and how many block pairs make one measurement (`PAIRS`);
+the time budget of one run's whole what-if (`what_if_budget`: `BUDGET_S`
+or `BUDGET_SHARE` of the run, whichever is larger) and how a replay block
+shrinks to fit it (`block_timings`);
 the speedup with the input free and its range, whether the range is
 narrow enough to know (`THRESHOLDS["what_if_uncertainty"]`), which side
 bounds the run, and when a ratio is "faster" (`THRESHOLDS["min_speedup"]`).
@@ -17,8 +20,9 @@ import statistics
 
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
-__all__ = ["SECONDS", "ROUNDS", "MAX_BATCHES", "TRIES", "PAIRS", "COMPILE_TIMINGS", "Cycles",
-           "what_if", "what_if_until_known", "ratio_words", "format_what_if"]
+__all__ = ["SECONDS", "ROUNDS", "MAX_BATCHES", "TRIES", "PAIRS", "COMPILE_TIMINGS",
+           "BUDGET_S", "BUDGET_SHARE", "Cycles", "what_if_budget", "block_timings", "what_if",
+           "what_if_until_known", "ratio_words", "format_what_if"]
 
 SECONDS = 1.5  # budget of each of the two measurements
 ROUNDS = 4  # timings per block of the replay (`replay_rates`)
@@ -26,6 +30,31 @@ MAX_BATCHES = 2000  # the input drain never reads more than this
 TRIES = 3  # side-by-side what-ifs measured at most, while they do not know
 PAIRS = 4  # real/cached block pairs of one measurement (`replay_rates`)
 COMPILE_TIMINGS = (3, 50)  # timings of each way of the eager step (`compile_step`): least, most
+# One run's whole what-if (the input drained, the replay and its retries, the stages)
+# takes about BUDGET_S, or BUDGET_SHARE of the run's measured time where that is more.
+BUDGET_S = 60.0
+BUDGET_SHARE = 0.1
+
+
+def what_if_budget(run_s, given=None):
+    """Seconds the what-if of a run that took `run_s` seconds may take: `given` (the
+    user's `--what-if-budget`), else the larger of `BUDGET_S` and `BUDGET_SHARE` of
+    the run."""
+    if given is not None:
+        return float(given)
+    return max(BUDGET_S, BUDGET_SHARE * (run_s or 0.0))
+
+
+def block_timings(per_call_s, seconds, rounds=ROUNDS):
+    """`(timings, calls)` of one replay block whose calls take `per_call_s` each, in
+    `seconds`: up to `rounds` timings of `calls` calls, as many as fit (at most
+    `MAX_BATCHES` calls in all); `(0, 0)` when not one more call fits (a multi-second
+    step): the call that sized the block is then its only timing."""
+    fit = int(seconds / max(per_call_s, 1e-6))
+    if fit < 1:
+        return 0, 0
+    timings = min(rounds, fit)
+    return timings, max(1, min(MAX_BATCHES // rounds, fit // timings))
 
 
 class Cycles:
@@ -112,6 +141,8 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
     """
     if not cycles.cycle_s:
         return None
+    if rates and not rates["cached"]:  # cut short before its first block: not replayed
+        rates = None
     n = len(cycles.cycle_s)
     cycle = statistics.fmean(cycles.cycle_s)
     in_run = [i + s for i, s in zip(cycles.input_s, cycles.step_s)]
@@ -178,7 +209,8 @@ def _why_unknown(result):
             "disagreed each time: the host's load changed between blocks")
 
 
-def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries=TRIES):
+def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries=TRIES,
+                        budget=None):
     """`what_if` of `measure()`'s rates, measured afresh while it does not know.
 
     A side-by-side what-if whose range is too wide (`known` False: the
@@ -191,21 +223,35 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
     replay against the run's own cycles is not repeated: its range is the
     run's.
 
+    With a `budget`, a measurement is taken again only while what is left
+    of it holds one more (as long as the last took); where a measurement
+    was cut short for it (`budget.cut`) or no other fitted, the figures
+    measured are kept with `known` False and `cut_short` saying so.
+
     Args:
         cycles, input_per_s, batches_per_cycle: as `what_if` takes them.
         measure: returns `replay_rates`'s dict; None when the step cannot be
             replayed (`method` `in_run`).
         tries: measurements at most. Defaults to `TRIES`.
+        budget: None, or the run's what-if budget (`diagnose.what_if.Budget`:
+            `seconds`, `spent()`, `left()`, `stop()`, `cut`). Defaults to None.
+
+    Returns:
+        `what_if`'s dict with `repeats`, and with a budget `budget_s`,
+        `spent_s` (the what-if so far) and `cut_short` (None, or
+        "budget reached after N s"); None without steady cycles.
     """
-    pooled = None
+    pooled = result = None
     for attempt in range(1, tries + 1):
+        started = budget.spent() if budget is not None else 0.0
         rates = measure() if measure is not None else None
+        took = budget.spent() - started if budget is not None else 0.0
         result = what_if(cycles, input_per_s, rates, batches_per_cycle=batches_per_cycle)
         if result is None:
             return None
         result["repeats"] = attempt
         if result["known"] or result["method"] != "side_by_side":
-            return result
+            break
         if pooled is None:
             pooled = {"cached": list(rates["cached"]), "real": list(rates["real"])}
         else:  # every pair so far: their middle half is the range
@@ -214,8 +260,25 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
             result = what_if(cycles, input_per_s, pooled, batches_per_cycle=batches_per_cycle)
             result["repeats"] = attempt
             if result["known"]:
-                return result
+                break
+        if budget is None:
+            continue
+        if attempt < tries and budget.left() < took:  # no room for one more
+            budget.stop()
+        if budget.cut:
+            break
+    if budget is not None:
+        result.update(budget_s=budget.seconds, spent_s=budget.spent(), cut_short=budget.cut)
+        if budget.cut:
+            result["known"] = False
     return result
+
+
+def _budget_words(result):
+    """`; its budget 60 s, 12 s used`, or nothing where no budget was kept."""
+    if result.get("budget_s") is None:
+        return ""
+    return f"; what-if budget {result['budget_s']:.0f} s, {result.get('spent_s') or 0:.0f} s used"
 
 
 def format_what_if(result):
@@ -223,14 +286,20 @@ def format_what_if(result):
     x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
     z = result.get("speedup_if_input_free")
     if not x or not y or z is None:
-        return (f"what-if: not measured ({result.get('reason', 'no steady cycles')}); "
-                f"the run went at {result.get('observed_batches_per_s') or 0:.1f} batches/s")
+        why = result.get("cut_short") or result.get("reason", "no steady cycles")
+        ran = result.get("observed_batches_per_s")
+        return (f"what-if: not measured ({why})"
+                + (f"; the run went at {ran:.1f} batches/s" if ran else "")
+                + _budget_words(result))
     low, high = result.get("speedup_range") or (None, None)
     span = (f"{low:.2f}x-{high:.2f}x" if low and high
             else f"at least {low:.2f}x" if low else "unbounded")
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
-    if not known:
+    if result.get("cut_short"):
+        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: cut short, "
+                f"{result['cut_short']}, before its timings were all taken)")
+    elif not known:
         gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
                 f"varied{_why_unknown(result)})")
     elif faster:
@@ -242,10 +311,12 @@ def format_what_if(result):
     if result["bound"] == "input":
         return (f"what-if: input supplies {x:.1f} batches/s, the step consumes {y:.1f} "
                 f"batches/s{how}: with input free the run would be {gain} "
-                f"(it ran at {result['observed_batches_per_s']:.1f} batches/s)")
+                f"(it ran at {result['observed_batches_per_s']:.1f} batches/s)"
+                + _budget_words(result))
     return (f"what-if: the step consumes {y:.1f} batches/s{how}, input supplies {x:.1f} "
             f"batches/s: the step is the bound (the input could feed a step {x / y:.1f}x "
             f"faster); with input free the run would be {gain}"
             + (" (the input competes with the step for the host)"
                if faster and replayed else "")
-            + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)")
+            + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)"
+            + _budget_words(result))

@@ -20,14 +20,15 @@ import warnings
 from keras_gpufix import __version__
 from keras_gpufix.analysis import (MONITOR_WARMUP, is_cause, main_what_if, stages_needed,
                                    trace_plan)
+from keras_gpufix.analysis.what_if import what_if_budget
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
                                           seen_in_code, trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
-from keras_gpufix.diagnose.what_if import (Cycles, fit_replay, input_rate, replay_rates,
-                                           what_if_until_known)
+from keras_gpufix.diagnose.what_if import (Budget, Cycles, fit_replay, input_rate,
+                                           replay_rates, what_if_until_known)
 from keras_gpufix.exceptions import GpufixWarning, warn
 from keras_gpufix.output import import_tensorflow_quietly
 
@@ -143,26 +144,53 @@ class FitPatch:
     """Context manager: every `keras.Model.fit` gets the diagnostic callbacks.
 
     While it is open, `sites` (a `StageSites`) records where the script
-    builds each `tf.data` stage.
+    builds each `tf.data` stage. Each run's what-if (its input drain,
+    replay and stages) keeps one `Budget` (`what_if_budget`).
     """
 
-    def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
+    def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1,
+                 what_if_budget=None):
         self.steps = steps
         self.log_dir = log_dir
         self.trace = trace
         self.what_if = what_if
         self.verbose = verbose
+        self.budget_s = what_if_budget  # None: `analysis.what_if_budget` of each run
         self.fits = []
         self.notes = []
+        self.what_if_stopped = None  # what a signal during a what-if stopped
         self._depth = 0
         self._signal = None  # the SIGTERM or SIGINT that ends the script, once one came
+        self._budgets = {}  # id(entry) -> the run's Budget
+        self._measuring = None  # (entry, Budget) of the what-if running now
 
     def interrupt(self, exc):
         """A signal ends the script (`exc`: `Terminated` or KeyboardInterrupt):
         the what-ifs still to come are skipped, and `raise_pending` raises it
-        again should the script lose it."""
+        again should the script lose it. A signal during a run's what-if (its
+        training ended) is recorded as stopping that what-if (`what_if_stopped`,
+        the run's `what_if` `reason`)."""
         self._signal = exc
         self.what_if = False
+        if self._measuring is not None:
+            entry, budget = self._measuring
+            name = str(exc) if isinstance(exc, Terminated) else "SIGINT"
+            run = f"{entry.get('kind', 'fit')} {entry.get('index')}"
+            self.what_if_stopped = {"signal": name, "run": run, "after_s": budget.spent(),
+                                    "budget_s": budget.seconds}
+            entry.setdefault("what_if", {
+                "reason": f"{name} stopped the what-if after {budget.spent():.0f} s",
+                "budget_s": budget.seconds, "spent_s": budget.spent(), "cut_short": None})
+
+    def what_if_budget(self, entry):
+        """The `Budget` of the what-if of the run `entry` (made, and its clock started,
+        at the first call): `--what-if-budget`, else `analysis.what_if_budget` of the
+        run's `wall_s`."""
+        key = id(entry)
+        if key not in self._budgets:
+            self._budgets[key] = Budget(what_if_budget(entry.get("wall_s"), self.budget_s))
+            self._measuring = (entry, self._budgets[key])
+        return self._budgets[key]
 
     def raise_pending(self):
         """Raises the signal's exception again when the script lost it and went on:
@@ -293,21 +321,22 @@ class FitPatch:
                 "steps_per_epoch": per_epoch}
         return bound, mine, counter, info, x if dataset else None
 
-    def fit_what_if(self, model, dataset, timer):
-        """The what-if of one fit (`what_if.py`) over its `StepTimer`'s records,
-        or a dict with the reason it was not measured."""
+    def fit_what_if(self, model, dataset, timer, budget):
+        """The what-if of one fit (`what_if.py`) over its `StepTimer`'s records, within
+        its `budget`, or a dict with the reason it was not measured."""
         if dataset is None:
             return {"reason": "the input is not a tf.data.Dataset"}
         if timer is None:
             return {"reason": "no StepTimer timed the fit's steps"}
         cycles = Cycles.of(timer.records())
         try:
-            input_per_s = input_rate(dataset)
+            input_per_s = input_rate(dataset, budget=budget)
             cached, real, variables, per_call = fit_replay(model, dataset)
             result = what_if_until_known(
                 cycles, input_per_s,
-                lambda: replay_rates(cached, variables, real, batches_per_call=per_call),
-                batches_per_cycle=per_call)
+                lambda: replay_rates(cached, variables, real, batches_per_call=per_call,
+                                     budget=budget),
+                batches_per_cycle=per_call, budget=budget)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         return result or {"reason": "no steady cycles were timed"}
@@ -320,7 +349,7 @@ class FitPatch:
                                                 entry.get("what_if")):
             return None
         try:
-            return measure_stages(dataset, self.sites)
+            return measure_stages(dataset, self.sites, budget=self.what_if_budget(entry))
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
 
@@ -355,10 +384,12 @@ class FitPatch:
             # py_function in flight deadlocks there (TF 2.21). Free it now.
             gc.collect()
         if self.what_if:
-            entry["what_if"] = self.fit_what_if(model, dataset, mine.get("timer"))
+            entry["what_if"] = self.fit_what_if(model, dataset, mine.get("timer"),
+                                                self.what_if_budget(entry))
             stages = self.input_stages(entry, dataset)
             if stages is not None:
                 entry["stages"] = stages
+            self._measuring = None
             gc.collect()
         return history
 
@@ -450,17 +481,25 @@ def _signals_end_the_script(patch):
             signal.signal(signum, handler)
 
 
-def _ended_by(exc, steps_seen):
+def _ended_by(exc, steps_seen, what_if_stopped=None):
     """What ended the script early: a dict `kind` (`exception` or `signal`), `type`,
     `message`, `raised_at` (file:line), `script_line` (the script's own line that led
-    there, when `raised_at` is in a library), `steps_seen` and `text`."""
+    there, when `raised_at` is in a library), `steps_seen`, `during` (`what_if`:
+    a signal came during a run's what-if, after its training ended, as
+    `what_if_stopped` (`FitPatch.what_if_stopped`) says; else `script`) and `text`."""
     steps = f"after {steps_seen} training step{'s' * (steps_seen != 1)}"
     if isinstance(exc, (Terminated, KeyboardInterrupt)):
         name = str(exc) if isinstance(exc, Terminated) else "SIGINT"
+        text = f"{name} stopped the script {steps}"
+        if what_if_stopped is not None:
+            text = (f"{name} stopped diagnose's what-if of {what_if_stopped['run']} "
+                    f"{what_if_stopped['after_s']:.0f} s into it (its budget "
+                    f"{what_if_stopped['budget_s']:.0f} s), not training: training had ended "
+                    f"{steps}; the script stopped there")
         return {"kind": "signal", "type": name, "message": "", "raised_at": None,
                 "script_line": None, "steps_seen": steps_seen,
-                "text": f"{name} stopped the script {steps}; this report covers what was "
-                        "measured until then"}
+                "during": "script" if what_if_stopped is None else "what_if",
+                "text": f"{text}; this report covers what was measured until then"}
     frames = _user_frames(exc)
     libraries = tuple({sysconfig.get_paths()[k] + os.sep for k in
                        ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -474,7 +513,7 @@ def _ended_by(exc, steps_seen):
     return {"kind": "exception", "type": type(exc).__name__, "message": message,
             "raised_at": raised and f"{raised.filename}:{raised.lineno}",
             "script_line": line and f"{line.filename}:{line.lineno}",
-            "steps_seen": steps_seen,
+            "steps_seen": steps_seen, "during": "script",
             "text": f"{type(exc).__name__}" + (f": {lines[0]}" if lines else "")
                     + (" ..." if len(lines) > 1 else "") + f"{where} {steps}"}
 
@@ -502,7 +541,8 @@ def _jsonable(value):
     return str(value)
 
 
-def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1):
+def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1,
+                  what_if_budget=None):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
@@ -518,13 +558,18 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         what_if: after each run, measure the input alone and the step
             alone (`what_if.py`, a few seconds). Defaults to True.
         verbose: the monitors print their events (1) or not (0).
+        what_if_budget: seconds each run's what-if may take in all (the
+            input drain, the replay and its retries, the stages). Defaults
+            to None: `analysis.what_if_budget` (a minute, or a tenth of the
+            run where that is longer).
 
     Returns:
         A JSON-ready dict: `command`, `exit_code` (the script's: 1 when it
         raised, 128 + the signal's number when SIGTERM or SIGINT stopped
         it), `ended_by` (None, or what stopped the script early: `kind`
         `exception` or `signal`, `type`, `message`, `raised_at` and
-        `script_line` as file:line, `steps_seen`, `text`), `verdict`,
+        `script_line` as file:line, `steps_seen`, `during` (`what_if`
+        when a signal stopped a run's what-if, not its training), `text`), `verdict`,
         `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
         its `predicted` effect), `seen_in_code` (static findings of no
         measured cause: not ranked, one entry per verdict), `not_offered`
@@ -533,7 +578,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         `ran`: whether its line ran, None when not known),
         `environment`, `fits` (one per `fit` or custom loop: the monitors'
         reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
-        `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`, ...), `traces`
+        `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`,
+        `budget_s`, `spent_s`, `cut_short`, ...), `traces`
         (XProf evidence), `log_dir`, `notes`.
 
     Raises:
@@ -562,36 +608,43 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,
-                                                   what_if=what_if, verbose=verbose) as patch, \
-                LoopPatch(patch) as loops, _signals_end_the_script(patch):
+                                                   what_if=what_if, verbose=verbose,
+                                                   what_if_budget=what_if_budget) as patch, \
+                _signals_end_the_script(patch):
             try:
-                if kind == "module":
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-                elif not lines_run.run_main(target):
-                    runpy.run_path(target, run_name="__main__")
-            except SystemExit as exc:
-                exit_code = _exit_code(exc.code)
-            except (KeyboardInterrupt, Terminated) as exc:
+                with LoopPatch(patch) as loops:  # its exit measures the loop's what-if
+                    try:
+                        if kind == "module":
+                            runpy.run_module(target, run_name="__main__", alter_sys=True)
+                        elif not lines_run.run_main(target):
+                            runpy.run_path(target, run_name="__main__")
+                    except SystemExit as exc:
+                        exit_code = _exit_code(exc.code)
+                    except BaseException as exc:
+                        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+                            patch.what_if = False  # nothing more is measured
+                            raise
+                        if isinstance(exc, StepsReached) or isinstance(exc.__cause__,
+                                                                       StepsReached):
+                            patch.notes.append(_stopped_in_next(exc, steps))
+                        else:
+                            traceback.print_exc()
+                            ended = exc
+                            exit_code = 1
+                    finally:
+                        sys.argv, sys.path[:] = saved_argv, saved_path
+                        with contextlib.suppress(Exception):
+                            sys.stdout.flush()
+                            sys.stderr.flush()
+            except (KeyboardInterrupt, Terminated) as exc:  # in the script or a what-if
                 patch.what_if = False
                 ended = exc
                 exit_code = 128 + getattr(exc, "signum", 2)
-            except BaseException as exc:
-                if isinstance(exc, StepsReached) or isinstance(exc.__cause__, StepsReached):
-                    patch.notes.append(_stopped_in_next(exc, steps))
-                else:
-                    traceback.print_exc()
-                    ended = exc
-                    exit_code = 1
-            finally:
-                sys.argv, sys.path[:] = saved_argv, saved_path
-                with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
     for finding in scan:  # a line the run never executed is no cause of it
         finding["ran"] = lines_run.status(finding)
     if ended is not None:
         seen = sum(f.get("steps_run") or 0 for f in patch.fits) + loops.step_calls
-        ended = _ended_by(ended, seen)
+        ended = _ended_by(ended, seen, patch.what_if_stopped)
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []

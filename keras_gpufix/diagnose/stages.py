@@ -246,13 +246,16 @@ def _per_final(chain, index, sites):
     return ratio
 
 
-def measure_stages(dataset, sites, seconds=SECONDS):
+def measure_stages(dataset, sites, seconds=SECONDS, budget=None):
     """Drains each recorded prefix of `dataset`'s pipeline; returns the stages.
 
     Args:
         dataset: the dataset given to `fit` or iterated by the loop.
         sites: the run's `StageSites`.
         seconds: the budget of all the drains together. Defaults to `SECONDS`.
+        budget: None, or the run's what-if `Budget` (`what_if.py`): the
+            drains share what is left of it, and a prefix reached once it
+            is spent is left unmeasured (its `error` says so). Defaults to None.
 
     Returns:
         A dict `stages` (source first: the recorded site's fields, `op` the
@@ -270,6 +273,8 @@ def measure_stages(dataset, sites, seconds=SECONDS):
     import tensorflow as tf
 
     t0 = time.perf_counter()
+    if budget is not None:
+        seconds = min(seconds, budget.left())
     chain = _chain(dataset)
     picked = [i for i, d in enumerate(chain)
               if i == 0 or d is dataset or sites.site_of(d) is not None]
@@ -285,10 +290,14 @@ def measure_stages(dataset, sites, seconds=SECONDS):
                                        "batch_size": None}
         stage = dict(site, stateful=map_function_stateful(node), elements_per_s=None,
                      per_batch=_per_final(chain, index, sites), batches_per_s=None)
-        try:
-            stage["elements_per_s"] = drain_rate(node, each)
-        except Exception as exc:  # a prefix that cannot run alone is left unmeasured
-            stage["error"] = f"{type(exc).__name__}: {exc}"
+        if budget is not None and budget.left() <= 0:
+            budget.stop()
+            stage["error"] = f"not measured: the what-if's {budget.cut}"
+        else:
+            try:
+                stage["elements_per_s"] = drain_rate(node, each)
+            except Exception as exc:  # a prefix that cannot run alone is left unmeasured
+                stage["error"] = f"{type(exc).__name__}: {exc}"
         if stage["elements_per_s"] and stage["per_batch"]:
             element_s = max(1.0 / stage["elements_per_s"] - pull_s, MIN_ELEMENT_S)
             stage["batches_per_s"] = 1.0 / (element_s * stage["per_batch"])

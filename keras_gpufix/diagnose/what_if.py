@@ -57,20 +57,60 @@ import statistics
 import time
 
 # The judgement (figures, budgets, when it knows) is analysis's; diagnose measures.
+from keras_gpufix.diagnose.step_blockers import step_blockers
 from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS, SECONDS,
-                                           Cycles, format_what_if, ratio_words, what_if,
-                                           what_if_until_known)
+                                           Cycles, block_timings, format_what_if, ratio_words,
+                                           what_if, what_if_until_known)
 
-__all__ = ["Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
+__all__ = ["Budget", "Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
 
 
-def input_rate(dataset, seconds=SECONDS):
-    """Batches/s a fresh iterator of `dataset` supplies alone (None: under two batches).
+class Budget:
+    """The time budget of one run's what-if (`analysis.what_if_budget`), its clock
+    started when it is made: the input drain, the replay and its retries, and the
+    stages measured after share it.
+
+    Args:
+        seconds: the budget, stated in the report.
+
+    Attributes:
+        seconds: as given.
+        cut: None, or why a measurement stopped short ("budget reached after N s").
+    """
+
+    def __init__(self, seconds):
+        self.seconds = float(seconds)
+        self.cut = None
+        self._t0 = time.perf_counter()
+
+    def spent(self):
+        """Seconds since the what-if began."""
+        return time.perf_counter() - self._t0
+
+    def left(self):
+        """Seconds left of the budget (0 once reached)."""
+        return max(0.0, self.seconds - self.spent())
+
+    def stop(self):
+        """A measurement stops short for the budget: `cut` says so (the first time)."""
+        if self.cut is None:
+            self.cut = f"budget reached after {self.spent():.0f} s"
+
+
+def input_rate(dataset, seconds=SECONDS, budget=None):
+    """Batches/s a fresh iterator of `dataset` supplies alone (None: under two batches,
+    or no budget left).
 
     The first batch (the pipeline's start-up: shuffle buffers, the first
-    file) is not timed.
+    file) is not timed. The drain takes `seconds`, or what is left of
+    `budget` (a `Budget`) where that is less.
     """
+    if budget is not None:
+        seconds = min(seconds, budget.left())
+        if seconds <= 0:
+            budget.stop()
+            return None
     iterator = iter(dataset)
     if next(iterator, None) is None:
         return None
@@ -111,7 +151,7 @@ def fit_replay(model, dataset):
 
 
 def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECONDS,
-                 rounds=ROUNDS):
+                 rounds=ROUNDS, budget=None):
     """Batches/s of the step run alone, on a cached batch and on the real input.
 
     Blocks of each kind are timed in the order cached, real, real, cached,
@@ -124,6 +164,14 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
     cached block. Without `real` every block is cached. The values of
     `variables` are restored after.
 
+    Each block's first call (after the untimed one of a fresh call: a trace
+    at the batch's shape, or the pipeline's start-up) sizes its timings
+    (`analysis.block_timings`). With a `budget`, a block takes no more than
+    its share of what is left (the blocks still to come share it), so a
+    multi-second step gets fewer timings (its sizing call alone, where no
+    more fits); a block whose calls no longer fit is not run, nor any
+    after it (`budget.stop()`).
+
     Args:
         cached: runs the step on one cached batch.
         variables: every variable the step writes (weights, optimizer
@@ -133,49 +181,66 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
         batches_per_call: steps one call runs (`steps_per_execution`).
         seconds: the timing budget of each kind (real, cached).
         rounds: timings per block (at least one call each).
+        budget: None, or the run's what-if `Budget`. Defaults to None.
 
     Returns:
         A dict `cached` and `real` (None without `real`): per block, the
-        batches/s of each of its timings.
+        batches/s of each of its timings (fewer blocks where the budget
+        cut the replay short).
     """
     saved = [(v, v.numpy()) for v in variables]
     readable = next((v for v in variables if v.trainable), variables[0] if variables else None)
+    order = ("cached", "real", "real", "cached", "cached", "real", "real", "cached")
+    per_call = None  # seconds of the last call timed: what the next block's calls cost
 
     def sync():  # a read of a written variable waits for the queued steps
         if readable is not None:
             readable.numpy()
 
-    def block(call, warm=True):
-        if warm:
-            call()  # a trace at the batch's shape, or the pipeline's start-up, is not timed
-            sync()
+    def timed(call, calls=1):
         t0 = time.perf_counter()
-        call()  # sizes the timings
+        for _ in range(calls):
+            call()
         sync()
-        per_call, rates = time.perf_counter() - t0, []
-        for _ in range(rounds):
-            calls = max(1, min(MAX_BATCHES // rounds,
-                               int(seconds / 4 / rounds / max(per_call, 1e-6))))
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call()
-            sync()
-            elapsed = time.perf_counter() - t0
-            per_call = elapsed / calls
-            rates.append(calls * batches_per_call / elapsed)
+        return (time.perf_counter() - t0) / calls
+
+    def block(call, fresh, share):
+        nonlocal per_call
+        if budget is not None and per_call is not None and (
+                budget.left() < (1 + fresh) * per_call):
+            return None  # not even its first calls fit
+        if fresh:
+            timed(call)  # a trace at the batch's shape, or the pipeline's start-up
+        per_call = timed(call)  # sizes the timings
+        left = seconds / 4 if budget is None else min(seconds / 4, budget.left() / share)
+        timings, calls = block_timings(per_call, left, rounds)
+        if not timings:  # a slow step: the sizing call is the block's one timing
+            return [batches_per_call / per_call]
+        rates = []
+        for _ in range(timings):
+            per_call = timed(call, calls)
+            rates.append(batches_per_call / per_call)
+            calls = max(1, block_timings(per_call, left, timings)[1])
         return rates
 
     out = {"cached": [], "real": [] if real else None}
     try:
-        step = None
-        for kind in ("cached", "real", "real", "cached", "cached", "real", "real", "cached"):
-            if kind == "cached" or real is None:
+        step, warm = None, True
+        for index, kind in enumerate(order):
+            if budget is not None and budget.left() <= 0:
+                rates = None
+            elif kind == "cached" or real is None:
                 step = None  # the real iterator is released before a cached block
-                out["cached"].append(block(cached))
+                rates = block(cached, warm, len(order) - index)
+                warm = False
             else:
                 fresh = step is None
                 step = real() if fresh else step
-                out["real"].append(block(step, warm=fresh))
+                rates = block(step, fresh, len(order) - index)
+            if rates is None:
+                budget.stop()
+                break
+            out["real" if kind == "real" and real is not None else "cached"].append(rates)
         step = None
     finally:
         for variable, value in saved:
@@ -239,11 +304,14 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
     code = fn.__code__
     out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})"}
     plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    library = tuple(library) or (os.sep + "site-packages",)
     try:
         concrete = plain.get_concrete_function(*args, **kwargs)
     except Exception as exc:
         return {**out, "reason": f"tf.function could not trace it: {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                "blockers": step_blockers(fn, exc, library)}
+    out["blockers"] = step_blockers(fn, library=library)  # Python state: traced, yet wrong
     saved = [(v, v.numpy()) for v in concrete.variables]
 
     def sync(result):
@@ -262,8 +330,7 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
             out["xla_error"] = f"{type(exc).__name__}: " + next(
                 (line for line in text.splitlines() if line.strip()), "")
             out["xla_op"] = op and op.group(1)
-            out["xla_where"] = op and _op_where(concrete.graph, op.group(1),
-                                                tuple(library) or (os.sep + "site-packages",))
+            out["xla_where"] = op and _op_where(concrete.graph, op.group(1), library)
     finally:
         for variable, value in saved:
             variable.assign(value)

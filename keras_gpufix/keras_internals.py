@@ -43,6 +43,7 @@ __all__ = [
     "surround_callbacks",
     "time_batches",
     "time_train_function",
+    "trace_from_aligned_ids",
     "symbolic_build",
     "tf_function_class",
     "tensorflow_started",
@@ -343,6 +344,42 @@ def remove_per_replica_xla(model) -> None:
     model.__dict__.pop("train_step", None)
     if _multi_worker(model.distribute_strategy):
         install_multi_worker_fixes(model)
+
+
+TRACE_ID_STRIDE = 2**16
+
+
+def trace_from_aligned_ids(model) -> None:
+    """Makes each trace of `model`'s train step start at the same trace id in
+    every process, so its XLA compiles keep their names across runs.
+
+    TensorFlow names a traced function `__inference_<name>_<id>`, the id
+    from a process-wide counter (`ops.uid()`, TensorFlow 2.21.0:
+    `pywrap_tfe.TFE_Py_UID`) that every trace, variable and dataset function
+    of the process advances. The persistent XLA compile cache keys an entry
+    on that name (the cluster signature) and on the HLO module, which bears
+    it too; so a run that traced more before its step (one that built a
+    feature cache the next run only opens) looked up other entries. The
+    counter only counts up and has no setter: when the step is traced, it
+    is advanced to the next multiple of `TRACE_ID_STRIDE` (at most 65,536
+    calls, about 20 ms), and the trace, deterministic from there, names its
+    functions alike in every process that reaches the step below the same
+    multiple. Wraps `model.train_step` (Keras's or the per-replica XLA
+    step) as an instance attribute; eager calls pass straight through.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    step = model.train_step
+
+    @functools.wraps(step)
+    def aligned_step(*args, **kwargs):
+        if tf.inside_function():
+            for _ in range(-(ops.uid() + 1) % TRACE_ID_STRIDE):
+                ops.uid()
+        return step(*args, **kwargs)
+
+    model.train_step = aligned_step
 
 
 def batch_rows(x):

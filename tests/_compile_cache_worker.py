@@ -1,9 +1,10 @@
 """One training run for `tests/test_compile_cache.py`, in its own process:
-`kg.compile_model(jit_compile=True)` on the first batch, then one epoch of
-`fit` over two batch shapes; prints what the package reported as JSON and
-saves the weights.
+opens the feature cache of a small corpus (building it when it is not there
+yet, as a first run does), then `kg.compile_model(jit_compile=True)` on the
+first batch and one epoch of `fit` over two batch shapes; prints what the
+package reported as JSON and saves the weights.
 
-Usage: python tests/_compile_cache_worker.py CACHE_DIR WEIGHTS.npz
+Usage: python tests/_compile_cache_worker.py CACHE_DIR WEIGHTS.npz CORPUS
 """
 
 import json
@@ -19,8 +20,14 @@ cache = CompileCache.enable(sys.argv[1])
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from tensorflow.python.framework import ops  # noqa: E402
 
 import keras_gpufix as kg  # noqa: E402
+
+corpus = sys.argv[3]
+builder = kg.data.SpeechDatasetBuilder(corpus, audio=kg.data.AudioConfig(n_mels=8),
+                                       cache_dir=corpus + "_cache", verbose=0).prepare()
+ids_before = ops.uid()  # how much this process traced before its model (differs by run)
 
 
 def batches(frames):
@@ -42,6 +49,8 @@ with cache.watch() as fit_seen:
 np.savez(sys.argv[2], *model.get_weights())
 print(json.dumps({
     "started_at_import": started_at_import,
+    "feature_cache": builder.report["cache"],
+    "ids_before": ids_before,
     "compile_cache": report.compile_cache,
     "compiles": report.compiles,
     "fit_written": fit_seen["written"],

@@ -15,22 +15,29 @@ from keras_gpufix.compile import CompileCache
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(cache_dir, weights):
+def _train(cache_dir, weights, corpus):
     env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
     worker = os.path.join(REPO, "tests", "_compile_cache_worker.py")
-    proc = subprocess.run([sys.executable, worker, str(cache_dir), str(weights)],
+    proc = subprocess.run([sys.executable, worker, str(cache_dir), str(weights), str(corpus)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_a_second_process_compiles_from_the_cache_and_trains_the_same(tmp_path):
-    cache_dir = tmp_path / "xla"
-    first = _train(cache_dir, tmp_path / "first.npz")
-    entries = CompileCache(str(cache_dir)).entries()
-    second = _train(cache_dir, tmp_path / "second.npz")
+    from keras_gpufix.data import make_synthetic_corpus
 
+    cache_dir, corpus = tmp_path / "xla", tmp_path / "corpus"
+    make_synthetic_corpus(str(corpus), 3, min_seconds=0.2, max_seconds=0.4)
+    first = _train(cache_dir, tmp_path / "first.npz", corpus)
+    entries = CompileCache(str(cache_dir)).entries()
+    second = _train(cache_dir, tmp_path / "second.npz", corpus)
+
+    # the first process built the feature cache, the second opened it: the first
+    # traced more before its model (TensorFlow's trace ids then differ)
+    assert (first["feature_cache"], second["feature_cache"]) == ("miss", "hit")
+    assert first["ids_before"] != second["ids_before"]
     assert first["started_at_import"] is False  # TF reads TF_XLA_FLAGS after its import
     assert first["compile_cache"]["active"]
     assert first["compile_cache"]["directory"] == str(cache_dir)

@@ -30,6 +30,7 @@ from keras_gpufix.keras_internals import (
     symbolic_build,
     tensorflow_started,
     tf_function_class,
+    trace_from_aligned_ids,
     traced_functions,
     worker_server_port,
 )
@@ -323,6 +324,34 @@ def test_async_train_dispatch_reads_keras_decision(monkeypatch):
     monkeypatch.setattr(keras_internals, "_WARNED", set())
     with pytest.warns(GpufixWarning, match="_async_train"):
         assert async_train_dispatch(object()) is None
+
+
+def test_trace_from_aligned_ids_names_the_step_alike_whatever_was_traced_before():
+    def step_names(other_functions):
+        for i in range(other_functions):  # what another run traced first (a feature cache)
+            tf.function(lambda x, i=i: x + i).get_concrete_function(tf.TensorSpec([None]))
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", jit_compile=True)
+        trace_from_aligned_ids(model)
+        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, epochs=1, verbose=0)
+        step = traced_functions(model.train_function)["one_step_on_data"]
+        return [f.name.decode() for f in concrete_functions(step)]
+
+    first, second = step_names(0), step_names(7)
+    assert len(first) == len(second) >= 1
+    for a, b in zip(first, second):  # __inference_one_step_on_data_<id>: the same id modulo
+        a_id, b_id = int(a.rsplit("_", 1)[1]), int(b.rsplit("_", 1)[1])
+        assert a_id != b_id and (a_id - b_id) % keras_internals.TRACE_ID_STRIDE == 0, (a, b)
+
+
+def test_trace_from_aligned_ids_keeps_the_per_replica_step_mark():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    install_per_replica_xla(model)
+    trace_from_aligned_ids(model)
+    assert step_jit_compile(model) is True
+    model.run_eagerly = True  # eager calls pass straight through
+    model.fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=2, epochs=1, verbose=0)
 
 
 def test_step_on_data_cell_is_the_step_every_batch_goes_through():

@@ -241,7 +241,7 @@ def compile_model(
     if use_jit and scope == "per_replica":
         install_per_replica_xla(model)
     if use_jit and cache.active:  # its compiles keep their names in the next run
-        pass  # TMP trace_from_aligned_ids(model)
+        trace_from_aligned_ids(model)
     if _is_multi_worker(strategy):
         install_multi_worker_fixes(model)
 

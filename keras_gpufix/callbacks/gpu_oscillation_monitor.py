@@ -60,8 +60,8 @@ import os
 import sys
 import time
 
-from keras_gpufix.analysis import OscillationDetector
 from keras_gpufix.analysis.step_series import StepSeries
+from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
 from keras_gpufix.callbacks._job import cluster_task, gather_job
 from keras_gpufix.callbacks._timed import TimedCallback
@@ -108,13 +108,8 @@ class GPUOscillationMonitor(TimedCallback):
     def __init__(self, window=96, warmup=5, min_windows=2, thresholds=None,
                  log_dir=None, on_detect=None, nvml=True, verbose=1):
         super().__init__()
-        if on_detect is not None and not (
-            callable(on_detect) or hasattr(on_detect, "on_oscillation")
-        ):
-            raise ValueError(
-                "`on_detect` must be callable or have an `on_oscillation` method. "
-                f"Received: on_detect={on_detect!r}"
-            )
+        self.detector = _arguments.gpu_oscillation_monitor(window, warmup, min_windows,
+                                                           thresholds, on_detect)
         self.window = window
         self.warmup = warmup
         self.min_windows = min_windows
@@ -123,9 +118,6 @@ class GPUOscillationMonitor(TimedCallback):
         self.on_detect = on_detect
         self.nvml = nvml
         self.verbose = verbose
-        self.detector = OscillationDetector(
-            window=window, warmup=warmup, min_windows=min_windows, **self.thresholds
-        )
         self._sampler = None
         self._writer = None
         self._firsts = [0, 0.0]  # epoch-first records: count, seconds

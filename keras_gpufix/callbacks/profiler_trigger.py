@@ -41,37 +41,15 @@ import time
 import types
 import weakref
 
-import numpy as np
-
 from keras_gpufix import profiling
 from keras_gpufix.analysis import is_cause, weigh
+from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit
 
 __all__ = ["ProfilerTrigger"]
-
-_TRIGGERS = ("oscillation", "slow_step")
-
-
-def _parse_trigger(trigger):
-    items = [trigger] if isinstance(trigger, (str, int)) else list(trigger or [])
-    kinds, steps = set(), set()
-    for item in items:
-        if isinstance(item, str) and item in _TRIGGERS:
-            kinds.add(item)
-        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) and item >= 0:
-            steps.add(int(item))
-        else:
-            items = None
-            break
-    if not items:
-        raise ValueError(
-            "`trigger` must be 'oscillation', 'slow_step', a step number >= 0, or a "
-            f"list of these. Received: trigger={trigger!r}"
-        )
-    return kinds, sorted(steps)
 
 
 class ProfilerTrigger(TimedCallback):
@@ -127,17 +105,8 @@ class ProfilerTrigger(TimedCallback):
     def __init__(self, log_dir, trigger="oscillation", steps=10, max_traces=3, analyze=True,
                  cooldown=100, warmup=10, analysis_timeout=5.0, verbose=1):
         super().__init__()
-        if not log_dir:
-            raise ValueError(f"`log_dir` must be a directory path. Received: log_dir={log_dir!r}")
-        self._kinds, self._at_steps = _parse_trigger(trigger)
-        for name, value, low in (("steps", steps, 1), ("max_traces", max_traces, 1),
-                                 ("cooldown", cooldown, 0), ("warmup", warmup, 0)):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(
-                    f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
-        if not analysis_timeout >= 0:
-            raise ValueError("`analysis_timeout` must be >= 0 (seconds). "
-                             f"Received: analysis_timeout={analysis_timeout}")
+        self._kinds, self._at_steps = _arguments.profiler_trigger(
+            log_dir, trigger, steps, max_traces, cooldown, warmup, analysis_timeout)
         self.log_dir = log_dir
         self.trigger = trigger
         self.steps = int(steps)

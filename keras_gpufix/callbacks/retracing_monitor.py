@@ -39,11 +39,10 @@ stream's records. Keras `logs`: see `callbacks/_stream.py`.
 import sys
 import time
 
-import numpy as np
-
 from keras_gpufix.analysis import (FIXES, RETRACE_FIX, recompile_cost, recompiling_fix,
                                    step_compiled)
 from keras_gpufix.backends import current
+from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._timed import TimedCallback
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import (
@@ -122,20 +121,7 @@ class RetracingMonitor(TimedCallback):
 
     def __init__(self, functions=None, max_new_shapes=None, warn=True, verbose=1):
         super().__init__()
-        if functions is not None:
-            if callable(functions):
-                functions = [functions]
-            if (not isinstance(functions, (list, tuple)) or not functions
-                    or not all(callable(f) for f in functions)):
-                raise ValueError("`functions` must be a list of the loop's step functions "
-                                 f"(tf.function or Python callables). Received: "
-                                 f"functions={functions!r}")
-            functions = list(functions)
-        self.functions = functions
-        if max_new_shapes is not None and (
-                not isinstance(max_new_shapes, (int, np.integer)) or max_new_shapes < 1):
-            raise ValueError("`max_new_shapes` must be an integer >= 1. "
-                             f"Received: max_new_shapes={max_new_shapes!r}")
+        self.functions = _arguments.retracing_monitor(functions, max_new_shapes)
         self.max_new_shapes = None if max_new_shapes is None else int(max_new_shapes)
         self.warn = warn
         self.verbose = verbose

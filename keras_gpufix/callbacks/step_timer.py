@@ -36,6 +36,7 @@ Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
 """
 
 from keras_gpufix.analysis import StepLog
+from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import ScalarWriter
 from keras_gpufix.callbacks._timed import TimedCallback
 
@@ -67,15 +68,11 @@ class StepTimer(TimedCallback):
 
     def __init__(self, batch_size=None, log_dir=None, warmup=0, window=1024):
         super().__init__()
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"`batch_size` must be >= 1. Received: batch_size={batch_size}")
-        if warmup < 0:
-            raise ValueError(f"`warmup` must be >= 0. Received: warmup={warmup}")
+        self.log = _arguments.step_timer(batch_size, warmup, window)
         self.batch_size = batch_size
         self.log_dir = log_dir
         self.warmup = warmup
         self.window = window
-        self.log = StepLog(window)
         self._epoch_log = StepLog(256)
         self._writer = None
         self._steps = 0

@@ -13,6 +13,7 @@ import pytest
 from edge_faults import TF_LOG_LINE
 
 from keras_gpufix.cli import main
+from keras_gpufix.run_record import RunRecord
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAYS = ("naive", "keras_gpufix")
@@ -157,3 +158,25 @@ def test_every_demo_scalar_has_a_description(demo):
         assert {"step_timer/step_ms", "oscillation/cycle_ms"} <= set(events), way
         for tag, written in events.items():
             assert all(description.strip() for _, description in written), (way, tag)
+
+
+def test_demo_keeps_each_ways_run_record_and_renders_its_report(demo, capsys):
+    proc, workdir = demo
+    lines = proc.stdout.splitlines()
+    printed = [re.search(r"verdict: +(\w+)", line)[1] for line in lines
+               if line.strip().startswith("verdict:")]
+    medians = re.findall(r"evidence: median step ([\d.]+) ms", proc.stdout)
+    reports = next(line for line in lines if line.startswith("report:")).split()[1:]
+    for way, verdict, median, report in zip(WAYS, printed, medians, reports):
+        record = RunRecord.load(workdir / "logs" / way).data  # the record its monitor wrote
+        assert record["verdict"]["verdict"] == verdict, way
+        assert f"{record['step_time']['p50_ms']:.1f}" == median, way
+        steps = len(_events(workdir / "logs" / way)["step_timer/step_ms"])
+        assert sum(record["series"]["steps"]) == steps, way  # every step of the way's fit
+        assert report == str(workdir / "logs" / way / "report.html")
+        assert f"id='verdict'>{verdict}</span>" in open(report).read()
+    assert main(["compare", str(workdir / "logs" / "naive"),
+                 str(workdir / "logs" / "keras_gpufix")]) == 0
+    out = capsys.readouterr().out
+    assert out.split(":")[0] in ("improvement", "no change", "regression")
+    assert f"verdict:  {printed[0]} -> {printed[1]}" in out

@@ -17,6 +17,7 @@ from keras_gpufix.diagnose import rank_causes, scan_script
 from keras_gpufix.diagnose.report import format_report, seen_in_code
 from keras_gpufix.diagnose.what_if import (Cycles, format_what_if, input_rate, replay_rates,
                                            what_if)
+from keras_gpufix.run_record import RunRecord
 
 SLOW_INPUT = """\
 import time
@@ -148,6 +149,19 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     for key in ("environment", "fits", "ranking", "log_dir"):
         assert key in result
     assert result["environment"]["tensorflow"] and result["environment"]["cpu_count"] >= 1
+    # the diagnosis kept: its run record and HTML report in the log folder
+    assert result["record"] == str(tmp_path / "logs" / "run_record.json")
+    record = RunRecord.load(tmp_path / "logs").data
+    assert record["source"] == "diagnose" and record["command"] == result["command"]
+    assert record["verdict"]["verdict"] == result["verdict"]
+    assert [(f["verdict"], f["where"], f["expected_speedup"]) for f in record["fixes"]] == [
+        (f["verdict"], f["where"], f["predicted"]["speedup"]) for f in result["fixes"]]
+    assert [c["verdict"] for c in record["causes"]] == [c["verdict"] for c in result["ranking"]]
+    assert record["what_if"]["speedup_if_input_free"] == result["what_if"]["speedup_if_input_free"]
+    assert record["step_time"]["p50_ms"] == monitor["step_time"]["p50_ms"]
+    assert sum(record["series"]["steps"]) == result["fits"][0]["steps_run"]
+    page = open(result["html_report"]).read()
+    assert "id='verdict'>input_bound</span>" in page and "train.py:17" in page
 
 
 def test_variable_lengths_under_jit_are_recompiling(tmp_path):

@@ -159,17 +159,17 @@ def test_replay_rates_runs_only_the_blocks_its_budget_holds():
 
 
 def test_a_slow_step_what_if_ends_within_its_stated_budget_and_says_it_was_cut(tmp_path):
-    proc, result, _ = _diagnose(tmp_path, "--what-if-budget", "3")
+    proc, result, _ = _diagnose(tmp_path, "--what-if-budget", "2")
     assert proc.returncode == 0 and result["exit_code"] == 0, proc.stderr[-3000:]
     what_if = result["what_if"]
-    assert what_if["budget_s"] == 3.0
-    # one 0.4 s step past the budget at most, with room for the host's noise;
-    # without a budget the replay alone takes ~20 s on this step
-    assert what_if["spent_s"] < 3.0 + 2.0, what_if
+    assert what_if["budget_s"] == 2.0
+    # a 0.4 s step or two past the budget at most; unbounded (--what-if-budget 1000)
+    # this what-if takes 4.7 s
+    assert what_if["spent_s"] < 2.0 + 1.5, what_if
     assert what_if["cut_short"].startswith("budget reached after") and not what_if["known"]
     assert what_if["step_batches_per_s"] > 0  # what it measured is kept
     line = next(x for x in format_report(result).splitlines() if x.startswith("what-if:"))
-    assert "cut short, budget reached after" in line and "what-if budget 3 s" in line, line
+    assert "cut short, budget reached after" in line and "what-if budget 2 s" in line, line
 
 
 def test_a_signal_during_the_what_if_says_the_what_if_was_stopped_not_training(tmp_path):

@@ -1,0 +1,251 @@
+"""The run record: written by fit and kg.watch runs (diagnose's and the demo's are
+checked in test_diagnose.py and test_demo.py, on the runs those files already make),
+bounded, atomic, checked on load; `keras-gpufix compare` of two records."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_gpufix as kg
+from keras_gpufix.analysis import StepRecord
+from keras_gpufix.analysis.comparison import compare_runs
+from keras_gpufix.analysis.step_series import StepSeries
+from keras_gpufix.cli import main
+from keras_gpufix.run_record import RunRecord
+
+
+def _watched_run(log_dir, wait_s, steps=48):
+    """A kg.watch loop of `steps` steps: `wait_s` in next(), 2 ms in the loop body.
+    Returns its monitor's report (the run's own judgement)."""
+    def batches():
+        for _ in range(steps):
+            time.sleep(wait_s)
+            yield np.zeros((4, 2), np.float32)
+
+    monitor = kg.GPUOscillationMonitor(log_dir=str(log_dir), nvml=False, verbose=0)
+    with kg.watch(batches(), callbacks=[monitor]) as watched:
+        for _ in watched:
+            time.sleep(0.002)
+    return watched.report()
+
+
+@pytest.fixture(scope="module")
+def slow_and_fixed(tmp_path_factory):
+    """Two kg.watch runs' (report, folder): a slow input (10 ms a batch), its fixed twin."""
+    root = tmp_path_factory.mktemp("runs")
+    return {name: (_watched_run(root / name, wait), root / name)
+            for name, wait in (("slow", 0.010), ("fixed", 0.0))}
+
+
+def _check_against(record, report):
+    """The record says what the run's own report said."""
+    data = record.data
+    assert data["schema"] == RunRecord.SCHEMA and data["version"] == RunRecord.VERSION
+    assert data["verdict"]["verdict"] == report["verdict"]
+    assert data["verdict"]["fix"] == report["fix"]
+    assert [c["verdict"] for c in data["causes"]] == [c["verdict"] for c in report["causes"]]
+    assert [c["share"] for c in data["causes"]] == pytest.approx(
+        [c["share"] for c in report["causes"]])
+    for key in ("count", "p50_ms", "p95_ms", "cv"):
+        assert data["step_time"][key] == pytest.approx(report["step_time"][key])
+    assert data["phases"]["input_wait"] == pytest.approx(report["input_wait"])
+    series = data["series"]
+    assert series == {**report["series"], "stride": series["stride"]}
+    assert sum(series["steps"]) == series["records"]  # one step per record here
+    assert data["environment"]["keras_backend"] == keras.backend.backend()
+    assert data["ended_by"] is None
+
+
+def test_a_kg_watch_run_leaves_its_record_in_the_monitors_log_dir(slow_and_fixed):
+    report, folder = slow_and_fixed["slow"]
+    assert report["verdict"] == "input_bound"
+    record = RunRecord.load(folder)
+    assert record.path == str(folder / "keras_gpufix" / "run_record.json")
+    _check_against(record, report)
+    fix = record.data["fixes"][0]
+    assert fix["rank"] == 1 and fix["verdict"] == "input_bound" and fix["fix"] == report["fix"]
+    share = report["causes"][0]["share"]
+    assert fix["expected_speedup"] == pytest.approx(1 / (1 - share))
+    assert sum(record.data["series"]["steps"]) == 48
+    # every series point is steady but the warm-up's and the epoch's first
+    assert record.data["series"]["judged"] == [False] * 5 + [True] * 43
+
+
+def test_a_fit_leaves_its_record_and_a_report_renders_it(tmp_path):
+    x = np.random.rand(160, 4).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    monitor = kg.GPUOscillationMonitor(log_dir=str(tmp_path / "logs"), nvml=False, verbose=0)
+    model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[monitor])
+    record = RunRecord.load(tmp_path / "logs")
+    _check_against(record, monitor.report())
+    assert sum(record.data["series"]["steps"]) == 80
+    assert record.data["series"]["epoch_first"].count(True) == 2
+    assert record.data["command"] == sys.argv
+    assert main(["report", str(tmp_path / "logs")]) == 0
+    page = (tmp_path / "logs" / "keras_gpufix" / "report.html").read_text()
+    assert f">{monitor.report()['verdict']}</span>" in page
+    assert page.count("<g class='step'>") == 80
+    assert "<script" not in page and "default-src 'none'" in page
+
+
+def _synthetic_report(steps, seed=0):
+    """A monitor report of `steps` records, no training: 10 ms steps, 40% input wait,
+    a 200 ms stall every 500 steps, a compile in the first."""
+    rng = np.random.default_rng(seed)
+    series = StepSeries(warmup=5)
+    for i in range(steps):
+        stall = 0.2 if i % 500 == 250 else 0.0
+        series.add(StepRecord(i, 1, 0.004 + stall, 0.006 * rng.uniform(0.9, 1.1), 0.0001,
+                              new_shape=i == 0, epoch=i // 10_000,
+                              epoch_first=i % 10_000 == 0, gpu_util=0.5))
+    return {"verdict": "input_bound", "fix": "the step waits for data " * 400,  # capped
+            "phase": "input_wait", "cost_share": 0.4, "because": ["x" * 5000] * 50,
+            "changed": None,
+            "causes": [{"verdict": "input_bound", "share": 0.4, "phase": "input_wait",
+                        "period": None},
+                       {"verdict": "periodic_stall", "share": 0.1, "phase": "input_wait",
+                        "period": 500}],
+            "step_time": {"count": steps, "p50_ms": 10.0, "p95_ms": 11.0, "cv": 1.0,
+                          "samples_per_s": 1600.0, "steps_per_s": 100.0},
+            "phases": {"input_wait": 0.4, "step": 0.59, "between": 0.01},
+            "gpu_util": 0.5, "series": series.as_dict()}
+
+
+def test_a_100000_step_record_stays_under_its_stated_size(tmp_path):
+    record = RunRecord.from_monitor(_synthetic_report(100_000))
+    path = record.write(tmp_path)
+    size = os.path.getsize(path)
+    assert size < RunRecord.MAX_BYTES == 256 * 1024, size
+    series = RunRecord.load(path).data["series"]
+    assert len(series["steps"]) <= 1024 and sum(series["steps"]) == 100_000
+    assert series["stall"].count(True) == 200  # each stall still marked, one per point
+    assert sum(series["compiles"]) == 1 and series["gpu_util"][0] == 0.5
+    data = RunRecord.load(path).data
+    assert len(data["verdict"]["fix"]) == RunRecord.MAX_TEXT
+    assert len(data["verdict"]["because"]) == RunRecord.MAX_ITEMS
+    assert data["step_time"]["batch_size"] == pytest.approx(16.0)
+    assert not [f for f in os.listdir(tmp_path) if f != RunRecord.FILE]  # no temp file left
+
+
+def test_a_truncated_or_foreign_record_is_a_clear_error_naming_the_file(tmp_path, capsys):
+    good = RunRecord.from_monitor(_synthetic_report(50)).write(tmp_path / "good")
+    text = open(good).read()
+    bad = {"truncated.json": text[: len(text) // 2], "foreign.json": '{"loss": [1, 2]}',
+           "list.json": "[1, 2]", "binary.json": "\x00\x01", "empty.json": "",
+           "newer.json": text.replace('"version":1', '"version":99'),
+           "no_series.json": json.dumps({**json.loads(text), "series": {}})}
+    reasons = {"truncated.json": "cannot be read as JSON", "foreign.json": "its schema is None",
+               "list.json": "a JSON list", "binary.json": "cannot be read as JSON",
+               "empty.json": "cannot be read as JSON", "newer.json": "newer keras_gpufix",
+               "no_series.json": "its series lacks first_step"}
+    for name, content in bad.items():
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(ValueError, match=reasons[name]) as error:
+            RunRecord.load(path)
+        assert str(error.value).startswith(f"{path}: not a keras_gpufix run record")
+    assert main(["report", str(tmp_path / "truncated.json")]) == 2
+    assert f"{tmp_path / 'truncated.json'}: not a keras_gpufix run record" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="no such file or folder"):
+        RunRecord.load(tmp_path / "truncated.json.missing")
+    os.makedirs(tmp_path / "none")
+    with pytest.raises(ValueError, match="no run record"):
+        RunRecord.load(tmp_path / "none")
+    os.makedirs(tmp_path / "two" / "a")
+    os.makedirs(tmp_path / "two" / "b")
+    for sub in ("a", "b"):
+        RunRecord.load(good).write(tmp_path / "two" / sub)
+    with pytest.raises(ValueError, match="2 run records below it; name one"):
+        RunRecord.load(tmp_path / "two")
+
+
+def test_compare_of_a_slow_input_run_and_its_fixed_twin_says_improvement(slow_and_fixed,
+                                                                         capsys):
+    (slow_report, slow), (fixed_report, fixed) = slow_and_fixed["slow"], slow_and_fixed["fixed"]
+    assert fixed_report["verdict"] == "healthy"
+    before, after = RunRecord.load(slow).data, RunRecord.load(fixed).data
+    result = compare_runs(before, after)
+    assert result["word"] == "improvement"
+    low, high = result["gain_range"]
+    assert 1 < low <= result["gain"] <= high
+    # the measured gain: the two runs' steady medians (10 + 2 ms a step vs 2 ms)
+    assert result["gain"] == pytest.approx(
+        result["before"]["median_ms"] / result["after"]["median_ms"])
+    assert result["gain"] > 2
+    assert (result["before"]["verdict"], result["after"]["verdict"]) == ("input_bound", "healthy")
+    gone = next(c for c in result["causes"] if c["verdict"] == "input_bound")
+    assert gone["gone"] and gone["after"] is None and gone["before"] > 0.5
+    assert result["predicted"][0]["verdict"] == "input_bound"
+    assert result["predicted"][0]["speedup"] == before["fixes"][0]["expected_speedup"]
+    assert result["warnings"] == []
+    assert main(["compare", str(slow), str(fixed)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"improvement: {RunRecord.find(fixed)} is {result['gain']:.2f}x")
+    assert "input_bound: " in out and "-> gone" in out and f"measured: {result['gain']:.2f}x" in out
+
+
+def test_compare_of_a_run_with_itself_says_no_change_and_names_what_differs(slow_and_fixed,
+                                                                            capsys):
+    _, slow = slow_and_fixed["slow"]
+    assert main(["compare", "--json", str(slow), str(slow)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["word"] == "no change" and result["gain"] == pytest.approx(1.0)
+    assert result["gain_range"][0] < 1 < result["gain_range"][1]
+    assert result["predicted"] == [] and result["warnings"] == []
+    data = RunRecord.load(slow).data
+    other = json.loads(json.dumps(data))
+    other["environment"].update(host="another-host", keras_backend="jax")
+    other["step_time"]["batch_size"] = 64.0
+    warnings = compare_runs(data, other)["warnings"]
+    assert len(warnings) == 3
+    assert "machines differ" in warnings[0] and "another-host" in warnings[0]
+    assert "backends differ" in warnings[1] and "batch sizes differ" in warnings[2]
+
+
+def test_a_fit_stopped_by_sigterm_leaves_its_record(tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        import keras, numpy as np
+        import keras_gpufix as kg
+
+        class Marker(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                time.sleep(0.005)
+                if batch == 30:
+                    open(sys.argv[2], "w").close()
+
+        x = np.random.rand(4096, 4).astype("float32")
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("adam", "mse")
+        model.fit(x, x[:, :1], batch_size=4, epochs=100, verbose=0, callbacks=[
+            kg.GPUOscillationMonitor(log_dir=sys.argv[1], nvml=False, verbose=0), Marker()])
+    """))
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "logs"), str(marker)],
+                            env=dict(os.environ, KERAS_BACKEND="jax"),  # starts faster
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM  # the signal still ends the process, as before
+    record = RunRecord.load(tmp_path / "logs").data
+    assert record["ended_by"] == "SIGTERM"
+    assert sum(record["series"]["steps"]) >= 31

@@ -80,7 +80,7 @@ def cache_info(corpus, cache_dir=None, config=None, verbose=0):
         corpora, with their sizes) and `leftovers` (temporary folders of
         interrupted or failed builds, which `cache_clear` removes),
         `compile_dir` and `compile_entries` (the XLA compile entries
-        beside the feature cache: dicts `name`, `size_bytes`).
+        beside the feature cache: dicts `name`, `size_bytes`, `age_s`).
     """
     from keras_gpufix.compile.compile_cache import CompileCache
     from keras_gpufix.data.cache import FeatureCache
@@ -171,6 +171,13 @@ def _mb(n):
     return f"{n / 2**20:.1f} MiB"
 
 
+def _age(seconds):
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def format_cache(result):
     if result["action"] == "clear":
         compiled = len(result["compile_removed"])
@@ -197,6 +204,8 @@ def format_cache(result):
         f"{result['compile_dir']} "
         f"({_mb(sum(e['size_bytes'] for e in result['compile_entries']))}; kept across runs, "
         "`cache clear` removes them)",
+        *(f"  {e['name']}  {_mb(e['size_bytes'])}, written {_age(e['age_s'])} ago"
+          for e in result["compile_entries"]),
     ]
     others = result["other_entries"]
     if others:

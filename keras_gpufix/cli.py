@@ -139,7 +139,12 @@ def build_parser():
 
     p = sub.add_parser("demo", help="generate a small corpus, train briefly, show the diagnosis")
     p.set_defaults(subparser=p)
-    p.add_argument("--dir", metavar="DIR", help="work folder (default: a new temp folder)")
+    p.add_argument("--dir", metavar="DIR",
+                   help="work folder, kept for the next run (default: "
+                        "~/.cache/keras_gpufix/demo, or under $XDG_CACHE_HOME)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start clean: remove the corpus, feature and compile caches and logs "
+                        "an earlier demo left in the work folder")
     p.add_argument("--utterances", type=_positive_int, default=96, metavar="N",
                    help="utterances to generate, 1-4 s each (default 96)")
     p.add_argument("--epochs", type=_positive_int, default=3, metavar="N",
@@ -276,7 +281,7 @@ def _demo(args, sub):
     from keras_gpufix.demo import format_demo, run_demo
 
     result = run_demo(workdir=args.dir, utterances=args.utterances, epochs=args.epochs,
-                      verbose=0 if args.json else 1)
+                      verbose=0 if args.json else 1, fresh=args.fresh)
     if args.json:
         _print_json(result)
     else:

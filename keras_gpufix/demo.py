@@ -23,9 +23,16 @@
 6. each way's run record (`logs/<way>/run_record.json`, written by its
    monitor) rendered as `logs/<way>/report.html` (`keras-gpufix report`).
 
-XLA compiles are kept across runs in `cache/xla` beside the feature cache
-(`CompileCache`, turned on before TensorFlow starts): a second demo in the
-same `--dir` loads them instead of compiling.
+The demo keeps its work folder across runs: `~/.cache/keras_gpufix/demo`
+(`$XDG_CACHE_HOME/keras_gpufix/demo`) unless `workdir` (`--dir`) names
+another, printed at the start; `fresh` (`--fresh`) removes what an earlier
+demo left there first. A rerun reuses the corpus (generated again when
+`utterances` changed), opens the feature cache (checked against the corpus
+and the config as always) and loads the keras_gpufix way's XLA compiles from
+`cache/xla` beside it (`CompileCache`, turned on before TensorFlow starts);
+the `speed:` line says how many shapes came from the compile cache and how
+many were compiled afresh, and why. Each run's logs replace the previous
+run's.
 
 Both ways are traced once by a `kg.ProfilerTrigger` in steady state (up to 6
 steps of the second epoch, from its second step), so TensorBoard's Profile
@@ -42,16 +49,21 @@ filtered from stderr while TensorFlow loads);
 `TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo` shows them all.
 """
 
+import glob
+import json
 import os
 import shutil
 import tempfile
 import time
 
-from keras_gpufix.compile.compile_cache import CompileCache
+from keras_gpufix.compile.compile_cache import CompileCache, user_cache_dir
 from keras_gpufix.output import emit, faster, import_tensorflow_quietly
 from keras_gpufix.run_record import RunRecord
 
-__all__ = ["run_demo", "format_demo", "DEMO_CONFIG"]
+__all__ = ["run_demo", "format_demo", "prepare_workdir", "DEMO_CONFIG"]
+
+# what a demo writes in its work folder: `fresh` removes these, and nothing else
+_MADE = ("corpus", "corpus.json", "cache", "logs", "demo.yaml")
 
 DEMO_CONFIG = """\
 # Written by `keras-gpufix demo`; check it with `keras-gpufix validate {name}`.
@@ -71,6 +83,55 @@ callbacks:
   # no ProfilerTrigger: the demo traces each way's second epoch itself (steady state)
 fit: {{epochs: {epochs}}}
 """
+
+
+def prepare_workdir(workdir=None, fresh=False):
+    """The demo's work folder, made ready for a run.
+
+    Args:
+        workdir: the folder; None: `user_cache_dir("demo")`
+            (`~/.cache/keras_gpufix/demo`). Defaults to None.
+        fresh: remove what an earlier demo left there (its corpus, feature
+            and compile caches, config and logs; nothing else in the
+            folder) first. Defaults to False.
+
+    Returns:
+        The folder (absolute). The previous run's logs (and any scalars a
+        stopped run left half-moved) are removed either way.
+    """
+    workdir = os.path.abspath(workdir or user_cache_dir("demo"))
+    os.makedirs(workdir, exist_ok=True)
+    leftovers = ("logs", *glob.glob(os.path.join(workdir, ".naive_scalars_*")))
+    for name in (_MADE if fresh else ()) + leftovers:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.unlink(path)
+    return workdir
+
+
+def _corpus(kg, workdir, utterances, verbose):
+    """The generated corpus of `utterances` (made again when an earlier run
+    generated another one: `corpus.json` beside it says what was made)."""
+    corpus = os.path.join(workdir, "corpus")
+    stamp = os.path.join(workdir, "corpus.json")
+    made = {"utterances": utterances, "min_seconds": 1.0, "max_seconds": 4.0,
+            "bad_files": ["truncated"]}
+    try:
+        with open(stamp) as f:
+            same = json.load(f) == made and os.path.exists(os.path.join(corpus, "metadata.csv"))
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        shutil.rmtree(corpus, ignore_errors=True)
+        emit(f"Generating {utterances} utterances in {corpus} ...", verbose)
+        kg.data.make_synthetic_corpus(corpus, utterances, min_seconds=made["min_seconds"],
+                                      max_seconds=made["max_seconds"],
+                                      bad_files=tuple(made["bad_files"]))
+        with open(stamp, "w") as f:
+            json.dump(made, f)
+    return corpus
 
 
 def _model(vocab_size, n_mels):
@@ -199,7 +260,7 @@ def _fit(model, dataset, epochs, callbacks, steps=None):
     return history, seconds, ends
 
 
-def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
+def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
     """Generates a corpus, trains it the naive way and the keras_gpufix way.
 
     Both ways train the same tiny model on the same generated corpus, one
@@ -210,12 +271,15 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     buckets, `kg.compile_model`).
 
     Args:
-        workdir: folder for the corpus, cache, config and logs. Defaults to
-            a new temp folder.
+        workdir: folder for the corpus, caches, config and logs, kept for
+            the next run. Defaults to `~/.cache/keras_gpufix/demo`
+            (`prepare_workdir`).
         utterances: generated utterances (1 to 4 s each). Defaults to 96.
         epochs: training epochs of each way (throughput is measured over
             every epoch after the first). Defaults to 3.
         verbose: one progress line per phase. Defaults to 1.
+        fresh: start clean: remove what an earlier demo left in `workdir`.
+            Defaults to False.
 
     Returns:
         A dict: `workdir`, `config`, `corpus_seconds`, `cache_seconds`
@@ -229,16 +293,17 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
         priced compiles), `wall_seconds` (from the way's setup to its last
         step), `progress` (utterances done and seconds since the setup at
         each step's end)), `payback` (`_payback(naive, keras_gpufix)`),
-        `compile_cache` (`directory`, `active`, `note`, `entries`,
-        `written`: entries the keras_gpufix way's fit added, i.e. its
-        fresh compiles), `log_dir` (TensorBoard: runs `naive` and
+        `compile_cache` (`directory`, `active`, `note`, `entries` (before
+        the keras_gpufix way's fit), `written`: entries its fit added, i.e.
+        its fresh compiles), `log_dir` (TensorBoard: runs `naive` and
         `keras_gpufix`, each with its scalars, its trace and its run record),
         `reports` (each way's HTML report), `devices`.
     """
     import dataclasses
 
-    workdir = workdir or tempfile.mkdtemp(prefix="keras_gpufix_demo_")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = prepare_workdir(workdir, fresh)
+    emit(f"keras-gpufix demo: work folder {workdir} (kept for the next run: corpus, feature "
+         "cache, XLA compiles; --dir DIR chooses another, --fresh starts clean)", verbose)
     # before TensorFlow starts (it reads TF_XLA_FLAGS once): beside the feature cache
     compile_cache = CompileCache.enable(beside=os.path.join(workdir, "cache"))
     tf = _import_tensorflow_quietly()
@@ -252,11 +317,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1):
     with open(config_path, "w") as f:
         f.write(DEMO_CONFIG.format(name=config_path, epochs=epochs, warmup=utterances // 8))
     t0 = time.perf_counter()
-    corpus = os.path.join(workdir, "corpus")
-    if not os.path.exists(os.path.join(corpus, "metadata.csv")):
-        emit(f"Generating {utterances} utterances in {corpus} ...", verbose)
-        kg.data.make_synthetic_corpus(corpus, utterances, min_seconds=1.0, max_seconds=4.0,
-                                      bad_files=("truncated",))
+    corpus = _corpus(kg, workdir, utterances, verbose)
     corpus_seconds = time.perf_counter() - t0
 
     setup = kg.from_config(config_path)
@@ -368,11 +429,15 @@ def _side_lines(side, compiled=""):
 
 
 def _cache_words(cache, shapes):
-    """How the keras_gpufix way's compiles went: fresh or from the compile cache."""
+    """How the keras_gpufix way's compiles went: fresh (and why) or from the
+    compile cache."""
     if not cache.get("active"):
         return ", not kept across runs (compile cache off)"
     fresh = min(cache["written"], shapes)
-    return f", {fresh} of {shapes} shapes fresh, {shapes - fresh} from the compile cache"
+    why = ("" if not fresh else " (the compile cache was empty)" if not cache["entries"]
+           else " (not in the compile cache: the model, a batch shape, TensorFlow or its XLA "
+                "flags differ from the runs that filled it)")
+    return f", {shapes - fresh} of {shapes} shapes from the compile cache, {fresh} fresh{why}"
 
 
 def _payback_words(p, ways=("keras_gpufix", "naive")):
@@ -403,8 +468,10 @@ def format_demo(result):
         f"compile_model (jit_compile={c.get('jit_compile')}, policy {c.get('policy')}, "
         f"steps_per_execution={c.get('steps_per_execution')})"
         + (f", fallback: {c['fallback_reason']}" if c.get("fallback_reason") else ""),
-        "          compile cache: " + (f"{cache['directory']} ({cache['entries']} entries)"
-                                       if cache.get("active") else f"off: {cache.get('note')}"),
+        "          compile cache: " + (
+            f"{cache['directory']} ({cache['entries']} entries before this run; keras-gpufix "
+            f"cache info {os.path.join(result['workdir'], 'corpus')} --config {result['config']}"
+            " lists them)" if cache.get("active") else f"off: {cache.get('note')}"),
         *_side_lines(fast, _cache_words(cache, fast["retracing"].get("new_shapes") or 0)),
         "result:   " + faster("keras_gpufix", fast["steady_samples_per_s"], "naive",
                               naive["steady_samples_per_s"], " utterances/s")

@@ -1,7 +1,8 @@
-"""`keras-gpufix demo`, run once as a user runs it after a plain install: TensorFlow's
-log level unset, `import librosa` failing. The tests share that one run (it costs
-about 30 s): its report, and its TensorBoard log dir read from the event files and
-trace folders (no browser, no screenshot)."""
+"""`keras-gpufix demo`, run twice as a user runs it after a plain install: no `--dir`
+(its per-user folder, under `XDG_CACHE_HOME`), TensorFlow's log level unset,
+`import librosa` failing. The tests share those two runs (about 30 s and 20 s): the
+first's compile counts, the second's report, and its TensorBoard log dir read from the
+event files and trace folders (no browser, no screenshot)."""
 
 import collections
 import os
@@ -34,20 +35,33 @@ def without_librosa(folder):
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """(completed process, work folder) of one `keras-gpufix demo` run."""
+def first_demo(tmp_path_factory):
+    """(completed process, work folder, environment) of a first `keras-gpufix demo`."""
     tmp = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items()
            if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_XLA_FLAGS")}  # a user's shell
     env["PYTHONPATH"] = os.pathsep.join([without_librosa(str(tmp / "no_librosa")), REPO])
+    env["XDG_CACHE_HOME"] = str(tmp / "user_cache")
     blocked = subprocess.run([sys.executable, "-c", "import librosa"], env=env,
                              capture_output=True, text=True)
     assert blocked.returncode != 0 and "librosa is blocked" in blocked.stderr
-    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--dir",
-                           str(tmp / "demo"), "--utterances", "24", "--epochs", "2"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = _run_demo(env)
+    return proc, tmp / "user_cache" / "keras_gpufix" / "demo", env
+
+
+def _run_demo(env):
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "demo", "--utterances", "24",
+                           "--epochs", "2"], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, tmp / "demo"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def demo(first_demo):
+    """(completed process, work folder) of the same command run again."""
+    _, workdir, env = first_demo
+    return _run_demo(env), workdir
 
 
 def _events(run_dir):
@@ -102,11 +116,11 @@ def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo)
         first, compiling, rest = float(m[1]), float(m[2]), float(m[4])
         assert abs(first - compiling - rest) <= 0.16
     assert float(splits[1][2]) > 0  # keras_gpufix: one XLA compile per bucket shape
-    # the compile cache beside the feature cache: a fresh folder, so every shape fresh
+    # the second run loads every shape the first compiled from the compile cache
     xla = workdir / "cache" / "xla"
-    assert f"compile cache: {xla} (0 entries)" in proc.stdout
     shapes = int(re.search(r"(\d+) batch shapes", proc.stdout)[1])
-    assert splits[1][3] == f", {shapes} of {shapes} shapes fresh, 0 from the compile cache"
+    assert f"compile cache: {xla} ({shapes} entries before this run; " in proc.stdout
+    assert splits[1][3] == f", {shapes} of {shapes} shapes from the compile cache, 0 fresh"
     assert len(os.listdir(xla)) == shapes
     result = next(line for line in lines if line.startswith("result:"))
     assert re.search(r"; keras_gpufix (caught up with naive after \d+ utterances \([\d.]+ s "
@@ -115,6 +129,31 @@ def test_demo_splits_each_first_epoch_and_says_when_the_fast_way_pays_back(demo)
                      r"does not catch up)", result), result
     wall = next(line for line in lines if line.startswith("wall:"))
     assert re.match(r"wall: +naive [\d.]+ s, keras_gpufix [\d.]+ s \(", wall), wall
+
+
+def test_a_first_demo_works_in_the_user_cache_folder_and_compiles_every_shape(first_demo):
+    proc, workdir, _ = first_demo
+    assert proc.stdout.splitlines()[0].startswith(f"keras-gpufix demo: work folder {workdir} ")
+    assert f"Generating 24 utterances in {workdir / 'corpus'}" in proc.stdout
+    assert f"compile cache: {workdir / 'cache' / 'xla'} (0 entries before this run; " \
+        in proc.stdout
+    shapes = int(re.search(r"(\d+) batch shapes", proc.stdout)[1])
+    assert f", 0 of {shapes} shapes from the compile cache, {shapes} fresh (the compile " \
+           "cache was empty); training" in proc.stdout
+
+
+def test_a_fresh_demo_folder_keeps_only_what_the_demo_did_not_make(tmp_path):
+    from keras_gpufix.demo import prepare_workdir
+
+    for name in ("corpus/wavs", "cache/xla", "logs/naive", ".naive_scalars_x", "mine"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("corpus.json", "demo.yaml", "cache/xla/entry.pb", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert prepare_workdir(str(tmp_path)) == str(tmp_path)  # a rerun: the logs go
+    assert sorted(os.listdir(tmp_path)) == ["cache", "corpus", "corpus.json", "demo.yaml",
+                                            "mine", "notes.txt"]
+    prepare_workdir(str(tmp_path), fresh=True)
+    assert sorted(os.listdir(tmp_path)) == ["mine", "notes.txt"]
 
 
 def test_demo_log_dir_holds_the_two_ways_as_runs_with_one_steady_state_trace_each(demo):
@@ -144,8 +183,11 @@ def test_cache_info_and_clear_show_and_remove_the_demo_compile_entries(demo, cap
     args = [str(workdir / "corpus"), "--config", str(workdir / "demo.yaml")]
     shapes = len(os.listdir(workdir / "cache" / "xla"))
     assert main(["cache", "info", *args]) == 0
-    assert f"compiles:     {shapes} XLA compile entries in {workdir / 'cache' / 'xla'}" \
-        in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"compiles:     {shapes} XLA compile entries in {workdir / 'cache' / 'xla'}" in out
+    listed = re.findall(r"^  (xla_compile_cache__\S+\.pb)  [\d.]+ MiB, written \d+ (s|min) ago$",
+                        out, re.M)
+    assert sorted(name for name, _ in listed) == sorted(os.listdir(workdir / "cache" / "xla"))
     assert main(["cache", "clear", *args]) == 0
     assert f"removed 1 entry and {shapes} XLA compile entries" in capsys.readouterr().out
     assert not os.listdir(workdir / "cache" / "xla")

@@ -12,14 +12,25 @@ the compiled executables in a folder and load them in the next run:
   turned on before that: by `kg.from_config` (before it makes the
   strategy) and `keras-gpufix demo`; `kg.compile_model` turns it on when
   TensorFlow has not started yet, and otherwise says once how to. One
-  entry is one file `xla_compile_cache__<signature>__<cluster>__<device>.pb`.
-  TensorFlow names an entry after the traced function, and that name holds
-  a process-wide counter: a run that traced other functions before its
-  train step (one that built a feature cache which the next run only
-  opens) compiles afresh once; runs that do the same things hit.
+  entry is one file `xla_compile_cache__<signature>__<cluster>__<device>.pb`
+  (TensorFlow's `DeviceExecutablePersistor`): the signature hashes the
+  traced function's name and its argument shapes and dtypes, the cluster
+  fingerprint the HLO module, and a loaded entry must hold the same HLO.
+  The name, `__inference_one_step_on_data_<id>`, takes its id from a
+  process-wide counter that every trace advances (the HLO module bears it
+  too), so a run that traced more before its step (one that built a
+  feature cache the next run only opens) looked up other entries.
+  `kg.compile_model` makes each trace of the step start at an aligned id
+  (`keras_internals.trace_from_aligned_ids`) when the cache is on: the
+  entries a run looks up no longer depend on what it traced before. A
+  `tf.function(jit_compile=True)` of your own keeps TensorFlow's naming.
 - JAX: `jax_compilation_cache_dir`, with
   `jax_persistent_cache_min_compile_time_secs=0` (its default, 1 s, keeps
-  no small step), read at the first compile after it is set.
+  no small step), read at the first compile after it is set. JAX keys an
+  entry on the program itself (`jax._src.cache_key.get`: the StableHLO
+  module without its debug info, the jaxlib version, the platform, the
+  XLA flags and compile options, the devices), named `jit_<function>`:
+  nothing in it counts what the process did before.
 
 Entries never change results: an entry is the executable the same
 computation compiles to (`tests/test_compile_cache.py` trains from a fresh
@@ -31,11 +42,13 @@ import logging
 import os
 import shlex
 import sys
+import time
+from stat import S_ISREG
 from typing import Optional
 
 from keras_gpufix.backends import name as backend_name
 
-__all__ = ["CompileCache"]
+__all__ = ["CompileCache", "user_cache_dir"]
 
 logger = logging.getLogger("keras_gpufix.compile")
 
@@ -43,6 +56,13 @@ _TF_FLAG = "--tf_xla_persistent_cache_directory"
 _SUBFOLDER = "xla"  # beside a feature cache: <cache_dir>/xla
 _JAX_HIT = "/jax/compilation_cache/cache_hits"
 _JAX_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def user_cache_dir(name: str) -> str:
+    """`$XDG_CACHE_HOME/keras_gpufix/<name>` (or `~/.cache/keras_gpufix/<name>`):
+    what keras_gpufix keeps per user across runs."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "keras_gpufix", name)
 
 
 def _tf_flag_directory() -> Optional[str]:
@@ -92,10 +112,7 @@ class CompileCache:
         """Where `"auto"` keeps entries: `<beside>/xla` next to a feature
         cache folder, else `$XDG_CACHE_HOME/keras_gpufix/xla` (or
         `~/.cache/keras_gpufix/xla`)."""
-        if beside:
-            return os.path.join(beside, _SUBFOLDER)
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(root, "keras_gpufix", _SUBFOLDER)
+        return os.path.join(beside, _SUBFOLDER) if beside else user_cache_dir(_SUBFOLDER)
 
     @classmethod
     def enable(cls, directory="auto", beside: Optional[str] = None) -> "CompileCache":
@@ -178,14 +195,19 @@ class CompileCache:
         return cls(named or wanted, True)
 
     def entries(self) -> list:
-        """The entries in `directory`: dicts `name`, `size_bytes` (sorted by name)."""
+        """The entries in `directory`: dicts `name`, `size_bytes`, `age_s`
+        (seconds since it was written), sorted by name."""
         if not self.directory or not os.path.isdir(self.directory):
             return []
-        found = []
+        found, now = [], time.time()
         for name in sorted(os.listdir(self.directory)):
-            path = os.path.join(self.directory, name)
-            if os.path.isfile(path) and not name.startswith("."):
-                found.append({"name": name, "size_bytes": os.path.getsize(path)})
+            try:
+                stat = os.stat(os.path.join(self.directory, name))
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if S_ISREG(stat.st_mode) and not name.startswith("."):
+                found.append({"name": name, "size_bytes": stat.st_size,
+                              "age_s": max(0.0, now - stat.st_mtime)})
         return found
 
     def clear(self) -> dict:

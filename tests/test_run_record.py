@@ -124,6 +124,7 @@ def test_a_100000_step_record_stays_under_its_stated_size(tmp_path):
     record = RunRecord.from_monitor(_synthetic_report(100_000))
     path = record.write(tmp_path)
     size = os.path.getsize(path)
+    print(f"a 100,000-step run record: {size} bytes")  # docs/benchmarks.md, run-record-size
     assert size < RunRecord.MAX_BYTES == 256 * 1024, size
     series = RunRecord.load(path).data["series"]
     assert len(series["steps"]) <= 1024 and sum(series["steps"]) == 100_000

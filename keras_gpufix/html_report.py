@@ -156,7 +156,7 @@ def _timeline(series):
                      for p, c in PHASE_COLOURS.items())
     out = ["<h2>Timeline</h2>",
            f"<p class='legend'>Per step, stacked:{legend}<span style='background:#6a1b9a'></span>"
-           "compiled (&#9660; above)<span style='background:#000'></span>stall (tick below)"
+           "compiled (&#9650; above)<span style='background:#000'></span>stall (tick below)"
            "<span style='background:#eee'></span>not judged</p>", *svg,
            f"<p class='muted'>{n} points, each {series['stride']} record(s) of "
            f"{series['records']}; a bar past {top:.0f} ms is cut at the top. Dashed lines: "

@@ -27,8 +27,10 @@ masked out by `mel_len` through the sample weights.
 The checkpoint (`OUTPUT/checkpoint/`, weights with optimizer state and the
 epoch reached, by `keras.callbacks.BackupAndRestore`) is written at every
 epoch end; running the same command again with a larger `--epochs` resumes
-from it. The trained model is saved as `OUTPUT/tts.keras` and the loss per
-epoch as `OUTPUT/history.json`.
+from it, and loads its XLA compiles from `OUTPUT/cache/xla` (`CompileCache`,
+turned on before TensorFlow starts) instead of compiling them again. The
+trained model is saved as `OUTPUT/tts.keras` and the loss per epoch as
+`OUTPUT/history.json`.
 """
 
 import argparse
@@ -43,6 +45,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 import keras_gpufix as kg
+from keras_gpufix.compile import CompileCache
 
 MEL_OFFSET = 5.0  # log-mel of speech lies around -11.5 (floor) .. 2; centre it near 0
 
@@ -285,6 +288,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.output, exist_ok=True)
+    # before TensorFlow starts (it reads TF_XLA_FLAGS once): XLA compiles kept beside the
+    # feature cache, so a restarted or resumed run loads them instead of compiling
+    compile_cache = CompileCache.enable(beside=os.path.join(args.output, "cache"))
+    kept = {e["name"] for e in compile_cache.entries()}
     keras.utils.set_random_seed(args.seed)
 
     strategy = kg.setup_strategy()
@@ -356,6 +363,9 @@ def main(argv=None):
         "retracing": {k: retracing.report().get(k) for k in ("trace_count", "recompile_ms")},
         "traces": [t["path"] for t in profiler.traces],
         "history": record,
+        # compiles this run added to the cache (fresh); the others it loaded from there
+        "compile_cache": {"directory": compile_cache.directory,
+                          "fresh": len({e["name"] for e in compile_cache.entries()} - kept)},
     }, default=str))
     return 0
 

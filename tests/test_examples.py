@@ -2,8 +2,8 @@
 
 `examples/train_asr_ctc.py` trains a tiny CTC model from a generated manifest.
 `examples/train_tts.py` trains a few steps on a tiny generated corpus (one
-bucket, so one XLA compile), then resumes from its checkpoint; the loss goes
-down across the four epochs. `examples/tensorboard_snapshot.py` serves a
+bucket, so one XLA compile), then resumes from its checkpoint, loading its
+compiles from the compile cache; the loss goes down across the four epochs. `examples/tensorboard_snapshot.py` serves a
 small log dir with TensorBoard and checks our scalars and the Profile run
 through its HTTP API (no browser).
 """
@@ -67,10 +67,13 @@ def test_train_tts_trains_saves_and_resumes(tmp_path):
     assert first["retracing"]["trace_count"] <= 2
     # the builder's batches carry their lengths: speech throughput is reported
     assert first["audio_seconds_per_s"] > 0 and first["real_frames_per_s"] > 0
+    assert first["compile_cache"]["directory"] == os.path.join(out, "cache", "xla")
+    assert first["compile_cache"]["fresh"] >= 1
 
     second = _last_json(_run([os.path.join(EXAMPLES, "train_tts.py"), "--output", out,
                               "--epochs", "4", *TINY_TTS]))
     assert second["epochs_run"] == [2, 3]  # resumed from the checkpoint, not from scratch
+    assert second["compile_cache"]["fresh"] == 0  # every compile loaded from the cache
     losses = second["history"]["loss"]
     assert second["history"]["epoch"] == [0, 1, 2, 3]
     assert losses[-1] < losses[0]

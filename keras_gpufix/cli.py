@@ -330,8 +330,10 @@ def main(argv=None) -> int:
         return 2
     sub = args.subparser
     # TensorFlow's log lines would bury our one-line answers (the demo turns its compile
-    # cache on before TensorFlow starts; other backends need no TensorFlow)
-    if args.command not in ("demo", "report", "compare") and backend_name() == "tensorflow":
+    # cache on before TensorFlow starts; validate imports it, quietly, only for a config's
+    # corpus or device list; other backends need no TensorFlow)
+    if (args.command not in ("demo", "report", "compare", "validate")
+            and backend_name() == "tensorflow"):
         import_tensorflow_quietly()
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
                "cache": _cache, "demo": _demo, "report": _report, "compare": _compare,
@@ -345,6 +347,9 @@ def main(argv=None) -> int:
             raise
         why = ("it measures through tf.data and tf.function" if args.command == "diagnose"
                else "its data pipeline is tf.data")
+        if args.command == "validate":  # what needs it: the builder, the device names
+            why = ("this config's data.corpus is checked by the tf.data builder, "
+                   "strategy.devices by tf.distribute")
         print(f"keras-gpufix {args.command}: needs TensorFlow ({why}), "
               f"which is not installed here (the Keras {backend_name()} backend): "
               "pip install tensorflow. Without it the callbacks and kg.watch still monitor "

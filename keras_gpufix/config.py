@@ -44,9 +44,12 @@ judged there.
   the callbacks, and holds the `compile_model`, `build` and `fit` arguments.
 """
 
+import ast
 import copy
 import dataclasses
 import difflib
+import functools
+import importlib.util
 import inspect
 import itertools
 import json
@@ -96,39 +99,137 @@ _short.maxstring = _short.maxother = 60
 
 
 def _targets():
-    """Section -> the callable whose keyword arguments it holds."""
-    import keras
+    """Section -> the signature of the call whose keyword arguments it holds."""
+    from keras_gpufix.distribute import setup_strategy
 
-    import keras_gpufix as kg
+    return {"data": _source("keras_gpufix.data.builder", "SpeechDatasetBuilder.__init__"),
+            "build": _source("keras_gpufix.data.builder", "SpeechDatasetBuilder.build"),
+            "compile": _source("keras_gpufix.compile.entry", "compile_model"),
+            "strategy": inspect.signature(setup_strategy), "callbacks": None,
+            "fit": _keras_model("fit")}
 
-    return {"data": kg.data.SpeechDatasetBuilder, "build": kg.data.SpeechDatasetBuilder.build,
-            "compile": kg.compile_model, "strategy": kg.setup_strategy,
-            "callbacks": None, "fit": keras.Model.fit}
 
-
-def _callback_classes():
+def _callback_signatures():
+    """Each public callback's name -> its constructor's signature."""
     from keras_gpufix import callbacks
 
-    return {name: getattr(callbacks, name) for name in callbacks.__all__}
+    return {name: _source(callbacks._EXPORTS[name], f"{name}.__init__")
+            for name in callbacks.__all__}
 
 
-def _keys(target) -> list:
-    """The keyword arguments a section may hold: `target`'s parameters
-    (and `model.compile`'s for `compile_model`'s `**compile_kwargs`)."""
+class _NotLiteral:
+    """The default of a parameter whose source default is not a literal."""
+
+    def __repr__(self):
+        return "<not a literal>"
+
+
+_NOT_LITERAL = _NotLiteral()
+
+
+@functools.lru_cache(maxsize=None)
+def _text(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _source_signature(path, qualname) -> inspect.Signature:
+    """The parameters of `qualname` (`"f"`, or `"Class.method"` of a
+    top-level class) read from the source file `path` without importing it:
+    names, kinds and defaults (a default that is not a literal is
+    `_NOT_LITERAL`); a method's first parameter (`self`) left out. Only the
+    `def` line(s) are parsed (a whole module takes 10-50 ms).
+
+    Raises:
+        LookupError: when `path` defines no `qualname`.
+    """
+    text, start = _text(path), 0
+    *owner, name = qualname.split(".")
+    if owner:
+        found = re.search(rf"^class {owner[0]}\b.*?:[ \t]*(#.*)?$", text, re.M)
+        start = found.end() if found else len(text)
+        end = re.compile(r"^\S", re.M).search(text, start)
+        text = text[:end.start() if end else len(text)]
+    found = re.compile(rf"^{'    ' if owner else ''}def {name}\(", re.M).search(text, start)
+    node, lines = None, []
+    for line in text[found.start():].splitlines() if found else ():
+        lines.append(line.strip())
+        try:
+            node = ast.parse("\n".join(lines) + "\n pass").body[0]
+            break
+        except SyntaxError:
+            if len(lines) > 40:
+                break
+    if not isinstance(node, ast.FunctionDef):
+        raise LookupError(f"{path} defines no {qualname}")
+    args, P = node.args, inspect.Parameter
+
+    def default(value):
+        if value is None:
+            return P.empty
+        try:
+            return ast.literal_eval(value)
+        except ValueError:
+            return _NOT_LITERAL
+
+    positional = ([(a, P.POSITIONAL_ONLY) for a in args.posonlyargs]
+                  + [(a, P.POSITIONAL_OR_KEYWORD) for a in args.args])
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    parameters = [P(a.arg, kind, default=default(d)) for (a, kind), d in zip(positional, defaults)]
+    if args.vararg:
+        parameters.append(P(args.vararg.arg, P.VAR_POSITIONAL))
+    parameters += [P(a.arg, P.KEYWORD_ONLY, default=default(d))
+                   for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        parameters.append(P(args.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(parameters[1:] if "." in qualname else parameters)
+
+
+def _source(module, qualname) -> inspect.Signature:
+    """`_source_signature` of a module of this package (found, not imported:
+    the data builder, `compile_model` and the callbacks import TensorFlow or
+    Keras)."""
+    return _source_signature(importlib.util.find_spec(module).origin, qualname)
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_model(method) -> inspect.Signature:
+    """`keras.Model.<method>`'s parameters (`self` left out), read from Keras's
+    source without importing Keras (which imports its backend: TensorFlow on
+    the TensorFlow backend); from Keras itself where its source is not where
+    `keras_internals.keras_trainer_source` looks."""
+    from keras_gpufix.keras_internals import keras_trainer_source
+
+    path = keras_trainer_source()
+    if path is not None:
+        try:
+            return _source_signature(path, f"Trainer.{method}")
+        except (LookupError, OSError):
+            pass
     import keras
 
+    signature = inspect.signature(getattr(keras.Model, method))
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _keys(signature) -> list:
+    """The keyword arguments a section may hold: the parameters of its
+    call's `signature` (and `model.compile`'s for `compile_model`'s
+    `**compile_kwargs`)."""
     names = []
-    for p in inspect.signature(target).parameters.values():
+    for p in signature.parameters.values():
         if p.kind is p.VAR_KEYWORD:
-            names += [k for k in _keys(keras.Model.compile) if k not in names]
+            names += [k for k in _keys(_keras_model("compile")) if k not in names]
         elif p.kind is not p.VAR_POSITIONAL and p.name not in _NOT_FROM_YAML:
             names.append(p.name)
     return names
 
 
-def _default(target, key):
-    parameter = inspect.signature(target).parameters.get(key)
-    return inspect.Parameter.empty if parameter is None else parameter.default
+def _default(signature, key):
+    parameter = signature.parameters.get(key)
+    if parameter is None or parameter.default is _NOT_LITERAL:
+        return inspect.Parameter.empty
+    return parameter.default
 
 
 @dataclasses.dataclass
@@ -407,8 +508,9 @@ def _accepted(call, kwargs, key, default):
     return inspect.Parameter.empty
 
 
-def _judge(doc, path, call, kwargs, target):
-    """`call(**kwargs)`, its own checks being the schema: each value it refuses
+def _judge(doc, path, call, kwargs, signature):
+    """`call(**kwargs)`, its own checks being the schema (`signature` gives
+    the defaults): each value it refuses
     becomes a problem with its line (the call's message), replaced by the
     fixed value or the default to find the next. Each key is reported once:
     a key refused again (its default refused too: `build.batch_size`'s None
@@ -427,7 +529,7 @@ def _judge(doc, path, call, kwargs, target):
                 doc.add("invalid_value", path, f"`{path}`: {message}")
                 return None
             refused.add(key)
-            default = _default(target, key)
+            default = _default(signature, key)
             value = _accepted(call, kwargs, key, default)
             fix = (None if value is inspect.Parameter.empty else
                    {"action": "set", "key": f"{path}.{key}", "value": value})
@@ -437,84 +539,112 @@ def _judge(doc, path, call, kwargs, target):
             kwargs[key] = default if fix is None else value
 
 
-def _check_compile(**kwargs):
-    import keras_gpufix as kg
-    from keras_gpufix.compile.entry import check_args
+def _check_compile(signature):
+    """`compile_model`'s argument check, on the `compile` section."""
+    from keras_gpufix.compile.arguments import check_args
 
-    bound = inspect.signature(kg.compile_model).bind(None, None, None, **kwargs)
-    bound.apply_defaults()
-    check_args(*(bound.arguments[k] for k in
-                 ("jit_compile", "mixed_precision", "steps_per_execution", "sample_batch")))
+    def check(**kwargs):
+        bound = signature.bind(None, None, None, **kwargs)
+        bound.apply_defaults()
+        check_args(*(bound.arguments[k] for k in
+                     ("jit_compile", "mixed_precision", "steps_per_execution", "sample_batch")))
+    return check
 
 
-def _check_strategy(**kwargs):
-    import tensorflow as tf
-
-    import keras_gpufix as kg
+def _check_strategy(signature, quiet):
+    """`setup_strategy`'s argument checks; device names are parsed by
+    TensorFlow (imported only for a config that names devices; `quiet`:
+    with its log lines hidden, as `validate` does)."""
     from keras_gpufix.distribute import resolve_strategy_mode
+    from keras_gpufix.output import import_tensorflow_quietly
 
-    bound = inspect.signature(kg.setup_strategy).bind(**kwargs)
-    bound.apply_defaults()
-    devices = bound.arguments["devices"]
-    if devices is not None and not (isinstance(devices, list) and devices):
-        raise ValueError("`devices` must be a non-empty list of device names such as "
-                         f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}")
-    for device in devices or ():
-        tf.DeviceSpec.from_string(device)
-    resolve_strategy_mode(bound.arguments["mode"], device_count=len(devices or ()),
-                          devices_given=devices is not None)
+    def check(**kwargs):
+        bound = signature.bind(**kwargs)
+        bound.apply_defaults()
+        devices = bound.arguments["devices"]
+        if devices is not None and not (isinstance(devices, list) and devices):
+            raise ValueError("`devices` must be a non-empty list of device names such as "
+                             f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}")
+        if devices:
+            if quiet:
+                import_tensorflow_quietly()
+            import tensorflow as tf
+
+            for device in devices:
+                tf.DeviceSpec.from_string(device)
+        resolve_strategy_mode(bound.arguments["mode"], device_count=len(devices or ()),
+                              devices_given=devices is not None)
+    return check
 
 
-def _check_build(builder):
+def _check_build(builder, signature):
     """`build`'s argument checks: without a corpus those `build` makes
     before it reads anything, with `builder` also its epoch plan (no
     feature computed, no dataset made)."""
-    from keras_gpufix.data import SpeechDatasetBuilder
+    from keras_gpufix.data.checks import check_build_args
 
     def check(**kwargs):
-        bound = inspect.signature(SpeechDatasetBuilder.build).bind(None, **kwargs)
+        bound = signature.bind(**kwargs)
         bound.apply_defaults()
         a = bound.arguments
         if builder is None and a["batch_size"] is None and a["batch_frames"] is None:
             a["batch_size"] = 1  # may be given in code: setup.dataset(batch_size=...)
-        SpeechDatasetBuilder.check_build_args(a["batch_size"], a["num_buckets"], a["service"],
-                                              a["batch_frames"], a["batch_multiple"])
+        check_build_args(a["batch_size"], a["num_buckets"], a["service"], a["batch_frames"],
+                         a["batch_multiple"])
         if builder is not None:
             builder.plan(a["batch_size"], a["num_buckets"], a["batch_frames"],
                          a["drop_remainder"], a["batch_multiple"])
     return check
 
 
-def _known(targets, classes):
+def _check_callback(name, signature):
+    """A callback's argument checks (`callbacks/_arguments.py`, what its
+    constructor runs first), with the constructor's defaults."""
+    from keras_gpufix.callbacks._arguments import CHECKS
+
+    wanted = inspect.signature(CHECKS[name]).parameters
+
+    def check(**kwargs):
+        bound = signature.bind(**kwargs)
+        bound.apply_defaults()
+        return CHECKS[name](**{k: v for k, v in bound.arguments.items() if k in wanted})
+    return check
+
+
+def _known(targets, callbacks):
     """Every key of every section, as `section.key` paths."""
     from keras_gpufix import data as kg_data
 
     sections = {**{name: t for name, t in targets.items() if t is not None},
-                **{f"data.{k}": getattr(kg_data, c) for k, c in _NESTED.items()},
-                **{f"callbacks.{name}": cls for name, cls in classes.items()}}
+                **{f"data.{k}": inspect.signature(getattr(kg_data, c))
+                   for k, c in _NESTED.items()},
+                **{f"callbacks.{name}": signature for name, signature in callbacks.items()}}
     return [f"{path}.{key}" for path, target in sections.items() for key in _keys(target)]
 
 
-def _check_fit(**kwargs):
+def _check_fit(signature):
     """`model.fit`'s counts, which Keras checks only once training starts."""
-    import keras
 
-    bound = inspect.signature(keras.Model.fit).bind(None, **kwargs)
-    for name, low in (("epochs", 1), ("initial_epoch", 0), ("steps_per_epoch", 1),
-                      ("batch_size", 1), ("validation_steps", 1),
-                      ("validation_batch_size", 1), ("validation_freq", 1)):
-        value = bound.arguments.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < low):
-            raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+    def check(**kwargs):
+        bound = signature.bind(**kwargs)
+        for name, low in (("epochs", 1), ("initial_epoch", 0), ("steps_per_epoch", 1),
+                          ("batch_size", 1), ("validation_steps", 1),
+                          ("validation_batch_size", 1), ("validation_freq", 1)):
+            value = bound.arguments.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < low):
+                raise ValueError(
+                    f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+    return check
 
 
 def _parse(doc, dry_run):
     """(Config, builder or None) from a parsed document; problems go to `doc.problems`."""
     from keras_gpufix import data as kg_data
+    from keras_gpufix.output import import_tensorflow_quietly
 
-    targets, classes = _targets(), _callback_classes()
-    doc.known = _known(targets, classes)
+    targets, callbacks = _targets(), _callback_signatures()
+    doc.known = _known(targets, callbacks)
     for old, new, note in doc.moves:
         doc.add("moved_key", old,
                 (f"`{old}` has moved to `{new}` (the config format of keras-gpufix 0.2.0: "
@@ -535,28 +665,32 @@ def _parse(doc, dry_run):
     for key, cls_name in _NESTED.items():
         if key in cfg.data:
             cls = getattr(kg_data, cls_name)
-            fields = _mapping(doc, cfg.data[key], f"data.{key}", _keys(cls))
+            signature = inspect.signature(cls)
+            fields = _mapping(doc, cfg.data[key], f"data.{key}", _keys(signature))
             cfg.data[key] = fields
-            objects[key] = _judge(doc, f"data.{key}", cls, fields, cls)
-    _judge(doc, "compile", _check_compile, cfg.compile, targets["compile"])
-    _judge(doc, "strategy", _check_strategy, cfg.strategy, targets["strategy"])
-    _judge(doc, "fit", _check_fit, cfg.fit, targets["fit"])
+            objects[key] = _judge(doc, f"data.{key}", cls, fields, signature)
+    for name, check in (("compile", _check_compile(targets["compile"])),
+                        ("strategy", _check_strategy(targets["strategy"], quiet=dry_run)),
+                        ("fit", _check_fit(targets["fit"]))):
+        _judge(doc, name, check, getattr(cfg, name), targets[name])
     raw_callbacks = raw.get("callbacks")
     if raw_callbacks is None and "callbacks" not in raw:
         raw_callbacks = {"GPUOscillationMonitor": {}, "RetracingMonitor": {}}
-    for name in _mapping(doc, raw_callbacks, "callbacks", list(classes)):
-        path, cls = f"callbacks.{name}", classes[name]
-        kwargs = _mapping(doc, raw_callbacks[name], path, _keys(cls))
+    for name in _mapping(doc, raw_callbacks, "callbacks", list(callbacks)):
+        path, signature = f"callbacks.{name}", callbacks[name]
+        kwargs = _mapping(doc, raw_callbacks[name], path, _keys(signature))
         cfg.callbacks[name] = kwargs
-        _judge(doc, path, cls, kwargs, cls)
+        _judge(doc, path, _check_callback(name, signature), kwargs, signature)
     builder = None
     if dry_run and cfg.data.get("corpus") is not None and None not in objects.values():
         kwargs = {**cfg.data, **objects, "cache_dir": None, "verbose": 0}  # writes nothing
         if getattr(objects.get("audio"), "trim_top_db", None) is not None:  # reads every file
             kwargs["audio"] = dataclasses.replace(objects["audio"], trim_top_db=None)
-        builder = _judge(doc, "data", targets["data"], kwargs, targets["data"])
+        import_tensorflow_quietly()  # the builder (tf.data) is what the config asks for
+        builder = _judge(doc, "data", kg_data.SpeechDatasetBuilder, kwargs, targets["data"])
     if cfg.build:
-        _judge(doc, "build", _check_build(builder), cfg.build, targets["build"])
+        _judge(doc, "build", _check_build(builder, targets["build"]), cfg.build,
+               targets["build"])
     return cfg, builder
 
 
@@ -617,7 +751,7 @@ def _traps(cfg, doc, info):
     (only for values that no call refused)."""
     from keras_gpufix.analysis import divisible_batch, missing_gpus
     from keras_gpufix.compile.hardware import precision_support
-    from keras_gpufix.data.cache import writable_problem
+    from keras_gpufix.data.checks import writable_problem
     from keras_gpufix.distribute import resolve_strategy_mode, tf_config_cluster
 
     def fix(key, value):
@@ -910,8 +1044,7 @@ def from_config(cfg) -> Setup:
     if cfg.data.get("corpus") is not None:
         builder = _made(cfg, "data", kg.data.SpeechDatasetBuilder,
                         {"corpus": cfg.data["corpus"], **builder_kwargs(cfg)})
-    classes = _callback_classes()
-    callbacks = [_made(cfg, f"callbacks.{name}", classes[name], kwargs)
+    callbacks = [_made(cfg, f"callbacks.{name}", getattr(kg.callbacks, name), kwargs)
                  for name, kwargs in cfg.callbacks.items()]
     return Setup(cfg, strategy, policy or keras.mixed_precision.global_policy().name, builder,
                  dict(cfg.build), compile_kwargs, callbacks, dict(cfg.fit))

@@ -51,6 +51,7 @@ __all__ = [
     "worker_server_port",
     "blocks_async_dispatch",
     "running_callback_list",
+    "keras_trainer_source",
 ]
 
 CHECKED_ON = "Keras 3.12-3.15, TensorFlow 2.19-2.21"
@@ -781,6 +782,22 @@ def _wrap(owner, name, wrapper):
             delattr(owner, name)
 
     return restore
+
+
+def keras_trainer_source() -> "str | None":
+    """The source file of Keras's `Trainer` (`keras/src/trainers/trainer.py`),
+    whose `fit` and `compile` are `keras.Model`'s on every backend, found
+    without importing Keras (importing Keras imports its backend). None
+    where Keras is not installed or the file is not there."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("keras")
+    for folder in (spec and spec.submodule_search_locations) or ():
+        path = os.path.join(folder, "src", "trainers", "trainer.py")
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 class _TimedIterator:

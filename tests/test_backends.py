@@ -15,10 +15,19 @@ scalars without TensorFlow. Each case is a tiny model on the CPU:
 - a `jax.jit` loop under `kg.watch` with a new shape each step and
   `RetracingMonitor(functions=[step])` -> `recompiling`, every compile timed;
 - a Keras callback that sleeps in `on_train_batch_end` -> `sync_callbacks`
-  naming it; our callbacks alone -> no such finding.
+  naming it; our callbacks alone -> no such finding;
+- no import of TensorFlow is even tried by those fits, `kg.watch` or
+  `keras-gpufix validate` of the example config (exit 0); a config with a
+  corpus (the `tf.data` builder) says in one line that it needs TensorFlow.
+
+`keras-gpufix validate` on the TensorFlow backend runs in a second
+subprocess with TensorFlow, Keras and JAX blocked (issue 41): the example is
+valid, every section's wrong value is still refused with its call's own
+message, and the GPUs come from NVML (a fake one) with no import tried.
 
 The TensorFlow cases (slow PyDataset and generator) run in this process.
-Run as a script, the JAX cases print their results as one JSON line.
+Run as a script, the JAX cases (or with `--validate` the validate cases)
+print their results as one JSON line.
 """
 
 import contextlib
@@ -36,6 +45,8 @@ import pytest
 
 SLEEP_S = 0.02
 BATCHES = 16
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                       "tts.yaml")
 
 
 def _slow_sources(keras):
@@ -71,32 +82,69 @@ def _verdict(kg, model, data, **fit):
 
 # -- the JAX subprocess -------------------------------------------------------
 
-class _NoTensorFlow:
-    """A meta-path finder that refuses TensorFlow, as if it were not installed."""
+class _Blocked:
+    """A meta-path finder whose modules (`names` and their submodules) fail
+    to import as if they were not installed (ModuleNotFoundError), and that
+    keeps each import tried and the package's line that tried it (where it
+    tried from our code) in `imported`. Finding one without importing it
+    (`importlib.util.find_spec`, as `validate` reads Keras's source) works."""
+
+    def __init__(self, names):
+        self.names, self.imported = names, []
 
     def find_spec(self, name, path=None, target=None):
-        if name == "tensorflow" or name.startswith("tensorflow."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)",
-                                      name=name)
+        if name.split(".")[0] not in self.names:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec):
         return None
+
+    def exec_module(self, module):
+        import traceback
+
+        ours = [f"{os.path.basename(f.filename)}:{f.lineno}" for f in traceback.extract_stack()
+                if f"{os.sep}keras_gpufix{os.sep}" in f.filename]
+        self.imported.append([module.__name__, ours[-1:]])
+        raise ModuleNotFoundError(f"No module named {module.__name__!r} (blocked by the test)",
+                                  name=module.__name__)
 
 
 def _jax_cases(log_dir):
-    sys.meta_path.insert(0, _NoTensorFlow())
+    finder = _Blocked(("tensorflow",))
+    sys.meta_path.insert(0, finder)
     import keras
 
     import keras_gpufix as kg
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", kg.GpufixWarning)
-        out = _jax_fits(keras, kg, log_dir)
+        out = _jax_fits(keras, kg, log_dir, finder)
     out["gpufix_warnings"] = [str(w.message) for w in caught
                               if issubclass(w.category, kg.GpufixWarning)]
-    out["tensorflow_imported"] = "tensorflow" in sys.modules
+    out["validate_corpus"] = _validate(log_dir, "data: {corpus: .}\n")  # asks for tf.data
     return out
 
 
-def _jax_fits(keras, kg, log_dir):
+def _validate(folder, text):
+    """`keras-gpufix validate` of a config `text` written in `folder`:
+    `[exit code, what it printed]`."""
+    from keras_gpufix.cli import main
+
+    path = os.path.join(folder, "cfg.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        return [main(["validate", path]), said.getvalue()]
+
+
+def _jax_fits(keras, kg, log_dir, finder):
     out = {}
 
     class VariableLength(keras.utils.PyDataset):
@@ -196,7 +244,8 @@ def _jax_fits(keras, kg, log_dir):
     out["gpus"] = kg.compile.device_info()["gpus"]
     out["auto_policy"] = list(auto_policy())
     del sys.modules["pynvml"]
-    try:
+    out["tensorflow_imported"] = list(finder.imported)  # by the fits, kg.watch, device_info
+    try:  # the TensorFlow-only calls: tried, and refused
         kg.compile_model(_dense(keras), "sgd", "mse")
     except RuntimeError as exc:
         out["compile_model_error"] = str(exc)
@@ -205,13 +254,9 @@ def _jax_fits(keras, kg, log_dir):
     except RuntimeError as exc:
         out["setup_strategy_error"] = str(exc)
     out["global_batch_size"] = kg.global_batch_size(8)  # no keras.distribution: one device
-    from keras_gpufix.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):  # a config's data section is tf.data
-        out["validate"] = [main(["validate", os.path.join(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-            "tts.yaml")]), err.getvalue()]
+    tried = len(finder.imported)
+    out["validate"] = _validate(log_dir, open(EXAMPLE).read())
+    out["tensorflow_imported"] += finder.imported[tried:]
     return out
 
 
@@ -251,7 +296,7 @@ def test_jax_healthy_fit_and_no_gpufix_warning_without_tensorflow(jax_cases):
     out = jax_cases[0]
     assert out["arrays"]["verdict"] == "healthy", out["arrays"]
     assert out["gpufix_warnings"] == []
-    assert out["tensorflow_imported"] is False
+    assert out["tensorflow_imported"] == []  # fits, kg.watch, validate: never tried
     assert out["watch_steps"] == 24
 
 
@@ -265,9 +310,12 @@ def test_jax_without_tensorflow_precision_batch_and_the_tensorflow_only_calls_sa
     assert "enable_mixed_precision('auto')" in error
     assert "keras.distribution.DataParallel()" in out.get("setup_strategy_error", "")
     assert out["global_batch_size"] == 8
-    code, said = out["validate"]  # the CLI: one line, not a traceback
+    code, said = out["validate"]  # no TensorFlow needed (issue 41)
+    assert code == 0 and said.endswith("cfg.yaml: valid\n"), said
+    code, said = out["validate_corpus"]  # the tf.data builder: one line, not a traceback
     assert code == 2 and said.startswith("keras-gpufix validate: needs TensorFlow"), said
-    assert "pip install tensorflow" in said and "Traceback" not in said
+    assert "data.corpus" in said and "pip install tensorflow" in said
+    assert "Traceback" not in said
 
 
 def test_jax_jit_loop_under_watch_with_new_shapes_is_recompiling_not_eager(jax_cases):
@@ -303,6 +351,57 @@ def test_jax_trace_and_scalars_without_tensorflow_are_listed_by_tensorboard(jax_
                                     flags=argparse.Namespace(master_tpu_unsecure_channel=""))
     runs = list(plugin.ProfilePlugin(context).generate_runs())
     assert os.path.basename(out["traces"][0]) in runs
+
+
+# -- validate on the TensorFlow backend, in a subprocess ------------------------
+
+WRONG = """\
+data:
+  audio: {n_mels: -1}
+  text: {unknown: keep}
+build: {batch_size: 0}
+compile: {jit_compile: maybe, mixed_precision: mixed_bfloat16}
+strategy: {mode: sharded}
+callbacks:
+  GPUOscillationMonitor: {window: 4}
+  ProfilerTrigger: {log_dir: logs, steps: 0}
+  StepTimer: {warmup: -1}
+  RetracingMonitor: {max_new_shapes: 0}
+fit: {epochs: 0, epocs: 1}
+"""
+WRONG_KEYS = ["data.audio.n_mels", "data.text.unknown", "build.batch_size", "compile.jit_compile",
+              "compile.mixed_precision", "strategy.mode", "callbacks.GPUOscillationMonitor.window",
+              "callbacks.ProfilerTrigger.steps", "callbacks.StepTimer.warmup",
+              "callbacks.RetracingMonitor.max_new_shapes", "fit.epochs", "fit.epocs"]
+
+
+def _validate_cases(folder):
+    finder = _Blocked(("tensorflow", "keras", "jax"))
+    sys.meta_path.insert(0, finder)
+    sys.modules["pynvml"] = types.SimpleNamespace(  # one GPU without fast bfloat16
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: "Fake V100",
+        nvmlDeviceGetCudaComputeCapability=lambda h: (7, 0))
+    out = {"example": _validate(folder, open(EXAMPLE).read()), "wrong": _validate(folder, WRONG)}
+    out["imported"] = finder.imported
+    return out
+
+
+def test_validate_on_tensorflow_imports_neither_tensorflow_nor_keras_and_still_judges(
+        tmp_path):
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=os.getcwd())
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    run = subprocess.run([sys.executable, __file__, "--validate", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["imported"] == []
+    assert out["example"] == [0, f"{tmp_path / 'cfg.yaml'}: valid\n"]
+    code, said = out["wrong"]
+    assert code == 1 and f"{len(WRONG_KEYS)} problem(s)" in said, said
+    for key in WRONG_KEYS:
+        assert f"`{key}`" in said, key
+    assert "`window` must be >= 8" in said and "Fake V100, compute capability 7.0" in said
 
 
 # -- TensorFlow, in this process ------------------------------------------------
@@ -353,4 +452,5 @@ def test_tensorflow_slow_python_source_is_input_bound_without_nvml(source):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_jax_cases(sys.argv[1])))
+    print(json.dumps(_validate_cases(sys.argv[2]) if sys.argv[1] == "--validate"
+                     else _jax_cases(sys.argv[1])))

@@ -103,24 +103,55 @@ def test_a_refused_value_gives_the_calls_own_message_and_line(tmp_path, text, ke
     assert problem["message"].startswith(f"cfg.yaml, line {problem['line']}: ")
 
 
+def _parameters(signature, method=False):
+    """`(name, kind, default)` of each parameter (a method's `self` left out)."""
+    parameters = list(signature.parameters.values())[1 if method else 0:]
+    return [(p.name, p.kind, p.default) for p in parameters]
+
+
+def test_the_signatures_read_from_source_are_the_calls_own():
+    """`validate` reads the signatures of the calls that import TensorFlow or
+    Keras from their source, without importing them: they must be the calls'
+    own, every default a literal (the builder, compile_model, model.fit and
+    model.compile, each callback)."""
+    from keras_gpufix.config import _NOT_LITERAL, _callback_signatures, _keras_model, _targets
+
+    read, sig = _targets(), inspect.signature
+    assert _parameters(read["data"]) == _parameters(sig(kg.data.SpeechDatasetBuilder))
+    assert _parameters(read["build"]) == _parameters(sig(kg.data.SpeechDatasetBuilder.build),
+                                                     method=True)
+    assert _parameters(read["compile"]) == _parameters(sig(kg.compile_model))
+    assert _parameters(read["strategy"]) == _parameters(sig(kg.setup_strategy))
+    assert _parameters(read["fit"]) == _parameters(sig(keras.Model.fit), method=True)
+    assert _parameters(_keras_model("compile")) == _parameters(sig(keras.Model.compile),
+                                                               method=True)
+    callbacks = _callback_signatures()
+    assert sorted(callbacks) == sorted(kg.callbacks.__all__)
+    for name, signature in callbacks.items():
+        assert _parameters(signature) == _parameters(sig(getattr(kg.callbacks, name))), name
+    assert all(p.default is not _NOT_LITERAL for s in [*read.values(), *callbacks.values()]
+               if s is not None for p in s.parameters.values())
+
+
 def test_every_parameter_of_every_call_is_a_key(tmp_path):
     """The schema is the signatures: each parameter with a YAML-able default is
     accepted at its default (a new argument is a key with no change here)."""
     import yaml
 
-    from keras_gpufix.config import _callback_classes, _keys
+    from keras_gpufix.config import _callback_signatures, _keys, _targets
 
-    sections = {"data.audio": kg.data.AudioConfig, "data.text": kg.data.TextConfig,
-                "data": kg.data.SpeechDatasetBuilder, "build": kg.data.SpeechDatasetBuilder.build,
-                "compile": kg.compile_model, "strategy": kg.setup_strategy,
-                **{f"callbacks.{n}": c for n, c in _callback_classes().items()}}
+    targets = _targets()
+    sections = {"data.audio": inspect.signature(kg.data.AudioConfig),
+                "data.text": inspect.signature(kg.data.TextConfig),
+                **{name: targets[name] for name in ("data", "build", "compile", "strategy")},
+                **{f"callbacks.{n}": s for n, s in _callback_signatures().items()}}
     tree = {"callbacks": {"ProfilerTrigger": {"log_dir": "logs"}}}
-    for path, target in sections.items():
+    for path, signature in sections.items():
         node = tree
         for part in path.split("."):
             node = node.setdefault(part, {})
-        parameters = inspect.signature(target).parameters
-        for key in _keys(target):
+        parameters = signature.parameters
+        for key in _keys(signature):
             default = parameters[key].default if key in parameters else None  # model.compile's
             if default is not inspect.Parameter.empty and isinstance(
                     default, (type(None), bool, int, float, str)):

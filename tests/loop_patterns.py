@@ -16,6 +16,10 @@ MODE:
   no input wait, but the map takes the step's cores.
 - `tf_gradients`: a Tacotron2-style trainer: `tf.gradients` (no GradientTape) inside
   `strategy.run` inside a tf.function, over a repeated distributed dataset (80 steps).
+- `blocked`: an eager accumulation step in a trainer class that tf.function cannot run
+  as written: a None accumulator before a loop over its micro-batches, `self.current_step
+  += 1` and `float(loss.numpy())`; `blocked_fixed`: the same step changed as diagnose's
+  blockers say (zeros and a loss before the loop, the count and the read outside), in tf.function.
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
@@ -181,6 +185,47 @@ elif MODE == "tf_gradients":
             break
         train_step(batch)
         time.sleep(DEVICE_S)
+elif MODE == "blocked":
+    class Trainer:
+        def __init__(self):
+            self.current_step = 0
+
+        def train_step(self, x, y):
+            accumulated = None
+            for micro_x, micro_y in tf.data.Dataset.from_tensor_slices((x, y)).batch(8):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(micro_y, model(micro_x, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                accumulated = grads if accumulated is None else [
+                    a + g for a, g in zip(accumulated, grads)]
+            optimizer.apply(accumulated, model.trainable_variables)
+            self.current_step += 1
+            return float(loss.numpy())
+
+    trainer = Trainer()
+    for x, y in dataset.take(STEPS):
+        trainer.train_step(x, y)
+elif MODE == "blocked_fixed":
+    class Trainer:
+        def __init__(self):
+            self.current_step = 0
+
+        @tf.function
+        def train_step(self, x, y):
+            accumulated = tuple(tf.zeros_like(v) for v in model.trainable_variables)
+            loss = tf.constant(0.0)
+            for micro_x, micro_y in tf.data.Dataset.from_tensor_slices((x, y)).batch(8):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(micro_y, model(micro_x, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                accumulated = tuple(a + g for a, g in zip(accumulated, grads))
+            optimizer.apply(accumulated, model.trainable_variables)
+            return loss
+
+    trainer = Trainer()
+    for x, y in dataset.take(STEPS):
+        loss = float(trainer.train_step(x, y).numpy())
+        trainer.current_step += 1
 elif MODE == "pydataset":
     data = Batches()
     source = watched(data)

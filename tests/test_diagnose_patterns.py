@@ -164,6 +164,32 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
 
 
 
+def test_a_step_tf_function_cannot_run_as_written_names_each_blocker_and_promises_nothing():
+    # a trainer's eager step: a None accumulator before a loop over its micro-batches,
+    # `self.current_step += 1` and `float(loss.numpy())`, a loss first set in that loop:
+    # wrapped in tf.function as it is, it crashes at its first call (the None), and each
+    # of the others breaks it once the one before is changed
+    _, result = diagnose("blocked", 14, script_steps=40)
+    fix = result["fixes"][0]
+    assert fix["verdict"] == "eager_step", result["fixes"]
+    assert "cannot run it as written: change the 4 lines below first" in fix["fix"]
+    assert "jit_compile=True)" not in fix["fix"].split("then")[0]  # never "wrap it" first
+    where = {w.split(": ", 1)[0]: w for w in fix["where"]}
+    for code, says in (("accumulated = None", "is not allowed to be None before the loop"),
+                       ("self.current_step += 1", "runs once, when the step is traced"),
+                       ("return float(loss.numpy())", "reads a tensor's value into Python"),
+                       ("for micro_x, micro_y in", "'loss' is first set inside the loop")):
+        line = where.get(f"{SCRIPT}:{_line(code)}")
+        assert line is not None and code in line and says in line, fix["where"]
+    assert fix["predicted"]["source"] == "not-measured" and fix["predicted"]["speedup"] is None
+    # the step changed as those lines say: it compiles, and the step is no longer eager
+    _, fixed = diagnose("blocked_fixed", 14, "--no-what-if", script_steps=40)
+    (loop,) = fixed["fits"]
+    assert [f["name"] for f in loop["step"]["functions"]] == ["train_step"]
+    assert loop["step"]["eager"] is False
+    assert "eager_step" not in {f["verdict"] for f in fixed["fixes"]}
+
+
 @pytest.mark.slow
 def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_that_hold():
     proc, result = diagnose("accum_plot", 40, script_steps=60)

@@ -22,8 +22,8 @@ decision about a verdict in it is one of these pure functions:
 """
 
 from keras_gpufix.analysis.traps import traps_of
-from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, compiled_share,
-                                           compiled_step_fix)
+from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, blocker_line,
+                                           compiled_share, compiled_step_fix)
 
 __all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
            "compiled_cause_share", "priced_by_compile", "measured_fix", "measured_lines",
@@ -132,20 +132,25 @@ def measured_lines(verdict: str, steps, compiled_steps) -> list:
         return []
     lines = [f"{s['eager_where']}: the step's gradient, measured eager"
              for s in steps if s.get("eager_where")]
-    return lines + [f"{c.get('function', 'the step')}: diagnose could not compile it to "
-                    f"check the fix ({c['reason']})" for c in compiled_steps if c.get("reason")]
+    for c in compiled_steps:
+        lines += [blocker_line(b) for b in c.get("blockers") or ()]
+        if c.get("reason") and not c.get("blockers"):
+            lines.append(f"{c.get('function', 'the step')}: diagnose could not compile it to "
+                         f"check the fix ({c['reason']})")
+    return lines
 
 
 def prediction_source(verdict: str, what_if: dict, compiled: "dict | None") -> str:
     """Which measurement predicts a ranked cause's effect: `what-if` for `input_bound`
     where the what-if found a speedup and knows it, `compiled-step` for
-    `eager_step` where the user's step was compiled and timed, else
+    `eager_step` where the user's step was compiled and timed (`not-measured`
+    where diagnose tried and could not compile it as written), else
     `cost_share` (the share the cause cost: the most its fix can save)."""
     if verdict == "input_bound" and what_if.get("speedup_if_input_free") \
             and what_if.get("known", True):
         return "what-if"
     if verdict == "eager_step" and compiled:
-        return "compiled-step"
+        return "compiled-step" if compiled.get("best_ms") is not None else "not-measured"
     return "cost_share"
 
 

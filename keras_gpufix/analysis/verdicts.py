@@ -255,6 +255,42 @@ COMPILED_STEP_FIXES = {
     ),
 }
 
+#: What stops tf.function from running the user's eager step as written
+#: (`diagnose.step_blockers`), each with the change that removes it; a report
+#: line is `{where}: ` and one of these.
+STEP_BLOCKERS = {
+    "python_state": (
+        "`{code}` changes Python state: under tf.function it runs once, when the step is "
+        "traced, not at every step; move it out of the step (count in the loop) or keep the "
+        "value in a tf.Variable (`.assign_add`)"
+    ),
+    "host_read": (
+        "`{code}` reads a tensor's value into Python (.numpy(), float(), int()): inside "
+        "tf.function there is no value yet; return the tensor from the step and read it "
+        "after the call"
+    ),
+    "none_before_loop": (
+        "`{code}`: {message}; tf.function runs that loop in TensorFlow and needs each "
+        "value it sets to be a tensor before it: start from zeros (`tuple(tf.zeros_like(v) "
+        "for v in model.trainable_variables)`, kept a tuple in the loop: a list is packed "
+        "into one tensor there; `loss = tf.constant(0.0)`) or accumulate into tf.Variables"
+    ),
+    "trace_error": "`{code}`: tf.function could not trace the step here: {message}",
+}
+
+#: The `eager_step` fix when diagnose could not compile the user's step as written.
+BLOCKED_STEP_FIX = (
+    "the step {function} runs eagerly, and tf.function cannot run it as written: change the "
+    "{count} line{s} below first (each says how), then wrap it in tf.function (then try "
+    "jit_compile=True)"
+)
+
+#: What `compiled_step_fix` adds when the step compiled but changes Python state.
+STATEFUL_STEP_NOTE = (
+    "; first move the Python state it changes out of it ({lines}, below): the step as "
+    "measured ran it once, at its trace"
+)
+
 #: The fix of `unknown` when steps were seen, but fewer than min_judge_steps.
 TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
@@ -295,8 +331,10 @@ FIXES = {
     ),
     "eager_step": (
         "the training step runs eagerly (a GradientTape outside any tf.function, or fit "
-        "with run_eagerly=True): wrap the step in tf.function(jit_compile=True) or use "
-        "kg.compile_model(model, ...) (fit), at {where}"
+        "with run_eagerly=True): compile it: wrap the step in tf.function, then try "
+        "jit_compile=True (`keras-gpufix diagnose` compiles it both ways, times them and "
+        "names what stops it from compiling), or use kg.compile_model(model, ...) (fit), "
+        "at {where}"
     ),
     "periodic_stall": (
         "something runs every {period} steps: look for work on that schedule "
@@ -582,13 +620,31 @@ def contradicted(verdict: str, median_step_ms: float = None) -> "str | None":
     return None
 
 
+def blocker_line(blocker: dict) -> str:
+    """`file:line: ...`: one blocker of the user's step (`STEP_BLOCKERS`) and its fix."""
+    return f"{blocker['where']}: " + STEP_BLOCKERS[blocker["kind"]].format_map(_Fields(
+        {k: v for k, v in blocker.items() if v}))
+
+
 def compiled_step_fix(compiled: dict) -> "str | None":
-    """The `eager_step` fix from `compile_step`'s measurement, or None without one."""
-    if not compiled or compiled.get("best_ms") is None:
+    """The `eager_step` fix from `compile_step`'s measurement: the way that compiled,
+    measured, with the Python state to move out first; when it could not be
+    compiled, to change what blocks it (`blocker_line`, each its own line); None
+    without either."""
+    if not compiled:
         return None
+    blockers = compiled.get("blockers") or []
+    if compiled.get("best_ms") is None:
+        if not blockers:
+            return None
+        return BLOCKED_STEP_FIX.format(function=compiled.get("function", "?"),
+                                       count=len(blockers), s="s" * (len(blockers) != 1))
     key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
     values = _Fields({k: v for k, v in compiled.items() if v is not None})
-    return COMPILED_STEP_FIXES[key].format_map(values)
+    text = COMPILED_STEP_FIXES[key].format_map(values)
+    if blockers:
+        text += STATEFUL_STEP_NOTE.format(lines=", ".join(b["where"] for b in blockers))
+    return text
 
 
 def compiled_share(steady_share: float, eager_ms: float, compiled_ms: float) -> float:

@@ -42,7 +42,9 @@ exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
 later epochs over the same dataset end at once. A loop that calls `next()`
 itself gets the exception: diagnose ends the script there, cleanly
 (`run_diagnosis` says where). Iteration inside
-`fit`, `evaluate` or `predict`, or inside a `tf.function`, is left alone.
+`fit`, `evaluate` or `predict`, inside a `tf.function`, or inside the body
+of a loop over another live iterator (a step that iterates its
+micro-batches: `LoopPatch.nested`) is left alone.
 When no step was seen, `LoopPatch.seen()` lists what was: the iterables
 the script iterated and the tf.functions it called.
 """
@@ -52,6 +54,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import Counter, deque
 
 from keras_gpufix.analysis import locate_periodic, stall_period
@@ -309,6 +312,8 @@ class _WatchedIterator:
         self.open = False  # a batch was handed out and its cycle not yet closed
         self.index = None  # the step index (the stream's) of the batch handed out last
         self.in_step = 0.0  # the patch's time in step functions when it returned
+        self.consumer = None  # id of the frame that took its last batch (the loop's)
+        patch.iterators.add(self)
 
     def __iter__(self):
         return self
@@ -326,7 +331,13 @@ class _WatchedIterator:
             self.epoch = patch.start_loop().open_epoch(self)
         if self.epoch is None:
             self.mark = patch.step_calls
-            return next(self.iterator)
+            try:
+                element = next(self.iterator)
+            except StopIteration:
+                self.consumer = None
+                raise
+            self.consumer = id(sys._getframe(1))
+            return element
         loop = patch.loop
         if self.open:
             self.open = False
@@ -340,7 +351,7 @@ class _WatchedIterator:
         try:
             element = next(self.epoch)
         except StopIteration:
-            self.epoch = None
+            self.epoch = self.consumer = None
             if patch.stopped:
                 raise StepsReached(patch.steps) from None
             raise
@@ -349,7 +360,10 @@ class _WatchedIterator:
         self.in_step = patch.step_s
         self.index = loop.watched.steps - 1  # watch's run: one record per batch, in order
         self.open = True
-        loop.sampler.begin(sys._getframe(1).f_code, self.index)  # the loop's own frame asked
+        frame = sys._getframe(1)  # the loop's own frame asked
+        self.consumer = id(frame)
+        loop.sampler.begin(frame.f_code, self.index)
+        frame = None
         return element
 
     next = __next__
@@ -379,6 +393,7 @@ class LoopPatch:
         self._saved = []
         self._distributed = {}  # id(distributed dataset) -> (its input, remake, itself)
         self._seen_iterables = {}  # "Type (file:line)" -> iterators made there
+        self.iterators = weakref.WeakSet()  # the script's live watched iterators
         self._seen_functions = {}  # id(tf.function) -> {"name", "where", "calls"}
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
@@ -406,6 +421,18 @@ class LoopPatch:
                               for k, n in self._seen_iterables.items()],
                 "functions": [f"{f['name']} ({f['where']}): {f['calls']} call"
                               + "s" * (f["calls"] != 1) for f in self._seen_functions.values()]}
+
+    def nested(self, frame):
+        """Whether `frame` (the one calling `iter()`) runs inside the body of a loop over
+        a live iterator: its frame, a strict ancestor of `frame`, took that iterator's
+        last batch (a step that iterates its micro-batches is part of the step)."""
+        consumers = {it.consumer for it in list(self.iterators) if it.consumer is not None}
+        frame = frame.f_back if consumers else None
+        while frame is not None:
+            if id(frame) in consumers:
+                return True
+            frame = frame.f_back
+        return False
 
     def _saw(self, iterable, frame):
         key = f"{type(iterable).__name__} ({_where(frame)})"
@@ -446,7 +473,7 @@ class LoopPatch:
             def __iter__(iterable):
                 caller = sys._getframe(1)
                 if (patch.fits_patch._depth or caller.f_code.co_filename.startswith(library)
-                        or not tf.executing_eagerly()):
+                        or not tf.executing_eagerly() or patch.nested(caller)):
                     return original(iterable)
                 patch._saw(iterable, caller)
                 dataset, remake, _ = patch._distributed.get(id(iterable), (iterable, None, None))

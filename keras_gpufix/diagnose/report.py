@@ -167,8 +167,9 @@ def _predicted(cause, fits):
     what_if = next((f.get("what_if") for f in fits if f.get("what_if")
                     and (run_verdict(f) or {}).get("verdict") == cause["verdict"]), None) or {}
     speedup = what_if.get("speedup_if_input_free")
-    compiled = next((f.get("compiled_step") for f in fits
-                     if (f.get("compiled_step") or {}).get("best_ms") is not None), None)
+    tried = [f["compiled_step"] for f in fits if f.get("compiled_step")]
+    compiled = next((c for c in tried if c.get("best_ms") is not None),
+                    tried[0] if tried else None)
     source = analysis.prediction_source(cause["verdict"], what_if, compiled)
     if source == "what-if":
         low, high = what_if.get("speedup_range") or (None, None)
@@ -179,6 +180,11 @@ def _predicted(cause, fits):
                         + " (the what-if: the step timed alone on the real input and on a "
                           "cached batch)"}
     speedup = analysis.speedup_of(share)
+    if source == "not-measured":
+        return {"share": share, "speedup": None, "speedup_range": None, "source": source,
+                "text": f"not predicted: diagnose could not compile the step as written (what "
+                        f"blocks it, below), so nothing was measured; the eager step took "
+                        f"{_pct(share)} of the run"}
     if source == "compiled-step":
         return {"share": share, "speedup": speedup, "speedup_range": None,
                 "source": "compiled-step",
@@ -432,10 +438,11 @@ def format_report(result):
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
-        if len(result["fixes"]) > 1:  # the causes' shares never overlap: they add up
-            total = sum(f["predicted"]["share"] or 0.0 for f in result["fixes"])
+        predicted = [f for f in result["fixes"] if f["predicted"]["source"] != "not-measured"]
+        if len(predicted) > 1:  # the causes' shares never overlap: they add up
+            total = sum(f["predicted"]["share"] or 0.0 for f in predicted)
             speedup = analysis.speedup_of(total)
-            lines.append(f"  all {len(result['fixes'])} fixes together: "
+            lines.append(f"  all {len(predicted)} predicted fixes together: "
                          + (f"the whole run up to {speedup:.2f}x faster" if speedup
                             else "unbounded") + f" ({_pct(total)} of it)")
     if result.get("seen_in_code"):

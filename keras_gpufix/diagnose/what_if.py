@@ -57,10 +57,10 @@ import statistics
 import time
 
 # The judgement (figures, budgets, when it knows) is analysis's; diagnose measures.
-from keras_gpufix.diagnose.step_blockers import step_blockers
 from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS, SECONDS,
                                            Cycles, block_timings, format_what_if, ratio_words,
                                            what_if, what_if_until_known)
+from keras_gpufix.diagnose.step_blockers import step_blockers
 
 __all__ = ["Budget", "Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
@@ -294,8 +294,10 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         A dict `function` (`name (file:line)`), `eager_ms`, `function_ms`,
         `xla_ms` (None when XLA failed), `xla_error` (its first line),
         `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
-        `tf.function(jit_compile=True)`, the faster that compiled) and
-        `best_ms`; or a dict `reason` when the step could not be traced.
+        `tf.function(jit_compile=True)`, the faster that compiled),
+        `best_ms` and `blockers` (`step_blockers`: the Python state the step
+        changes, which a trace runs once); or a dict `reason` and `blockers`
+        (what stops the trace, each by its line) when it could not be traced.
     """
     import numpy as np
     import tensorflow as tf

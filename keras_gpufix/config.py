@@ -19,7 +19,13 @@ fit: {epochs: 10}                 # model.fit(..., **fit)
 
 There is no schema of its own: a section's keys are the parameters of its
 call (read from the signature, so a new argument needs no change here) and
-its values are judged by the call's own checks. An unknown key names the
+its values are judged by the call's own checks. Neither needs TensorFlow or
+Keras: the signatures of the calls whose modules import them (the builder,
+`compile_model`, the callbacks, `model.fit` and `model.compile`) are read
+from their source, and the checks those calls run first load without them
+(`AudioConfig`, `TextConfig`, `data/checks.py`, `compile/arguments.py`,
+`callbacks/_arguments.py`). TensorFlow is imported only for `data.corpus`
+(the builder) and `strategy.devices` (device names). An unknown key names the
 closest parameter (difflib), else the closest key of any section; a value
 the call refuses gives the call's own message with the file and line, once
 per key (a key whose default is refused too ends the search, so every input
@@ -30,8 +36,7 @@ judged there.
 
 - `load_config(path)` reads the file and runs the checks that have no side
   effects (`AudioConfig`, `TextConfig`, `compile_model`'s,
-  `setup_strategy`'s and `build`'s argument checks, the callbacks'
-  constructors).
+  `setup_strategy`'s, `build`'s and the callbacks' argument checks).
 - `validate_config(path, fix=False)` also makes the dataset builder on the
   corpus and its epoch plan for `build` (no feature computed, no dataset
   made, no cache written), and checks this machine: a batch the replicas

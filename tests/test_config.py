@@ -115,7 +115,9 @@ def test_the_signatures_read_from_source_are_the_calls_own():
     own, every default a literal (the builder, compile_model, model.fit and
     model.compile, each callback)."""
     from keras_gpufix.config import _NOT_LITERAL, _callback_signatures, _keras_model, _targets
+    from keras_gpufix.keras_internals import keras_trainer_source
 
+    assert keras_trainer_source().endswith(os.path.join("keras", "src", "trainers", "trainer.py"))
     read, sig = _targets(), inspect.signature
     assert _parameters(read["data"]) == _parameters(sig(kg.data.SpeechDatasetBuilder))
     assert _parameters(read["build"]) == _parameters(sig(kg.data.SpeechDatasetBuilder.build),

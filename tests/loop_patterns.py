@@ -21,6 +21,18 @@ MODE:
   += 1` and `float(loss.numpy())`; `blocked_fixed`: the same step changed as diagnose's
   blockers say (zeros and a loss before the loop, the count and the read outside), in tf.function.
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
+- `slow_map`: `fit` (`--epochs E`, default 1) over utterances read by a slow
+  `tf.py_function` map (a file read: a 1 ms sleep each) feeding a small compiled step;
+  `--cache` adds `.cache()` after the map (the fix: it pays from the second epoch);
+  `--tf-ops` reads in TF ops instead (the other fix: no Python in the map).
+  Prints `FIT_S <seconds of the fit, its trace included>`.
+- `host_work`: a `tf.function` step (+ its device time) and host NumPy work (a
+  spectrogram of 128 frames for a plot) every 4 steps; `--no-host` leaves it out.
+  Prints `LOOP_S`.
+- `truth WAY [WAY ...] [--rounds R] [--steps N]`: runs each WAY (a quoted mode and its
+  flags, e.g. "slow_map --epochs 3 --cache") in this process in turn, R rounds (default 3),
+  the order reversed every other round, and prints `TRUTH <json of each way's seconds per
+  round>`: its own `LOOP_S` / `FIT_S` where it prints one, else its wall time.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
 and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
@@ -280,4 +292,53 @@ elif MODE == "nothing":
 
     for x, y in Batches():
         predict(x)
+elif MODE == "slow_map":
+    def read_utterance(x):
+        time.sleep(0.001)  # a file read and decode in Python
+        return x
+
+    epochs = int(sys.argv[sys.argv.index("--epochs") + 1]) if "--epochs" in sys.argv else 1
+    utterances = tf.data.Dataset.from_tensor_slices((xs[:384], ys[:384])).map(
+        (lambda x, y: (tf.identity(x), y)) if "--tf-ops" in sys.argv else
+        lambda x, y: (tf.ensure_shape(tf.py_function(read_utterance, [x], tf.float32),
+                                      [FEATURES]), y))
+    if "--cache" in sys.argv:
+        utterances = utterances.cache()
+    model.compile(optimizer="sgd", loss="mse")
+    t0 = time.perf_counter()
+    model.fit(utterances.batch(16).prefetch(2), epochs=epochs, verbose=0)
+    print("FIT_S", time.perf_counter() - t0, flush=True)
+elif MODE == "host_work":
+    frames = rng.random((128, 4096), dtype=np.float32)
+    t0 = time.perf_counter()
+    for i, (x, y) in enumerate(dataset.take(STEPS)):
+        compiled_step(x, y)
+        time.sleep(DEVICE_S)
+        if i % 4 == 3 and "--no-host" not in sys.argv:  # a spectrogram for a plot
+            np.log(np.abs(np.fft.rfft(frames * np.hanning(4096))) + 1e-6)
+    print("LOOP_S", time.perf_counter() - t0, flush=True)
+elif MODE == "truth":  # each way in turn in this process, rounds interleaved
+    import contextlib
+    import io
+    import re
+    import runpy
+
+    flags = [a for i, a in enumerate(sys.argv) if a.startswith("--")
+             or sys.argv[i - 1] in ("--steps", "--rounds")]
+    ways = [a for a in sys.argv[2:] if a not in flags]
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    times = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in ways[::-1] if r % 2 else ways:
+            sys.argv = [__file__, *way.split()] + (
+                [] if "--steps" in way else ["--steps", str(STEPS)])
+            out = io.StringIO()
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(out):
+                runpy.run_path(__file__, run_name="loop_pattern")
+            wall = time.perf_counter() - t0
+            own = re.search(r"^(?:LOOP_S|FIT_S) ([\d.e-]+)$", out.getvalue(), re.M)
+            times[way].append(float(own.group(1)) if own else wall)
+            gc.collect()
+    print("TRUTH", json.dumps(times), flush=True)
 print("done", MODE, flush=True)

@@ -360,6 +360,45 @@ def test_a_signal_prints_the_report_of_what_was_measured(tmp_path, signum):
     assert "what_if" not in fit  # nothing more is measured after the signal
 
 
+TWO_FITS = """\
+import numpy as np, tensorflow as tf, keras
+x = np.random.rand(256, 8).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).prefetch(2)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+model.fit(ds, epochs=1, verbose=0)
+model.fit(ds, epochs=2, verbose=2)
+"""
+
+
+def test_each_line_once_no_nvml_line_without_a_gpu_and_a_progress_bar_of_the_reports_figures(
+        tmp_path):
+    from keras_gpufix.compile.hardware import device_info
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_gpufix", "diagnose", "--no-trace", "--no-what-if",
+         "--log-dir", str(tmp_path / "logs"), "--", "python", "-c", TWO_FITS],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    report = out[out.index("keras-gpufix diagnose: "):]
+    assert out.count("TensorBoard (step times") == 1
+    notes = [line for line in report.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2 and len(set(notes)) == 2  # the -c file, TensorFlow's hidden lines
+    for note in notes:  # said once, in the report: not also during the run
+        assert (out + proc.stderr).count(note[len("note: "):]) == 1, note
+    if not device_info()["gpus"]:  # no GPU: nothing about NVML's bindings
+        assert "nvidia-ml-py" not in out + proc.stderr
+    # Keras's progress lines (verbose=2) show the report's input wait, and no verdict index
+    bars = [line for line in out.splitlines() if " - loss: " in line]
+    assert len(bars) == 2 and not any("verdict" in line for line in bars), bars
+    shown = float(bars[-1].split("input_wait: ")[1].split()[0])
+    fit2 = next(line for line in report.splitlines() if line.startswith("  - fit 2: "))
+    reported = float(fit2.split("input wait ")[1].split("%")[0])
+    assert abs(100 * shown - reported) <= 1.0, (bars[-1], fit2)  # the report rounds to 1%
+
+
 def test_diagnose_argument_errors(tmp_path, capsys):
     assert main(["diagnose"]) == 2
     assert "the script to run is required" in capsys.readouterr().err

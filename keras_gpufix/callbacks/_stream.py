@@ -88,10 +88,14 @@ CSVLogger, EarlyStopping and Keras's TensorBoard listed after it see them):
 | `step_ms`    | `on_train_batch_end` | the cycle per step (input wait + step +   |
 |              |                      | between), ms                              |
 | `step_ms`    | `on_epoch_end`       | the epoch's mean cycle per step, ms       |
-| `input_wait` | `on_epoch_end`       | the epoch's share of the cycle spent      |
-|              |                      | waiting for input (absent: not measured)  |
-| `verdict`    | `on_epoch_end`       | the run's verdict so far, as its index in |
-|              |                      | `analysis.VERDICTS` (`VERDICTS[int(v)]`)  |
+| `input_wait` | `on_epoch_end`       | the run's share of the cycle spent        |
+|              |                      | waiting for input so far: the figure      |
+|              |                      | `report()["input_wait"]` gives (warm-up   |
+|              |                      | and epoch starts left out; absent: not    |
+|              |                      | measured)                                 |
+
+The verdict is a name, not a number a progress bar can show: it is in
+every callback's `report()["verdict"]`, not in `logs`.
 """
 
 import weakref
@@ -347,8 +351,8 @@ class StepStream:
         self._feed.judge(records, self.members.deliver)
 
     def epoch_logs(self, logs):
-        """Writes the epoch's `step_ms`, `input_wait` and `verdict` into Keras `logs`."""
-        self._epoch.write(logs, self.detector.verdict()["verdict"])
+        """Writes the epoch's `step_ms` and the run's `input_wait` so far into Keras `logs`."""
+        self._epoch.write(logs, self.detector.log.summary()["input_wait"])
 
 
 def stream_of(callbacks):

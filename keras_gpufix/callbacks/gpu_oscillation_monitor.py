@@ -39,9 +39,9 @@ with `log_dir`, `log_dir/keras_gpufix/run_record.json` at the end of `fit`
 (and when SIGTERM or SIGINT stops it; in a multi-worker job the chief's);
 `keras-gpufix report` renders it.
 
-Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
-(each epoch), written by the first of our callbacks in the list (see
-`callbacks/_stream.py`).
+Keras `logs`: `step_ms` (each step), `step_ms` and `input_wait` (each
+epoch; `input_wait` the run's so far, the figure `report()` gives), written
+by the first of our callbacks in the list (see `callbacks/_stream.py`).
 
 The monitor is the run's one judgement: its detector judges the records of
 every keras_gpufix callback in the `fit`, and their reports name its
@@ -65,6 +65,7 @@ from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
 from keras_gpufix.callbacks._job import cluster_task, gather_job
 from keras_gpufix.callbacks._timed import TimedCallback
+from keras_gpufix.compile.hardware import device_info
 from keras_gpufix.exceptions import warn
 from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler
@@ -72,6 +73,8 @@ from keras_gpufix.output import emit
 from keras_gpufix.run_record import RunRecord
 
 __all__ = ["GPUOscillationMonitor"]
+
+_TOLD = []  # why GPU utilisation was not sampled, once said (once a process)
 
 
 class GPUOscillationMonitor(TimedCallback):
@@ -92,8 +95,10 @@ class GPUOscillationMonitor(TimedCallback):
             every event without wiring. An exception it raises propagates
             out of `fit` (it is the user's code, not the monitor's).
             Defaults to None.
-        nvml: sample GPU utilisation through NVML when possible.
-            Defaults to True.
+        nvml: sample GPU utilisation through NVML when possible. Where a
+            GPU exists and it is not sampled (no `nvidia-ml-py`, or
+            `nvml=False`), one line says why, once a process; on a machine
+            without a GPU nothing is said. Defaults to True.
         verbose: 0 silent, 1 prints each event and a summary at the end of
             `fit`. Defaults to 1.
 
@@ -121,7 +126,6 @@ class GPUOscillationMonitor(TimedCallback):
         self._sampler = None
         self._writer = None
         self._firsts = [0, 0.0]  # epoch-first records: count, seconds
-        self._said_step_times_only = False
         self._task = None  # (index, chief, tasks) under a multi-worker strategy
         self._began = 0.0
         self.job = None
@@ -159,8 +163,9 @@ class GPUOscillationMonitor(TimedCallback):
             else:
                 self._sampler = sampler
                 return
-        if self.verbose and not self._said_step_times_only:
-            self._said_step_times_only = True
+        # said once a process (diagnose runs one monitor per fit), where a GPU exists
+        if self.verbose and not _TOLD and device_info()["gpus"]:
+            _TOLD.append(reason)
             emit(f"GPUOscillationMonitor: GPU utilisation not sampled ({reason}); "
                  "judging from step times" + (
                      " and input wait." if self.stream.input_probe is not None

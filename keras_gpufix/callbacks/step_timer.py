@@ -30,9 +30,9 @@ Logged TensorBoard scalars (run `keras_gpufix` under `log_dir`):
 | `step_timer/epoch_cv`        | epoch end  | coefficient of variation               |
 | `step_timer/samples_per_s`   | epoch end  | when the batch size is known           |
 
-Keras `logs`: `step_ms` (each step), `step_ms`, `input_wait` and `verdict`
-(each epoch), written by the first of our callbacks in the list (see
-`callbacks/_stream.py`).
+Keras `logs`: `step_ms` (each step), `step_ms` and `input_wait` (each
+epoch; `input_wait` the run's so far, the figure `report()` gives), written
+by the first of our callbacks in the list (see `callbacks/_stream.py`).
 """
 
 from keras_gpufix.analysis import StepLog

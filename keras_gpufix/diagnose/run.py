@@ -36,8 +36,9 @@ __all__ = ["environment", "run_diagnosis"]
 
 
 def environment():
-    """TensorFlow/Keras versions, devices, XLA, NVML and CPUs, as a dict (`tf_keras`: its
-    version where TF_USE_LEGACY_KERAS made `tf.keras` tf_keras and the script imported it)."""
+    """TensorFlow/Keras versions, devices, XLA, NVML (`reason` "no GPU" where there is
+    none) and CPUs, as a dict (`tf_keras`: its version where TF_USE_LEGACY_KERAS made
+    `tf.keras` tf_keras and the script imported it)."""
     import keras
     import tensorflow as tf
 
@@ -46,6 +47,7 @@ def environment():
     from keras_gpufix.nvml import nvml_status
 
     build = dict(tf.sysconfig.get_build_info())
+    gpus = device_info()["gpus"]
     legacy = sys.modules.get("tf_keras") if os.environ.get(
         "TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes") else None
     return {
@@ -60,13 +62,15 @@ def environment():
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable_cpus(),
         "devices": [d.name for d in tf.config.list_physical_devices()],
-        "gpus": device_info()["gpus"],
+        "gpus": gpus,
         "cuda_build": bool(build.get("is_cuda_build")),
         "cuda_version": build.get("cuda_version"),
         "cudnn_version": build.get("cudnn_version"),
         "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()),
                 "TF_XLA_FLAGS": os.environ.get("TF_XLA_FLAGS")},
-        "nvml": nvml_status(),
+        # NVML (and its install hint) only where there is a GPU to sample
+        "nvml": nvml_status() if gpus else {"available": False, "reason": "no GPU",
+                                            "gpus": []},
         "dtype_policy": keras.mixed_precision.global_policy().name,
     }
 

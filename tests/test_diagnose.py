@@ -244,8 +244,8 @@ def test_the_report_ranks_priced_fixes_and_lists_code_only_findings_apart():
                           "environment": env, "fits": [], "traces": [], "notes": []})
     assert ("fixes (ranked):\n  1. [periodic_stall] work between steps every 200 steps costs "
             "20% of the run") in text
-    assert ("predicted: the whole run up to 1.25x faster (this cause cost 20% of the run, "
-            "measured; the most its fix can save)") in text
+    assert ("predicted: the whole run 1.25x faster once the fix removes this cause's time "
+            "(20% of the run, measured; a fix that removes part of it gains that part)") in text
     assert ("seen in the code (no effect measured in this run: not ranked):\n"
             "  - [dispatch_bound] f\n    t.py:9: w") in text
 

@@ -166,6 +166,10 @@ def test_locate_input_stage_replaces_the_generic_fix_and_drops_cheap_stage_lines
     assert fix["fix"].startswith("the input's slow stage is `map` at t.py:3")
     assert fix["where"][0].startswith("t.py:3: `map`, the input's slow stage")
     assert fix["where"][1:] == ["u.py:7: py_function elsewhere"]
+    # one predicted gain per fix: the stage's, the same figure its text gives
+    assert fix["predicted"]["source"] == "stage"
+    assert fix["predicted"]["speedup"] == fix["stage"]["predicted_gain"]
+    assert f"predicted {fix['stage']['predicted_gain']:.2f}x faster per step" in fix["fix"]
     untouched = [{"verdict": "recompiling", "fix": "bucket", "where": []}]
     locate_input_stage(untouched, fits)
     assert untouched == [{"verdict": "recompiling", "fix": "bucket", "where": []}]
@@ -203,3 +207,35 @@ def test_stage_sites_record_the_scripts_calls_and_measure_stages_converts_to_bat
     assert all(s["batches_per_s"] > 0 for s in stages)
     stages = measure_stages(flat, sites, seconds=1.0)["stages"]
     assert [s["per_batch"] for s in stages] == [None, None, None, 1]  # unbatch: ratio unknown
+
+
+def test_a_zip_is_walked_into_its_slow_branch_and_a_cache_pays_from_the_second_epoch():
+    import time
+
+    import tensorflow as tf
+
+    from keras_gpufix.diagnose.stages import StageSites, measure_stages
+
+    def slow(x):
+        time.sleep(0.002)
+        return x
+
+    with StageSites() as sites:
+        audio = tf.data.Dataset.range(4096).map(  # the costly branch, already parallel
+            lambda x: tf.numpy_function(slow, [x], tf.int64),
+            num_parallel_calls=tf.data.AUTOTUNE)
+        text = tf.data.Dataset.range(4096)
+        ds = tf.data.Dataset.zip((audio, text)).batch(8)
+    measured = measure_stages(ds, sites)
+    assert [s["op"] for s in measured["stages"]] == ["range", "map", "zip", "batch"]
+    judged = judge_stages(measured["stages"], cpus=measured["cpus"])
+    assert judged["slow"]["op"] == "map" and judged["slow"]["kind"] == "python"
+    # a cache (a slow TF map already in parallel) gains nothing in a one-epoch script
+    stages = [_stage("from_tensor_slices", "t.py:1", 1000.0),
+              _stage("map", "t.py:2", 1 / 0.043, parallel=-1, stateful=False)]
+    one = judge_stages(stages, observed_per_s=1 / 0.045, epochs=1)["slow"]
+    assert one["kind"] == "cache" and one["predicted_gain"] > 2 and one["run_gain"] == 1.0
+    assert "a cache serves from the second epoch" in one["text"]
+    assert "over this script's 1 epoch(s) the whole run 1.00x" in one["text"]
+    three = judge_stages(stages, observed_per_s=1 / 0.045, epochs=3)["slow"]
+    assert three["run_gain"] == pytest.approx(3 / (1 + 2 / three["predicted_gain"]))

@@ -28,7 +28,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler and why)          |
 | `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
-|               | fix and predicted gain; `stages_needed`; `located_by_stage`, |
+|               | fix and predicted gain (`run_gain`: a cache's, from epoch 2, |
+|               | `CACHED_KINDS`); `stages_needed`; `located_by_stage`,        |
 |               | `located_stage`: the fix the slow stage locates              |
 | `what_if`     | the what-if's judgement: `Cycles` (a run's steady cycles),   |
 |               | `what_if` (its figures), `what_if_until_known`,              |
@@ -55,8 +56,8 @@ from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_p
 from keras_gpufix.analysis.diagnosis import MONITOR_WARMUP, main_what_if, stall_period, trace_plan
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
-from keras_gpufix.analysis.stages import (judge_stages, located_by_stage, located_stage,
-                                          stages_needed)
+from keras_gpufix.analysis.stages import (CACHED_KINDS, judge_stages, located_by_stage,
+                                          located_stage, run_gain, stages_needed)
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
 from keras_gpufix.analysis.traps import TRAPS, divisible_batch, missing_gpus, traps_of
 from keras_gpufix.analysis.verdicts import (
@@ -89,6 +90,8 @@ from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
 from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
+    "CACHED_KINDS",
+    "run_gain",
     "COMPILED_STEP_FIXES",
     "FIXES",
     "OscillationDetector",

@@ -34,7 +34,10 @@ allows.
 
 from keras_gpufix.analysis.verdicts import STAGE_FIXES, THRESHOLDS
 
-__all__ = ["stages_needed", "judge_stages", "located_by_stage", "located_stage"]
+__all__ = ["stages_needed", "judge_stages", "run_gain", "located_by_stage", "located_stage"]
+
+#: Stage kinds whose fix is a cache: it serves from the second epoch.
+CACHED_KINDS = ("cache", "source")
 
 
 
@@ -76,7 +79,20 @@ def _kind(stage, first):
     return "source" if first else "cache"
 
 
-def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
+def run_gain(gain: float, kind: str, epochs) -> "float | None":
+    """The whole run's gain of a stage's fix, as the script runs it: a cache (the fix of a
+    `cache` or `source` stage) serves from the second epoch only, so over `epochs` epochs
+    (the first unchanged) it gains `epochs / (1 + (epochs - 1) / gain)`: 1.0 in a
+    one-epoch script. Other fixes gain from the first batch. None when a cache's epochs
+    are not known."""
+    if kind not in CACHED_KINDS:
+        return gain
+    if not epochs:
+        return None
+    return epochs / (1.0 + (epochs - 1) / gain)
+
+
+def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, epochs=None) -> dict:
     """Each stage's cost, the slow stage, its fix and the fix's predicted gain.
 
     Args:
@@ -94,6 +110,8 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
             between steps (the step's demand). None when not measured.
         observed_per_s: batches/s the run went at. None when not measured.
         cpus: cores the input may use (what `num_parallel_calls` can gain).
+        epochs: the epochs the script runs (a cache's gain starts at the second;
+            None: not known).
 
     Returns:
         A dict: `stages` (each input stage with `cost_ms` per final batch,
@@ -101,8 +119,10 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
         pipeline's rate), `demand_per_s`, `observed_per_s`, and `slow`
         (None when no stage holds `stage_share` of the time; else the slow
         stage's dict with `fix`, `saved_ms`, `predicted_per_s` and
-        `predicted_gain`, the run's speed after the fix over its speed now,
-        and `text`, one sentence for people).
+        `predicted_gain`, the run's steady speed after the fix over its
+        speed now, `run_gain` (`run_gain`: the whole run's, as the script
+        runs it; None when a cache's epochs are not known) and `text`, one
+        sentence for people).
     """
     out = {"stages": [], "input_per_s": None, "demand_per_s": step_per_s,
            "observed_per_s": observed_per_s, "slow": None}
@@ -110,9 +130,9 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
     for index, stage in enumerate(stages):
         rate = stage.get("batches_per_s")
         item = dict(stage, kind=_kind(stage, index == 0), cost_ms=None, share=None)
-        if rate:
-            now = 1.0 / rate
-            item["cost_ms"] = 1000.0 * max(0.0, now - before)
+        if rate:  # a prefix faster than a shorter one (fused, or noise) costs nothing,
+            now = 1.0 / rate  # and the next stage's cost counts from the slowest so far
+            item["cost_ms"] = 1000.0 * max(0.0, now - longest)
             before, longest = now, max(longest, now)
         out["stages"].append(item)
     measured = [s for s in out["stages"] if s["cost_ms"] is not None]
@@ -146,11 +166,15 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1) -> dict:
                                    parallel=slow.get("parallel"), cpus=cpus)
     demand = (f" against the step's demand of {step_per_s:.1f}" if step_per_s else "")
     rate = 1000.0 / slow["cost_ms"] if slow["cost_ms"] > 0 else float("inf")
+    whole = run_gain(gain, kind, epochs)
     slow.update(fix=fix, saved_ms=1000.0 * saved, predicted_per_s=1.0 / predicted,
-                predicted_gain=gain, rate_per_s=rate)
+                predicted_gain=gain, rate_per_s=rate, run_gain=whole)
     slow["text"] = STAGE_FIXES["text"].format(
         op=slow.get("op"), where=where, rate=rate, share=slow["share"],
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
+    if kind in CACHED_KINDS:
+        slow["text"] += STAGE_FIXES["from_epoch_2"] + (
+            STAGE_FIXES["epochs"].format(epochs=epochs, gain=whole) if whole else "")
     out["slow"] = slow
     return out
 

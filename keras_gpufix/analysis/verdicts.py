@@ -206,7 +206,7 @@ STAGE_FIXES = {
     ),
     "source": (
         "the source at {where}{function} reads slowly: cache what it reads (`.cache()` "
-        "after it) or read files in parallel (interleave with "
+        "after it; where it reads many files, read them in parallel: interleave with "
         "num_parallel_calls=tf.data.AUTOTUNE)"
     ),
     "cache": (
@@ -215,10 +215,13 @@ STAGE_FIXES = {
     ),
     "function": " (Python function at {function})",
     "text": (
-        "the input's slow stage is `{op}` at {where}: alone it would supply {rate:.1f} "
-        "batches/s and it takes {share:.0%} of the input's time (the input supplies "
-        "{input:.1f} batches/s{demand}); {fix}: predicted {gain:.2f}x faster"
+        "the input's slow stage is `{op}` at {where}: it takes {share:.0%} of the input's "
+        "time (drained stage by stage, its work alone caps the input at {rate:.1f} "
+        "batches/s, the whole input supplies {input:.1f} batches/s{demand}); {fix}: predicted "
+        "{gain:.2f}x faster per step"
     ),
+    "from_epoch_2": "; a cache serves from the second epoch: the first runs as now",
+    "epochs": ", so over this script's {epochs} epoch(s) the whole run {gain:.2f}x",
 }
 
 #: The fix of `input_bound` when its time goes in the step (phase `step`):

@@ -193,10 +193,10 @@ def _predicted(cause, fits):
                         f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
                         f"run's steady step time, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
-            "text": (f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
+            "text": (f"predicted: the whole run {speedup:.2f}x faster" if speedup
                      else "predicted: unbounded")
-                    + f" (this cause cost {_pct(share)} of the run, measured; the most its "
-                      "fix can save)"}
+                    + f" once the fix removes this cause's time ({_pct(share)} of the run, "
+                      "measured; a fix that removes part of it gains that part)"}
 
 
 def rank_causes(fits, scan=()):
@@ -318,7 +318,8 @@ def input_stage(fit):
     demand = 1.0 / (1.0 / step + between / 1000.0) if step else None
     return analysis.judge_stages(stages, step_per_s=demand,
                                  observed_per_s=what_if.get("observed_batches_per_s"),
-                                 cpus=fit["stages"].get("cpus") or 1)
+                                 cpus=fit["stages"].get("cpus") or 1,
+                                 epochs=fit.get("epochs") if fit.get("kind") == "fit" else None)
 
 
 def locate_input_stage(fixes, fits):
@@ -346,12 +347,37 @@ def locate_input_stage(fixes, fits):
     named = {line(s[k]) for s in judged["stages"] for k in ("where", "function") if s.get(k)}
     fix["fix"] = slow["text"]
     fix["stage"] = {k: slow.get(k) for k in ("op", "where", "function", "kind", "rate_per_s",
-                                             "share", "predicted_gain", "predicted_per_s")}
+                                             "share", "predicted_gain", "predicted_per_s",
+                                             "run_gain")}
+    fix["predicted"] = _stage_predicted(slow, fix.get("predicted") or {})
     fix["stage"].update(input_per_s=judged["input_per_s"],
                         demand_per_s=judged["demand_per_s"])
     fix["where"] = [f"{where}: `{slow['op']}`, the input's slow stage: {slow['rate_per_s']:.1f} "
                     f"batches/s alone, {slow['share']:.0%} of the input's time"] + [
         w for w in fix["where"] if line(w) not in named]
+
+
+def _stage_predicted(slow, before):
+    """The located fix's one predicted gain: its stage's (`judge_stages`), the steady
+    gain per step and, for a cache, the whole run's as the script runs it; its range
+    the what-if's relative spread where the what-if gave one (`before`: the fix's
+    prediction before the stage was located)."""
+    gain, whole = slow["predicted_gain"], slow.get("run_gain")
+    low, high = before.get("speedup_range") or (None, None)
+    base = before.get("speedup")
+    spread = [gain * low / base, gain * high / base] if low and high and base else None
+    run = ("" if whole is None or whole == gain
+           else f"; over the script's epochs, the first uncached, the whole run {whole:.2f}x")
+    cached = slow["kind"] in analysis.CACHED_KINDS and whole is None
+    return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
+            "steady_speedup": gain, "speedup_range": spread, "source": "stage",
+            "text": f"predicted: {gain:.2f}x per step once the fix applies"
+                    + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
+                       if spread else "")
+                    + (" (from the second epoch: a cache serves nothing in the first)"
+                       if cached else run)
+                    + " (the stage's share of the input's time, measured, applied to the "
+                      "run's cycle)"}
 
 
 def _judged(fits):
@@ -438,13 +464,14 @@ def format_report(result):
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
-        predicted = [f for f in result["fixes"] if f["predicted"]["source"] != "not-measured"]
-        if len(predicted) > 1:  # the causes' shares never overlap: they add up
-            total = sum(f["predicted"]["share"] or 0.0 for f in predicted)
+        predicted = [f["predicted"]["speedup"] for f in result["fixes"]
+                     if f["predicted"].get("speedup")]
+        if len(predicted) > 1:  # the causes never overlap: the time each fix saves adds up
+            total = sum(1.0 - 1.0 / speedup for speedup in predicted)
             speedup = analysis.speedup_of(total)
-            lines.append(f"  all {len(predicted)} predicted fixes together: "
-                         + (f"the whole run up to {speedup:.2f}x faster" if speedup
-                            else "unbounded") + f" ({_pct(total)} of it)")
+            lines.append(f"  the {len(predicted)} predicted fixes together: "
+                         + (f"the whole run {speedup:.2f}x faster" if speedup
+                            else "unbounded") + f" (they save {_pct(total)} of it)")
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

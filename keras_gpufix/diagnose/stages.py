@@ -216,14 +216,19 @@ def drain_rate(dataset, seconds):
         del iterator
 
 
-def _chain(dataset):
-    """The pipeline from its source to `dataset` (one input per stage; a stage with
-    several inputs, `zip` or `concatenate`, is where the walk stops)."""
+def _chain(dataset, seconds=STAGE_SECONDS[0]):
+    """The pipeline from its source to `dataset`: one input per stage; at a stage with
+    several inputs (`zip`, `concatenate`) the walk goes on into the slowest of them
+    (each drained for `seconds`: the branch that holds the zip back, e.g. the audio
+    map beside the text), so the zip itself is never taken for the slow source."""
     from keras_gpufix.keras_internals import input_datasets
 
     chain = [dataset]
     while len(chain) < MAX_DEPTH:
         inputs = input_datasets(chain[-1])
+        if len(inputs) > 1:
+            rates = [(drain_rate(d, seconds) or float("inf"), i) for i, d in enumerate(inputs)]
+            inputs = [inputs[min(rates)[1]]]
         if len(inputs) != 1:
             break
         chain.append(inputs[0])

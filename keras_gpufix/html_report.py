@@ -108,8 +108,8 @@ def _timeline(series):
     wait = [w or 0.0 for w in series["input_wait_ms"]]
     cycles = [w + s + b for w, s, b in zip(wait, series["step_ms"], series["between_ms"])]
     judged = sorted(c for c, j in zip(cycles, series["judged"]) if j) or sorted(cycles)
-    top = max(1e-6, 1.3 * judged[min(len(judged) - 1, int(0.98 * len(judged)))],
-              max(judged))  # a compile's bar runs off the top, marked, not the scale
+    # the scale of the steady steps: a compile's or a stall's bar runs off the top, marked
+    top = max(1e-6, 1.3 * judged[min(len(judged) - 1, int(0.98 * len(judged)))])
     bar = _WIDTH / n
     y0 = _HEIGHT + 10
     scale = _HEIGHT / top

@@ -131,6 +131,8 @@ import json, sys
 from keras_gpufix.compile import CompileCache
 cache = CompileCache.enable(sys.argv[1])
 import jax, jax.numpy as jnp
+for i in range(int(sys.argv[2])):  # what else the process compiled before (a first run's)
+    jax.jit(lambda x, i=i: x * i + 1)(jnp.ones(3))
 step = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w))
 with cache.watch() as seen:
     w = step(jnp.ones((8, 4)) / 8, jnp.linspace(-1, 1, 64).reshape(8, 8))
@@ -142,15 +144,17 @@ def test_on_jax_a_second_process_loads_its_compiles_from_the_cache(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
     runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", _JAX_RUN, str(tmp_path / "xla")],
+    for others in ("3", "0"):  # JAX keys an entry on the program, not on what came before
+        proc = subprocess.run([sys.executable, "-c", _JAX_RUN, str(tmp_path / "xla"), others],
                               capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["compiles"] >= 1 and first["from_cache"] == 0
     assert first["written"] == first["compiles"]
-    assert second["compiles"] == first["compiles"] == second["from_cache"]
+    # every compile of the second from the cache (it may count small ops the first had
+    # compiled before its block, for its other functions: 6 vs 5 here)
+    assert second["compiles"] >= first["compiles"] and second["from_cache"] == second["compiles"]
     assert second["written"] == 0
     assert second["compile_s"] < first["compile_s"]
     assert second["w"] == first["w"]

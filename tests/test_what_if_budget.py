@@ -63,9 +63,48 @@ print("slow step script done")
 """
 
 
-def _diagnose(tmp_path, *options, env=None):
+LOOP_KILLED_IN_WHAT_IF = """\
+import os
+import signal
+import time
+import numpy as np
+import tensorflow as tf
+import keras
+
+trained = []
+
+
+def sleep():
+    if trained:  # a step replayed by the what-if, after the loop ended
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.02)
+    return np.float32(0)
+
+
+xs = np.random.rand(96, 8).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, xs[:, :1])).batch(8).prefetch(2)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+optimizer = keras.optimizers.Adam()
+
+
+@tf.function
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2) + 0.0 * tf.numpy_function(sleep, [], tf.float32)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+for x, y in ds:
+    step(x, y)
+trained.append(True)
+"""
+
+
+def _diagnose(tmp_path, *options, env=None, source=SLOW_STEP):
     script = tmp_path / "train.py"
-    script.write_text(SLOW_STEP)
+    script.write_text(source)
     cmd = [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
            "--log-dir", str(tmp_path / "logs"), *options, "--", "python", str(script)]
     t0 = time.monotonic()
@@ -183,6 +222,15 @@ def test_a_signal_during_the_what_if_says_the_what_if_was_stopped_not_training(t
     assert "not training: training had ended after 10 training steps" in ended["text"]
     assert fit["what_if"]["reason"].startswith("SIGTERM stopped the what-if after")
     assert fit["monitor"]["step_time"]["count"] > 0  # the run's own figures are kept
+
+
+def test_a_signal_during_a_loops_what_if_says_the_what_if_was_stopped(tmp_path):
+    proc, result, _ = _diagnose(tmp_path, source=LOOP_KILLED_IN_WHAT_IF)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    ended = result["ended_by"]
+    assert ended["during"] == "what_if" and ended["steps_seen"] == 12, ended
+    assert ended["text"].startswith("SIGTERM stopped diagnose's what-if of loop 1 "), ended
+    assert result["fits"][0]["what_if"]["reason"].startswith("SIGTERM stopped the what-if")
 
 
 @pytest.mark.slow

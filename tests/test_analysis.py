@@ -754,3 +754,13 @@ def test_diagnose_cause_rules_from_analysis():
     assert (a.divisible_batch(10, 4), a.divisible_batch(12, 4)) == (12, None)
     assert a.missing_gpus(["/gpu:0", "/device:GPU:1", "/cpu:0"], 1) == ["/device:GPU:1"]
     assert a.classify_input_percent(4.9) == "not_input_bound"
+
+
+def test_the_verdict_fits_the_ranked_fixes():
+    from keras_gpufix.analysis import verdict_of_ranking
+
+    beside = rank_causes([("input_bound", 0.22, {})])  # the what-if's input cost
+    assert verdict_of_ranking("healthy", beside) == "input_bound"
+    assert verdict_of_ranking("healthy", rank_causes([("input_bound", 0.05, {})])) == "healthy"
+    assert verdict_of_ranking("periodic_stall", beside) == "periodic_stall"
+    assert verdict_of_ranking("unknown", beside) == "unknown"

@@ -44,13 +44,13 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `causes`      | diagnose's findings -> causes: `is_cause`, `is_judged`,      |
 |               | `what_if_cause`, `cause_where`, `compiled_cause_share`,      |
 |               | `priced_by_compile`, `measured_fix`, `measured_lines`,       |
-|               | `prediction_source`, `ruled_out`                             |
+|               | `prediction_source`, `ruled_out`, `verdict_of_ranking`       |
 """
 
 from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_cause,
                                           is_judged, measured_fix, measured_lines,
                                           priced_by_compile, prediction_source, ruled_out,
-                                          what_if_cause)
+                                          verdict_of_ranking, what_if_cause)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.diagnosis import MONITOR_WARMUP, main_what_if, stall_period, trace_plan
@@ -90,6 +90,7 @@ from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
 from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
+    "verdict_of_ranking",
     "CACHED_KINDS",
     "run_gain",
     "COMPILED_STEP_FIXES",

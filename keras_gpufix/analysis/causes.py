@@ -19,6 +19,8 @@ decision about a verdict in it is one of these pure functions:
 | `prediction_source`    | which measurement predicts a ranked cause's effect     |
 | `ruled_out`            | the verdicts a judgement had the evidence for and did  |
 |                        | not give (their static findings are not fixes)         |
+| `verdict_of_ranking`   | the verdict that fits the ranked fixes (a cause of at  |
+|                        | least `cost_share` beside `healthy` takes its place)    |
 """
 
 from keras_gpufix.analysis.traps import traps_of
@@ -27,7 +29,7 @@ from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, blocker_line
 
 __all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
            "compiled_cause_share", "priced_by_compile", "measured_fix", "measured_lines",
-           "prediction_source", "ruled_out"]
+           "prediction_source", "verdict_of_ranking", "ruled_out"]
 
 #: Where an eager step comes from when neither its measured gradient nor a scanned line says.
 _EAGER_DEFAULT_WHERE = "the model's compile (run_eagerly=True)"
@@ -152,6 +154,17 @@ def prediction_source(verdict: str, what_if: dict, compiled: "dict | None") -> s
     if verdict == "eager_step" and compiled:
         return "compiled-step" if compiled.get("best_ms") is not None else "not-measured"
     return "cost_share"
+
+
+def verdict_of_ranking(verdict: str, ranking: list) -> str:
+    """The run's one verdict, fitting its own fixes: a judged run (`healthy`) whose
+    ranking holds a measured cause costing at least `THRESHOLDS["cost_share"]` (the
+    what-if's input cost beside a healthy step log, under load or not) takes that
+    cause; otherwise `verdict` as judged."""
+    if is_cause(verdict) or verdict == "unknown":
+        return verdict
+    top = next((c for c in ranking if c["score"] >= THRESHOLDS["cost_share"]), None)
+    return top["verdict"] if top else verdict
 
 
 def ruled_out(verdict: str, *, judged: bool, input_wait_measured: bool,

@@ -223,7 +223,7 @@ def rank_causes(fits, scan=()):
     """
     ranking = analysis.rank_causes(c for fit in fits for c in _fit_causes(fit, scan))
     main = _main(fits)
-    verdict = _verdict(main)
+    verdict = analysis.verdict_of_ranking(_verdict(main), ranking)
     ranking.sort(key=lambda c: c["verdict"] != verdict)  # stable: the verdict first
     fixes = []
     steps = [f.get("step") or {} for f in fits]

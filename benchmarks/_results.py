@@ -13,8 +13,8 @@ The file: `{"benchmark", "command", "machine", "load_average", "date_utc",
 work on the machine changes absolute figures; ratios come from one run) with
 figures as plain numbers (units in the key names, every ratio key naming
 which side is on top). `benchmarks/run_all.py` runs each benchmark with
-`--out benchmarks/results/<name>.json` and tabulates the files; README and
-docs quote them.
+`--out benchmarks/results/<name>.json` and tabulates the files;
+docs/benchmarks.md quotes them.
 """
 
 import datetime

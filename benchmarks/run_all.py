@@ -1,7 +1,7 @@
-"""Re-measures every figure that README.md and docs/ quote.
+"""Re-measures every figure that docs/benchmarks.md quotes.
 
     python benchmarks/run_all.py            # quick settings (a few minutes on 2 cores)
-    python benchmarks/run_all.py --full     # the sizes README quotes as "full"
+    python benchmarks/run_all.py --full     # the sizes docs/benchmarks.md quotes as "full"
     python benchmarks/run_all.py end_to_end compile_speed   # some of them
     python benchmarks/run_all.py --summary  # only rewrite SUMMARY.md from the files
 

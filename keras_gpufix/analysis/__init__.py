@@ -8,6 +8,10 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | module        | what it defines                                              |
 |---------------|--------------------------------------------------------------|
 | `step_log`    | `StepRecord` (one step's phases), `StepLog` (bounded log)    |
+| `step_series` | `StepSeries`: every record of a run in at most 1024 points   |
+|               | (the run record's timeline)                                  |
+| `comparison`  | `compare_runs`, `format_comparison`: two run records, the    |
+|               | steady gain and its range, one word (`MIN_GAIN`)             |
 | `verdicts`    | `VERDICTS`, `NOT_CAUSES`, `FIXES`, `THRESHOLDS`,             |
 |               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |

@@ -122,7 +122,8 @@ class RunRecord:
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text")}
                  for f in result.get("fixes") or ()]
         predicted = {f["verdict"]: f for f in fixes}
-        causes = [dict(_cause({"verdict": c["verdict"], "share": c.get("score")}),
+        causes = [dict(_cause({**(c.get("evidence") or [{}])[0], "verdict": c["verdict"],
+                               "share": c.get("score")}),
                        expected_speedup=(predicted.get(c["verdict"]) or {}).get(
                            "expected_speedup", speedup_of(c.get("score") or 0.0)))
                   for c in result.get("ranking") or ()]

@@ -252,3 +252,20 @@ def test_a_fit_stopped_by_sigterm_leaves_its_record(tmp_path):
     assert record["ended_by"] == "SIGTERM"
     # the steps handed to the monitor by then: records are made about every quarter second
     assert 0 < sum(record["series"]["steps"]) <= 4096 // 4 * 100
+
+
+def test_a_diagnosis_that_timed_no_step_is_still_a_record_its_report_and_compare_say_so(
+        tmp_path, slow_and_fixed):
+    result = {"command": ["python", "train.py"], "verdict": "unknown", "fits": [],
+              "evidence": [{"text": "the script ran but no training step was seen"}],
+              "ranking": [], "fixes": [], "what_if": None, "environment": {"gpus": []},
+              "ended_by": {"text": "SIGINT stopped the script after 0 training steps"}}
+    record = RunRecord.from_diagnosis(result)
+    record.write(tmp_path)
+    data = RunRecord.load(tmp_path).data
+    assert data["verdict"]["verdict"] == "unknown" and data["series"]["steps"] == []
+    assert data["ended_by"] == result["ended_by"]["text"]
+    page = open(record.write_html()).read()
+    assert "No step was recorded" in page and "no training step was seen" in page
+    comparison = compare_runs(data, RunRecord.load(slow_and_fixed["slow"][1]).data)
+    assert comparison["word"] == "no change" and comparison["gain"] is None

@@ -29,6 +29,7 @@ MODE:
 - `host_work`: a `tf.function` step (+ its device time) and host NumPy work (a
   spectrogram of 128 frames for a plot) every 4 steps; `--no-host` leaves it out.
   Prints `LOOP_S`.
+- `accum_way [--compiled] [--no-plot]`: one way of `accum_truth`, timed once (`LOOP_S`).
 - `truth WAY [WAY ...] [--rounds R] [--steps N]`: runs each WAY (a quoted mode and its
   flags, e.g. "slow_map --epochs 3 --cache") in this process in turn, R rounds (default 3),
   the order reversed every other round, and prints `TRUTH <json of each way's seconds per
@@ -317,6 +318,10 @@ elif MODE == "host_work":
         if i % 4 == 3 and "--no-host" not in sys.argv:  # a spectrogram for a plot
             np.log(np.abs(np.fft.rfft(frames * np.hanning(4096))) + 1e-6)
     print("LOOP_S", time.perf_counter() - t0, flush=True)
+elif MODE == "accum_way":
+    step = tf.function(accumulate_step) if "--compiled" in sys.argv else accumulate_step
+    plot_s = 0 if "--no-plot" in sys.argv else PLOT_S
+    print("LOOP_S", accumulation_loop(iter(dataset), step, plot_s, STEPS), flush=True)
 elif MODE == "truth":  # each way in turn in this process, rounds interleaved
     import contextlib
     import io

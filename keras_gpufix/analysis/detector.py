@@ -33,6 +33,7 @@ from keras_gpufix.analysis.verdicts import (
     recompile_cost,
     slow_limit,
     slow_mask,
+    speedup_of,
     step_compiled,
 )
 
@@ -219,7 +220,8 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
         `step`, `between`, `loop_body`, or None), `period`, `cost_share`
         (share of the window's cycle time the cause cost), `evidence`
         (figures, and `signals`: the evidence used) and `causes` (dicts
-        `verdict`, `share`, `phase`, `period`; the verdict's first).
+        `verdict`, `share`, `speedup` (the whole run's once the cause's time
+        goes: `speedup_of(share)`), `phase`, `period`; the verdict's first).
     """
     judgement = _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced,
                        async_blockers, input_workers)
@@ -237,7 +239,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
 
 
 def _cause(judgement):
-    return {"verdict": judgement["verdict"], "share": judgement["cost_share"],
+    share = judgement["cost_share"]
+    return {"verdict": judgement["verdict"], "share": share,
+            "speedup": None if share is None else speedup_of(share),
             "phase": judgement["phase"], "period": judgement["period"]}
 
 

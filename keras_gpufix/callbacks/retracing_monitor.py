@@ -55,6 +55,8 @@ from keras_gpufix.output import emit
 
 __all__ = ["RetracingMonitor"]
 
+_TOLD = set()  # notes printed: each once a process (diagnose runs one monitor per fit)
+
 _NO_PROBE = ("RetracingMonitor: input shapes are not visible (the dataset did not go "
              "through kg.data.instrument); counting tf.function traces "
              "only. Pass the dataset through kg.data.instrument(ds) (kg.data builders "
@@ -125,7 +127,6 @@ class RetracingMonitor(TimedCallback):
         self.max_new_shapes = None if max_new_shapes is None else int(max_new_shapes)
         self.warn = warn
         self.verbose = verbose
-        self._told_no_probe = False
         # Shapes the watched functions were compiled for in earlier fits: a
         # function keeps its XLA cache, so they cost nothing again.
         self._watched = ()
@@ -286,9 +287,9 @@ class RetracingMonitor(TimedCallback):
             note = self._no_shapes_note()
             if note not in self.notes:
                 self.notes.append(note)
-                if not self._told_no_probe:
+                if self.verbose and note not in _TOLD:
+                    _TOLD.add(note)
                     emit(note, self.verbose)
-                self._told_no_probe = True
         for record in records:
             count, key = record.steps, record.shape
             if record.epoch_first and self._global:

@@ -352,8 +352,12 @@ class FitPatch:
         if dataset is None or not stages_needed((entry.get("monitor") or {}).get("verdict"),
                                                 entry.get("what_if")):
             return None
+        budget = self.what_if_budget(entry)
+        if budget.left() <= 0:
+            budget.stop()
+            return {"reason": f"not measured: the what-if's {budget.cut}"}
         try:
-            return measure_stages(dataset, self.sites, budget=self.what_if_budget(entry))
+            return measure_stages(dataset, self.sites, budget=budget)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
 

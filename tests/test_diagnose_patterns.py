@@ -263,6 +263,23 @@ def test_a_heavy_map_beside_a_heavy_step_is_named_with_its_gain():
     assert abs(predicted / (runs[0] / runs[1]) - 1) <= 0.25
 
 
+@pytest.mark.slow
+def test_a_contention_case_is_judged_the_same_with_a_cpu_burner_beside_it():
+    # the same heavy map beside a heavy step, judged as it is and with one core kept
+    # busy by another process (a loaded machine): one verdict, the same ranked cause
+    _, quiet = diagnose("contention", 60, script_steps=80)
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _, loaded = diagnose("contention", 60, script_steps=80)
+    finally:
+        burner.kill()
+        burner.wait()
+    print(f"contention quiet: {quiet['verdict']} {[f['verdict'] for f in quiet['fixes']]}; "
+          f"loaded: {loaded['verdict']} {[f['verdict'] for f in loaded['fixes']]}")
+    assert loaded["verdict"] == quiet["verdict"] != "healthy"
+    assert loaded["fixes"][0]["verdict"] == quiet["fixes"][0]["verdict"]
+
+
 def test_lines_run_follows_the_scripts_own_modules(tmp_path, monkeypatch):
     from keras_gpufix.diagnose.lines_run import LinesRun
 

@@ -1,0 +1,187 @@
+"""diagnose's predicted gain per fix against the gain measured with the fix applied.
+
+    python benchmarks/advice_gains.py [--patterns ...] [--rounds R] [--out PATH]
+    (about 8 min on 2 cores at load 6; 6 patterns, 3 rounds)
+
+For each pattern (a synthetic training script in `tests/loop_patterns.py`):
+1. `keras-gpufix diagnose --json --no-trace --steps N -- python tests/loop_patterns.py
+   MODE ...` gives the verdict and the fixes, each with its `predicted` gain
+   (`speedup`, `speedup_range`, `share`, `source`);
+2. the truth: the same script run with each named fix applied by hand (a flag or a
+   twin mode of the script), every way in one process in turn, rounds interleaved
+   (`loop_patterns.py truth`), each way timed by the script itself (its loop or fit,
+   `LOOP_S` / `FIT_S`) or its wall time; the measured speedup is the median over the
+   rounds of as is / fixed in the same round (its range: the rounds' extremes);
+3. per fix: predicted vs measured speedup (as is / fixed), their ratio and whether
+   it is within 25%; and all the fixes' combined prediction (their shares add up)
+   against the script with all of them applied, where a pattern has several.
+
+Patterns (the fixes applied as diagnose words them):
+- `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
+  `eager_step` -> the step in tf.function, `periodic_stall` -> no plot; both.
+- `contention`: `fit` with a heavy TF map beside a heavy step: `input_bound` -> the
+  batches computed before the fit (`--cached`).
+- `blocked`: an eager step tf.function cannot run as written: `eager_step` -> the step
+  changed as the blockers say, in tf.function (`blocked_fixed`; wall time of the run,
+  the trace included).
+- `slow_map_1ep` / `slow_map_3ep`: `fit` over a slow `tf.py_function` map, 1 and 3
+  epochs: `input_bound` -> `.cache()` after the map (pays from epoch 2), or the read in
+  TF ops.
+- `host_work`: a tf.function step and NumPy host work every 4 steps: `periodic_stall`
+  -> no host work.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = "tests/loop_patterns.py"
+
+# name -> diagnose's --steps, the script's arguments, the truth's command (after the
+# script), the way timed as is, {verdict: {what the fix is: the way with it applied}},
+# the way with every fix applied
+PATTERNS = {
+    "accum_plot": (40, ["accum_plot", "--steps", "60"],
+                   ["truth", "accum_way", "accum_way --compiled", "accum_way --no-plot",
+                    "accum_way --compiled --no-plot", "--steps", "30"],
+                   "accum_way", {"eager_step": {"tf.function": "accum_way --compiled"},
+                                 "periodic_stall": {"no plot": "accum_way --no-plot"}},
+                   "accum_way --compiled --no-plot"),
+    "contention": (60, ["contention", "--steps", "80"],
+                   ["truth", "contention", "contention --cached", "--steps", "60"],
+                   "contention", {"input_bound": {"batches before the fit":
+                                                  "contention --cached"}}, None),
+    "blocked": (14, ["blocked", "--steps", "40"],
+                ["truth", "blocked", "blocked_fixed", "--steps", "16"],
+                "blocked", {"eager_step": {"changed as said, tf.function": "blocked_fixed"}},
+                None),
+    "slow_map_1ep": (500, ["slow_map"], ["truth", "slow_map", "slow_map --cache",
+                                         "slow_map --tf-ops"],
+                     "slow_map", {"input_bound": {".cache() after the map": "slow_map --cache",
+                                                  "the read in TF ops": "slow_map --tf-ops"}},
+                     None),
+    "slow_map_3ep": (500, ["slow_map", "--epochs", "3"],
+                     ["truth", "slow_map --epochs 3", "slow_map --epochs 3 --cache",
+                      "slow_map --epochs 3 --tf-ops"],
+                     "slow_map --epochs 3",
+                     {"input_bound": {".cache() after the map": "slow_map --epochs 3 --cache",
+                                      "the read in TF ops": "slow_map --epochs 3 --tf-ops"}},
+                     None),
+    "host_work": (500, ["host_work", "--steps", "60"],
+                  ["truth", "host_work", "host_work --no-host", "--steps", "100"],
+                  "host_work", {"periodic_stall": {"no host work": "host_work --no-host"}},
+                  None),
+}
+
+
+def _run(command):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def truth(command, rounds):
+    """{way: [seconds per round]} of `loop_patterns.py truth WAY ...`."""
+    out = _run([sys.executable, SCRIPT, *command, "--rounds", str(rounds)])
+    return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
+
+
+def speedup(as_is, fixed):
+    """(median, lowest, highest) over the rounds of as is / fixed, each round's pair run
+    side by side (the same load)."""
+    ratios = sorted(a / f for a, f in zip(as_is, fixed))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
+def _x(value, low=None, high=None):
+    return (f"{value:.2f}x" if value else "-") + (f" ({low:.2f}-{high:.2f})" if low and high
+                                                  else "")
+
+
+def _row(figures, key, cells, predicted, measured):
+    """Prints one line of the table and keeps its figures; returns the ratio."""
+    gain = predicted.get("speedup")
+    ratio = gain / measured[0] if gain and measured[0] else None
+    within = None if ratio is None else abs(ratio - 1) <= 0.25
+    print(f"{cells} {_x(gain, *(predicted.get('speedup_range') or ())):>20} "
+          f"{_x(*measured):>20} {f'{ratio:.2f}' if ratio else '-':>9}  "
+          f"{'-' if within is None else 'yes' if within else 'no'}", flush=True)
+    figures[f"{key}_predicted_speedup"] = gain and round(gain, 3)
+    figures[f"{key}_measured_speedup_as_is_over_fixed"] = measured[0] and round(measured[0], 3)
+    figures[f"{key}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
+    figures[f"{key}_within_25_percent"] = within
+    return ratio
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS),
+                        default=list(PATTERNS), help="the patterns to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the truth runs, each way once a round (default 3)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import add_out_argument, write_results
+
+    sys.path.insert(0, ROOT)
+    from keras_gpufix import analysis
+
+    add_out_argument(parser, "advice_gains")
+    args = parser.parse_args(argv)
+    figures, details = {}, {}
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} "
+          "cores", flush=True)
+    print(f"{'pattern':13} {'verdict':15} {'fix':28} {'applied as':24} {'predicted':>20} "
+          f"{'measured':>20} {'pred/meas':>9}  within 25%", flush=True)
+    for name in args.patterns:
+        steps, script, truth_command, as_is, applied, all_fixed = PATTERNS[name]
+        load = os.getloadavg()
+        report = json.loads(_run([
+            sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
+            "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1])
+        runs = truth(truth_command, args.rounds)
+        fixes = {f["verdict"]: f for f in report["fixes"]}
+        pattern = {"verdict": report["verdict"], "load_average_before": load, "seconds": runs,
+                   "fixes": []}
+        for verdict in list(fixes) + [v for v in applied if v not in fixes]:
+            fix = fixes.get(verdict) or {}
+            predicted = fix.get("predicted") or {}
+            for how, way in (applied.get(verdict) or {"(not applied)": None}).items():
+                measured = speedup(runs[as_is], runs[way]) if way else (None,)
+                label = verdict + ("" if fix else " (not named)")
+                key = f"{name}_{verdict}_{re.sub(r'[^a-z]+', '_', how.lower()).strip('_')}"
+                ratio = _row(figures, key, f"{name:13} {report['verdict']:15} {label:28} "
+                             f"{how:24}", predicted, measured)
+                pattern["fixes"].append({"verdict": verdict, "fix": fix.get("fix"),
+                                         "predicted": predicted, "applied_as": how,
+                                         "way": way, "measured_speedup": measured,
+                                         "ratio": ratio})
+        shares = [f["predicted"]["share"] or 0.0 for f in report["fixes"]
+                  if f["predicted"]["source"] != "not-measured"]
+        if all_fixed and len(shares) > 1:  # the causes' shares never overlap: they add up
+            together = {"speedup": analysis.speedup_of(sum(shares))}
+            measured = speedup(runs[as_is], runs[all_fixed])
+            ratio = _row(figures, f"{name}_all", f"{name:13} {report['verdict']:15} "
+                         f"{'all fixes together':28} {'all applied':24}", together, measured)
+            pattern["together"] = {"predicted": together["speedup"], "measured": measured,
+                                   "ratio": ratio}
+        details[name] = pattern
+    rows = [v for k, v in figures.items() if k.endswith("_within_25_percent") and v is not None]
+    figures["fixes_predicted"] = len(rows)
+    figures["fixes_within_25_percent"] = sum(rows)
+    print(f"{sum(rows)} of {len(rows)} predicted gains within 25% of the measured one; load "
+          f"average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    details["rounds"] = args.rounds
+    write_results(args.out, "advice_gains", figures, details)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

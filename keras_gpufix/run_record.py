@@ -32,7 +32,7 @@ import sys
 import threading
 
 from keras_gpufix import __version__
-from keras_gpufix.analysis import fix_for, format_what_if, speedup_of
+from keras_gpufix.analysis import cost_share_prediction, fix_for, format_what_if, speedup_of
 
 __all__ = ["RunRecord"]
 
@@ -101,7 +101,7 @@ class RunRecord:
                           "where": [], "share": cause["share"],
                           "expected_speedup": cause["expected_speedup"], "speedup_range": None,
                           "source": "cost_share",
-                          "text": _cost_share_text(cause["share"])})
+                          "text": cost_share_prediction(cause["share"])})
         return cls._made("GPUOscillationMonitor", report, causes, fixes, None,
                          command if command is not None else sys.argv, ended_by, {})
 
@@ -305,13 +305,6 @@ def _cause(c):
     return {"verdict": c.get("verdict"), "share": share, "phase": c.get("phase"),
             "period": c.get("period"),
             "expected_speedup": speedup_of(share) if share is not None else None}
-
-
-def _cost_share_text(share):
-    speedup = speedup_of(share)
-    return ((f"predicted: the whole run up to {speedup:.2f}x faster" if speedup
-             else "predicted: unbounded")
-            + f" (this cause cost {share:.0%} of the run, measured; the most its fix can save)")
 
 
 def _environment():

@@ -17,6 +17,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
+|               | `cost_share_prediction`, `combined_speedup`,                 |
 |               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
 | `phases`      | `hook_span`, `split_cycle`: one hook's begin and ready times |
@@ -87,6 +88,8 @@ from keras_gpufix.analysis.verdicts import (
     slow_limit,
     slow_mask,
     speedup_of,
+    cost_share_prediction,
+    combined_speedup,
     step_compiled,
 )
 from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
@@ -125,6 +128,8 @@ __all__ = [
     "slow_limit",
     "slow_mask",
     "speedup_of",
+    "cost_share_prediction",
+    "combined_speedup",
     "stages_needed",
     "step_compiled",
     "summarize_step_times",

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from keras_gpufix.analysis.verdicts import speedup_of
+from keras_gpufix.analysis.verdicts import combined_speedup, speedup_of
 
 __all__ = ["MIN_GAIN", "compare_runs", "format_comparison"]
 
@@ -86,7 +86,8 @@ def compare_runs(before: dict, after: dict) -> dict:
         None where absent, `gone`), `predicted` (BEFORE's prediction for each
         cause that went away: `verdict`, `speedup`, `speedup_range`, `text`),
         `predicted_together` (the speedup of all of them together: the sum of
-        their shares, `speedup_of`; None when none went away) and `warnings`.
+        the time each saves, `combined_speedup`; None when none went away or one is
+        unbounded) and `warnings`.
     """
     sides = {}
     for name, record in (("before", before), ("after", after)):
@@ -123,7 +124,8 @@ def compare_runs(before: dict, after: dict) -> dict:
                           "speedup": fix.get("expected_speedup", speedup_of(share)),
                           "speedup_range": fix.get("speedup_range"),
                           "text": fix.get("text")})
-    together = speedup_of(sum(shares["before"][v] for v in gone)) if gone else None
+    together = combined_speedup(p["speedup"] for p in predicted) if predicted and all(
+        p["speedup"] for p in predicted) else None
     return {"word": word, "gain": gain, "gain_range": gain_range, "before": b, "after": a,
             "causes": causes, "predicted": predicted, "predicted_together": together,
             "warnings": _differences(before, after)}

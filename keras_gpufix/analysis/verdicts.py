@@ -666,6 +666,22 @@ def compiled_share(steady_share: float, eager_ms: float, compiled_ms: float) -> 
     return steady_share * max(0.0, 1.0 - compiled_ms / eager_ms)
 
 
+def cost_share_prediction(share: float) -> str:
+    """The predicted effect of fixing a cause known only by the share of the run it cost:
+    the whole run's gain once the fix removes that time (`speedup_of`)."""
+    speedup = speedup_of(share)
+    return ((f"predicted: the whole run {speedup:.2f}x faster" if speedup
+             else "predicted: unbounded")
+            + f" once the fix removes this cause's time ({share:.0%} of the run, measured; a "
+              "fix that removes part of it gains that part)")
+
+
+def combined_speedup(speedups) -> "float | None":
+    """The whole run's gain of several fixes of causes that never overlap: the time
+    each saves (`1 - 1 / speedup`) adds up; None when unbounded."""
+    return speedup_of(sum(1.0 - 1.0 / s for s in speedups))
+
+
 def speedup_of(share: float) -> "float | None":
     """The whole run's speedup when time of `share` goes: 1 / (1 - share); None when
     unbounded (share >= 1). Shares of different causes, never overlapping, add up."""

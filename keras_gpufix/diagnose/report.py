@@ -193,10 +193,7 @@ def _predicted(cause, fits):
                         f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
                         f"run's steady step time, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
-            "text": (f"predicted: the whole run {speedup:.2f}x faster" if speedup
-                     else "predicted: unbounded")
-                    + f" once the fix removes this cause's time ({_pct(share)} of the run, "
-                      "measured; a fix that removes part of it gains that part)"}
+            "text": analysis.cost_share_prediction(share)}
 
 
 def rank_causes(fits, scan=()):
@@ -467,11 +464,10 @@ def format_report(result):
         predicted = [f["predicted"]["speedup"] for f in result["fixes"]
                      if f["predicted"].get("speedup")]
         if len(predicted) > 1:  # the causes never overlap: the time each fix saves adds up
-            total = sum(1.0 - 1.0 / speedup for speedup in predicted)
-            speedup = analysis.speedup_of(total)
+            speedup = analysis.combined_speedup(predicted)
             lines.append(f"  the {len(predicted)} predicted fixes together: "
-                         + (f"the whole run {speedup:.2f}x faster" if speedup
-                            else "unbounded") + f" (they save {_pct(total)} of it)")
+                         + (f"the whole run {speedup:.2f}x faster (they save "
+                            f"{_pct(1 - 1 / speedup)} of it)" if speedup else "unbounded"))
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

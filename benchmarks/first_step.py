@@ -15,9 +15,10 @@
    the second run's keras_gpufix first epoch within 1.5x of naive's first
    epoch of the same run (`first_epoch_ratio_fast_over_naive_second`).
 2. `examples/train_tts.py` run, then resumed from its checkpoint with one
-   more epoch (`--epochs 1`, then `--epochs 2`): the compiles each run added
-   to the compile cache (the resumed run: 0 when every compile loaded from
-   it) and its wall time.
+   more epoch (`--epochs 1`, then `--epochs 2`), then once more with the
+   compile cache cleared first (`--epochs 3`, `resumed_cold`: what a resume
+   cost before): the compiles each run added to the compile cache (the
+   resumed run: 0 when every compile loaded from it) and its wall time.
 
 Figures go to `--out` (default `benchmarks/results/first_step.json`).
 """
@@ -90,8 +91,13 @@ def main(argv=None) -> int:
             f"{figures[f'first_epoch_ratio_fast_over_naive_{run}']:.2f}x; shapes "
             f"{shapes - fresh} from the compile cache, {fresh} fresh", flush=True)
 
+    sys.path.insert(0, _ROOT)
+    from keras_gpufix.compile.compile_cache import CompileCache
+
     output = os.path.join(home, "tts")
-    for run, epochs in (("first", 1), ("resumed", 2)):
+    for run, epochs in (("first", 1), ("resumed", 2), ("resumed_cold", 3)):
+        if run == "resumed_cold":
+            CompileCache(CompileCache.default_directory(os.path.join(output, "cache"))).clear()
         r, wall = _run([os.path.join("examples", "train_tts.py"), "--output", output,
                         "--epochs", str(epochs), "--utterances", str(args.tts_utterances),
                         "--verbose", "0"], env)

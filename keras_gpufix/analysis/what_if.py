@@ -275,7 +275,7 @@ def what_if_until_known(cycles, input_per_s, measure, batches_per_cycle=1, tries
 
 
 def _budget_words(result):
-    """`; its budget 60 s, 12 s used`, or nothing where no budget was kept."""
+    """`; what-if budget 60 s, 12 s used`, or nothing where no budget was kept."""
     if result.get("budget_s") is None:
         return ""
     return f"; what-if budget {result['budget_s']:.0f} s, {result.get('spent_s') or 0:.0f} s used"

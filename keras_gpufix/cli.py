@@ -331,8 +331,9 @@ def main(argv=None) -> int:
     sub = args.subparser
     # TensorFlow's log lines would bury our one-line answers (the demo turns its compile
     # cache on before TensorFlow starts; validate imports it, quietly, only for a config's
-    # corpus or device list; other backends need no TensorFlow)
-    if (args.command not in ("demo", "report", "compare", "validate")
+    # corpus or device list; diagnose, once it read the script's backend; other backends
+    # need no TensorFlow)
+    if (args.command not in ("demo", "report", "compare", "validate", "diagnose")
             and backend_name() == "tensorflow"):
         import_tensorflow_quietly()
     handler = {"validate": _validate, "diagnose": _diagnose, "bench-data": _bench,
@@ -345,7 +346,8 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as exc:
         if not tensorflow_missing(exc):
             raise
-        why = ("it measures through tf.data and tf.function" if args.command == "diagnose"
+        why = ("the script's Keras backend is tensorflow; a JAX script is diagnosed without "
+               "it: KERAS_BACKEND=jax" if args.command == "diagnose"
                else "its data pipeline is tf.data")
         if args.command == "validate":  # what needs it: the builder, the device names
             why = ("this config's data.corpus is checked by the tf.data builder, "

@@ -20,6 +20,7 @@ Where something is not supported the adapter says so in one line
 """
 
 import functools
+import json
 import os
 import sys
 
@@ -30,12 +31,20 @@ __all__ = ["Backend", "NotSupported", "current", "name", "tensorflow_missing"]
 
 def name() -> str:
     """The Keras backend's name without importing Keras (nor TensorFlow):
-    `keras.backend.backend()` once Keras is imported, else `KERAS_BACKEND`
-    (Keras's default, `tensorflow`, when unset)."""
+    `keras.backend.backend()` once Keras is imported, else `KERAS_BACKEND`,
+    else `backend` in Keras's config file (`$KERAS_HOME/keras.json`, else
+    `~/.keras/keras.json`), else Keras's default, `tensorflow`."""
     keras = sys.modules.get("keras")
     if keras is not None:
         return keras.backend.backend()
-    return os.environ.get("KERAS_BACKEND") or "tensorflow"
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    folder = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(folder, "keras.json"), encoding="utf-8") as f:
+            return json.load(f).get("backend") or "tensorflow"
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
 
 
 def tensorflow_missing(exc: BaseException) -> bool:

@@ -50,6 +50,7 @@ the script iterated and the tf.functions it called.
 """
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -66,16 +67,21 @@ __all__ = ["LoopPatch", "StepsReached"]
 
 
 class StepsReached(StopIteration):
-    """`diagnose --steps N`: the custom loop ran its N steps."""
+    """`diagnose --steps N`: the custom loop ran its N steps (`in_step`: raised by the
+    loop's next `jax.jit` step call, a loop over a Python iterable, not by `next()`)."""
+
+    in_step = False
 
 
 def _library_prefixes():
+    """The folders of Keras, keras_gpufix and the imported backends (TensorFlow, JAX)."""
     import keras
-    import tensorflow
 
     import keras_gpufix
 
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (keras, tensorflow, keras_gpufix))
+    modules = [keras, keras_gpufix] + [sys.modules[n] for n in ("tensorflow", "jax", "jaxlib")
+                                       if n in sys.modules]
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in modules)
 
 
 def _where(frame):
@@ -230,7 +236,10 @@ class _Loop:
         from keras_gpufix.watched import Watched
 
         self.patch = patch
-        self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop", retracing=False)
+        # a jax.jit step's compiles are counted by RetracingMonitor (jax.monitoring)
+        self.mine = patch.fits_patch.monitors(patch.fits_patch.steps, "loop",
+                                              retracing=bool(patch.train_jits),
+                                              functions=list(patch.train_jits) or None)
         self.source = _Current(patch)
         # ProfilerTrigger weak-refs its model: a placeholder stands for the user's
         self.watched = Watched(self.source, callbacks=list(self.mine.values()),
@@ -369,6 +378,24 @@ class _WatchedIterator:
     next = __next__
 
 
+class _Calls:
+    """The loop over a Python iterable, as `_Loop.open_epoch` takes an iterator: each
+    `next()` hands out the batch of the step call being made."""
+
+    kind = "Python iterable"
+    dataset = remake = None
+
+    def __init__(self):
+        self.iterator = self
+        self.epoch = None  # watch's epoch over it
+        self.element = None  # the batch of the call being made
+        self.index = None  # the step index (the stream's) of the call being made
+        self.in_step = 0.0  # the patch's time in step functions when it began
+
+    def __next__(self):
+        return self.element
+
+
 class LoopPatch:
     """Context manager: custom training loops get the diagnostic callbacks.
 
@@ -397,6 +424,11 @@ class LoopPatch:
         self._seen_functions = {}  # id(tf.function) -> {"name", "where", "calls"}
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
+        self._undo = []  # undoes the patches that are not a class attribute (jax.jit)
+        self._jit_trains = {}  # id(Jitted) -> whether it trains (decided at its first call)
+        self.train_jits = []  # the jitted functions that train, in order
+        self._calls = None  # a loop over a Python iterable: its cycles are step calls
+        self._updated = set()  # (shape, dtype) of the arrays the last train step returned
 
     def start_loop(self):
         if self.loop is None:
@@ -455,13 +487,14 @@ class LoopPatch:
             self._patch(owner, "__iter__", make_iter)
 
     def __enter__(self):
-        import tensorflow as tf
+        import keras
 
-        from keras_gpufix.keras_internals import tf_function_class
-
-        library = _library_prefixes()
+        library = self._library = _library_prefixes()
         patch = self
-        function_cls = tf_function_class()
+        # tf.data, tf.function and tapes on TensorFlow; a script's jax.jit steps on JAX
+        backend = keras.backend.backend()
+        tf = sys.modules.get("tensorflow") if backend == "tensorflow" else None
+        eager = tf.executing_eagerly if tf is not None else (lambda: True)
 
         def user_frame(depth):
             frame = sys._getframe(depth)
@@ -473,7 +506,7 @@ class LoopPatch:
             def __iter__(iterable):
                 caller = sys._getframe(1)
                 if (patch.fits_patch._depth or caller.f_code.co_filename.startswith(library)
-                        or not tf.executing_eagerly() or patch.nested(caller)):
+                        or not eager() or patch.nested(caller)):
                     return original(iterable)
                 patch._saw(iterable, caller)
                 dataset, remake, _ = patch._distributed.get(id(iterable), (iterable, None, None))
@@ -538,10 +571,17 @@ class LoopPatch:
                 return result
             return __call__
 
-        import keras
+        self._patch_iter(keras.utils.PyDataset, make_iter)
+        if backend == "jax":
+            from keras_gpufix.diagnose.jax_steps import patch_jit
+
+            self._undo.append(patch_jit(self.jit_call,
+                                        lambda f: f.f_code.co_filename.startswith(library)))
+        if tf is None:
+            return self
+        from keras_gpufix.keras_internals import tf_function_class
 
         self._patch(tf.data.Dataset, "__iter__", make_iter)
-        self._patch_iter(keras.utils.PyDataset, make_iter)
         for name in ("experimental_distribute_dataset", "distribute_datasets_from_function"):
             owner = next(c for c in tf.distribute.Strategy.__mro__ if name in c.__dict__)
             self._patch(owner, name, make_distribute)
@@ -550,7 +590,7 @@ class LoopPatch:
             self._patch(module, "gradients", make_traced)
         self._patch(next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in c.__dict__),
                     "apply", make_traced)
-        self._patch(function_cls, "__call__", make_call)
+        self._patch(tf_function_class(), "__call__", make_call)
         return self
 
     def _eager_call(self, frame):
@@ -567,11 +607,74 @@ class LoopPatch:
             except KeyError:  # a parameter deleted in the body
                 pass
 
+    def jit_call(self, fn, args, kwargs):
+        """A call of a `jax.jit` function the script made (`jax_steps.Jitted`).
+
+        Its first call decides whether it trains (`jax_steps.trains`). A train
+        step's calls are timed as the loop's steps. Where no watched iterator
+        handed out the batch (a loop over a list or a generator: no `next()`
+        diagnose can see), each call begins a cycle of the loop (`_call_cycle`).
+        """
+        from keras_gpufix.diagnose.jax_steps import signatures, trains
+
+        known = self._jit_trains.get(id(fn))
+        if self.fits_patch._depth or known is False:
+            return fn.jitted(*args, **kwargs)
+        self.fits_patch.raise_pending()
+        if known and not any(it.consumer is not None for it in list(self.iterators)):
+            self._call_cycle(args, kwargs)
+        result, took = timed(fn.jitted, *args, **kwargs)
+        if known is None:
+            known = self._jit_trains[id(fn)] = trains(args, kwargs, result)
+            if not known:
+                return result
+            self.train_jits.append(fn.jitted)
+        self._updated = set(signatures(result))
+        self.step_s += took
+        self._step_function_called(fn)
+        return result
+
+    def _call_cycle(self, args, kwargs):
+        """A train step's call in a loop over a Python iterable: ends the previous
+        cycle (at `--steps` the script ends here: `StepsReached`) and begins the next,
+        as `_WatchedIterator.__next__` does at `next()`; its input wait is 0 (it is
+        part of the cycle)."""
+        from keras_gpufix.diagnose.jax_steps import batch_of
+
+        loop = self.start_loop()
+        calls = self._calls
+        if calls is None:
+            calls = self._calls = _Calls()
+            calls.epoch = loop.open_epoch(calls)
+            loop.entry["x"] = ("a Python iterable (iterated by the script; its cycles run from "
+                               "one jax.jit step call to the next)")
+        elif calls.index is not None:
+            loop.cycles += 1
+            loop.sampler.end()
+            loop.step_s.append((calls.index, self.step_s - calls.in_step))
+            if self.steps and loop.cycles >= self.steps:
+                self.stopped = True
+        if self.stopped:
+            stop = StepsReached(self.steps)
+            stop.in_step = True
+            raise stop
+        calls.element = batch_of(args, kwargs, self._updated)
+        next(calls.epoch)
+        calls.in_step = self.step_s
+        calls.index = loop.watched.steps - 1
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(self._library):
+            frame = frame.f_back
+        if frame is not None:
+            loop.sampler.begin(frame.f_code, calls.index)
+        frame = None
+
     def _step_function_called(self, fn):
         self.step_calls += 1
         if id(fn) not in self._named:
             self._named.add(id(fn))
-            code = getattr(getattr(fn, "python_function", None), "__code__", None)
+            code = getattr(inspect.unwrap(getattr(fn, "python_function", None) or fn),
+                           "__code__", None)
             self.step_info["functions"].append({
                 "name": getattr(fn, "__name__", "?"),
                 "where": code and f"{code.co_filename}:{code.co_firstlineno}"})
@@ -580,6 +683,8 @@ class LoopPatch:
         for cls, name, original in reversed(self._saved):
             setattr(cls, name, original)
         self._saved.clear()
+        while self._undo:
+            self._undo.pop()()
         if self.loop is not None:
             self.loop.finish()
             if self.fits_patch.what_if:
@@ -604,6 +709,9 @@ class LoopPatch:
     def _what_if(self):
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""
         loop = self.loop
+        if loop.dataset is None:
+            return {"reason": "the loop iterates a Python iterable: there is no input to drain "
+                              "alone"}
         try:
             input_per_s = input_rate(loop.dataset,
                                      budget=self.fits_patch.what_if_budget(loop.entry))

@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import platform
+import re
 import runpy
 import signal
 import sys
@@ -21,6 +22,8 @@ from keras_gpufix import __version__
 from keras_gpufix.analysis import (MONITOR_WARMUP, is_cause, main_what_if, stages_needed,
                                    trace_plan)
 from keras_gpufix.analysis.what_if import what_if_budget
+from keras_gpufix.backends import name as backend_name
+from keras_gpufix.diagnose.jax_steps import STAGES_ELSEWHERE, WHAT_IF_ELSEWHERE
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
@@ -36,37 +39,48 @@ __all__ = ["environment", "run_diagnosis"]
 
 
 def environment():
-    """TensorFlow/Keras versions, devices, XLA, NVML (`reason` "no GPU" where there is
-    none) and CPUs, as a dict (`tf_keras`: its version where TF_USE_LEGACY_KERAS made
-    `tf.keras` tf_keras and the script imported it)."""
+    """Python, Keras and the backend's versions, devices, XLA, NVML (`reason` "no GPU"
+    where there is none) and CPUs, as a dict (`tf_keras`: its version where
+    TF_USE_LEGACY_KERAS made `tf.keras` tf_keras and the script imported it).
+    TensorFlow is read only where it is imported (the TensorFlow backend, or a
+    script that imported it): on JAX `tensorflow` is None, `jax` its version,
+    `devices` `jax.devices()`; XLA is always built in."""
     import keras
-    import tensorflow as tf
 
     from keras_gpufix.compile import device_info
     from keras_gpufix.compile.hardware import usable_cpus
     from keras_gpufix.nvml import nvml_status
 
-    build = dict(tf.sysconfig.get_build_info())
+    tf = sys.modules.get("tensorflow")
+    jax = sys.modules.get("jax")
+    build = dict(tf.sysconfig.get_build_info()) if tf is not None else {}
     gpus = device_info()["gpus"]
     legacy = sys.modules.get("tf_keras") if os.environ.get(
         "TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes") else None
+    backend = keras.backend.backend()
+    if backend == "tensorflow" or jax is None:
+        devices = [d.name for d in tf.config.list_physical_devices()] if tf is not None else []
+    else:
+        devices = [str(d) for d in jax.devices()]
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "tensorflow": tf.__version__,
+        "tensorflow": getattr(tf, "__version__", None),
+        "jax": getattr(jax, "__version__", None),
         "keras": keras.__version__,
-        "keras_backend": keras.backend.backend(),
+        "keras_backend": backend,
         # TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras (Keras 2), what the script ran on
         "tf_keras": getattr(legacy, "__version__", None),
         "keras_gpufix": __version__,
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable_cpus(),
-        "devices": [d.name for d in tf.config.list_physical_devices()],
+        "devices": devices,
         "gpus": gpus,
-        "cuda_build": bool(build.get("is_cuda_build")),
+        "cuda_build": bool(build.get("is_cuda_build")) if tf is not None else None,
         "cuda_version": build.get("cuda_version"),
         "cudnn_version": build.get("cudnn_version"),
-        "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()),
+        "xla": {"built_with_xla": bool(tf.test.is_built_with_xla()) if backend == "tensorflow"
+                else backend == "jax",
                 "TF_XLA_FLAGS": os.environ.get("TF_XLA_FLAGS")},
         # NVML (and its install hint) only where there is a GPU to sample
         "nvml": nvml_status() if gpus else {"available": False, "reason": "no GPU",
@@ -228,11 +242,15 @@ class FitPatch:
 
         self._original = original
         self._cls.fit = fit
-        self.sites = StageSites().__enter__()
+        # tf.data, tf.function and the stages' sites exist on the TensorFlow backend only
+        self.backend = keras.backend.backend()
+        self.tensorflow = self.backend == "tensorflow"
+        self.sites = StageSites().__enter__() if self.tensorflow else None
         return self
 
     def __exit__(self, *exc):
-        self.sites.__exit__(*exc)
+        if self.sites is not None:
+            self.sites.__exit__(*exc)
         if self._had_own:
             self._cls.fit = self._original
         else:
@@ -244,10 +262,11 @@ class FitPatch:
             self.notes.append(message)
             warn(f"keras-gpufix diagnose: {message}")  # at the script's fit line
 
-    def monitors(self, total, kind, user=(), retracing=True):
+    def monitors(self, total, kind, user=(), retracing=True, functions=None):
         """Our callbacks for one run (`kind` "fit" or "loop") of `total` steps, by report key.
 
-        `total` is None when unknown.
+        `total` is None when unknown. `functions`: a custom loop's step functions
+        (`RetracingMonitor(functions=...)`; None: the model's train function).
         A monitor the user already passed is used instead of a new one.
         The run's TensorBoard folder is `log_dir/<kind>_<n>`: the step timer's
         per-step and per-epoch `step_timer/*` scalars, the monitor's
@@ -276,7 +295,7 @@ class FitPatch:
             if key == "monitor":
                 mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
-                mine[key] = cls(verbose=verbose)
+                mine[key] = cls(functions=functions, verbose=verbose)
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
             elif self.trace:
@@ -301,14 +320,13 @@ class FitPatch:
         """(bound arguments, our callbacks) for one fit."""
         import inspect
 
-        import tensorflow as tf
-
         import keras_gpufix as kg
 
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         arguments = bound.arguments
         x = arguments.get("x")
-        dataset = isinstance(x, tf.data.Dataset)
+        tf = sys.modules.get("tensorflow")  # a tf.data dataset exists only where it is imported
+        dataset = tf is not None and isinstance(x, tf.data.Dataset)
         if dataset and not _instrumented(x):
             arguments["x"] = kg.data.instrument(x)
         epochs = arguments.get("epochs", 1)
@@ -331,6 +349,8 @@ class FitPatch:
     def fit_what_if(self, model, dataset, timer, budget):
         """The what-if of one fit (`what_if.py`) over its `StepTimer`'s records, within
         its `budget`, or a dict with the reason it was not measured."""
+        if not self.tensorflow:
+            return {"reason": WHAT_IF_ELSEWHERE.format(self.backend)}
         if dataset is None:
             return {"reason": "the input is not a tf.data.Dataset"}
         if timer is None:
@@ -352,8 +372,11 @@ class FitPatch:
         """The stages of a run's input (`stages.py`) when the run's verdict or
         what-if makes them worth measuring (`analysis.stages_needed`), a dict
         with the reason they could not be measured, or None."""
-        if dataset is None or not stages_needed((entry.get("monitor") or {}).get("verdict"),
-                                                entry.get("what_if")):
+        if not stages_needed((entry.get("monitor") or {}).get("verdict"), entry.get("what_if")):
+            return None
+        if self.sites is None:
+            return {"reason": STAGES_ELSEWHERE.format(self.backend)}
+        if dataset is None:
             return None
         budget = self.what_if_budget(entry)
         if budget.left() <= 0:
@@ -447,9 +470,14 @@ def _user_frames(exc):
 
 
 def _stopped_in_next(exc, steps):
-    """The note for a loop that called `next()` itself when --steps ended it."""
+    """The note for a loop that called `next()` itself, or iterated a Python iterable
+    (its jax.jit step ended it), when --steps ended it."""
     user = _user_frames(exc)
     where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    stop = exc if isinstance(exc, StepsReached) else exc.__cause__
+    if stop.in_step:
+        return (f"--steps {steps} ended the loop at its next jax.jit step call{where}: the "
+                "script stopped there (a loop over a Python iterable cannot be ended cleanly)")
     return (f"--steps {steps} ended the loop inside its own next() call{where}: the script "
             "stopped there (a `for` loop over the dataset would have ended cleanly and the "
             "script run on)")
@@ -527,6 +555,26 @@ def _ended_by(exc, steps_seen, what_if_stopped=None):
             "steps_seen": steps_seen, "during": "script",
             "text": f"{type(exc).__name__}" + (f": {lines[0]}" if lines else "")
                     + (" ..." if len(lines) > 1 else "") + f"{where} {steps}"}
+
+
+_SETS_BACKEND = re.compile(r"""os\.environ(?:\[\s*["']KERAS_BACKEND["']\s*\]\s*=|"""
+                           r"""\.(setdefault)\(\s*["']KERAS_BACKEND["']\s*,)\s*["'](\w+)["']""")
+
+
+def _apply_script_backend(script):
+    """A script that picks its Keras backend itself (`os.environ["KERAS_BACKEND"] = "jax"`
+    or `os.environ.setdefault(...)` before `import keras`) gets it: diagnose imports Keras
+    before the script runs."""
+    try:
+        with open(script, encoding="utf-8") as f:
+            found = _SETS_BACKEND.search(f.read())
+    except (OSError, UnicodeDecodeError):
+        return
+    if found and "keras" not in sys.modules:
+        if found.group(1):
+            os.environ.setdefault("KERAS_BACKEND", found.group(2))
+        else:
+            os.environ["KERAS_BACKEND"] = found.group(2)
 
 
 def _exit_code(code):
@@ -615,7 +663,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         sys.path.insert(0, os.getcwd() if kind == "code" else os.path.dirname(target))
     exit_code = 0
     ended = None
-    quiet = import_tensorflow_quietly()  # TensorFlow's log lines would bury the report
+    _apply_script_backend(script)
+    # TensorFlow's log lines would bury the report; no TensorFlow on another backend
+    quiet = backend_name() == "tensorflow" and import_tensorflow_quietly()
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,

@@ -1,0 +1,100 @@
+"""Custom JAX loops: the script's `jax.jit` functions, and which of them trains.
+
+On the JAX backend a custom loop's step is a `jax.jit` function. While the
+script runs, `jax.jit` is wrapped: a function the script jits (not Keras's
+own, nor a library's) becomes a `Jitted`, which calls the compiled function
+unchanged and tells `LoopPatch.jit_call` about each call. A function trains
+when the outputs of its first call include an array shaped and typed like
+one of its array inputs (`trains`): the updated parameters or optimizer
+state, as `params, opt_state, loss = step(params, opt_state, batch)`
+returns them. An evaluation step (a loss, logits) does not.
+
+What the what-if and the input's stages do on TensorFlow needs `tf.function`
+and `tf.data`: on another backend the report says what was measured instead
+(`WHAT_IF_ELSEWHERE`, `STAGES_ELSEWHERE`).
+"""
+
+import functools
+
+__all__ = ["Jitted", "STAGES_ELSEWHERE", "WHAT_IF_ELSEWHERE", "batch_of", "patch_jit", "signatures",
+           "trains"]
+
+WHAT_IF_ELSEWHERE = ("on the {} backend: it replays the step as a tf.function; the gain given "
+                     "is the run's own input-wait share")
+STAGES_ELSEWHERE = ("not measured on the {} backend: the input's stages by file:line are "
+                    "tf.data's; the input wait was timed at each next() of the run's input")
+
+
+def signatures(tree):
+    """(shape, dtype) of each JAX array in `tree`."""
+    import jax
+
+    return [(tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree_util.tree_leaves(tree)
+            if isinstance(leaf, jax.Array)]
+
+
+def trains(args, kwargs, outputs) -> bool:
+    """Whether a jitted call returned an array shaped and typed like one of its
+    JAX-array inputs (its updated parameters or optimizer state)."""
+    inputs = set(signatures((args, kwargs)))
+    return any(s in inputs for s in signatures(outputs))
+
+
+def batch_of(args, kwargs, updated):
+    """The arrays (JAX or NumPy) of a train step's call whose (shape, dtype) is
+    not in `updated` (the signatures its last call returned): its batch, what
+    `kg.watch` reads the batch size and the shapes from."""
+    import jax
+    import numpy as np
+
+    return [leaf for leaf in jax.tree_util.tree_leaves((args, kwargs))
+            if isinstance(leaf, (jax.Array, np.ndarray))
+            and (tuple(leaf.shape), str(leaf.dtype)) not in updated]
+
+
+class Jitted:
+    """A `jax.jit` function of the script: calls go through `on_call(self, args, kwargs)`.
+
+    Attributes (`lower`, `trace`, `__wrapped__`, ...) are the jitted function's.
+    """
+
+    def __init__(self, jitted, on_call):
+        self.jitted = jitted
+        self._on_call = on_call
+        functools.update_wrapper(self, jitted, updated=())
+
+    def __call__(self, *args, **kwargs):
+        return self._on_call(self, args, kwargs)
+
+    def __get__(self, obj, objtype=None):  # a jitted method
+        return self if obj is None else functools.partial(self, obj)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
+def patch_jit(on_call, is_library_frame):
+    """Wraps `jax.jit` so that the functions the script jits are `Jitted`; returns
+    the function that undoes it. `is_library_frame(frame)`: the caller is a
+    library (Keras, JAX, ours), whose functions are left alone."""
+    import sys
+
+    import jax
+
+    original = jax.jit
+
+    @functools.wraps(original)
+    def jit(fun=None, *args, **kwargs):
+        if fun is None:  # jax.jit(static_argnums=...) used as a decorator factory
+            return lambda f: jit(f, *args, **kwargs)
+        jitted = original(fun, *args, **kwargs)
+        if is_library_frame(sys._getframe(1)):
+            return jitted
+        return Jitted(jitted, on_call)
+
+    jax.jit = jit
+
+    def undo():
+        jax.jit = original
+
+    return undo

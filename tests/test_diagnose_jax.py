@@ -1,0 +1,193 @@
+"""`keras-gpufix diagnose` of JAX scripts with TensorFlow never imported (issue 41).
+
+All cases run in ONE subprocess with KERAS_BACKEND=jax and TensorFlow blocked
+from import (`test_backends._Blocked`, a `sys.meta_path` finder that refuses
+it and records every try). Each script is tiny and runs on the CPU:
+
+- `fit` over a `PyDataset` sleeping 20 ms per batch (through the CLI, `--json`)
+  -> `input_bound` with its predicted gain, the run record written, the
+  environment's jax version, the what-if and the stages saying why they are
+  not measured on JAX; the same fit with `--steps 12` stops at 12 steps;
+- a `jax.jit` loop over a list that reads its loss and sleeps every 5th step
+  -> `periodic_stall`, period 5, at the loop's line;
+- a `jax.jit` loop over a `PyDataset` whose length changes each batch
+  -> `recompiling`, with the shapes and JAX's compile seconds;
+- `--steps 20` on the list loop: the loop ends at its 21st step call;
+- no import of TensorFlow tried, `tensorflow` not in `sys.modules`.
+
+Run as a script, the cases print their results as one JSON line.
+"""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SLEEP_S = 0.02
+
+FIT_SLOW = f"""
+import time
+
+import keras
+import numpy as np
+
+
+class Slow(keras.utils.PyDataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        time.sleep({SLEEP_S})
+        return np.zeros((8, 16), "float32"), np.zeros((8, 1), "float32")
+
+
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(Slow(), epochs=1, verbose=0)
+"""
+
+JIT_STEP = """
+import jax
+import jax.numpy as jnp
+
+
+@jax.jit
+def step(w, x):
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    return w - 0.01 * grad, loss
+"""
+
+LOOP_STALL = JIT_STEP + """
+import time
+
+import numpy as np
+
+w = jnp.zeros((32, 32))
+batches = [np.ones((16, 32), "float32")] * 60
+for i, x in enumerate(batches):
+    w, loss = step(w, x)
+    if i % 5 == 4:
+        float(loss); time.sleep(0.03)  # the periodic host work
+"""
+
+LOOP_SHAPES = JIT_STEP + """
+import keras
+import numpy as np
+
+
+class Lengths(keras.utils.PyDataset):
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        return np.ones((4, 8 + i, 8), "float32")
+
+
+w = jnp.zeros((8, 8))
+for x in Lengths():
+    w, loss = step(w, x)
+"""
+
+
+def _diagnose(folder, name, code, *options):
+    """`keras-gpufix diagnose --json` of `code` saved as `folder/name.py`: its JSON."""
+    from keras_gpufix.cli import main
+
+    script = os.path.join(folder, f"{name}.py")
+    with open(script, "w") as f:
+        f.write(code)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        code = main(["diagnose", "--json", "--no-trace", "--log-dir",
+                     os.path.join(folder, f"{name}_logs"), *options, "--", "python", script])
+    result = json.loads(said.getvalue())
+    assert code == result["exit_code"]
+    return script, result
+
+
+def _cases(folder):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_backends import _Blocked
+
+    finder = _Blocked(("tensorflow",))
+    sys.meta_path.insert(0, finder)
+    out = {}
+    _, fit = _diagnose(folder, "fit_slow", FIT_SLOW)
+    first = fit["fits"][0]
+    out["fit_slow"] = {"verdict": fit["verdict"], "fix": fit["fixes"][0]["verdict"],
+                       "speedup": fit["fixes"][0]["predicted"]["speedup"],
+                       "record": fit["record"] and os.path.isfile(fit["record"]),
+                       "jax": fit["environment"]["jax"],
+                       "tensorflow": fit["environment"]["tensorflow"],
+                       "what_if": first["what_if"].get("reason"),
+                       "stages": (first.get("stages") or {}).get("reason")}
+    _, fit = _diagnose(folder, "fit_steps", FIT_SLOW, "--steps", "12")
+    out["fit_steps"] = {"steps_run": fit["fits"][0]["steps_run"], "exit_code": fit["exit_code"]}
+    script, stall = _diagnose(folder, "loop_stall", LOOP_STALL)
+    line = next(i for i, text in enumerate(LOOP_STALL.splitlines(), 1) if "host work" in text)
+    out["loop_stall"] = {"verdict": stall["verdict"], "kind": stall["fits"][0]["kind"],
+                         "period": stall["ranking"][0]["evidence"][0].get("period"),
+                         "where": stall["fits"][0]["step"]["stall_where"],
+                         "expected": f"{script}:{line}"}
+    _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20")
+    out["loop_steps"] = {"exit_code": steps["exit_code"], "notes": steps["notes"],
+                         "stopped": steps["fits"][0]["stopped_by_diagnose"],
+                         "timed": steps["fits"][0]["steps"]}
+    _, shapes = _diagnose(folder, "loop_shapes", LOOP_SHAPES)
+    retracing = shapes["fits"][0]["retracing"]
+    out["loop_shapes"] = {"verdict": shapes["verdict"], "evidence": shapes["evidence"],
+                          "shapes": len(retracing["shapes"]),
+                          "compile_s": [e["compile_s"] for e in retracing["shape_events"]]}
+    out["tensorflow_imported"] = finder.imported
+    out["tensorflow_in_sys_modules"] = "tensorflow" in sys.modules
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    pytest.importorskip("jax")
+    folder = tmp_path_factory.mktemp("diagnose_jax")
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=os.getcwd(), TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run([sys.executable, __file__, str(folder)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_jax_fit_over_a_slow_pydataset_is_input_bound_with_its_gain(cases):
+    case = cases["fit_slow"]
+    assert case["verdict"] == "input_bound" and case["fix"] == "input_bound", case
+    assert case["speedup"] > 1.5 and case["record"], case
+    assert case["jax"] and case["tensorflow"] is None, case
+    assert "on the jax backend" in case["what_if"] and "tf.data" in case["stages"], case
+
+
+def test_jax_jit_loop_with_periodic_host_work_is_periodic_stall_at_its_line(cases):
+    case = cases["loop_stall"]
+    assert case["verdict"] == "periodic_stall" and case["kind"] == "loop", case
+    assert case["period"] == 5 and case["where"] == case["expected"], case
+
+
+def test_jax_jit_loop_over_new_lengths_is_recompiling_with_shapes_and_compile_seconds(cases):
+    case = cases["loop_shapes"]
+    assert case["verdict"] == "recompiling", case
+    assert case["shapes"] >= 15 and sum(1 for s in case["compile_s"] if s) >= 10, case
+
+
+def test_steps_stop_a_jax_fit_and_a_jit_loop_over_a_list(cases):
+    assert cases["fit_steps"] == {"steps_run": 12, "exit_code": 0}, cases["fit_steps"]
+    case = cases["loop_steps"]
+    assert case["stopped"] and case["exit_code"] == 0, case
+    assert any("next jax.jit step call" in n for n in case["notes"]), case
+
+
+def test_a_jax_diagnose_never_imports_tensorflow(cases):
+    assert cases["tensorflow_imported"] == [] and not cases["tensorflow_in_sys_modules"], cases
+
+
+if __name__ == "__main__":
+    print(json.dumps(_cases(sys.argv[1])))

@@ -43,6 +43,12 @@ short runs, to try the script anywhere. What it does:
    Keras's TensorBoard needs TensorFlow; where it is not installed (the lent
    GPU machine) `TerminateOnNaN`, which also overrides a batch-end hook, is
    used instead and the `note` says so.
+6. `keras-gpufix diagnose` of unchanged JAX scripts, each in a fresh
+   process (`diagnosed`): a `fit` over a slow `PyDataset` (with and without
+   workers) -> `input_bound`; a `jax.jit` loop with work every 5th step ->
+   `periodic_stall` at that line; the loop at a new length each step ->
+   `recompiling` with JAX's compile seconds; `--steps 30` stops the loop;
+   `tensorflow` never in the diagnosed process's `sys.modules`.
 
 Figures are written as JSON to `--out` (default
 `benchmarks/results/gpu_checks.json`) and, where `$OUT` is set (the lent
@@ -51,6 +57,7 @@ part, so a run cut short still leaves what it measured.
 """
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -462,6 +469,162 @@ def keras_tensorboard(size, rounds, log_dir):
             "steps_per_s_ratio_with_over_without": statistics.median(ratios)}
 
 
+DIAGNOSED_FIT = """
+import time
+
+import keras
+import numpy as np
+
+
+class Slow(keras.utils.PyDataset):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        rng = np.random.default_rng(0)
+        self.x = rng.random(({batch}, {features}), dtype=np.float32)
+
+    def __len__(self):
+        return {steps}
+
+    def __getitem__(self, i):
+        time.sleep({sleep})
+        return self.x, self.x[:, :1]
+
+
+layers = [keras.Input(({features},))]
+layers += [keras.layers.Dense({width}, activation="relu") for _ in range({depth})]
+model = keras.Sequential(layers + [keras.layers.Dense(1)])
+model.compile(keras.optimizers.SGD(1e-4), "mse")
+model.fit(Slow({workers}), epochs=1, verbose=0)
+"""
+
+DIAGNOSED_LOOP = """
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.jit
+def step(params, x):
+    def loss_of(params):
+        h = x
+        for w in params:
+            h = jax.nn.relu(h @ w)
+        return jnp.mean(h ** 2)
+
+    loss, grads = jax.value_and_grad(loss_of)(params)
+    return [w - 1e-4 * g for w, g in zip(params, grads)], loss
+
+
+rng = np.random.default_rng(0)
+params = [jnp.asarray(rng.random(({width}, {width}), dtype=np.float32) / {width})
+          for _ in range({depth})]
+lengths = {lengths}
+batches = [jax.device_put(rng.random((n, {width}), dtype=np.float32)) for n in lengths]
+for i in range({steps}):
+    params, loss = step(params, batches[i % len(batches)])
+    if i % 5 == 4:
+        float(loss); time.sleep({stall})  # work every 5th step
+float(loss)
+"""
+
+DIAGNOSE_RUNNER = (
+    "import json, sys; from keras_gpufix.cli import main; "
+    "code = main(['diagnose', '--json', '--log-dir', sys.argv[1], *sys.argv[3:]]); "
+    "open(sys.argv[2], 'w').write(json.dumps({'code': code, "
+    "'tensorflow_in_sys_modules': 'tensorflow' in sys.modules}))")
+
+
+def diagnosed(size, log_dir):
+    """`keras-gpufix diagnose` of unchanged JAX scripts, each in a fresh process (issue 41):
+
+    | script                                            | planted               | verdict          |
+    |---------------------------------------------------|-----------------------|------------------|
+    | `fit`, `PyDataset` sleeping 3x a step             | slow input            | `input_bound`    |
+    | the same with `workers=2`, sleeping 5x a step     | slow input            | `input_bound`    |
+    | `jax.jit` loop over a list, sleeping every 5th    | host work every 5th   | `periodic_stall` |
+    | the same loop at a new batch length each of 30    | recompiles            | `recompiling`    |
+    | the first loop with `--steps 30`                  | -                     | stopped at 30    |
+
+    Each row: the verdict, the stall's line (the loop's), the compile seconds,
+    the steps run, and whether `tensorflow` was in the diagnosed process's
+    `sys.modules` (it must not be). The diagnosed process does not take the
+    GPU's memory up front (`XLA_PYTHON_CLIENT_PREALLOCATE=false`): this one
+    holds most of it. The sleeps are multiples of a step of the same fit in
+    this process (`step_seconds`)."""
+    model, batches = build_model(size), make_batches(size, size["long"])
+    model.fit(Batches(batches, 10), epochs=1, verbose=0)  # compile
+    step_s = step_seconds(model, batches)  # this process's fit, as the script's will run
+    fit = dict(features=size["features"], width=size["width"], depth=size["depth"],
+               batch=size["long"], steps=size["steps"])
+    loop = dict(width=size["width"], depth=size["depth"], steps=size["steps"])
+    same = [size["long"] // 4] * 4
+    new = [size["long"] // 4 + 8 * i for i in range(30)]  # 30 compiles
+    cases = [
+        ("diagnose: fit, slow PyDataset", DIAGNOSED_FIT.format(sleep=3 * step_s, workers="",
+                                                               **fit), (), "input_bound"),
+        ("diagnose: fit, slow PyDataset, workers=2",
+         DIAGNOSED_FIT.format(sleep=5 * step_s, workers="workers=2, max_queue_size=2", **fit),
+         (), "input_bound"),
+        ("diagnose: jax.jit loop, work every 5th step",
+         DIAGNOSED_LOOP.format(lengths=same, stall=3 * step_s, **loop), (), "periodic_stall"),
+        ("diagnose: jax.jit loop, a new batch length each step",
+         DIAGNOSED_LOOP.format(lengths=new, stall=0.0, **dict(loop, steps=len(new))), (),
+         "recompiling"),
+        ("diagnose: jax.jit loop, --steps 30",
+         DIAGNOSED_LOOP.format(lengths=same, stall=3 * step_s, **loop), ("--steps", "30"),
+         None),
+    ]
+    out = []
+    for i, (name, code, options, expected) in enumerate(cases):
+        folder = os.path.join(log_dir, f"diagnose_{i}")
+        os.makedirs(folder)
+        script, said = os.path.join(folder, "train.py"), os.path.join(folder, "said.json")
+        with open(script, "w") as f:
+            f.write(code)
+        started = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", DIAGNOSE_RUNNER, folder, said, *options,
+                              "--", "python", script], capture_output=True, text=True,
+                             timeout=300,
+                             env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+        row = {"run": name, "expected": expected, "seconds": time.perf_counter() - started,
+               "planted_step_ms": step_s * 1e3}
+        try:
+            with open(said) as f:
+                row.update(json.load(f))
+            result = json.loads(run.stdout[run.stdout.index("{"):])
+        except (OSError, ValueError) as exc:
+            out.append({**row, "error": f"{exc}; stderr: {run.stderr[-2000:]}",
+                        "as_planted": False})
+            continue
+        entry = (result["fits"] or [{}])[0]
+        stall_line = next(n for n, text in enumerate(code.splitlines(), 1) if "every 5th" in text
+                          ) if "every 5th" in code else None
+        retracing = entry.get("retracing") or {}
+        row.update({
+            "verdict": result["verdict"], "kind": entry.get("kind"),
+            "steps_timed": entry.get("steps"), "steps_run": entry.get("steps_run"),
+            "stopped_by_diagnose": entry.get("stopped_by_diagnose"),
+            "stall_where": (entry.get("step") or {}).get("stall_where"),
+            "stall_line_expected": stall_line and f"{script}:{stall_line}",
+            "gain": (result["fixes"] or [{}])[0].get("predicted", {}).get("speedup"),
+            "compile_seconds": sum(e.get("compile_s") or 0.0
+                                   for e in retracing.get("shape_events", [])),
+            "shapes": len(retracing.get("shapes", [])),
+            "what_if": (entry.get("what_if") or {}).get("reason"), "notes": result["notes"],
+            "environment": {k: result["environment"].get(k)
+                            for k in ("jax", "tensorflow", "devices", "gpus")}})
+        if expected is None:
+            row["as_planted"] = bool(row["stopped_by_diagnose"]) and row["code"] == 0
+        else:
+            row["as_planted"] = (row["verdict"] == expected and not row["tensorflow_in_sys_modules"]
+                                 and (expected != "periodic_stall"
+                                      or row["stall_where"] == row["stall_line_expected"]))
+        out.append(row)
+    return out
+
+
 def device_name():
     import jax
 
@@ -501,7 +664,8 @@ def main(argv=None):
              ("fit_overhead", lambda: fit_overhead(size, args.rounds, log_dir)),
              ("watch_overhead", lambda: watch_overhead(size, args.rounds)),
              ("variable_length", lambda: variable_length(size, smi_on)),
-             ("keras_tensorboard", lambda: keras_tensorboard(size, args.rounds, log_dir))]
+             ("keras_tensorboard", lambda: keras_tensorboard(size, args.rounds, log_dir)),
+             ("diagnose", lambda: diagnosed(size, log_dir))]
     for name, part in parts:
         started = time.perf_counter()
         details[name] = part()
@@ -525,6 +689,9 @@ def main(argv=None):
             row = details[name]
             figures["variable_length_verdict"] = row["verdict"]
             figures["variable_length_compile_seconds"] = row["compile_seconds_measured"]
+        elif name == "diagnose":
+            figures["diagnose_as_planted"] = sum(r["as_planted"] for r in details[name])
+            figures["diagnose_runs"] = len(details[name])
         else:
             row = details[name]
             figures["keras_tensorboard_finding"] = row["verdicts"][-1]
@@ -551,7 +718,13 @@ def main(argv=None):
     print(f"fit with Keras's {row['callback']}: {row['verdicts'][-1]} naming {row['named'][-1]}, "
           f"price {'-' if price is None else f'{price:.2f}'} of the time, measured slowdown "
           f"{1.0 - row['steps_per_s_ratio_with_over_without']:.2f}", flush=True)
-    planted_ok = figures["planted_as_planted"] == figures["planted_runs"]
+    for row in details["diagnose"]:
+        print(f"{row['run']}: {row.get('verdict', row.get('error'))}"
+              + ("" if row["as_planted"] else f" (planted: {row['expected']})")
+              + f", tensorflow imported: {row.get('tensorflow_in_sys_modules')}"
+              + f", {row['seconds']:.0f} s", flush=True)
+    planted_ok = (figures["planted_as_planted"] == figures["planted_runs"]
+                  and figures["diagnose_as_planted"] == figures["diagnose_runs"])
     return 0 if planted_ok and figures["variable_length_verdict"] == "recompiling" else 1
 
 

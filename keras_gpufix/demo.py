@@ -295,7 +295,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         each step's end)), `payback` (`_payback(naive, keras_gpufix)`),
         `compile_cache` (`directory`, `active`, `note`, `entries` (before
         the keras_gpufix way's fit), `written`: entries its fit added, i.e.
-        its fresh compiles), `log_dir` (TensorBoard: runs `naive` and
+        its fresh compiles, `fresh_shapes`: the batch shapes whose first
+        step added one), `log_dir` (TensorBoard: runs `naive` and
         `keras_gpufix`, each with its scalars, its trace and its run record),
         `reports` (each way's HTML report), `devices`.
     """
@@ -368,13 +369,17 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
     steps = setup.builder.report["batches_per_epoch"]
     trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps,
                           setup.fit_kwargs["epochs"])
+    after_step = []  # compile entries after each step: a step that added one compiled afresh
+    entries = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: after_step.append(len(compile_cache.entries())))
     with compile_cache.watch() as written:
         history, seconds, ends = _fit(model, train, setup.fit_kwargs["epochs"],
-                                      setup.callbacks + [trace] * (trace is not None),
-                                      steps=steps)
+                                      setup.callbacks + [trace] * (trace is not None)
+                                      + [entries], steps=steps)
     by_name = {type(cb).__name__: cb for cb in setup.callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,
                  seconds, setup.builder.report["utterances"], history, started, ends)
+    kept = report.compile_cache or {}
     reports = {way: RunRecord.load(os.path.join(log_dir, way)).write_html() for way in
                ("naive", "keras_gpufix")}  # the records each way's monitor wrote
     return {
@@ -387,7 +392,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         "naive": naive,
         "keras_gpufix": fast,
         "payback": _payback(naive, fast),
-        "compile_cache": {**(report.compile_cache or {}), "written": written["written"]},
+        "compile_cache": {**kept, "written": written["written"], "fresh_shapes": _fresh_shapes(
+            fast["retracing"]["shape_events"], after_step, kept.get("entries") or 0)},
         "log_dir": log_dir,
         "reports": reports,
         "devices": [d.name for d in tf.config.list_logical_devices()],
@@ -428,15 +434,29 @@ def _side_lines(side, compiled=""):
     return lines
 
 
+def _fresh_shapes(shape_events, after_step, before):
+    """The batch shapes compiled afresh: those whose first step added a compile
+    entry (`after_step`: the entries after each step of the fit; `before`: at
+    its start; `shape_events`: `RetracingMonitor.report()`'s)."""
+    fresh = []
+    for e in shape_events:
+        step = e["step"]
+        if e["shape"] is not None and step < len(after_step) \
+                and after_step[step] > (after_step[step - 1] if step else before):
+            fresh.append(e["shape"])
+    return fresh
+
+
 def _cache_words(cache, shapes):
-    """How the keras_gpufix way's compiles went: fresh (and why) or from the
-    compile cache."""
+    """How the keras_gpufix way's compiles went: from the compile cache or
+    fresh, and for fresh ones which and why."""
     if not cache.get("active"):
         return ", not kept across runs (compile cache off)"
     fresh = min(cache["written"], shapes)
+    which = " ".join(json.dumps(s, separators=(",", ":")) for s in cache.get("fresh_shapes") or [])
     why = ("" if not fresh else " (the compile cache was empty)" if not cache["entries"]
-           else " (not in the compile cache: the model, a batch shape, TensorFlow or its XLA "
-                "flags differ from the runs that filled it)")
+           else f" ({which + ': ' if which else ''}not in the compile cache: no earlier run "
+                "compiled it with this model, TensorFlow and XLA flags, or its entry was removed)")
     return f", {shapes - fresh} of {shapes} shapes from the compile cache, {fresh} fresh{why}"
 
 

@@ -156,6 +156,25 @@ def test_a_fresh_demo_folder_keeps_only_what_the_demo_did_not_make(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["mine", "notes.txt"]
 
 
+def test_the_speed_line_names_the_shapes_compiled_afresh_and_why():
+    from keras_gpufix.demo import _cache_words, _fresh_shapes
+
+    short, long = [[8, 30], [8, 211, 40]], [[8, 31], [8, 245, 40]]
+    events = [{"step": 0, "shape": short}, {"step": 3, "shape": long}, {"step": 5, "shape": None}]
+    # 2 entries before the fit: the first shape loaded (no entry added), the second compiled
+    assert _fresh_shapes(events, [2, 2, 2, 3, 3, 3], before=2) == [long]
+    assert _fresh_shapes(events, [3, 3, 3, 3, 3, 3], before=2) == [short]
+    cache = {"active": True, "entries": 2, "written": 1, "fresh_shapes": [long]}
+    assert _cache_words(cache, 2) == (
+        ", 1 of 2 shapes from the compile cache, 1 fresh ([[8,31],[8,245,40]]: not in the "
+        "compile cache: no earlier run compiled it with this model, TensorFlow and XLA flags, "
+        "or its entry was removed)")
+    assert _cache_words({**cache, "entries": 0, "written": 2, "fresh_shapes": [short, long]},
+                        2) == ", 0 of 2 shapes from the compile cache, 2 fresh (the compile " \
+                              "cache was empty)"
+    assert _cache_words({"active": False}, 2) == ", not kept across runs (compile cache off)"
+
+
 def test_demo_log_dir_holds_the_two_ways_as_runs_with_one_steady_state_trace_each(demo):
     proc, workdir = demo
     logs = workdir / "logs"

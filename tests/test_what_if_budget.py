@@ -17,7 +17,7 @@ import pytest
 from keras_gpufix.analysis.what_if import (BUDGET_S, BUDGET_SHARE, Cycles, block_timings,
                                            what_if_budget, what_if_until_known)
 from keras_gpufix.diagnose.report import format_report
-from keras_gpufix.diagnose.what_if import Budget, replay_rates
+from keras_gpufix.diagnose.what_if import Budget, input_rate, replay_rates
 
 SLOW_STEP = """\
 import os
@@ -178,7 +178,7 @@ def test_a_measurement_cut_short_keeps_its_figures_and_does_not_know():
     assert result["method"] == "in_run" and result["known"] is False
 
 
-def test_replay_rates_runs_only_the_blocks_its_budget_holds():
+def test_the_input_drain_and_replay_run_only_what_their_budget_holds():
     import tensorflow as tf
 
     v = tf.Variable(1.0)
@@ -195,6 +195,8 @@ def test_replay_rates_runs_only_the_blocks_its_budget_holds():
     assert float(v.numpy()) == 1.0  # the state is restored
     rates = replay_rates(step, [v], real=lambda: step, seconds=0.4, rounds=2)
     assert len(rates["cached"]) == len(rates["real"]) == 4  # no budget: every block
+    spent = Budget(0.0)  # nothing left: the input is not drained
+    assert input_rate(tf.data.Dataset.range(8).batch(2), budget=spent) is None and spent.cut
 
 
 def test_a_slow_step_what_if_ends_within_its_stated_budget_and_says_it_was_cut(tmp_path):

@@ -103,17 +103,17 @@ def input_rate(dataset, seconds=SECONDS, budget=None):
     or no budget left).
 
     The first batch (the pipeline's start-up: shuffle buffers, the first
-    file) is not timed. The drain takes `seconds`, or what is left of
-    `budget` (a `Budget`) where that is less.
+    file) is not timed. The drain takes `seconds`, or what the start-up left
+    of `budget` (a `Budget`) where that is less (one batch at least).
     """
-    if budget is not None:
-        seconds = min(seconds, budget.left())
-        if seconds <= 0:
-            budget.stop()
-            return None
+    if budget is not None and budget.left() <= 0:
+        budget.stop()
+        return None
     iterator = iter(dataset)
     if next(iterator, None) is None:
         return None
+    if budget is not None:
+        seconds = min(seconds, budget.left())
     count, t0 = 0, time.perf_counter()
     deadline = t0 + seconds
     for _ in iterator:

@@ -63,7 +63,8 @@ from keras_gpufix.run_record import RunRecord
 __all__ = ["run_demo", "format_demo", "prepare_workdir", "DEMO_CONFIG"]
 
 # what a demo writes in its work folder: `fresh` removes these, and nothing else
-_MADE = ("corpus", "corpus.json", "cache", "logs", "demo.yaml")
+_MADE = ("corpus", "corpus.json", "cache", "demo.yaml")
+_RUNS = ("logs/naive", "logs/keras_gpufix")  # each run's logs replace the previous run's
 
 DEMO_CONFIG = """\
 # Written by `keras-gpufix demo`; check it with `keras-gpufix validate {name}`.
@@ -97,11 +98,19 @@ def prepare_workdir(workdir=None, fresh=False):
 
     Returns:
         The folder (absolute). The previous run's logs (and any scalars a
-        stopped run left half-moved) are removed either way.
+        stopped run left half-moved) are removed either way. Nothing is
+        removed from a folder whose `demo.yaml` the demo did not write.
     """
     workdir = os.path.abspath(workdir or user_cache_dir("demo"))
     os.makedirs(workdir, exist_ok=True)
-    leftovers = ("logs", *glob.glob(os.path.join(workdir, ".naive_scalars_*")))
+    try:
+        with open(os.path.join(workdir, "demo.yaml")) as f:
+            ours = f.readline().startswith(DEMO_CONFIG.split("{", 1)[0])
+    except OSError:
+        ours = False
+    if not ours:  # a new folder, or not the demo's: nothing to remove
+        return workdir
+    leftovers = _RUNS + tuple(glob.glob(os.path.join(workdir, ".naive_scalars_*")))
     for name in (_MADE if fresh else ()) + leftovers:
         path = os.path.join(workdir, name)
         if os.path.isdir(path):
@@ -112,19 +121,22 @@ def prepare_workdir(workdir=None, fresh=False):
 
 
 def _corpus(kg, workdir, utterances, verbose):
-    """The generated corpus of `utterances` (made again when an earlier run
-    generated another one: `corpus.json` beside it says what was made)."""
+    """The generated corpus of `utterances`: made when there is none, made
+    again when an earlier demo generated another one (`corpus.json` beside
+    it says what it made); a corpus the demo did not make is used as it is."""
     corpus = os.path.join(workdir, "corpus")
     stamp = os.path.join(workdir, "corpus.json")
     made = {"utterances": utterances, "min_seconds": 1.0, "max_seconds": 4.0,
             "bad_files": ["truncated"]}
+    there = os.path.exists(os.path.join(corpus, "metadata.csv"))
     try:
         with open(stamp) as f:
-            same = json.load(f) == made and os.path.exists(os.path.join(corpus, "metadata.csv"))
-    except (OSError, ValueError):
-        same = False
+            same = json.load(f) == made and there
+    except (OSError, ValueError):  # none made by the demo: is there one at all?
+        same = there
     if not same:
-        shutil.rmtree(corpus, ignore_errors=True)
+        if os.path.exists(stamp):
+            shutil.rmtree(corpus, ignore_errors=True)
         emit(f"Generating {utterances} utterances in {corpus} ...", verbose)
         kg.data.make_synthetic_corpus(corpus, utterances, min_seconds=made["min_seconds"],
                                       max_seconds=made["max_seconds"],

@@ -143,17 +143,40 @@ def test_a_first_demo_works_in_the_user_cache_folder_and_compiles_every_shape(fi
 
 
 def test_a_fresh_demo_folder_keeps_only_what_the_demo_did_not_make(tmp_path):
-    from keras_gpufix.demo import prepare_workdir
+    from keras_gpufix.demo import DEMO_CONFIG, prepare_workdir
 
-    for name in ("corpus/wavs", "cache/xla", "logs/naive", ".naive_scalars_x", "mine"):
+    for name in ("corpus/wavs", "cache/xla", "logs/naive", "logs/mine", ".naive_scalars_x",
+                 "mine"):
         (tmp_path / name).mkdir(parents=True)
-    for name in ("corpus.json", "demo.yaml", "cache/xla/entry.pb", "notes.txt"):
+    for name in ("corpus.json", "cache/xla/entry.pb", "notes.txt"):
         (tmp_path / name).write_text("x")
-    assert prepare_workdir(str(tmp_path)) == str(tmp_path)  # a rerun: the logs go
-    assert sorted(os.listdir(tmp_path)) == ["cache", "corpus", "corpus.json", "demo.yaml",
-                                            "mine", "notes.txt"]
+    (tmp_path / "demo.yaml").write_text("data: {}\n")  # not the demo's: nothing is removed
+    before = sorted(os.listdir(tmp_path))
     prepare_workdir(str(tmp_path), fresh=True)
-    assert sorted(os.listdir(tmp_path)) == ["mine", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == before
+    (tmp_path / "demo.yaml").write_text(DEMO_CONFIG.format(name="demo.yaml", epochs=1, warmup=1))
+    assert prepare_workdir(str(tmp_path)) == str(tmp_path)  # a rerun: its runs' logs go
+    assert sorted(os.listdir(tmp_path)) == ["cache", "corpus", "corpus.json", "demo.yaml",
+                                            "logs", "mine", "notes.txt"]
+    assert os.listdir(tmp_path / "logs") == ["mine"]
+    prepare_workdir(str(tmp_path), fresh=True)
+    assert sorted(os.listdir(tmp_path)) == ["logs", "mine", "notes.txt"]
+
+
+def test_the_demo_corpus_is_made_again_only_when_the_demo_made_another(tmp_path):
+    import keras_gpufix as kg
+    from keras_gpufix.demo import _corpus
+
+    mine = tmp_path / "mine" / "corpus"  # a corpus the demo did not make: used as it is
+    kg.data.make_synthetic_corpus(str(mine), 2, max_seconds=1.0)
+    listing = (mine / "metadata.csv").read_text()
+    assert _corpus(kg, str(tmp_path / "mine"), 3, verbose=0) == str(mine)
+    assert (mine / "metadata.csv").read_text() == listing
+    ours = tmp_path / "demo"
+    corpus = _corpus(kg, str(ours), 2, verbose=0)
+    lines = len(open(os.path.join(corpus, "metadata.csv")).read().splitlines())
+    _corpus(kg, str(ours), 3, verbose=0)  # another size: made again
+    assert len(open(os.path.join(corpus, "metadata.csv")).read().splitlines()) == lines + 1
 
 
 def test_the_speed_line_names_the_shapes_compiled_afresh_and_why():

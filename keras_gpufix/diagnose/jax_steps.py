@@ -11,16 +11,21 @@ returns them. An evaluation step (a loss, logits) does not.
 
 What the what-if and the input's stages do on TensorFlow needs `tf.function`
 and `tf.data`: on another backend the report says what was measured instead
-(`WHAT_IF_ELSEWHERE`, `STAGES_ELSEWHERE`).
+(`WHAT_IF_ELSEWHERE`, `STAGES_ELSEWHERE`). A `fit` over a `PyDataset` gets
+the what-if with the step as measured in the run (`method` `in_run`) and
+the input drained alone (`Drained`: its batches made by as many threads as
+the `PyDataset` has `workers`, a queue of `max_queue_size`, as `fit` makes
+them).
 """
 
 import functools
+from collections import deque
 
-__all__ = ["Jitted", "STAGES_ELSEWHERE", "WHAT_IF_ELSEWHERE", "batch_of", "patch_jit", "signatures",
+__all__ = ["Drained", "Jitted", "STAGES_ELSEWHERE", "WHAT_IF_ELSEWHERE", "batch_of", "patch_jit", "signatures",
            "trains"]
 
-WHAT_IF_ELSEWHERE = ("on the {} backend: it replays the step as a tf.function; the gain given "
-                     "is the run's own input-wait share")
+WHAT_IF_ELSEWHERE = ("on the {} backend with this input: it replays the step as a tf.function; "
+                     "the gain given is the run's own input-wait share")
 STAGES_ELSEWHERE = ("not measured on the {} backend: the input's stages by file:line are "
                     "tf.data's; the input wait was timed at each next() of the run's input")
 
@@ -98,3 +103,33 @@ def patch_jit(on_call, is_library_frame):
         jax.jit = original
 
     return undo
+
+
+class Drained:
+    """The batches of a `keras.utils.PyDataset`, in order, made by `workers`
+    threads with at most `max_queue_size` ahead (its own settings; processes
+    are drained as threads), for `what_if.input_rate`."""
+
+    def __init__(self, py_dataset):
+        self.py_dataset = py_dataset
+
+    def __iter__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        ds = self.py_dataset
+        count = ds.num_batches
+        workers = max(1, int(getattr(ds, "workers", 1) or 1))
+        ahead = max(workers, int(getattr(ds, "max_queue_size", 10) or 10))
+        with ThreadPoolExecutor(workers, thread_name_prefix="keras-gpufix-drain") as pool:
+            pending, index = deque(), 0
+            try:
+                while True:
+                    while (count is None or index < count) and len(pending) < ahead:
+                        pending.append(pool.submit(ds.__getitem__, index))
+                        index += 1
+                    if not pending:
+                        return
+                    yield pending.popleft().result()
+            finally:
+                for future in pending:
+                    future.cancel()

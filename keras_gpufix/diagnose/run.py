@@ -23,7 +23,7 @@ from keras_gpufix.analysis import (MONITOR_WARMUP, is_cause, main_what_if, stage
                                    trace_plan)
 from keras_gpufix.analysis.what_if import what_if_budget
 from keras_gpufix.backends import name as backend_name
-from keras_gpufix.diagnose.jax_steps import STAGES_ELSEWHERE, WHAT_IF_ELSEWHERE
+from keras_gpufix.diagnose.jax_steps import STAGES_ELSEWHERE, WHAT_IF_ELSEWHERE, Drained
 from keras_gpufix.diagnose.lines_run import LinesRun
 from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
@@ -320,6 +320,8 @@ class FitPatch:
         """(bound arguments, our callbacks) for one fit."""
         import inspect
 
+        import keras
+
         import keras_gpufix as kg
 
         bound = inspect.signature(original).bind(model, *args, **kwargs)
@@ -344,11 +346,21 @@ class FitPatch:
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch}
+        if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
+            return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None
 
     def fit_what_if(self, model, dataset, timer, budget):
         """The what-if of one fit (`what_if.py`) over its `StepTimer`'s records, within
         its `budget`, or a dict with the reason it was not measured."""
+        if not self.tensorflow and dataset is not None and timer is not None:
+            try:  # the step as measured in the run, the PyDataset drained alone
+                result = what_if_until_known(Cycles.of(timer.records()),
+                                             input_rate(Drained(dataset), budget=budget), None,
+                                             budget=budget)
+            except Exception as exc:  # never break the user's run
+                return {"reason": f"{type(exc).__name__}: {exc}"}
+            return result or {"reason": "no steady cycles were timed"}
         if not self.tensorflow:
             return {"reason": WHAT_IF_ELSEWHERE.format(self.backend)}
         if dataset is None:

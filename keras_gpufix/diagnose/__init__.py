@@ -31,7 +31,8 @@ measured (`stages`): the slow stage, by the script's line that built it,
 becomes the located fix of `input_bound`, with its predicted gain.
 
 The package holds one concern per module: `scan` (the static scan), `run`
-(the patching and the run), `loop_patch` (custom loops), `what_if` (input
+(the patching and the run), `loop_patch` (custom loops), `jax_steps` (a JAX
+script's `jax.jit` steps; on JAX no TensorFlow is imported), `what_if` (input
 alone vs step alone), `stages` (the input's stages, where built and how
 fast) and `report` (the ranking and the text report).
 """

@@ -1,7 +1,8 @@
 """Custom training loops: Python iteration over datasets and the steps between.
 
 While the script runs, these entry points are wrapped (the `tf.function`
-class is not exported: `keras_internals.tf_function_class`):
+class is not exported: `keras_internals.tf_function_class`); the TensorFlow
+ones only on the TensorFlow backend, `jax.jit` only on JAX:
 
 | entry point                 | what diagnose learns                                   |
 |-----------------------------|--------------------------------------------------------|
@@ -18,6 +19,9 @@ class is not exported: `keras_internals.tf_function_class`):
 |                             | computed the gradient                                  |
 | `tf.function` calls         | each call of a function that computes gradients is a   |
 |                             | step                                                   |
+| `jax.jit` (JAX backend)     | the script's jitted functions (`jax_steps.py`): each   |
+|                             | call of one that returns updated parameters is a step; |
+|                             | over a Python iterable each such call begins a cycle   |
 
 While a custom loop trains, a sampler thread looks at the main thread's
 stack every `_StackSampler.INTERVAL` seconds during the loop body (from

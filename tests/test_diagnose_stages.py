@@ -233,9 +233,18 @@ def test_a_zip_is_walked_into_its_slow_branch_and_a_cache_pays_from_the_second_e
     # a cache (a slow TF map already in parallel) gains nothing in a one-epoch script
     stages = [_stage("from_tensor_slices", "t.py:1", 1000.0),
               _stage("map", "t.py:2", 1 / 0.043, parallel=-1, stateful=False)]
-    one = judge_stages(stages, observed_per_s=1 / 0.045, epochs=1)["slow"]
+    run = {"steps": 100, "steps_per_epoch": 100, "fixed_s": 0.5}
+    one = judge_stages(stages, observed_per_s=1 / 0.045, run=run)["slow"]
     assert one["kind"] == "cache" and one["predicted_gain"] > 2 and one["run_gain"] == 1.0
     assert "a cache serves from the second epoch" in one["text"]
-    assert "over this script's 1 epoch(s) the whole run 1.00x" in one["text"]
-    three = judge_stages(stages, observed_per_s=1 / 0.045, epochs=3)["slow"]
-    assert three["run_gain"] == pytest.approx(3 / (1 + 2 / three["predicted_gain"]))
+    assert "over the script's run (100 steps, and 0.5 s of" in one["text"]
+    assert "the whole run 1.00x" in one["text"]
+    three = judge_stages(stages, observed_per_s=1 / 0.045, run=dict(run, steps=300))["slow"]
+    gain = three["predicted_gain"]
+    assert three["run_gain"] == pytest.approx(
+        (0.5 + 300 * 0.045) / (0.5 + 100 * 0.045 + 200 * 0.045 / gain))
+    # a fix in the map itself (TF ops) gains from the first step; the fixed time stays
+    python = judge_stages([stages[0], dict(stages[1], python=True)], observed_per_s=1 / 0.045,
+                          run=run)["slow"]
+    assert python["run_gain"] == pytest.approx(
+        (0.5 + 100 * 0.045) / (0.5 + 100 * 0.045 / python["predicted_gain"]))

@@ -18,8 +18,11 @@ run one element at a time gets `num_parallel_calls=AUTOTUNE`, a slow
 source is cached. The predicted gain of the fix comes from the run's own
 figures: the run's cycle less the time the fix saves per batch (the
 stage's share of the input's time, applied to the input's part of the
-cycle), but never faster than the step alone (with the time between steps)
-allows.
+cycle: what the what-if found the input costs, where it knows, else the
+drained input's time), but never faster than the step alone (with the time
+between steps) allows. `run_gain` turns that gain per step into the whole
+run's, as the script runs it (its start-up and compiles kept; a cache's
+first epoch unchanged).
 
 | function        | what it answers                                         |
 |-----------------|---------------------------------------------------------|
@@ -79,20 +82,39 @@ def _kind(stage, first):
     return "source" if first else "cache"
 
 
-def run_gain(gain: float, kind: str, epochs) -> "float | None":
-    """The whole run's gain of a stage's fix, as the script runs it: a cache (the fix of a
-    `cache` or `source` stage) serves from the second epoch only, so over `epochs` epochs
-    (the first unchanged) it gains `epochs / (1 + (epochs - 1) / gain)`: 1.0 in a
-    one-epoch script. Other fixes gain from the first batch. None when a cache's epochs
-    are not known."""
-    if kind not in CACHED_KINDS:
-        return gain
-    if not epochs:
+def run_gain(gain: float, kind: str, cycle_s: float, run=None) -> "float | None":
+    """The whole run's gain of a stage's fix, as the script runs it.
+
+    The run's fixed time (start-up, the trace and compiles: its wall less its
+    steady cycles) stays; its steps run `gain` times faster, a cache's (the fix
+    of a `cache` or `source` stage) from the second epoch only: 1.0 in a
+    one-epoch script.
+
+    Args:
+        gain: the fix's gain per step (`predicted_gain`).
+        kind: the stage's kind.
+        cycle_s: the run's steady cycle, seconds.
+        run: None, or a dict `steps` (the script's steps: its epochs times
+            steps per epoch, else the steps the run timed), `steps_per_epoch`
+            (None: not known) and `fixed_s`.
+
+    Returns:
+        The gain, or None for a cache whose epochs are not known.
+    """
+    run = run or {}
+    steps, per_epoch, fixed = run.get("steps"), run.get("steps_per_epoch"), run.get("fixed_s")
+    cached = kind in CACHED_KINDS
+    if cached and not (steps and per_epoch):
         return None
-    return epochs / (1.0 + (epochs - 1) / gain)
+    if not steps:
+        return gain
+    first = min(steps, per_epoch) if cached else 0
+    now = (fixed or 0.0) + steps * cycle_s
+    return now / ((fixed or 0.0) + first * cycle_s + (steps - first) * cycle_s / gain)
 
 
-def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, epochs=None) -> dict:
+def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
+                 input_free=None) -> dict:
     """Each stage's cost, the slow stage, its fix and the fix's predicted gain.
 
     Args:
@@ -110,8 +132,11 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, epochs=No
             between steps (the step's demand). None when not measured.
         observed_per_s: batches/s the run went at. None when not measured.
         cpus: cores the input may use (what `num_parallel_calls` can gain).
-        epochs: the epochs the script runs (a cache's gain starts at the second;
-            None: not known).
+        run: the script's run as `run_gain` takes it (its steps, steps per
+            epoch, fixed time), or None.
+        input_free: the what-if's speedup with the input free, where it knows
+            (None: not measured): the input's part of the run's cycle is then
+            what the what-if found it costs, else the drained input's time.
 
     Returns:
         A dict: `stages` (each input stage with `cost_ms` per final batch,
@@ -154,7 +179,9 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, epochs=No
     # takes in the run's cycle (the drains alone run at another speed than
     # the run: a share carries over, an absolute time does not)
     cycle = 1.0 / observed_per_s if observed_per_s else before
-    saved = slow["share"] * (1.0 - kept) * min(cycle, before)
+    input_s = cycle * (1.0 - 1.0 / input_free) if input_free and input_free > 1 else min(
+        cycle, before)
+    saved = slow["share"] * (1.0 - kept) * input_s
     floor = 1.0 / step_per_s if step_per_s else 0.0
     predicted = max(floor, cycle - saved, 1e-9)
     gain = cycle / predicted
@@ -166,15 +193,17 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, epochs=No
                                    parallel=slow.get("parallel"), cpus=cpus)
     demand = (f" against the step's demand of {step_per_s:.1f}" if step_per_s else "")
     rate = 1000.0 / slow["cost_ms"] if slow["cost_ms"] > 0 else float("inf")
-    whole = run_gain(gain, kind, epochs)
+    whole = run_gain(gain, kind, cycle, run)
     slow.update(fix=fix, saved_ms=1000.0 * saved, predicted_per_s=1.0 / predicted,
                 predicted_gain=gain, rate_per_s=rate, run_gain=whole)
     slow["text"] = STAGE_FIXES["text"].format(
         op=slow.get("op"), where=where, rate=rate, share=slow["share"],
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
     if kind in CACHED_KINDS:
-        slow["text"] += STAGE_FIXES["from_epoch_2"] + (
-            STAGE_FIXES["epochs"].format(epochs=epochs, gain=whole) if whole else "")
+        slow["text"] += STAGE_FIXES["from_epoch_2"]
+    if whole is not None and run:
+        slow["text"] += STAGE_FIXES["run"].format(steps=run["steps"], gain=whole,
+                                                  fixed=run.get("fixed_s") or 0.0)
     out["slow"] = slow
     return out
 

@@ -313,10 +313,27 @@ def input_stage(fit):
     what_if = fit.get("what_if") or {}
     step, between = what_if.get("step_batches_per_s"), what_if.get("between_ms") or 0.0
     demand = 1.0 / (1.0 / step + between / 1000.0) if step else None
-    return analysis.judge_stages(stages, step_per_s=demand,
-                                 observed_per_s=what_if.get("observed_batches_per_s"),
+    observed = what_if.get("observed_batches_per_s")
+    known = what_if.get("known", True) is not False
+    return analysis.judge_stages(stages, step_per_s=demand, observed_per_s=observed,
                                  cpus=fit["stages"].get("cpus") or 1,
-                                 epochs=fit.get("epochs") if fit.get("kind") == "fit" else None)
+                                 run=_script_run(fit, observed),
+                                 input_free=what_if.get("speedup_if_input_free") if known
+                                 else None)
+
+
+def _script_run(fit, observed_per_s):
+    """The script's run, as `analysis.run_gain` takes it: a fit's steps are its epochs
+    times its steps per epoch (the script's, whatever --steps ran), a loop's the cycles
+    it ran; its fixed time the run's wall less its timed steps at the steady cycle."""
+    timed = fit.get("steps_run") or ((fit.get("monitor") or {}).get("step_time") or {}).get(
+        "count")
+    if not observed_per_s or not timed or not fit.get("wall_s"):
+        return None
+    per_epoch = fit.get("steps_per_epoch") if fit.get("kind") == "fit" else None
+    steps = per_epoch * (fit.get("epochs") or 1) if per_epoch else timed
+    return {"steps": steps, "steps_per_epoch": per_epoch,
+            "fixed_s": max(0.0, fit["wall_s"] - timed / observed_per_s)}
 
 
 def locate_input_stage(fixes, fits):
@@ -364,7 +381,9 @@ def _stage_predicted(slow, before):
     base = before.get("speedup")
     spread = [gain * low / base, gain * high / base] if low and high and base else None
     run = ("" if whole is None or whole == gain
-           else f"; over the script's epochs, the first uncached, the whole run {whole:.2f}x")
+           else f"; over the script's run, its start-up and compiles kept"
+                + (" and its first epoch uncached" if slow["kind"] in analysis.CACHED_KINDS
+                   else "") + f", the whole run {whole:.2f}x")
     cached = slow["kind"] in analysis.CACHED_KINDS and whole is None
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
             "steady_speedup": gain, "speedup_range": spread, "source": "stage",
@@ -374,7 +393,7 @@ def _stage_predicted(slow, before):
                     + (" (from the second epoch: a cache serves nothing in the first)"
                        if cached else run)
                     + " (the stage's share of the input's time, measured, applied to the "
-                      "run's cycle)"}
+                      "input's part of the run's cycle)"}
 
 
 def _judged(fits):

@@ -14,6 +14,9 @@ it and records every try). Each script is tiny and runs on the CPU:
 - a `jax.jit` loop over a `PyDataset` whose length changes each batch
   -> `recompiling`, with the shapes and JAX's compile seconds;
 - `--steps 20` on the list loop: the loop ends at its 21st step call;
+- the same stall in a loop the script already wraps in `kg.watch`, with
+  `--steps 40`: diagnose's monitors join that watch (one run, no second
+  loop), `periodic_stall`, stopped;
 - no import of TensorFlow tried, `tensorflow` not in `sys.modules`.
 
 Run as a script, the cases print their results as one JSON line.
@@ -75,6 +78,21 @@ for i, x in enumerate(batches):
         float(loss); time.sleep(0.03)  # the periodic host work
 """
 
+WATCH_STALL = JIT_STEP + """
+import time
+
+import numpy as np
+
+import keras_gpufix as kg
+
+w = jnp.zeros((32, 32))
+with kg.watch([np.ones((16, 32), "float32")] * 60) as watched:
+    for i, x in enumerate(watched):
+        w, loss = step(w, x)
+        if i % 5 == 4:
+            float(loss); time.sleep(0.03)
+"""
+
 LOOP_SHAPES = JIT_STEP + """
 import keras
 import numpy as np
@@ -105,7 +123,7 @@ def _diagnose(folder, name, code, *options):
     with contextlib.redirect_stdout(said):
         code = main(["diagnose", "--json", "--no-trace", "--log-dir",
                      os.path.join(folder, f"{name}_logs"), *options, "--", "python", script])
-    result = json.loads(said.getvalue())
+    result = json.loads(said.getvalue().strip().splitlines()[-1])  # the script prints too
     assert code == result["exit_code"]
     return script, result
 
@@ -139,6 +157,11 @@ def _cases(folder):
     out["loop_steps"] = {"exit_code": steps["exit_code"], "notes": steps["notes"],
                          "stopped": steps["fits"][0]["stopped_by_diagnose"],
                          "timed": steps["fits"][0]["steps"]}
+    _, watch = _diagnose(folder, "watch_stall", WATCH_STALL, "--steps", "40")
+    out["watch_stall"] = {"verdict": watch["verdict"], "runs": len(watch["fits"]),
+                          "x": watch["fits"][0]["x"], "timed": watch["fits"][0]["steps"],
+                          "stopped": watch["fits"][0]["stopped_by_diagnose"],
+                          "exit_code": watch["exit_code"]}
     _, shapes = _diagnose(folder, "loop_shapes", LOOP_SHAPES)
     retracing = shapes["fits"][0]["retracing"]
     out["loop_shapes"] = {"verdict": shapes["verdict"], "evidence": shapes["evidence"],
@@ -173,6 +196,13 @@ def test_jax_jit_loop_with_periodic_host_work_is_periodic_stall_at_its_line(case
     case = cases["loop_stall"]
     assert case["verdict"] == "periodic_stall" and case["kind"] == "loop", case
     assert case["period"] == 5 and case["where"] == case["expected"], case
+
+
+def test_a_scripts_own_kg_watch_loop_gets_the_monitors_and_steps(cases):
+    case = cases["watch_stall"]
+    assert case["verdict"] == "periodic_stall" and case["runs"] == 1, case
+    assert case["x"].startswith("kg.watch(") and case["stopped"] and case["exit_code"] == 0, case
+    assert case["timed"] <= 40, case
 
 
 def test_jax_jit_loop_over_new_lengths_is_recompiling_with_shapes_and_compile_seconds(cases):

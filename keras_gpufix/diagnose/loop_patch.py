@@ -432,7 +432,8 @@ class LoopPatch:
         self._jit_trains = {}  # id(Jitted) -> whether it trains (decided at its first call)
         self.train_jits = []  # the jitted functions that train, in order
         self._calls = None  # a loop over a Python iterable: its cycles are step calls
-        self._updated = set()  # (shape, dtype) of the arrays the last train step returned
+        self._updated = set()  # (shape, dtype) of the arrays the train steps returned first
+        self._watches = []  # (the script's kg.watch, its entry, our monitors, start time)
 
     def start_loop(self):
         if self.loop is None:
@@ -581,6 +582,17 @@ class LoopPatch:
 
             self._undo.append(patch_jit(self.jit_call,
                                         lambda f: f.f_code.co_filename.startswith(library)))
+            from keras_gpufix.watched import Watched
+
+            def make_watch_iter(original):
+                def __iter__(watched):
+                    if (not watched._running and not patch.fits_patch._depth
+                            and (patch.loop is None or watched is not patch.loop.watched)):
+                        patch._attach(watched)
+                    return original(watched)
+                return __iter__
+
+            self._patch(Watched, "__iter__", make_watch_iter)
         if tf is None:
             return self
         from keras_gpufix.keras_internals import tf_function_class
@@ -625,7 +637,14 @@ class LoopPatch:
         if self.fits_patch._depth or known is False:
             return fn.jitted(*args, **kwargs)
         self.fits_patch.raise_pending()
-        if known and not any(it.consumer is not None for it in list(self.iterators)):
+        watch = next((w for w, *_ in self._watches if w._open is not None), None)
+        if known and watch is not None:  # the script's kg.watch loop: its steps count
+            if self.steps and watch.steps > self.steps:
+                self.stopped = True
+                stop = StepsReached(self.steps)
+                stop.in_step = True
+                raise stop
+        elif known and not any(it.consumer is not None for it in list(self.iterators)):
             self._call_cycle(args, kwargs)
         result, took = timed(fn.jitted, *args, **kwargs)
         if known is None:
@@ -633,10 +652,33 @@ class LoopPatch:
             if not known:
                 return result
             self.train_jits.append(fn.jitted)
-        self._updated = set(signatures(result))
+            self._updated |= set(signatures(result))
         self.step_s += took
         self._step_function_called(fn)
         return result
+
+    def _attach(self, watched):
+        """The script's own `kg.watch` run starts: diagnose's monitors join its callbacks
+        (a run of kind `loop`, its cycles watch's own; a watch without a model gets
+        a placeholder, which `ProfilerTrigger` needs)."""
+        import keras
+
+        mine = self.fits_patch.monitors(self.steps, "loop", user=watched.callbacks,
+                                        retracing=bool(self.train_jits),
+                                        functions=list(self.train_jits) or None)
+        ours = [cb for cb in mine.values() if not any(cb is u for u in watched.callbacks)]
+        if watched.model is None:
+            watched.model = keras.Sequential(name="custom_loop")
+        watched.callbacks = watched.callbacks + ours
+        watched._hooks = keras.callbacks.CallbackList(watched.callbacks, model=watched.model,
+                                                      **(watched._hooks.params or {}))
+        entry = {"index": len(self.fits_patch.fits) + 1, "kind": "loop",
+                 "x": f"kg.watch({type(watched.iterable).__name__}) in the script",
+                 "epochs": 0, "step": dict(self.step_info),
+                 "what_if": {"reason": "the script's own kg.watch loop: its step is not "
+                                       "replayed, its input not drained alone"}}
+        self.fits_patch.fits.append(entry)
+        self._watches.append((watched, entry, mine, time.perf_counter()))
 
     def _call_cycle(self, args, kwargs):
         """A train step's call in a loop over a Python iterable: ends the previous
@@ -689,6 +731,11 @@ class LoopPatch:
         self._saved.clear()
         while self._undo:
             self._undo.pop()()
+        for watched, entry, mine, t0 in self._watches:
+            watched.close()  # a run the script left open (no `with`)
+            entry.update(epochs=watched.epoch, wall_s=time.perf_counter() - t0,
+                         stopped_by_diagnose=self.stopped, step=dict(self.step_info))
+            self.fits_patch.collect(entry, mine)
         if self.loop is not None:
             self.loop.finish()
             if self.fits_patch.what_if:

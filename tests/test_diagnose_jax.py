@@ -10,7 +10,8 @@ it and records every try). Each script is tiny and runs on the CPU:
   alone, the step as timed in the run), the stages saying why they are not
   measured on JAX; the same fit with `--steps 12` stops at 12 steps;
 - a `jax.jit` loop over a list that reads its loss and sleeps every 5th step
-  -> `periodic_stall`, period 5, at the loop's line;
+  -> `periodic_stall`, period 5, at the loop's line; its step is the jitted
+  function whose output comes back (`step`), not a jitted augmentation;
 - a `jax.jit` loop over a `PyDataset` whose length changes each batch
   -> `recompiling`, with the shapes and JAX's compile seconds;
 - `--steps 20` on the list loop: the loop ends at its 21st step call;
@@ -70,10 +71,11 @@ import time
 
 import numpy as np
 
+scale = jax.jit(lambda x: x * 1.0)  # a jitted augmentation: not a step
 w = jnp.zeros((32, 32))
 batches = [np.ones((16, 32), "float32")] * 60
 for i, x in enumerate(batches):
-    w, loss = step(w, x)
+    w, loss = step(w, scale(jnp.asarray(x)))
     if i % 5 == 4:
         float(loss); time.sleep(0.03)  # the periodic host work
 """
@@ -152,6 +154,7 @@ def _cases(folder):
     out["loop_stall"] = {"verdict": stall["verdict"], "kind": stall["fits"][0]["kind"],
                          "period": stall["ranking"][0]["evidence"][0].get("period"),
                          "where": stall["fits"][0]["step"]["stall_where"],
+                         "steps": [f["name"] for f in stall["fits"][0]["step"]["functions"]],
                          "expected": f"{script}:{line}"}
     _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20")
     out["loop_steps"] = {"exit_code": steps["exit_code"], "notes": steps["notes"],
@@ -196,6 +199,7 @@ def test_jax_jit_loop_with_periodic_host_work_is_periodic_stall_at_its_line(case
     case = cases["loop_stall"]
     assert case["verdict"] == "periodic_stall" and case["kind"] == "loop", case
     assert case["period"] == 5 and case["where"] == case["expected"], case
+    assert case["steps"] == ["step"], case  # not the jitted augmentation
 
 
 def test_a_scripts_own_kg_watch_loop_gets_the_monitors_and_steps(cases):

@@ -4,10 +4,12 @@ On the JAX backend a custom loop's step is a `jax.jit` function. While the
 script runs, `jax.jit` is wrapped: a function the script jits (not Keras's
 own, nor a library's) becomes a `Jitted`, which calls the compiled function
 unchanged and tells `LoopPatch.jit_call` about each call. A function trains
-when the outputs of its first call include an array shaped and typed like
-one of its array inputs (`trains`): the updated parameters or optimizer
-state, as `params, opt_state, loss = step(params, opt_state, batch)`
-returns them. An evaluation step (a loss, logits) does not.
+when an array its first call returned is an argument of its second
+(`fed_back`): its updated parameters or optimizer state, as
+`params, opt_state, loss = step(params, opt_state, batch)` hands them on.
+An evaluation step (a loss, logits) or a jitted augmentation does not; nor
+does a function that returns gradients applied outside it (its outputs
+never come back).
 
 What the what-if and the input's stages do on TensorFlow needs `tf.function`
 and `tf.data`: on another backend the report says what was measured instead
@@ -21,8 +23,8 @@ them).
 import functools
 from collections import deque
 
-__all__ = ["Drained", "Jitted", "STAGES_ELSEWHERE", "WHAT_IF_ELSEWHERE", "batch_of", "patch_jit", "signatures",
-           "trains"]
+__all__ = ["Drained", "Jitted", "STAGES_ELSEWHERE", "WHAT_IF_ELSEWHERE", "arrays", "batch_of",
+           "fed_back", "patch_jit", "signatures"]
 
 WHAT_IF_ELSEWHERE = ("on the {} backend with this input: it replays the step as a tf.function; "
                      "the gain given is the run's own input-wait share")
@@ -30,19 +32,26 @@ STAGES_ELSEWHERE = ("not measured on the {} backend: the input's stages by file:
                     "tf.data's; the input wait was timed at each next() of the run's input")
 
 
-def signatures(tree):
-    """(shape, dtype) of each JAX array in `tree`."""
+def arrays(tree):
+    """The JAX arrays in `tree` (a list)."""
     import jax
 
-    return [(tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree_util.tree_leaves(tree)
-            if isinstance(leaf, jax.Array)]
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, jax.Array)]
 
 
-def trains(args, kwargs, outputs) -> bool:
-    """Whether a jitted call returned an array shaped and typed like one of its
-    JAX-array inputs (its updated parameters or optimizer state)."""
-    inputs = set(signatures((args, kwargs)))
-    return any(s in inputs for s in signatures(outputs))
+def signatures(tree):
+    """(shape, dtype) of each JAX array in `tree`."""
+    return [(tuple(leaf.shape), str(leaf.dtype)) for leaf in arrays(tree)]
+
+
+def fed_back(outputs, args, kwargs) -> bool:
+    """Whether a jitted function trains: one of the arrays its previous call
+    returned (`outputs`, kept alive until now) is an argument of this call,
+    as updated parameters or optimizer state are (`params, loss = step(params,
+    x)`). A function that transforms its input (a jitted augmentation, an
+    evaluation step) gets a new batch each call, never its own output."""
+    returned = {id(a) for a in outputs}
+    return any(id(a) in returned for a in arrays((args, kwargs)))
 
 
 def batch_of(args, kwargs, updated):

@@ -20,7 +20,8 @@ ones only on the TensorFlow backend, `jax.jit` only on JAX:
 | `tf.function` calls         | each call of a function that computes gradients is a   |
 |                             | step                                                   |
 | `jax.jit` (JAX backend)     | the script's jitted functions (`jax_steps.py`): each   |
-|                             | call of one that returns updated parameters is a step; |
+|                             | call of one whose outputs come back as its next call's |
+|                             | arguments (updated parameters) is a step;              |
 |                             | over a Python iterable each such call begins a cycle   |
 
 While a custom loop trains, a sampler thread looks at the main thread's
@@ -429,7 +430,7 @@ class LoopPatch:
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
         self._undo = []  # undoes the patches that are not a class attribute (jax.jit)
-        self._jit_trains = {}  # id(Jitted) -> whether it trains (decided at its first call)
+        self._jit_trains = {}  # id(Jitted) -> its first call's outputs, then whether it trains
         self.train_jits = []  # the jitted functions that train, in order
         self._calls = None  # a loop over a Python iterable: its cycles are step calls
         self._updated = set()  # (shape, dtype) of the arrays the train steps returned first
@@ -626,33 +627,40 @@ class LoopPatch:
     def jit_call(self, fn, args, kwargs):
         """A call of a `jax.jit` function the script made (`jax_steps.Jitted`).
 
-        Its first call decides whether it trains (`jax_steps.trains`). A train
+        Its second call decides whether it trains (`jax_steps.fed_back`: an
+        array its first call returned comes back as an argument). A train
         step's calls are timed as the loop's steps. Where no watched iterator
         handed out the batch (a loop over a list or a generator: no `next()`
         diagnose can see), each call begins a cycle of the loop (`_call_cycle`).
         """
-        from keras_gpufix.diagnose.jax_steps import signatures, trains
+        from keras_gpufix.diagnose.jax_steps import arrays, fed_back, signatures
 
-        known = self._jit_trains.get(id(fn))
-        if self.fits_patch._depth or known is False:
+        # None: never called; a list: its first call's output arrays; then True or False
+        state = self._jit_trains.get(id(fn))
+        if isinstance(state, list) and not self.fits_patch._depth:
+            first, state = state, fed_back(state, args, kwargs)
+            self._jit_trains[id(fn)] = state
+            if state:
+                self.train_jits.append(fn.jitted)
+                self._updated |= set(signatures(first))
+            first = None
+        if self.fits_patch._depth or state is False or isinstance(state, list):
             return fn.jitted(*args, **kwargs)
+        if state is None:
+            result = fn.jitted(*args, **kwargs)
+            self._jit_trains[id(fn)] = arrays(result) or False
+            return result
         self.fits_patch.raise_pending()
         watch = next((w for w, *_ in self._watches if w._open is not None), None)
-        if known and watch is not None:  # the script's kg.watch loop: its steps count
+        if watch is not None:  # the script's kg.watch loop: its steps count
             if self.steps and watch.steps > self.steps:
                 self.stopped = True
                 stop = StepsReached(self.steps)
                 stop.in_step = True
                 raise stop
-        elif known and not any(it.consumer is not None for it in list(self.iterators)):
+        elif not any(it.consumer is not None for it in list(self.iterators)):
             self._call_cycle(args, kwargs)
         result, took = timed(fn.jitted, *args, **kwargs)
-        if known is None:
-            known = self._jit_trains[id(fn)] = trains(args, kwargs, result)
-            if not known:
-                return result
-            self.train_jits.append(fn.jitted)
-            self._updated |= set(signatures(result))
         self.step_s += took
         self._step_function_called(fn)
         return result
@@ -731,6 +739,7 @@ class LoopPatch:
         self._saved.clear()
         while self._undo:
             self._undo.pop()()
+        self._jit_trains.clear()  # first outputs of functions called once
         for watched, entry, mine, t0 in self._watches:
             watched.close()  # a run the script left open (no `with`)
             entry.update(epochs=watched.epoch, wall_s=time.perf_counter() - t0,

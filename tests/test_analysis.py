@@ -761,6 +761,9 @@ def test_the_verdict_fits_the_ranked_fixes():
 
     beside = rank_causes([("input_bound", 0.22, {})])  # the what-if's input cost
     assert verdict_of_ranking("healthy", beside) == "input_bound"
-    assert verdict_of_ranking("healthy", rank_causes([("input_bound", 0.05, {})])) == "healthy"
+    # below what the judgement needs for input_bound (the input wait's 20%): healthy
+    assert verdict_of_ranking("healthy", rank_causes([("input_bound", 0.11, {})])) == "healthy"
+    assert verdict_of_ranking("healthy", rank_causes([("periodic_stall", 0.11, {})])) \
+        == "periodic_stall"
     assert verdict_of_ranking("periodic_stall", beside) == "periodic_stall"
     assert verdict_of_ranking("unknown", beside) == "unknown"

@@ -19,8 +19,9 @@ decision about a verdict in it is one of these pure functions:
 | `prediction_source`    | which measurement predicts a ranked cause's effect     |
 | `ruled_out`            | the verdicts a judgement had the evidence for and did  |
 |                        | not give (their static findings are not fixes)         |
-| `verdict_of_ranking`   | the verdict that fits the ranked fixes (a cause of at  |
-|                        | least `cost_share` beside `healthy` takes its place)    |
+| `verdict_of_ranking`   | the verdict that fits the ranked fixes (a cause that   |
+|                        | costs what its verdict needs beside `healthy` takes its |
+|                        | place)                                                 |
 """
 
 from keras_gpufix.analysis.traps import traps_of
@@ -158,12 +159,15 @@ def prediction_source(verdict: str, what_if: dict, compiled: "dict | None") -> s
 
 def verdict_of_ranking(verdict: str, ranking: list) -> str:
     """The run's one verdict, fitting its own fixes: a judged run (`healthy`) whose
-    ranking holds a measured cause costing at least `THRESHOLDS["cost_share"]` (the
-    what-if's input cost beside a healthy step log, under load or not) takes that
-    cause; otherwise `verdict` as judged."""
+    ranking holds a measured cause costing at least what the judgement itself needs
+    to give that verdict (`input_bound`: `THRESHOLDS["input_wait_share"]`; others
+    `THRESHOLDS["cost_share"]`) takes that cause (the what-if's input cost of 22%
+    beside a healthy step log); otherwise `verdict` as judged."""
     if is_cause(verdict) or verdict == "unknown":
         return verdict
-    top = next((c for c in ranking if c["score"] >= THRESHOLDS["cost_share"]), None)
+    least = {"input_bound": THRESHOLDS["input_wait_share"]}
+    top = next((c for c in ranking
+                if c["score"] >= least.get(c["verdict"], THRESHOLDS["cost_share"])), None)
     return top["verdict"] if top else verdict
 
 

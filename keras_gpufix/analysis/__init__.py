@@ -67,6 +67,7 @@ from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_t
 from keras_gpufix.analysis.traps import TRAPS, divisible_batch, missing_gpus, traps_of
 from keras_gpufix.analysis.verdicts import (
     COMPILED_STEP_FIXES,
+    PYTHON_INPUT_FIX,
     FIXES,
     NOT_CAUSES,
     PHASES,
@@ -101,6 +102,7 @@ __all__ = [
     "CACHED_KINDS",
     "run_gain",
     "COMPILED_STEP_FIXES",
+    "PYTHON_INPUT_FIX",
     "FIXES",
     "OscillationDetector",
     "PHASES",

@@ -261,6 +261,16 @@ COMPILED_STEP_FIXES = {
     ),
 }
 
+#: The fix of `input_bound` when the input is not a `tf.data` pipeline (a
+#: `keras.utils.PyDataset`, a generator, a Python iterable: the JAX and torch
+#: backends' usual input), where tf.data's own advice does not apply.
+PYTHON_INPUT_FIX = (
+    "the step waits for its batches, made in Python ({x}): make them in parallel "
+    "(keras.utils.PyDataset(workers=N, use_multiprocessing=True), N up to the cores), "
+    "compute the features once and read them back (a feature cache on disk, e.g. .npy "
+    "files), and keep the per-batch Python light"
+)
+
 #: What stops tf.function from running the user's eager step as written
 #: (`diagnose.step_blockers`), each with the change that removes it; a report
 #: line is `{where}: ` and one of these.

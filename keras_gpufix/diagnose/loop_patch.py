@@ -266,6 +266,7 @@ class _Loop:
         if self.dataset is None:
             self.dataset, self.remake = iterator.dataset, iterator.remake
             self.entry["x"] = f"{iterator.kind} (iterated by the script)"
+            self.entry["tf_data"] = hasattr(self.dataset, "take")  # else a PyDataset
         self.source.iterator = iterator.iterator
         from keras_gpufix.callbacks._stream import stream_of
 

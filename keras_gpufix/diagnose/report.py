@@ -177,8 +177,7 @@ def _predicted(cause, fits):
                 "source": "what-if",
                 "text": f"predicted: {ratio_words(speedup)} with the input free"
                         + (f" ({low:.2f}x-{high:.2f}x)" if low and high else "")
-                        + " (the what-if: the step timed alone on the real input and on a "
-                          "cached batch)"}
+                        + _WHAT_IF_METHOD.get(what_if.get("method"), "")}
     speedup = analysis.speedup_of(share)
     if source == "not-measured":
         return {"share": share, "speedup": None, "speedup_range": None, "source": source,
@@ -194,6 +193,15 @@ def _predicted(cause, fits):
                         f"run's steady step time, is {_pct(share)} of the run)"}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
             "text": analysis.cost_share_prediction(share)}
+
+
+#: How a what-if's prediction was measured, by its `method`.
+_WHAT_IF_METHOD = {
+    "side_by_side": " (the what-if: the step timed alone on the real input and on a cached "
+                    "batch)",
+    "replay": " (the what-if: the step replayed on its last batch, against the run's cycles)",
+    "in_run": " (the what-if: the step as timed in the run, against the input drained alone)",
+}
 
 
 def rank_causes(fits, scan=()):
@@ -231,6 +239,8 @@ def rank_causes(fits, scan=()):
         where = [f for f in scan if f.get("verdict") == cause["verdict"] and _offered(f, fits)]
         seen = analysis.measured_lines(cause["verdict"], steps, compiled)
         fix = analysis.measured_fix(cause["verdict"], cause["fix"], compiled)
+        if cause["verdict"] == "input_bound" and main is not None and main.get("tf_data") is False:
+            fix = analysis.PYTHON_INPUT_FIX.format(x=main.get("x") or "?")
         fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": fix,
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where],
@@ -381,7 +391,7 @@ def _stage_predicted(slow, before):
     base = before.get("speedup")
     spread = [gain * low / base, gain * high / base] if low and high and base else None
     run = ("" if whole is None or whole == gain
-           else f"; over the script's run, its start-up and compiles kept"
+           else "; over the script's run, its start-up and compiles kept"
                 + (" and its first epoch uncached" if slow["kind"] in analysis.CACHED_KINDS
                    else "") + f", the whole run {whole:.2f}x")
     cached = slow["kind"] in analysis.CACHED_KINDS and whole is None
@@ -507,7 +517,9 @@ def format_report(result):
     keras = (f"tf_keras {env['tf_keras']} (TF_USE_LEGACY_KERAS=1: tf.keras; Keras "
              f"{env['keras']} installed beside it)" if env.get("tf_keras")
              else f"Keras {env['keras']} ({env['keras_backend']})")
-    lines.append(f"environment: TensorFlow {env['tensorflow']}, {keras}, Python {env['python']}, "
+    framework = (f"TensorFlow {env['tensorflow']}" if env.get("tensorflow")
+                 else f"JAX {env['jax']}, no TensorFlow" if env.get("jax") else "no TensorFlow")
+    lines.append(f"environment: {framework}, {keras}, Python {env['python']}, "
                  f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
                  f"{env['xla']['built_with_xla']}, NVML: {nvml}, policy {env['dtype_policy']}")
     for fit in result["fits"]:

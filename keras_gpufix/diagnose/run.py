@@ -345,7 +345,7 @@ class FitPatch:
         counter = _step_counter(self.steps, self.raise_pending)
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
-                "steps_per_epoch": per_epoch}
+                "steps_per_epoch": per_epoch, "tf_data": dataset}
         if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
             return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None

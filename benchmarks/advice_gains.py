@@ -13,10 +13,11 @@ For each pattern (a synthetic training script in `tests/loop_patterns.py`):
    `LOOP_S` / `FIT_S`) or its wall time; the measured speedup is the median over the
    rounds of as is / fixed in the same round (its range: the rounds' extremes);
 3. per fix: predicted vs measured speedup (as is / fixed), their ratio and whether
-   it is within 25% (the prediction for the whole run, or per step once the fix
-   applies where the truth leaves out a one-off cost: `STEADY`); and all the fixes'
-   combined prediction (their shares add up) against the script with all of them
-   applied, where a pattern has several.
+   it is within 25% (the figure `FIGURE` names: the whole run's, a cache's whole run,
+   or per step where the truth leaves out a one-off cost); and all the fixes'
+   combined prediction (`analysis.combined_speedup`: the time each saves adds up, as
+   diagnose's report says) against the script with all of them applied, where a
+   pattern has several.
 
 Patterns (the fixes applied as diagnose words them):
 - `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
@@ -80,11 +81,13 @@ PATTERNS = {
                   None),
 }
 
-# ways whose fix pays from the first step (no cache to fill: the batches computed before
-# the fit, untimed; the read in TF ops): compared with the fix's `steady_speedup` (per
-# step once the fix applies) where diagnose gives one; the others with `speedup` (the
-# whole run as the script runs it: a `.cache()` filled in epoch 1)
-STEADY = {"contention --cached", "slow_map --tf-ops", "slow_map --epochs 3 --tf-ops"}
+# which predicted figure each way is compared with: the batches computed before the fit
+# (untimed) with `steady_speedup` (per step once the fix applies); a `.cache()` after a
+# Python map with `speedup_if_cached` (the whole run, the cache filled in epoch 1); the
+# others (the read in TF ops: the fit's trace and start-up kept) with `speedup`, the
+# whole run as the script runs it
+FIGURE = {"contention --cached": "steady_speedup", "slow_map --cache": "speedup_if_cached",
+          "slow_map --epochs 3 --cache": "speedup_if_cached"}
 
 
 def _run(command):
@@ -114,16 +117,17 @@ def _x(value, low=None, high=None):
                                                   else "")
 
 
-def _row(figures, key, cells, predicted, measured, steady=False):
+def _row(figures, key, cells, predicted, measured, which="speedup"):
     """Prints one line of the table and keeps its figures; returns the ratio."""
-    which = "steady_speedup" if steady and predicted.get("steady_speedup") else "speedup"
+    which = which if predicted.get(which) else "speedup"
     gain = predicted.get(which)
     ratio = gain / measured[0] if gain and measured[0] else None
     within = None if ratio is None else abs(ratio - 1) <= 0.25
     print(f"{cells} {_x(gain, *(predicted.get('speedup_range') or ())):>20} "
           f"{_x(*measured):>20} {f'{ratio:.2f}' if ratio else '-':>9}  "
           f"{'-' if within is None else 'yes' if within else 'no':3}  "
-          f"{'per step' if which == 'steady_speedup' else 'run' if gain else ''}", flush=True)
+          f"{'per step' if which == 'steady_speedup' else 'run, cached' if which == 'speedup_if_cached' else 'run' if gain else ''}",
+          flush=True)
     figures[f"{key}_predicted_{which}"] = gain and round(gain, 3)
     figures[f"{key}_measured_speedup_as_is_over_fixed"] = measured[0] and round(measured[0], 3)
     figures[f"{key}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
@@ -168,15 +172,15 @@ def main(argv=None) -> int:
                 label = verdict + ("" if fix else " (not named)")
                 key = f"{name}_{verdict}_{re.sub(r'[^a-z]+', '_', how.lower()).strip('_')}"
                 ratio = _row(figures, key, f"{name:13} {report['verdict']:15} {label:28} "
-                             f"{how:24}", predicted, measured, way in STEADY)
+                             f"{how:24}", predicted, measured, FIGURE.get(way, "speedup"))
                 pattern["fixes"].append({"verdict": verdict, "fix": fix.get("fix"),
                                          "predicted": predicted, "applied_as": how,
                                          "way": way, "measured_speedup": measured,
                                          "ratio": ratio})
-        shares = [f["predicted"]["share"] or 0.0 for f in report["fixes"]
-                  if f["predicted"]["source"] != "not-measured"]
-        if all_fixed and len(shares) > 1:  # the causes' shares never overlap: they add up
-            together = {"speedup": analysis.speedup_of(sum(shares))}
+        gains = [f["predicted"]["speedup"] for f in report["fixes"]
+                 if f["predicted"].get("speedup")]
+        if all_fixed and len(gains) > 1:  # the causes never overlap: the time each saves adds
+            together = {"speedup": analysis.combined_speedup(gains)}  # up, as the report says
             measured = speedup(runs[as_is], runs[all_fixed])
             ratio = _row(figures, f"{name}_all", f"{name:13} {report['verdict']:15} "
                          f"{'all fixes together':28} {'all applied':24}", together, measured)

@@ -248,3 +248,5 @@ def test_a_zip_is_walked_into_its_slow_branch_and_a_cache_pays_from_the_second_e
                           run=run)["slow"]
     assert python["run_gain"] == pytest.approx(
         (0.5 + 100 * 0.045) / (0.5 + 100 * 0.045 / python["predicted_gain"]))
+    # ... its other fix, a cache, from the second epoch: nothing in a one-epoch script
+    assert python["run_gain_cached"] == 1.0 and "with a cache instead" in python["text"]

@@ -146,8 +146,9 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
         stage's dict with `fix`, `saved_ms`, `predicted_per_s` and
         `predicted_gain`, the run's steady speed after the fix over its
         speed now, `run_gain` (`run_gain`: the whole run's, as the script
-        runs it; None when a cache's epochs are not known) and `text`, one
-        sentence for people).
+        runs it; None when a cache's epochs are not known), `run_gain_cached`
+        (Python work cached instead of moved into TF ops: from the second
+        epoch; None for other kinds) and `text`, one sentence for people).
     """
     out = {"stages": [], "input_per_s": None, "demand_per_s": step_per_s,
            "observed_per_s": observed_per_s, "slow": None}
@@ -194,8 +195,10 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
     demand = (f" against the step's demand of {step_per_s:.1f}" if step_per_s else "")
     rate = 1000.0 / slow["cost_ms"] if slow["cost_ms"] > 0 else float("inf")
     whole = run_gain(gain, kind, cycle, run)
+    # Python work's fix is either TF ops (from the first step) or a cache (from epoch 2)
+    cached = run_gain(gain, "cache", cycle, run) if kind == "python" else None
     slow.update(fix=fix, saved_ms=1000.0 * saved, predicted_per_s=1.0 / predicted,
-                predicted_gain=gain, rate_per_s=rate, run_gain=whole)
+                predicted_gain=gain, rate_per_s=rate, run_gain=whole, run_gain_cached=cached)
     slow["text"] = STAGE_FIXES["text"].format(
         op=slow.get("op"), where=where, rate=rate, share=slow["share"],
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
@@ -204,6 +207,8 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
     if whole is not None and run:
         slow["text"] += STAGE_FIXES["run"].format(steps=run["steps"], gain=whole,
                                                   fixed=run.get("fixed_s") or 0.0)
+    if cached is not None:
+        slow["text"] += STAGE_FIXES["cached_instead"].format(gain=cached)
     out["slow"] = slow
     return out
 

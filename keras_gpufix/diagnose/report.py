@@ -396,12 +396,15 @@ def _stage_predicted(slow, before):
                    else "") + f", the whole run {whole:.2f}x")
     cached = slow["kind"] in analysis.CACHED_KINDS and whole is None
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
-            "steady_speedup": gain, "speedup_range": spread, "source": "stage",
+            "steady_speedup": gain, "speedup_if_cached": slow.get("run_gain_cached"),
+            "speedup_range": spread, "source": "stage",
             "text": f"predicted: {gain:.2f}x per step once the fix applies"
                     + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
                        if spread else "")
                     + (" (from the second epoch: a cache serves nothing in the first)"
                        if cached else run)
+                    + (f"; cached instead of moved into TF ops, {slow['run_gain_cached']:.2f}x"
+                       if slow.get("run_gain_cached") is not None else "")
                     + " (the stage's share of the input's time, measured, applied to the "
                       "input's part of the run's cycle)"}
 

@@ -159,3 +159,36 @@ def test_on_jax_a_second_process_loads_its_compiles_from_the_cache(tmp_path):
     assert second["compile_s"] < first["compile_s"]
     assert second["w"] == first["w"]
     assert not first["keras"]  # turning the cache on imported no Keras (nor TensorFlow)
+
+
+DIAGNOSED = """\
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_gpufix as kg
+
+xs = np.random.rand(256, 16).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, xs[:, :1])).batch(16)
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+kg.compile_model(model, optimizer="adam", loss="mse", jit_compile=True)
+model.fit(ds, epochs=1, verbose=0)
+"""
+
+
+def test_diagnose_says_how_many_compiles_came_from_the_cache(tmp_path):
+    # the cache named before TensorFlow starts (diagnose starts it before the script)
+    script, cache = tmp_path / "train.py", tmp_path / "xla"
+    script.write_text(DIAGNOSED)
+    cache.mkdir()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={cache}")
+    lines = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--no-trace",
+                               "--no-what-if", "--", "python", str(script)], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines.append(next(line for line in proc.stdout.splitlines() if line.startswith("fit 1:")))
+    assert f"0 of 1 compiles from the compile cache ({cache}), 1 fresh" in lines[0], lines
+    assert f"1 of 1 compiles from the compile cache ({cache}), 0 fresh" in lines[1], lines

@@ -115,6 +115,19 @@ class CompileCache:
         return os.path.join(beside, _SUBFOLDER) if beside else user_cache_dir(_SUBFOLDER)
 
     @classmethod
+    def current(cls) -> Optional["CompileCache"]:
+        """The process's active compile cache, or None: the one `enable()` turned on, else
+        the folder the user named (`TF_XLA_FLAGS` on TensorFlow, `jax_compilation_cache_dir`
+        on JAX, where JAX is imported). Changes nothing."""
+        if cls._current is not None and cls._current.active:
+            return cls._current
+        backend = backend_name()
+        named = _tf_flag_directory() if backend == "tensorflow" else None
+        if backend == "jax" and "jax" in sys.modules:
+            named = sys.modules["jax"].config.jax_compilation_cache_dir
+        return cls(named, True) if named else None
+
+    @classmethod
     def enable(cls, directory="auto", beside: Optional[str] = None) -> "CompileCache":
         """Turns on the persistent compile cache for this process.
 

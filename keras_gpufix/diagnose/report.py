@@ -474,6 +474,28 @@ def healthy_evidence(fits, seen=None):
     return out
 
 
+def _compile_cache_words(fit, retr):
+    """`, compiling X s, N of M compiles from the compile cache, K fresh` for a run of an
+    XLA-compiled step while the script's compile cache was on (TensorFlow counts each
+    input shape's compile; JAX reports its compiles and cache hits); else nothing."""
+    cache = fit.get("compile_cache")
+    if not cache or not ((fit.get("model") or {}).get("jit_compile") or cache.get("compiles")):
+        return ""
+    written = cache.get("written") or 0
+    compiles = cache.get("compiles")
+    if compiles is None:
+        compiles = len(retr.get("shapes") or ()) or None
+    compiling = sum(e.get("cost_ms") or 0.0 for e in retr.get("shape_events") or ()
+                    if e.get("first_compile")) / 1000.0
+    if cache.get("compile_s") is not None:
+        compiling = cache["compile_s"]
+    words = f", compiling {compiling:.1f} s" if compiling else ""
+    if compiles:
+        return words + (f", {max(0, compiles - written)} of {compiles} compiles from the "
+                        f"compile cache ({cache['directory']}), {written} fresh")
+    return words + f", {written} fresh compiles written to the compile cache"
+
+
 def format_report(result):
     """The diagnosis as text for people."""
     command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
@@ -535,6 +557,7 @@ def format_report(result):
             text += f", median {st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms"
         if retr.get("trace_count") is not None:
             text += f", {retr['trace_count']} traces, recompile {retr.get('recompile_ms') or 0:.0f} ms"
+        text += _compile_cache_words(fit, retr)
         if fit.get("error"):
             text += f"; ended by {fit['error']}"
         lines.append(text)

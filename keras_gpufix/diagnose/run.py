@@ -408,13 +408,17 @@ class FitPatch:
             return original(model, *args, **kwargs)
         entry = {"index": len(self.fits) + 1, **info}
         self.fits.append(entry)
+        cache = _compile_cache()
         t0 = time.perf_counter()
         try:
-            history = original(*bound.args, **bound.kwargs)
+            with cache.watch() if cache else contextlib.nullcontext({}) as compiled:
+                history = original(*bound.args, **bound.kwargs)
         except BaseException as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            if cache:
+                entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
             entry["stopped_by_diagnose"] = counter.stopped
             entry["steps_run"] = counter.seen
@@ -438,6 +442,18 @@ class FitPatch:
             self._measuring = None
             gc.collect()
         return history
+
+
+def _compile_cache():
+    """The script's persistent XLA compile cache (`CompileCache.enable()`, `compile_model`,
+    or `TF_XLA_FLAGS` / `jax_compilation_cache_dir` set by the user), or None when off:
+    each fit's compiles are then counted fresh (entries it wrote) or from the cache."""
+    from keras_gpufix.compile.compile_cache import CompileCache
+
+    try:
+        return CompileCache.current()
+    except Exception:  # never break the user's run
+        return None
 
 
 _QUIET_NOTE = ("TensorFlow's own log lines were hidden (TF_CPP_MIN_LOG_LEVEL=2); "

@@ -23,9 +23,25 @@ import os
 import platform
 import sys
 
-__all__ = ["RESULTS", "add_out_argument", "machine", "write_results"]
+__all__ = ["RESULTS", "add_out_argument", "machine", "run_stdout", "write_results"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def run_stdout(command):
+    """The stdout of `command` run from the project root with the project importable and
+    TensorFlow's log lines hidden; exits the benchmark with the command's stderr when it
+    fails."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def add_out_argument(parser, name):

@@ -39,8 +39,9 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
+
+from _results import add_out_argument, run_stdout, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "tests/loop_patterns.py"
@@ -90,18 +91,9 @@ FIGURE = {"contention --cached": "steady_speedup", "slow_map --cache": "speedup_
           "slow_map --epochs 3 --cache": "speedup_if_cached"}
 
 
-def _run(command):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc.stdout
-
-
 def truth(command, rounds):
     """{way: [seconds per round]} of `loop_patterns.py truth WAY ...`."""
-    out = _run([sys.executable, SCRIPT, *command, "--rounds", str(rounds)])
+    out = run_stdout([sys.executable, SCRIPT, *command, "--rounds", str(rounds)])
     return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
 
 
@@ -142,7 +134,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the truth runs, each way once a round (default 3)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _results import add_out_argument, write_results
 
     sys.path.insert(0, ROOT)
     from keras_gpufix import analysis
@@ -157,7 +148,7 @@ def main(argv=None) -> int:
     for name in args.patterns:
         steps, script, truth_command, as_is, applied, all_fixed = PATTERNS[name]
         load = os.getloadavg()
-        report = json.loads(_run([
+        report = json.loads(run_stdout([
             sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
             "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1])
         runs = truth(truth_command, args.rounds)

@@ -36,9 +36,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _results import add_out_argument, run_stdout, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("cached", "input", "contention", "compute")
@@ -149,12 +150,8 @@ def child(case, steps, truth):
 
 
 def _run(command):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """The last stdout line of `command`, as JSON."""
+    return json.loads(run_stdout(command).strip().splitlines()[-1])
 
 
 def measure(case, steps):
@@ -185,7 +182,6 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--truth", action="store_true", help=argparse.SUPPRESS)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _results import add_out_argument, write_results
 
     add_out_argument(parser, "what_if")
     args = parser.parse_args(argv)

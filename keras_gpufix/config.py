@@ -61,8 +61,6 @@ import json
 import os
 import re
 import reprlib
-import shutil
-import tempfile
 from typing import Any, Optional
 
 import yaml
@@ -915,25 +913,17 @@ def _migrated_text(doc):
 
 
 def _write_atomic(path, text, original):
+    """Keeps `original` in the first free `path.bak`, `path.bak.1`, ..., then writes
+    `text` to `path` atomically (`output.write_text_atomically`); returns the backup."""
+    from keras_gpufix.output import write_text_atomically
+
     backup, n = path + ".bak", 0
     while os.path.exists(backup):
         n += 1
         backup = f"{path}.bak.{n}"
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.copymode(path, tmp)
-        with open(backup, "w", encoding="utf-8") as f:
-            f.write(original)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with open(backup, "w", encoding="utf-8") as f:
+        f.write(original)
+    write_text_atomically(path, text)
     return backup
 
 

@@ -17,7 +17,7 @@ import tempfile
 
 from keras_gpufix.backends import tensorflow_missing
 
-__all__ = ["emit", "faster", "progress", "import_tensorflow_quietly"]
+__all__ = ["emit", "faster", "progress", "import_tensorflow_quietly", "write_text_atomically"]
 
 logger = logging.getLogger("keras_gpufix")
 
@@ -161,3 +161,27 @@ def faster(name_a: str, value_a: float, name_b: str, value_b: float, unit: str =
     if round(ratio, 2) == 1.0:
         return f"{name_a} and {name_b} are equally fast {values}"
     return f"{fast} is {ratio:.2f}x faster than {slow} {values}"
+
+
+def write_text_atomically(path, text):
+    """Writes `text` to `path` through a temporary file in its folder and `os.replace`:
+    a reader (or a run stopped halfway) never sees half a file. A file already at
+    `path` keeps its mode; a new one gets the umask's. Returns `path`."""
+    import shutil
+    import threading
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

@@ -33,6 +33,7 @@ import threading
 
 from keras_gpufix import __version__
 from keras_gpufix.analysis import cost_share_prediction, fix_for, format_what_if, speedup_of
+from keras_gpufix.output import write_text_atomically
 
 __all__ = ["RunRecord"]
 
@@ -174,7 +175,7 @@ class RunRecord:
 
     def write(self, folder) -> str:
         """Writes `folder/run_record.json` atomically; returns its path (also `path`)."""
-        self.path = _write_atomic(os.path.join(os.fspath(folder), self.FILE),
+        self.path = write_text_atomically(os.path.join(os.fspath(folder), self.FILE),
                                   json.dumps(self.data, separators=(",", ":"), allow_nan=False))
         return self.path
 
@@ -193,7 +194,7 @@ class RunRecord:
         if path is None and self.path is None:
             raise ValueError("`path` is needed for a record that was neither read nor written")
         path = path or os.path.join(os.path.dirname(self.path), "report.html")
-        return _write_atomic(os.fspath(path), html_report(self))
+        return write_text_atomically(os.fspath(path), html_report(self))
 
     @classmethod
     def find(cls, run) -> str:
@@ -282,22 +283,6 @@ class RunRecord:
         return undo
 
 
-def _write_atomic(path, text):
-    """Writes `text` to `path` through a temporary file in its folder and `os.replace`:
-    a reader (or a run stopped halfway) never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # the umask's mode, as `path`
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
 
 
 def _cause(c):

@@ -329,7 +329,7 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blo
         ev["phases"]["input_wait"] = None
     if folded:
         ev["signals"].append("unsynced_dispatch")
-        ev["unsynced_period"] = int(n[0])
+        ev["unsynced_period"] = int(n.max())  # a period missing a record (an epoch's first) holds fewer
     split = all(r.split for r in rs)
     new_shape = np.array([r.new_shape or r.traces > 0 for r in rs])
     if seen_shapes:

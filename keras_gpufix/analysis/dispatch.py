@@ -24,7 +24,7 @@ __all__ = ["fold_unsynced"]
 def fold_unsynced(records, thresholds=None):
     """The periods of unsynced asynchronous steps, one record each; or None.
 
-    The signature, at the smallest period k >= 2 that shows it (records
+    The signature, at the period k >= 2 that shows it most clearly (records
     taken k at a time, the median of each position over at least
     `min_periods` periods): exactly one position is slow (the slow-step
     rule over all records: the host read that waits for the queued work),
@@ -66,6 +66,7 @@ def fold_unsynced(records, thresholds=None):
     if np.count_nonzero(cycle > limit) < 2 or not np.any(own <= cheap):
         return None  # the common case, decided without the search below
     index = np.array([r.index for r in records])
+    found = []  # (how far the slow position stands above the others, period, its start)
     for period in range(2, cycle.size // th["min_periods"] + 1):
         # Positions by step index: an epoch's first record, left out of the
         # window, must not shift the schedule.
@@ -75,13 +76,20 @@ def fold_unsynced(records, thresholds=None):
             continue
         if min(np.median(own[position == p]) for p in range(period)) > cheap:
             continue
-        start = (int(slowest.argmax()) + 1) % period
-        groups = {}
-        for record, first in zip(records, index - (index - start) % period):
-            groups.setdefault(int(first), []).append(record)
-        return [_one(rs) for first, rs in groups.items()
-                if first >= index[0] and first + period - 1 <= index[-1]]
-    return None
+        slow = int(slowest.argmax())
+        others = np.delete(slowest, slow)
+        found.append((slowest[slow] / max(float(others.max()), 1e-12), period,
+                      (slow + 1) % period))
+    if not found:
+        return None
+    # the period whose slow position stands out most: a shorter one that passes by
+    # chance (a few slow reads falling on one position) stands out less
+    _, period, start = max(found)
+    groups = {}
+    for record, first in zip(records, index - (index - start) % period):
+        groups.setdefault(int(first), []).append(record)
+    return [_one(rs) for first, rs in groups.items()
+            if first >= index[0] and first + period - 1 <= index[-1]]
 
 
 def _sum(values):

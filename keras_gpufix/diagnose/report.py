@@ -382,31 +382,27 @@ def locate_input_stage(fixes, fits):
 
 
 def _stage_predicted(slow, before):
-    """The located fix's one predicted gain: its stage's (`judge_stages`), the steady
-    gain per step and, for a cache, the whole run's as the script runs it; its range
-    the what-if's relative spread where the what-if gave one (`before`: the fix's
-    prediction before the stage was located)."""
+    """The located fix's one predicted gain: its stage's (`judge_stages`), the whole
+    run's as the script runs it where known (else the gain per step), its range the
+    what-if's relative spread where the what-if gave one (`before`: the fix's
+    prediction before the stage was located). The stage's text (the fix) says how
+    each figure was reached; this line names the one predicted."""
     gain, whole = slow["predicted_gain"], slow.get("run_gain")
     low, high = before.get("speedup_range") or (None, None)
     base = before.get("speedup")
     spread = [gain * low / base, gain * high / base] if low and high and base else None
-    run = ("" if whole is None or whole == gain
-           else "; over the script's run, its start-up and compiles kept"
-                + (" and its first epoch uncached" if slow["kind"] in analysis.CACHED_KINDS
-                   else "") + f", the whole run {whole:.2f}x")
-    cached = slow["kind"] in analysis.CACHED_KINDS and whole is None
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
             "steady_speedup": gain, "speedup_if_cached": slow.get("run_gain_cached"),
             "speedup_range": spread, "source": "stage",
             "text": f"predicted: {gain:.2f}x per step once the fix applies"
                     + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
                        if spread else "")
+                    + (f", {whole:.2f}x for the script's whole run" if whole is not None
+                       and whole != gain else "")
                     + (" (from the second epoch: a cache serves nothing in the first)"
-                       if cached else run)
-                    + (f"; cached instead of moved into TF ops, {slow['run_gain_cached']:.2f}x"
-                       if slow.get("run_gain_cached") is not None else "")
-                    + " (the stage's share of the input's time, measured, applied to the "
-                      "input's part of the run's cycle)"}
+                       if whole is None else "")
+                    + " (the stage's share of the input's part of the run's cycle; the fix "
+                      "above says how each figure was reached)"}
 
 
 def _judged(fits):

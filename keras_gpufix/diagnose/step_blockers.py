@@ -73,8 +73,7 @@ def _assigned(node):
 class _Reader(ast.NodeVisitor):
     """The static blockers of one function's body (not of functions nested in it)."""
 
-    def __init__(self, lines):
-        self.lines = lines
+    def __init__(self):
         self.found = []  # (kind, line number in the source, details)
         self.shared = set()  # global / nonlocal names
         self._depth = 0
@@ -167,7 +166,7 @@ def _static(fn):
     except SyntaxError:
         return []
     lines = text.splitlines()
-    reader = _Reader(lines)
+    reader = _Reader()
     reader.visit(tree)
     out = []
     for kind, number, details in reader.found:

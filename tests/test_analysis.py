@@ -767,3 +767,30 @@ def test_the_verdict_fits_the_ranked_fixes():
         == "periodic_stall"
     assert verdict_of_ranking("periodic_stall", beside) == "periodic_stall"
     assert verdict_of_ranking("unknown", beside) == "unknown"
+
+
+def test_weigh_takes_stalls_the_input_cost_covers_as_contention():
+    # the contention case beside a CPU burner: the step log reads irregular_stall
+    # (18% of the run in stalls), the what-if finds the input costing 30% at its low end
+    stalled = {"verdict": "irregular_stall", "fix": FIXES["irregular_stall"], "phase": "step",
+               "cost_share": 0.18, "because": [], "changed": None, "input_wait": 0.02}
+    what_if = {"speedup_if_input_free": 1.6, "speedup_range": [1.45, 1.8], "known": True,
+               "bound": "step", "method": "side_by_side"}
+    out = weigh(stalled, what_if=what_if)
+    assert (out["verdict"], out["phase"], out["covers"]) == ("input_bound", "step",
+                                                             "irregular_stall")
+    (why,) = out["because"]
+    assert why.startswith("the step log read irregular_stall (stalls with no period, 18% of")
+    # an input cost below the stalls' does not explain them: the stall verdict stays
+    small = {"speedup_if_input_free": 1.15, "speedup_range": [1.12, 1.2], "known": True,
+             "bound": "step", "method": "side_by_side"}
+    assert weigh(stalled, what_if=small)["verdict"] == "irregular_stall"
+
+
+def test_a_one_off_cost_lowers_a_short_runs_gain_and_can_make_it_slower():
+    from keras_gpufix.analysis import one_off_gain
+
+    assert one_off_gain(2.0, 0.0, 10.0) == pytest.approx(2.0)
+    assert one_off_gain(2.0, 1.0, 10.0) == pytest.approx(10 / 6)  # 5 s of steps + 1 s once
+    assert one_off_gain(2.0, 10.0, 10.0) < 1.0  # a trace longer than what it saves
+    assert one_off_gain(None, 1.0, 10.0) is None

@@ -160,6 +160,10 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
         "tf.function, without jit_compile")
     assert f"`StringFormat` at {compiled['xla_where']}" in fix["fix"]
     assert "tf.function(jit_compile=True)" not in fix["fix"]
+    # the trace is a one-off cost: the run's own gain is below the steps'
+    predicted = fix["predicted"]
+    assert compiled["first_call_s"] > 0 and predicted["run_speedup"] < predicted["speedup"]
+    assert f"compiles once ({compiled['first_call_s']:.2f} s here)" in predicted["text"]
 
 
 

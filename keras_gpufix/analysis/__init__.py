@@ -17,6 +17,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
+|               | `one_off_gain`,                                              |
 |               | `cost_share_prediction`, `combined_speedup`,                 |
 |               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
@@ -89,6 +90,7 @@ from keras_gpufix.analysis.verdicts import (
     slow_limit,
     slow_mask,
     speedup_of,
+    one_off_gain,
     cost_share_prediction,
     combined_speedup,
     step_compiled,
@@ -130,6 +132,7 @@ __all__ = [
     "slow_limit",
     "slow_mask",
     "speedup_of",
+    "one_off_gain",
     "cost_share_prediction",
     "combined_speedup",
     "stages_needed",

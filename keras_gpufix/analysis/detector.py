@@ -834,9 +834,11 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     less `what_if_share`, the input competes with the step for the host's
     cores (the wait reads ~0 while the step runs slower beside the
     pipeline): phase `step` and the contention fix, with the predicted
-    gain. A what-if finding nothing to gain leaves an `input_bound` verdict
-    standing (the replayed batch is cached, the run's were not) and says
-    so. A what-if that does not know (`known` False: its timings varied
+    gain. A run judged `irregular_stall` is weighed the same way when the
+    what-if's input cost covers the stalls' (a loaded host turns the
+    contention's slower steps into stalls with no period). A what-if
+    finding nothing to gain leaves an `input_bound` verdict standing (the
+    replayed batch is cached, the run's were not) and says so. A what-if that does not know (`known` False: its timings varied
     more than `what_if_uncertainty`) counts only by the low end of its
     range (`what_if_input_cost`): the gain is at least that.
 
@@ -852,7 +854,8 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     Returns:
         `run` with `verdict`, `fix`, `phase`, `cost_share` weighed and
         `because` extended by one sentence per piece of evidence that
-        disagreed.
+        disagreed; where the what-if overturned the step log's verdict,
+        `covers` names it (its time is the input's, not a cause beside it).
     """
     th = {**THRESHOLDS, **(thresholds or {})}
     out = dict(run, because=list(run.get("because") or []))
@@ -867,13 +870,20 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
         span = f" ({low:.2f}x-{high:.2f}x)" if low and high else ""
         if not known:  # only its low end is sure: the gain is at least that
             speedup, span = low, f" (at least: its range {low:.2f}x-{high:.2f}x was too wide)"
-        if verdict == "healthy" and least >= th["what_if_share"]:
+        # Stalls with no period that the input's measured cost covers are the
+        # step waiting for the cores the input holds (a loaded host turns
+        # contention's slower steps into stalls): the input is their cause.
+        stalls = out.get("cost_share") or 0.0
+        if (verdict == "healthy" or verdict == "irregular_stall" and least >= stalls) \
+                and least >= th["what_if_share"]:
             contention = wait is not None and least - wait >= th["what_if_share"]
             phase = "step" if contention else "input_wait"
+            read = ("healthy" if verdict == "healthy" else
+                    f"irregular_stall (stalls with no period, {stalls:.0%} of the run)")
             out.update(verdict="input_bound", phase=phase, cost_share=cost,
-                       fix=fix_for("input_bound", phase=phase, share=cost))
+                       fix=fix_for("input_bound", phase=phase, share=cost), covers=verdict)
             out["because"].append(
-                f"the step log read healthy (input wait {waited}), but with the input free "
+                f"the step log read {read} (input wait {waited}), but with the input free "
                 f"the run would be {speedup:.2f}x faster{span}: the input costs {cost:.0%} of "
                 "the run"
                 + (": contention, the input pipeline competes with the step for the CPU "

@@ -55,6 +55,7 @@ __all__ = [
     "contradicted",
     "COMPILED_STEP_FIXES",
     "compiled_step_fix",
+    "one_off_gain",
     "compiled_share",
     "speedup_of",
 ]
@@ -697,6 +698,14 @@ def combined_speedup(speedups) -> "float | None":
     """The whole run's gain of several fixes of causes that never overlap: the time
     each saves (`1 - 1 / speedup`) adds up; None when unbounded."""
     return speedup_of(sum(1.0 - 1.0 / s for s in speedups))
+
+
+def one_off_gain(speedup: "float | None", once_s: float, run_s: float) -> "float | None":
+    """The gain over a run of `run_s` seconds of a fix that makes it `speedup` times
+    faster after a one-off cost of `once_s` (a trace and compile); None when unbounded."""
+    if speedup is None:
+        return None
+    return run_s / (run_s / speedup + once_s)
 
 
 def speedup_of(share: float) -> "float | None":

@@ -70,8 +70,9 @@ def _fit_causes(fit, scan):
             "text": f"{label}: {run['verdict']}" + "".join(f"; {b}" for b in run["because"]),
             "period": period, "phase": run["phase"],
             "where": _where(fit, run["verdict"], scan)}))
+    covered = {run["verdict"], run.get("covers")}  # stalls the input's cost covers
     for cause in monitor.get("causes") or ():
-        if cause["verdict"] != run["verdict"]:
+        if cause["verdict"] not in covered:
             out.append((cause["verdict"], cause["share"] or 0.0, {
                 "source": "judgement", "figure": "cost_share", "value": cause["share"],
                 "text": f"{label}: {cause['verdict']} beside {run['verdict']}, "
@@ -88,7 +89,7 @@ def _fit_causes(fit, scan):
                     f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
             "period": None, "phase": phase, "where": None}))
     for event in events:
-        if analysis.is_cause(event["verdict"]):
+        if analysis.is_cause(event["verdict"]) and event["verdict"] != run.get("covers"):
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
                 "source": "GPUOscillationMonitor", "figure": "event",
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
@@ -185,12 +186,21 @@ def _predicted(cause, fits):
                         f"blocks it, below), so nothing was measured; the eager step took "
                         f"{_pct(share)} of the run"}
     if source == "compiled-step":
+        wall, steps = max(((f.get("wall_s") or 0.0, f.get("steps") or 0) for f in fits
+                           if f.get("compiled_step")), default=(0.0, 0))
+        once = compiled.get("first_call_s")
+        run = analysis.one_off_gain(speedup, once, wall) if once is not None and wall else None
         return {"share": share, "speedup": speedup, "speedup_range": None,
-                "source": "compiled-step",
-                "text": f"predicted: the whole run {speedup:.2f}x faster (the eager step's "
+                "source": "compiled-step", "run_speedup": run,
+                "text": f"predicted: the steps {speedup:.2f}x faster (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
                         f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
-                        f"run's steady step time, is {_pct(share)} of the run)"}
+                        f"run's steady step time, is {_pct(share)} of the run)"
+                        + ("" if run is None else
+                           f"; its first call traces and compiles once ({once:.2f} s here), "
+                           f"so this run's {steps} steps ({wall:.1f} s) would be {run:.2f}x faster"
+                           + (", slower than now: the trace pays only in a longer run"
+                              if run < 1 else ""))}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",
             "text": analysis.cost_share_prediction(share)}
 

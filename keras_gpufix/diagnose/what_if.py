@@ -249,17 +249,19 @@ def replay_rates(cached, variables, real=None, batches_per_call=1, seconds=SECON
 
 
 def _per_call_ms(call, sync, seconds):
-    """Median ms of `call()` (its first call, a trace and compile, not timed): at least
-    `COMPILE_TIMINGS[0]` timings, as many more as fit in `seconds` (at most
-    `COMPILE_TIMINGS[1]`)."""
+    """(median ms of `call()`, seconds of its first call): the first (a trace and
+    compile) apart, then at least `COMPILE_TIMINGS[0]` timings, as many more as fit in
+    `seconds` (at most `COMPILE_TIMINGS[1]`)."""
     least, most = COMPILE_TIMINGS
+    t0 = time.perf_counter()
     sync(call())
+    first = time.perf_counter() - t0
     times, deadline = [], time.perf_counter() + seconds
     while len(times) < least or (time.perf_counter() < deadline and len(times) < most):
         t0 = time.perf_counter()
         sync(call())
         times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(times), first
 
 
 def _op_where(graph, op_type, library):
@@ -295,7 +297,8 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         `xla_ms` (None when XLA failed), `xla_error` (its first line),
         `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
         `tf.function(jit_compile=True)`, the faster that compiled),
-        `best_ms` and `blockers` (`step_blockers`: the Python state the step
+        `best_ms`, `first_call_s` (the best way's first call: its trace and
+        compile, a one-off cost) and `blockers` (`step_blockers`: the Python state the step
         changes, which a trace runs once); or a dict `reason` and `blockers`
         (what stops the trace, each by its line) when it could not be traced.
     """
@@ -307,6 +310,7 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
     out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})"}
     plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
     library = tuple(library) or (os.sep + "site-packages",)
+    t0 = time.perf_counter()
     try:
         concrete = plain.get_concrete_function(*args, **kwargs)
     except Exception as exc:
@@ -315,16 +319,20 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
                 "blockers": step_blockers(fn, exc, library)}
     out["blockers"] = step_blockers(fn, library=library)  # Python state: traced, yet wrong
     saved = [(v, v.numpy()) for v in concrete.variables]
+    traced = time.perf_counter() - t0
+    first = {}  # each way's first call: trace and compile, once
 
     def sync(result):
         tf.nest.map_structure(lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
 
     try:
-        out["eager_ms"] = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
-        out["function_ms"] = _per_call_ms(lambda: plain(*args, **kwargs), sync, seconds)
+        out["eager_ms"], _ = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
+        out["function_ms"], first["tf.function"] = _per_call_ms(
+            lambda: plain(*args, **kwargs), sync, seconds)
         out["xla_ms"] = out["xla_error"] = out["xla_op"] = out["xla_where"] = None
         try:
-            out["xla_ms"] = _per_call_ms(lambda: xla(*args, **kwargs), sync, seconds)
+            out["xla_ms"], first["tf.function(jit_compile=True)"] = _per_call_ms(
+                lambda: xla(*args, **kwargs), sync, seconds)
         except Exception as exc:  # an op XLA cannot compile
             text = str(exc)
             op = (re.search(r"No registered '(\w+)' OpKernel", text)
@@ -340,4 +348,5 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
                                            (out["xla_ms"], "tf.function(jit_compile=True)"))
                if ms is not None)
     out["best_ms"], out["best"] = best
+    out["first_call_s"] = first[out["best"]] + (traced if out["best"] == "tf.function" else 0)
     return out

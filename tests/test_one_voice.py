@@ -107,9 +107,19 @@ def tensorboard_verdict(folder):
     return texts[-1][len("final: "):].split(".")[0]
 
 
-@pytest.mark.parametrize("loop", [run_fit, run_callback_list, run_watch],
-                         ids=["fit", "CallbackList", "kg.watch"])
-@pytest.mark.parametrize("verdict", list(ROWS))
+def _rows_and_loops():
+    """Every row by `fit`; the CallbackList loop and kg.watch on the rows whose hooks
+    differ most from fit's (an eager step, work between steps) in the default run,
+    the other six pairs `slow` (each a 4-9 s run; CI's time)."""
+    for verdict in ROWS:
+        for loop, name in ((run_fit, "fit"), (run_callback_list, "CallbackList"),
+                           (run_watch, "kg.watch")):
+            quick = name == "fit" or verdict in ("eager_step", "periodic_stall")
+            yield pytest.param(verdict, loop, id=f"{verdict}-{name}",
+                               marks=() if quick else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("verdict, loop", list(_rows_and_loops()))
 def test_every_output_of_a_run_names_its_verdict(verdict, loop, tmp_path, capsys):
     model, dataset, before, after = planted(verdict)
     monitor = kg.GPUOscillationMonitor(nvml=False, log_dir=str(tmp_path))

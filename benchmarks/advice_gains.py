@@ -83,11 +83,12 @@ PATTERNS = {
 }
 
 # which predicted figure each way is compared with: the batches computed before the fit
-# (untimed) with `steady_speedup` (per step once the fix applies); a `.cache()` after a
+# (untimed, as a cache on disk serves a later run) with `speedup_later_runs` (the whole
+# run from its first step, its start-up kept); a `.cache()` after a
 # Python map with `speedup_if_cached` (the whole run, the cache filled in epoch 1); the
 # others (the read in TF ops: the fit's trace and start-up kept) with `speedup`, the
 # whole run as the script runs it
-FIGURE = {"contention --cached": "steady_speedup", "slow_map --cache": "speedup_if_cached",
+FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "speedup_if_cached",
           "slow_map --epochs 3 --cache": "speedup_if_cached"}
 
 
@@ -109,6 +110,11 @@ def _x(value, low=None, high=None):
                                                   else "")
 
 
+#: what each compared figure is, as the table's last column says
+_FOR = {"steady_speedup": "per step", "speedup_if_cached": "run, cached",
+        "speedup_later_runs": "a later run, cache on disk"}
+
+
 def _row(figures, key, cells, predicted, measured, which="speedup"):
     """Prints one line of the table and keeps its figures; returns the ratio."""
     which = which if predicted.get(which) else "speedup"
@@ -118,7 +124,7 @@ def _row(figures, key, cells, predicted, measured, which="speedup"):
     print(f"{cells} {_x(gain, *(predicted.get('speedup_range') or ())):>20} "
           f"{_x(*measured):>20} {f'{ratio:.2f}' if ratio else '-':>9}  "
           f"{'-' if within is None else 'yes' if within else 'no':3}  "
-          f"{'per step' if which == 'steady_speedup' else 'run, cached' if which == 'speedup_if_cached' else 'run' if gain else ''}",
+          f"{_FOR.get(which, 'run') if gain else ''}",
           flush=True)
     figures[f"{key}_predicted_{which}"] = gain and round(gain, 3)
     figures[f"{key}_measured_speedup_as_is_over_fixed"] = measured[0] and round(measured[0], 3)

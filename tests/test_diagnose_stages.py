@@ -239,6 +239,10 @@ def test_a_zip_is_walked_into_its_slow_branch_and_a_cache_pays_from_the_second_e
     assert "a cache serves from the second epoch" in one["text"]
     assert "over the script's run (100 steps, and 0.5 s of" in one["text"]
     assert "the whole run 1.00x" in one["text"]
+    # ... and on disk, every later run gains from its first step (its start-up kept)
+    assert one["run_gain_later"] == pytest.approx(
+        (0.5 + 100 * 0.045) / (0.5 + 100 * 0.045 / one["predicted_gain"]))
+    assert f"every later run of the script {one['run_gain_later']:.2f}x" in one["text"]
     three = judge_stages(stages, observed_per_s=1 / 0.045, run=dict(run, steps=300))["slow"]
     gain = three["predicted_gain"]
     assert three["run_gain"] == pytest.approx(

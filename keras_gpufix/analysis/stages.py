@@ -92,7 +92,8 @@ def run_gain(gain: float, kind: str, cycle_s: float, run=None) -> "float | None"
 
     Args:
         gain: the fix's gain per step (`predicted_gain`).
-        kind: the stage's kind.
+        kind: the stage's kind; any other (`on_disk`: a cache already filled
+            by an earlier run) gains from the first step.
         cycle_s: the run's steady cycle, seconds.
         run: None, or a dict `steps` (the script's steps: its epochs times
             steps per epoch, else the steps the run timed), `steps_per_epoch`
@@ -197,8 +198,12 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
     whole = run_gain(gain, kind, cycle, run)
     # Python work's fix is either TF ops (from the first step) or a cache (from epoch 2)
     cached = run_gain(gain, "cache", cycle, run) if kind == "python" else None
+    # a cache kept on disk serves every later run of the script from its first step
+    later = (run_gain(gain, "on_disk", cycle, run)
+             if kind in CACHED_KINDS + ("python",) and run else None)
     slow.update(fix=fix, saved_ms=1000.0 * saved, predicted_per_s=1.0 / predicted,
-                predicted_gain=gain, rate_per_s=rate, run_gain=whole, run_gain_cached=cached)
+                predicted_gain=gain, rate_per_s=rate, run_gain=whole, run_gain_cached=cached,
+                run_gain_later=later)
     slow["text"] = STAGE_FIXES["text"].format(
         op=slow.get("op"), where=where, rate=rate, share=slow["share"],
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
@@ -209,6 +214,8 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
                                                   fixed=run.get("fixed_s") or 0.0)
     if cached is not None:
         slow["text"] += STAGE_FIXES["cached_instead"].format(gain=cached)
+    if later is not None:
+        slow["text"] += STAGE_FIXES["later_runs"].format(gain=later)
     out["slow"] = slow
     return out
 

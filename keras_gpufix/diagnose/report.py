@@ -403,6 +403,7 @@ def _stage_predicted(slow, before):
     spread = [gain * low / base, gain * high / base] if low and high and base else None
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
             "steady_speedup": gain, "speedup_if_cached": slow.get("run_gain_cached"),
+            "speedup_later_runs": slow.get("run_gain_later"),
             "speedup_range": spread, "source": "stage",
             "text": f"predicted: {gain:.2f}x per step once the fix applies"
                     + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
@@ -411,6 +412,8 @@ def _stage_predicted(slow, before):
                        and whole != gain else "")
                     + (" (from the second epoch: a cache serves nothing in the first)"
                        if whole is None else "")
+                    + (f", {slow['run_gain_later']:.2f}x for each later run with the cache on "
+                       "disk" if slow.get("run_gain_later") else "")
                     + " (the stage's share of the input's part of the run's cycle; the fix "
                       "above says how each figure was reached)"}
 

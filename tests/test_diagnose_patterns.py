@@ -340,3 +340,26 @@ def test_a_what_if_measured_again_pools_its_pairs():
     result = what_if_until_known(cycles, 100.0, lambda: next(blocks))
     assert result["repeats"] == 2 and result["known"]
     assert result["speedup_if_input_free"] == pytest.approx(1.5, rel=0.01)
+
+
+def test_fixes_that_together_leave_little_say_the_combined_figure_is_the_least_sure():
+    from keras_gpufix.diagnose.report import format_report
+
+    def report(*speedups):
+        fixes = [{"rank": i + 1, "verdict": v, "fix": "a fix", "where": [],
+                  "predicted": {"speedup": s, "text": f"predicted: {s}x"}}
+                 for i, (v, s) in enumerate(zip(("eager_step", "periodic_stall"), speedups))]
+        return format_report({"command": ["train.py"], "exit_code": 0, "verdict": "eager_step",
+                              "evidence": [], "fixes": fixes, "scan": [], "fits": [],
+                              "traces": [], "notes": [], "environment": {
+                                  "gpus": [], "nvml": {"available": False, "reason": "no GPU"},
+                                  "xla": {"built_with_xla": True}, "tensorflow": "2.21",
+                                  "keras": "3.15.1", "keras_backend": "tensorflow",
+                                  "python": "3", "cpu_count": 2, "cpus_usable": 2,
+                                  "dtype_policy": "float32"}})
+
+    # accum_plot's two gains: 32% and 61% of the run saved, 8% left
+    both = report(1.46, 2.54)
+    assert "the 2 predicted fixes together: the whole run 12.7" in both
+    assert "what is left (8%) is small beside each fix's share" in both
+    assert "what is left" not in report(1.2, 1.1)  # 26% saved: the sum holds

@@ -540,9 +540,14 @@ def format_report(result):
                      if f["predicted"].get("speedup")]
         if len(predicted) > 1:  # the causes never overlap: the time each fix saves adds up
             speedup = analysis.combined_speedup(predicted)
+            left = 1 / speedup if speedup else 0.0
             lines.append(f"  the {len(predicted)} predicted fixes together: "
                          + (f"the whole run {speedup:.2f}x faster (they save "
-                            f"{_pct(1 - 1 / speedup)} of it)" if speedup else "unbounded"))
+                            f"{_pct(1 - left)} of it)" if speedup else "unbounded")
+                         + (f"; what is left ({_pct(left)}) is small beside each fix's share, "
+                            "so a few points of error in either swing this figure: each fix's "
+                            "own gain is the firmer one (accum_plot in benchmarks/advice_gains.py"
+                            ": 13.0x predicted, 9.6x measured)" if left < 0.2 else ""))
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

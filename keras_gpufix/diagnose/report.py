@@ -345,11 +345,12 @@ def input_stage(fit):
 def _script_run(fit, observed_per_s):
     """The script's run, as `analysis.run_gain` takes it: a fit's steps are its epochs
     times its steps per epoch (the script's, whatever --steps ran), a loop's the cycles
-    it ran; its fixed time (start-up: the iterator's first fill, the trace and compiles)
-    what its steps took beyond the steady cycle each. The steps are the monitor's
-    records (`series`), not the run's wall: that holds diagnose's own hooks at its start
-    and end (its TensorBoard and run record; 0.3 s of a 0.75 s fit, which made a fix
-    of the input predict 2.04x where it gave 3.91x); the wall only without them."""
+    it ran; its fixed time (what no input fix removes) what the steps took beyond the
+    steady step and time between steps each (the trace and compiles), and the fit's
+    own set-up outside its steps (its wall less its steps and diagnose's own hooks,
+    `own_hooks_s`). A start-up's wait for input (an epoch's first fill) is the input's:
+    a faster input fills faster (counted fixed, it made slow_map's fix in TF ops
+    predict 2.44x where it gave 3.77x)."""
     timed = fit.get("steps_run") or ((fit.get("monitor") or {}).get("step_time") or {}).get(
         "count")
     if not observed_per_s or not timed or not fit.get("wall_s"):
@@ -357,15 +358,19 @@ def _script_run(fit, observed_per_s):
     per_epoch = fit.get("steps_per_epoch") if fit.get("kind") == "fit" else None
     steps = per_epoch * (fit.get("epochs") or 1) if per_epoch else timed
     series = (fit.get("monitor") or {}).get("series") or {}
-    if series.get("steps"):
-        took = sum(((wait or 0.0) + step + between) * n / 1000.0 for wait, step, between, n in
-                   zip(series["input_wait_ms"], series["step_ms"], series["between_ms"],
-                       series["steps"]))
-        timed = sum(series["steps"])
-    else:
-        took = fit["wall_s"]
+    if not series.get("steps"):
+        return {"steps": steps, "steps_per_epoch": per_epoch,
+                "fixed_s": max(0.0, fit["wall_s"] - timed / observed_per_s)}
+    points = list(zip(series["input_wait_ms"], series["step_ms"], series["between_ms"],
+                      series["steps"], series["judged"]))
+    took = sum(((wait or 0.0) + step + between) * n for wait, step, between, n, _ in points)
+    steady = [step + between for _, step, between, _, judged in points if judged]
+    steady = sorted(steady)[len(steady) // 2] if steady else 0.0
+    start_up = sum(max(0.0, step + between - steady) * n
+                   for _, step, between, n, judged in points if not judged)
+    outside = fit["wall_s"] - (fit.get("own_hooks_s") or 0.0) - took / 1000.0
     return {"steps": steps, "steps_per_epoch": per_epoch,
-            "fixed_s": max(0.0, took - timed / observed_per_s)}
+            "fixed_s": max(0.0, outside) + start_up / 1000.0}
 
 
 def locate_input_stage(fixes, fits):

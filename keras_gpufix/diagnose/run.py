@@ -104,6 +104,27 @@ def _instrumented(dataset, depth=64):
     return False
 
 
+def _time_own_hooks(callbacks):
+    """A one-item list that adds up the seconds `callbacks` (diagnose's own) spend in
+    their train and epoch begin and end hooks: the fit's wall holds them, the
+    script's run does not (`report._script_run`)."""
+    seconds = [0.0]
+
+    def timed(hook):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                seconds[0] += time.perf_counter() - t0
+        return run
+
+    for callback in callbacks:
+        for name in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end"):
+            setattr(callback, name, timed(getattr(callback, name)))
+    return seconds
+
+
 def _step_counter(steps=None, pending=lambda: None):
     """A callback that counts `fit`'s steps (counting steps_per_execution) and,
     with `steps`, stops `fit` after that many.
@@ -345,7 +366,8 @@ class FitPatch:
         counter = _step_counter(self.steps, self.raise_pending)
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
-                "steps_per_epoch": per_epoch, "tf_data": dataset}
+                "steps_per_epoch": per_epoch, "tf_data": dataset,
+                "own_hooks": _time_own_hooks(ours)}
         if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
             return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None
@@ -406,6 +428,7 @@ class FitPatch:
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
             return original(model, *args, **kwargs)
+        own_hooks = info.pop("own_hooks")
         entry = {"index": len(self.fits) + 1, **info}
         self.fits.append(entry)
         cache = _compile_cache()
@@ -420,6 +443,7 @@ class FitPatch:
             if cache:
                 entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
+            entry["own_hooks_s"] = own_hooks[0]
             entry["stopped_by_diagnose"] = counter.stopped
             entry["steps_run"] = counter.seen
             entry["model"] = {

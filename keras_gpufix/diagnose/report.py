@@ -552,7 +552,8 @@ def format_report(result):
                          + (f"; what is left ({_pct(left)}) is small beside each fix's share, "
                             "so a few points of error in either swing this figure: each fix's "
                             "own gain is the firmer one (accum_plot in benchmarks/advice_gains.py"
-                            ": 13.0x predicted, 9.6x measured)" if left < 0.2 else ""))
+                            ": 14.8x predicted, 9.9x measured, docs/benchmarks.md)" if left < 0.2
+                            else ""))
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

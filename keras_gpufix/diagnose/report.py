@@ -345,32 +345,27 @@ def input_stage(fit):
 def _script_run(fit, observed_per_s):
     """The script's run, as `analysis.run_gain` takes it: a fit's steps are its epochs
     times its steps per epoch (the script's, whatever --steps ran), a loop's the cycles
-    it ran; its fixed time (what no input fix removes) what the steps took beyond the
-    steady step and time between steps each (the trace and compiles), and the fit's
-    own set-up outside its steps (its wall less its steps and diagnose's own hooks,
-    `own_hooks_s`). A start-up's wait for input (an epoch's first fill) is the input's:
-    a faster input fills faster (counted fixed, it made slow_map's fix in TF ops
-    predict 2.44x where it gave 3.77x)."""
+    it ran; its fixed time (what no input fix removes) the fit's wall less diagnose's
+    own train and epoch hooks (`own_hooks_s`: 0.19 s of slow_map's 1.0 s fit, 0.42 s
+    of its 3-epoch 2.5 s; they run before the first step, after the last and inside
+    each epoch's first record), less its steps at the steady cycle, less the input's
+    wait beyond the steady one at the steps not judged (an epoch's first fill: a
+    faster input fills faster)."""
     timed = fit.get("steps_run") or ((fit.get("monitor") or {}).get("step_time") or {}).get(
         "count")
     if not observed_per_s or not timed or not fit.get("wall_s"):
         return None
     per_epoch = fit.get("steps_per_epoch") if fit.get("kind") == "fit" else None
     steps = per_epoch * (fit.get("epochs") or 1) if per_epoch else timed
+    fixed = fit["wall_s"] - (fit.get("own_hooks_s") or 0.0) - timed / observed_per_s
     series = (fit.get("monitor") or {}).get("series") or {}
-    if not series.get("steps"):
-        return {"steps": steps, "steps_per_epoch": per_epoch,
-                "fixed_s": max(0.0, fit["wall_s"] - timed / observed_per_s)}
-    points = list(zip(series["input_wait_ms"], series["step_ms"], series["between_ms"],
-                      series["steps"], series["judged"]))
-    took = sum(((wait or 0.0) + step + between) * n for wait, step, between, n, _ in points)
-    steady = [step + between for _, step, between, _, judged in points if judged]
-    steady = sorted(steady)[len(steady) // 2] if steady else 0.0
-    start_up = sum(max(0.0, step + between - steady) * n
-                   for _, step, between, n, judged in points if not judged)
-    outside = fit["wall_s"] - (fit.get("own_hooks_s") or 0.0) - took / 1000.0
-    return {"steps": steps, "steps_per_epoch": per_epoch,
-            "fixed_s": max(0.0, outside) + start_up / 1000.0}
+    if series.get("steps"):
+        points = list(zip(series["input_wait_ms"], series["steps"], series["judged"]))
+        steady = sorted(wait or 0.0 for wait, _, judged in points if judged)
+        steady = steady[len(steady) // 2] if steady else 0.0
+        fixed -= sum(max(0.0, (wait or 0.0) - steady) * n
+                     for wait, n, judged in points if not judged) / 1000.0
+    return {"steps": steps, "steps_per_epoch": per_epoch, "fixed_s": max(0.0, fixed)}
 
 
 def locate_input_stage(fixes, fits):

@@ -794,3 +794,18 @@ def test_a_one_off_cost_lowers_a_short_runs_gain_and_can_make_it_slower():
     assert one_off_gain(2.0, 1.0, 10.0) == pytest.approx(10 / 6)  # 5 s of steps + 1 s once
     assert one_off_gain(2.0, 10.0, 10.0) < 1.0  # a trace longer than what it saves
     assert one_off_gain(None, 1.0, 10.0) is None
+
+
+def test_a_compiled_steps_saving_is_its_calls_excess_over_the_runs_cycle():
+    from keras_gpufix.analysis import compiled_cause_share
+
+    causes = [{"verdict": "eager_step", "share": 0.35}]
+    compiled = {"eager_ms": 11.0, "best_ms": 1.0}
+    # without its calls a step: the steady step share times 1 - compiled / eager
+    assert compiled_cause_share(causes, compiled, 50.0) == pytest.approx(0.35 * 10 / 11)
+    # one call a step in a 50 ms cycle saves 10 ms of it: 20%, not the 32% above
+    once = dict(compiled, calls_per_step=1.0)
+    assert compiled_cause_share(causes, once, 50.0) == pytest.approx(0.2)
+    # never more than the step's own steady share (four micro-batches a step)
+    assert compiled_cause_share(causes, dict(once, calls_per_step=4.0), 50.0) == 0.35
+    assert compiled_cause_share(causes, {"reason": "could not trace"}, 50.0) is None

@@ -430,6 +430,7 @@ class LoopPatch:
         self._seen_functions = {}  # id(tf.function) -> {"name", "where", "calls"}
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
+        self.eager_calls = 0  # its calls while a loop ran (several a cycle: micro-batches)
         self._undo = []  # undoes the patches that are not a class attribute (jax.jit)
         self._jit_trains = {}  # id(Jitted) -> its first call's outputs, then whether it trains
         self.train_jits = []  # the jitted functions that train, in order
@@ -624,6 +625,8 @@ class LoopPatch:
                 self.eager_step = (fn, *_arguments(frame))
             except KeyError:  # a parameter deleted in the body
                 pass
+            if self.loop is not None:
+                self.eager_calls += 1
 
     def jit_call(self, fn, args, kwargs):
         """A call of a `jax.jit` function the script made (`jax_steps.Jitted`).
@@ -763,9 +766,12 @@ class LoopPatch:
         fn, args, kwargs = self.eager_step
         self.eager_step = None  # its batch is not kept past the what-if
         try:
-            return compile_step(fn, args, kwargs, library=_library_prefixes())
+            compiled = compile_step(fn, args, kwargs, library=_library_prefixes())
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
+        if self.loop.cycles:
+            compiled["calls_per_step"] = self.eager_calls / self.loop.cycles
+        return compiled
 
     def _what_if(self):
         """The loop's what-if (`what_if.py`), or a dict with the reason it was not measured."""

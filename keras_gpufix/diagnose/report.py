@@ -95,8 +95,11 @@ def _fit_causes(fit, scan):
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
                 "period": event.get("period"), "phase": event.get("phase"),
                 "where": _where(fit, event["verdict"], scan)}))
+    timed = monitor.get("step_time") or {}
+    cycle_ms = (1000.0 * timed["total_s"] / timed["count"]
+                if timed.get("total_s") and timed.get("count") else None)
     return analysis.priced_by_compile(out, analysis.compiled_cause_share(
-        monitor.get("causes"), fit.get("compiled_step")))
+        monitor.get("causes"), fit.get("compiled_step"), cycle_ms))
 
 
 def _xprof_text(a):
@@ -194,8 +197,12 @@ def _predicted(cause, fits):
                 "source": "compiled-step", "run_speedup": run,
                 "text": f"predicted: the steps {speedup:.2f}x faster (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
-                        f"{compiled['best_ms']:.1f} ms per call on one batch, applied to the "
-                        f"run's steady step time, is {_pct(share)} of the run)"
+                        f"{compiled['best_ms']:.1f} ms per call on one batch, "
+                        + (f"{compiled['calls_per_step']:.2g} call"
+                           f"{'' if compiled['calls_per_step'] == 1 else 's'} a step, "
+                           if compiled.get("calls_per_step") else
+                           "applied to the run's steady step time, ")
+                        + f"is {_pct(share)} of the run)"
                         + ("" if run is None else
                            f"; its first call traces and compiles once ({once:.2f} s here), "
                            f"so this run's {steps} steps ({wall:.1f} s) would be {run:.2f}x faster"

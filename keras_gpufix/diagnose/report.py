@@ -550,12 +550,14 @@ def format_report(result):
             left = 1 / speedup if speedup else 0.0
             lines.append(f"  the {len(predicted)} predicted fixes together: "
                          + (f"the whole run {speedup:.2f}x faster (they save "
-                            f"{_pct(1 - left)} of it)" if speedup else "unbounded")
-                         + (f"; what is left ({_pct(left)}) is small beside each fix's share, "
-                            "so a few points of error in either swing this figure: each fix's "
-                            "own gain is the firmer one (accum_plot in benchmarks/advice_gains.py"
-                            ": 14.8x predicted, 9.9x measured, docs/benchmarks.md)" if left < 0.2
-                            else ""))
+                            f"{_pct(1 - left)} of it, {_pct(left)} is left)" if speedup
+                            else "unbounded")
+                         + "; the sum takes the causes as apart, and they can interact (a "
+                           "plot's pause slows the eager steps after it), so what is left is "
+                           "the least sure figure and each fix's own gain the firmer one "
+                           "(accum_plot, docs/benchmarks.md: 4.18x-14.76x predicted against "
+                           "6.90x-9.94x measured in four runs, each fix alone within 25% in "
+                           "three)")
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

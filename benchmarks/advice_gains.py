@@ -92,29 +92,19 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
           "slow_map --epochs 3 --cache": "speedup_if_cached"}
 
 
-#: patterns whose truth runs each way in a process of its own, as a user runs the script:
-#: in one process the contention's as-is way ran 42.7 ms a step (3.14x against the
-#: batches before the fit) where diagnose's run and separate processes ran 24-31 ms
-#: (1.66x, 2.03x): the earlier ways' tf.data threads were still running beside it
+#: patterns whose truth runs each way in a process of its own (`truth --own-process`),
+#: as a user runs the script: in one process the contention's as-is way ran 42.7 ms a
+#: step (3.14x against the batches before the fit) where diagnose's run and separate
+#: processes ran 24-31 ms (1.66x, 2.03x): the earlier ways' tf.data threads were still
+#: running beside it
 OWN_PROCESS = {"contention"}
 
 
 def truth(command, rounds, own_process=False):
-    """{way: [seconds per round]} of `loop_patterns.py truth WAY ...`, or with
-    `own_process` each way run as `loop_patterns.py WAY ...` in turn, rounds
-    interleaved, its own FIT_S / LOOP_S."""
-    if not own_process:
-        out = run_stdout([sys.executable, SCRIPT, *command, "--rounds", str(rounds)])
-        return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
-    flags = [a for i, a in enumerate(command) if a.startswith("--") or command[i - 1] == "--steps"]
-    ways = [a for a in command[1:] if a not in flags]
-    times = {way: [] for way in ways}
-    for r in range(rounds):
-        for way in ways[::-1] if r % 2 else ways:
-            out = run_stdout([sys.executable, SCRIPT, *way.split(), *flags])
-            times[way].append(float(re.search(r"^(?:LOOP_S|FIT_S) ([\d.e-]+)$", out,
-                                              re.M).group(1)))
-    return times
+    """{way: [seconds per round]} of `loop_patterns.py truth WAY ...`."""
+    out = run_stdout([sys.executable, SCRIPT, *command, "--rounds", str(rounds)]
+                     + (["--own-process"] if own_process else []))
+    return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
 
 
 def speedup(as_is, fixed):

@@ -30,10 +30,12 @@ MODE:
   spectrogram of 128 frames for a plot) every 4 steps; `--no-host` leaves it out.
   Prints `LOOP_S`.
 - `accum_way [--compiled] [--no-plot]`: one way of `accum_truth`, timed once (`LOOP_S`).
-- `truth WAY [WAY ...] [--rounds R] [--steps N]`: runs each WAY (a quoted mode and its
-  flags, e.g. "slow_map --epochs 3 --cache") in this process in turn, R rounds (default 3),
-  the order reversed every other round, and prints `TRUTH <json of each way's seconds per
-  round>`: its own `LOOP_S` / `FIT_S` where it prints one, else its wall time.
+- `truth WAY [WAY ...] [--rounds R] [--steps N] [--own-process]`: runs each WAY (a quoted
+  mode and its flags, e.g. "slow_map --epochs 3 --cache") in this process in turn (with
+  `--own-process` each in a process of its own, as a user runs the script), R rounds
+  (default 3), the order reversed every other round, and prints `TRUTH <json of each
+  way's seconds per round>`: its own `LOOP_S` / `FIT_S` where it prints one, else its
+  wall time.
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
 and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
@@ -327,6 +329,7 @@ elif MODE == "truth":  # each way in turn in this process, rounds interleaved
     import io
     import re
     import runpy
+    import subprocess
 
     flags = [a for i, a in enumerate(sys.argv) if a.startswith("--")
              or sys.argv[i - 1] in ("--steps", "--rounds")]
@@ -335,14 +338,18 @@ elif MODE == "truth":  # each way in turn in this process, rounds interleaved
     times = {way: [] for way in ways}
     for r in range(rounds):
         for way in ways[::-1] if r % 2 else ways:
-            sys.argv = [__file__, *way.split()] + (
-                [] if "--steps" in way else ["--steps", str(STEPS)])
-            out = io.StringIO()
+            args = way.split() + ([] if "--steps" in way else ["--steps", str(STEPS)])
             t0 = time.perf_counter()
-            with contextlib.redirect_stdout(out):
-                runpy.run_path(__file__, run_name="loop_pattern")
+            if "--own-process" in flags:
+                out = subprocess.run([sys.executable, __file__, *args], capture_output=True,
+                                     text=True, check=True).stdout
+            else:
+                sys.argv, buffer = [__file__, *args], io.StringIO()
+                with contextlib.redirect_stdout(buffer):
+                    runpy.run_path(__file__, run_name="loop_pattern")
+                out = buffer.getvalue()
             wall = time.perf_counter() - t0
-            own = re.search(r"^(?:LOOP_S|FIT_S) ([\d.e-]+)$", out.getvalue(), re.M)
+            own = re.search(r"^(?:LOOP_S|FIT_S) ([\d.e-]+)$", out, re.M)
             times[way].append(float(own.group(1)) if own else wall)
             gc.collect()
     print("TRUTH", json.dumps(times), flush=True)

@@ -104,7 +104,7 @@ def compiled_cause_share(causes, compiled: dict, cycle_ms: "float | None" = None
         causes: the judgement's causes (`verdict`, `share`).
         compiled: diagnose's compile of the user's step on a real batch
             (`eager_ms`, `best_ms`, optional `calls_per_step`), or None.
-        cycle_ms: the run's mean cycle (its timed steps' time over their count).
+        cycle_ms: the run's mean cycle (its step log's `mean_ms`).
     """
     compiled = compiled or {}
     steady = next((c["share"] for c in causes or () if c["verdict"] == "eager_step"), None)

@@ -95,11 +95,9 @@ def _fit_causes(fit, scan):
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
                 "period": event.get("period"), "phase": event.get("phase"),
                 "where": _where(fit, event["verdict"], scan)}))
-    timed = monitor.get("step_time") or {}
-    cycle_ms = (1000.0 * timed["total_s"] / timed["count"]
-                if timed.get("total_s") and timed.get("count") else None)
     return analysis.priced_by_compile(out, analysis.compiled_cause_share(
-        monitor.get("causes"), fit.get("compiled_step"), cycle_ms))
+        monitor.get("causes"), fit.get("compiled_step"),
+        (monitor.get("step_time") or {}).get("mean_ms")))
 
 
 def _xprof_text(a):
@@ -189,8 +187,8 @@ def _predicted(cause, fits):
                         f"blocks it, below), so nothing was measured; the eager step took "
                         f"{_pct(share)} of the run"}
     if source == "compiled-step":
-        wall, steps = max(((f.get("wall_s") or 0.0, f.get("steps") or 0) for f in fits
-                           if f.get("compiled_step")), default=(0.0, 0))
+        measured = next(f for f in fits if f.get("compiled_step") is compiled)
+        wall, steps = measured.get("wall_s") or 0.0, measured.get("steps") or 0
         once = compiled.get("first_call_s")
         run = analysis.one_off_gain(speedup, once, wall) if once is not None and wall else None
         return {"share": share, "speedup": speedup, "speedup_range": None,

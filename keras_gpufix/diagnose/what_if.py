@@ -317,9 +317,9 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         return {**out, "reason": f"tf.function could not trace it: {type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}",
                 "blockers": step_blockers(fn, exc, library)}
+    traced = time.perf_counter() - t0
     out["blockers"] = step_blockers(fn, library=library)  # Python state: traced, yet wrong
     saved = [(v, v.numpy()) for v in concrete.variables]
-    traced = time.perf_counter() - t0
     first = {}  # each way's first call: trace and compile, once
 
     def sync(result):

@@ -175,8 +175,9 @@ class RunRecord:
 
     def write(self, folder) -> str:
         """Writes `folder/run_record.json` atomically; returns its path (also `path`)."""
-        self.path = write_text_atomically(os.path.join(os.fspath(folder), self.FILE),
-                                  json.dumps(self.data, separators=(",", ":"), allow_nan=False))
+        self.path = write_text_atomically(
+            os.path.join(os.fspath(folder), self.FILE),
+            json.dumps(self.data, separators=(",", ":"), allow_nan=False))
         return self.path
 
     def write_html(self, path=None) -> str:

@@ -329,7 +329,8 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blo
         ev["phases"]["input_wait"] = None
     if folded:
         ev["signals"].append("unsynced_dispatch")
-        ev["unsynced_period"] = int(n.max())  # a period missing a record (an epoch's first) holds fewer
+        # a period missing a record (an epoch's first) holds fewer: the largest is its length
+        ev["unsynced_period"] = int(n.max())
     split = all(r.split for r in rs)
     new_shape = np.array([r.new_shape or r.traces > 0 for r in rs])
     if seen_shapes:
@@ -838,9 +839,10 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     what-if's input cost covers the stalls' (a loaded host turns the
     contention's slower steps into stalls with no period). A what-if
     finding nothing to gain leaves an `input_bound` verdict standing (the
-    replayed batch is cached, the run's were not) and says so. A what-if that does not know (`known` False: its timings varied
-    more than `what_if_uncertainty`) counts only by the low end of its
-    range (`what_if_input_cost`): the gain is at least that.
+    replayed batch is cached, the run's were not) and says so. A what-if
+    that does not know (`known` False: its timings varied more than
+    `what_if_uncertainty`) counts only by the low end of its range
+    (`what_if_input_cost`): the gain is at least that.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`

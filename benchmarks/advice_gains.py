@@ -1,23 +1,26 @@
 """diagnose's predicted gain per fix against the gain measured with the fix applied.
 
     python benchmarks/advice_gains.py [--patterns ...] [--rounds R] [--out PATH]
-    (5-8 min on 2 cores at load 4-6)
+    (about 12 min on 2 cores at load 1)
 
-For each pattern (a synthetic training script in `tests/loop_patterns.py`):
+For each pattern (a synthetic training script in `tests/loop_patterns.py`), R rounds
+(default 3), each round:
 1. `keras-gpufix diagnose --json --no-trace --steps N -- python tests/loop_patterns.py
-   MODE ...` gives the verdict and the fixes, each with its `predicted` gain
-   (`speedup`, `speedup_range`, `share`, `source`);
-2. the truth: the same script run with each named fix applied by hand (a flag or a
-   twin mode of the script), every way in one process in turn, rounds interleaved
-   (`loop_patterns.py truth`), each way timed by the script itself (its loop or fit,
-   `LOOP_S` / `FIT_S`) or its wall time; the measured speedup is the median over the
-   rounds of as is / fixed in the same round (its range: the rounds' extremes);
-3. per fix: predicted vs measured speedup (as is / fixed), their ratio and whether
-   it is within 25% (the figure `FIGURE` names: the whole run's, a cache's whole run,
-   or per step where the truth leaves out a one-off cost); and all the fixes'
-   combined prediction (`analysis.combined_speedup`: the time each saves adds up, as
-   diagnose's report says) against the script with all of them applied, where a
-   pattern has several.
+   MODE ...` gives the verdict and the fixes, each with its `predicted` gain;
+2. then the truth: the same script run with each named fix applied by hand (a flag or
+   a twin mode of the script), every way in one process in turn (`loop_patterns.py
+   truth`, the order reversed every other round), each way timed by the script itself
+   (its loop or fit, `LOOP_S` / `FIT_S`) or its wall time.
+A diagnose run and a truth round side by side see the same load: on this 2-core VM one
+fix's prediction and its truth each moved 20-40% from one run to the next, both with the
+load, so the rounds are interleaved rather than all of diagnose before all of the truth.
+Per fix: the predicted speedup (the median over the rounds that named it; its range the
+rounds' extremes) against the measured one (the median over the rounds of as is / fixed
+in the same round), their ratio and whether it is within 25% (the figure `FIGURE` names:
+the whole run's, a cache's whole run, or a later run's with the cache on disk); and all
+the fixes' combined prediction (`analysis.combined_speedup`: the time each saves adds up,
+as diagnose's report says) against the script with all of them applied, where a pattern
+has several.
 
 Patterns (the fixes applied as diagnose words them):
 - `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
@@ -100,11 +103,29 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
 OWN_PROCESS = {"contention"}
 
 
-def truth(command, rounds, own_process=False):
-    """{way: [seconds per round]} of `loop_patterns.py truth WAY ...`."""
-    out = run_stdout([sys.executable, SCRIPT, *command, "--rounds", str(rounds)]
-                     + (["--own-process"] if own_process else []))
+def truth(command, reverse=False, own_process=False):
+    """{way: [seconds]} of one round of `loop_patterns.py truth WAY ...`, the ways in
+    the order given or reversed."""
+    ways = [a for i, a in enumerate(command[1:], 1)
+            if not a.startswith("--") and command[i - 1] != "--steps"]
+    flags = [a for a in command[1:] if a not in ways]
+    out = run_stdout([sys.executable, SCRIPT, "truth", *(ways[::-1] if reverse else ways),
+                      *flags, "--rounds", "1"] + (["--own-process"] if own_process else []))
     return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
+
+
+def _median_predicted(predictions, which):
+    """One fix's predictions over the rounds (an empty dict where a round did not name
+    it) as one: the median of `which` (and of `speedup`) over the rounds that named it,
+    its range the rounds' extremes."""
+    out = {}
+    for key in dict.fromkeys((which, "speedup")):
+        values = sorted(p[key] for p in predictions if p.get(key))
+        if values:
+            out[key] = statistics.median(values)
+            if key == which:
+                out["speedup_range"] = (values[0], values[-1])
+    return out
 
 
 def speedup(as_is, fixed):
@@ -147,7 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS),
                         default=list(PATTERNS), help="the patterns to run (default: all)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of the truth runs, each way once a round (default 3)")
+                        help="rounds, each a diagnose run and then each way once (default 3)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
     sys.path.insert(0, ROOT)
@@ -163,34 +184,50 @@ def main(argv=None) -> int:
     for name in args.patterns:
         steps, script, truth_command, as_is, applied, all_fixed = PATTERNS[name]
         load = os.getloadavg()
-        report = json.loads(run_stdout([
-            sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
-            "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1])
-        runs = truth(truth_command, args.rounds, name in OWN_PROCESS)
-        fixes = {f["verdict"]: f for f in report["fixes"]}
-        pattern = {"verdict": report["verdict"], "load_average_before": load, "seconds": runs,
+        reports, runs = [], {}
+        for r in range(args.rounds):  # diagnose and one truth round in turn: the same load
+            reports.append(json.loads(run_stdout([
+                sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
+                "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1]))
+            for way, seconds in truth(truth_command, r % 2, name in OWN_PROCESS).items():
+                runs.setdefault(way, []).extend(seconds)
+        verdicts = [report["verdict"] for report in reports]
+        verdict = statistics.mode(verdicts)
+        rounds = [{f["verdict"]: f for f in report["fixes"]} for report in reports]
+        pattern = {"verdicts": verdicts, "load_average_before": load, "seconds": runs,
                    "fixes": []}
-        for verdict in list(fixes) + [v for v in applied if v not in fixes]:
-            fix = fixes.get(verdict) or {}
-            predicted = fix.get("predicted") or {}
-            for how, way in (applied.get(verdict) or {"(not applied)": None}).items():
+        named = list(dict.fromkeys(v for fixes in rounds for v in fixes))
+        for fix_verdict in named + [v for v in applied if v not in named]:
+            fix = next((fixes[fix_verdict] for fixes in rounds if fix_verdict in fixes), {})
+            for how, way in (applied.get(fix_verdict) or {"(not applied)": None}).items():
+                which = FIGURE.get(way, "speedup")
+                predicted = _median_predicted(
+                    [fixes.get(fix_verdict, {}).get("predicted") or {} for fixes in rounds],
+                    which)
                 measured = speedup(runs[as_is], runs[way]) if way else (None,)
-                label = verdict + ("" if fix else " (not named)")
-                key = f"{name}_{verdict}_{re.sub(r'[^a-z]+', '_', how.lower()).strip('_')}"
-                ratio = _row(figures, key, f"{name:13} {report['verdict']:15} {label:28} "
-                             f"{how:24}", predicted, measured, FIGURE.get(way, "speedup"))
-                pattern["fixes"].append({"verdict": verdict, "fix": fix.get("fix"),
+                named_in = sum(fix_verdict in fixes for fixes in rounds)
+                label = fix_verdict + ("" if named_in == len(rounds) else
+                                       f" ({named_in}/{len(rounds)} named)")
+                key = f"{name}_{fix_verdict}_{re.sub(r'[^a-z]+', '_', how.lower()).strip('_')}"
+                ratio = _row(figures, key, f"{name:13} {verdict:15} {label:28} "
+                             f"{how:24}", predicted, measured, which)
+                pattern["fixes"].append({"verdict": fix_verdict, "fix": fix.get("fix"),
                                          "predicted": predicted, "applied_as": how,
                                          "way": way, "measured_speedup": measured,
                                          "ratio": ratio})
-        gains = [f["predicted"]["speedup"] for f in report["fixes"]
-                 if f["predicted"].get("speedup")]
-        if all_fixed and len(gains) > 1:  # the causes never overlap: the time each saves adds
-            together = {"speedup": analysis.combined_speedup(gains)}  # up, as the report says
+        together = []  # the causes never overlap: the time each saves adds up, as the
+        for fixes in rounds:  # report says
+            gains = [f["predicted"]["speedup"] for f in fixes.values()
+                     if (f.get("predicted") or {}).get("speedup")]
+            if len(gains) > 1:
+                together.append(analysis.combined_speedup(gains))
+        if all_fixed and together:
+            predicted = {"speedup": statistics.median(together),
+                         "speedup_range": (min(together), max(together))}
             measured = speedup(runs[as_is], runs[all_fixed])
-            ratio = _row(figures, f"{name}_all", f"{name:13} {report['verdict']:15} "
-                         f"{'all fixes together':28} {'all applied':24}", together, measured)
-            pattern["together"] = {"predicted": together["speedup"], "measured": measured,
+            ratio = _row(figures, f"{name}_all", f"{name:13} {verdict:15} "
+                         f"{'all fixes together':28} {'all applied':24}", predicted, measured)
+            pattern["together"] = {"predicted": together, "measured": measured,
                                    "ratio": ratio}
         details[name] = pattern
     rows = [v for k, v in figures.items() if k.endswith("_within_25_percent") and v is not None]

@@ -53,14 +53,14 @@ SCRIPT = "tests/loop_patterns.py"
 # script), the way timed as is, {verdict: {what the fix is: the way with it applied}},
 # the way with every fix applied
 PATTERNS = {
-    "accum_plot": (40, ["accum_plot", "--steps", "60"],
+    "accum_plot": (60, ["accum_plot", "--steps", "80"],
                    ["truth", "accum_way", "accum_way --compiled", "accum_way --no-plot",
-                    "accum_way --compiled --no-plot", "--steps", "30"],
+                    "accum_way --compiled --no-plot", "--steps", "60"],
                    "accum_way", {"eager_step": {"tf.function": "accum_way --compiled"},
                                  "periodic_stall": {"no plot": "accum_way --no-plot"}},
                    "accum_way --compiled --no-plot"),
     "contention": (60, ["contention", "--steps", "80"],
-                   ["truth", "contention", "contention --cached", "--steps", "60"],
+                   ["truth", "contention", "contention --cached", "--steps", "80"],
                    "contention", {"input_bound": {"batches before the fit":
                                                   "contention --cached"}}, None),
     "blocked": (14, ["blocked", "--steps", "40"],

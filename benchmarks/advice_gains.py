@@ -1,15 +1,16 @@
 """diagnose's predicted gain per fix against the gain measured with the fix applied.
 
     python benchmarks/advice_gains.py [--patterns ...] [--rounds R] [--out PATH]
-    (about 12 min on 2 cores at load 1)
+    (about 16 min on 2 cores at load 1)
 
 For each pattern (a synthetic training script in `tests/loop_patterns.py`), R rounds
 (default 3), each round:
 1. `keras-gpufix diagnose --json --no-trace --steps N -- python tests/loop_patterns.py
    MODE ...` gives the verdict and the fixes, each with its `predicted` gain;
 2. then the truth: the same script run with each named fix applied by hand (a flag or
-   a twin mode of the script), every way in one process in turn (`loop_patterns.py
-   truth`, the order reversed every other round), each way timed by the script itself
+   a twin mode of the script), every way in turn, each in a fresh process
+   (`loop_patterns.py truth --own-process`, the order reversed every other round;
+   `blocked` in one process: `OWN_PROCESS`), each way timed by the script itself
    (its loop or fit, `LOOP_S` / `FIT_S`) or its wall time.
 A diagnose run and a truth round side by side see the same load: on this 2-core VM one
 fix's prediction and its truth each moved 20-40% from one run to the next, both with the
@@ -96,11 +97,15 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
 
 
 #: patterns whose truth runs each way in a process of its own (`truth --own-process`),
-#: as a user runs the script: in one process the contention's as-is way ran 42.7 ms a
-#: step (3.14x against the batches before the fit) where diagnose's run and separate
-#: processes ran 24-31 ms (1.66x, 2.03x): the earlier ways' tf.data threads were still
-#: running beside it
-OWN_PROCESS = {"contention"}
+#: as a user runs the script and as diagnose ran it: a fresh process. In one process the
+#: ways that ran later ran faster: the contention's as-is way ran 42.7 ms a step (3.14x
+#: against the batches before the fit) where diagnose's run and separate processes ran
+#: 24-31 ms (1.66x, 2.03x), the earlier ways' tf.data threads still running beside it;
+#: accum_plot's eager step took 19.8, 19.4, 17.5 and 15.1 ms in four 60-step loops in
+#: turn, so the plot removed (never the first way) read 2.53x-3.61x against diagnose's
+#: 2.12x-2.70x. `blocked` is timed by its wall, so it stays in one process (a process's
+#: start-up would be half of it).
+OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work"}
 
 
 def truth(command, reverse=False, own_process=False):

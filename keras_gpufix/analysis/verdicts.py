@@ -218,7 +218,8 @@ STAGE_FIXES = {
     "text": (
         "the input's slow stage is `{op}` at {where}: it takes {share:.0%} of the input's "
         "time (drained stage by stage, its work alone caps the input at {rate:.1f} "
-        "batches/s, the whole input supplies {input:.1f} batches/s{demand}); {fix}: predicted "
+        "batches/s, the whole input at {input:.1f} batches/s in the same drains{demand}); "
+        "{fix}: predicted "
         "{gain:.2f}x faster per step"
     ),
     "from_epoch_2": "; a cache serves from the second epoch: the first runs as now",

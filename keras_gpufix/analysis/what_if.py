@@ -191,14 +191,16 @@ def what_if(cycles, input_per_s, rates, batches_per_cycle=1):
             "bound": bound, "method": method, "cycles": n}
 
 
-def ratio_words(z):
+def ratio_words(z, span=None):
     """A speedup in words: `1.30x faster`, `no faster (0.98x)`, `1.06x slower (0.94x)`;
-    a ratio below 1 is never "faster"."""
+    a ratio below 1 is never "faster". `span` (e.g. "0.94x-1.06x") joins the figure in
+    its parentheses: `no faster (0.98x, 0.94x-1.06x)`."""
+    more = f", {span}" if span else ""
     if z >= THRESHOLDS["min_speedup"]:
-        return f"{z:.2f}x faster"
+        return f"{z:.2f}x faster" + (f" ({span})" if span else "")
     if z * THRESHOLDS["min_speedup"] > 1.0:
-        return f"no faster ({z:.2f}x)"
-    return f"{1 / z:.2f}x slower ({z:.2f}x)"
+        return f"no faster ({z:.2f}x{more})"
+    return f"{1 / z:.2f}x slower ({z:.2f}x{more})"
 
 
 def _why_unknown(result):
@@ -302,10 +304,8 @@ def format_what_if(result):
     elif not known:
         gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
                 f"varied{_why_unknown(result)})")
-    elif faster:
-        gain = f"{z:.2f}x faster ({span})"
     else:
-        gain = f"{ratio_words(z)} ({span})"
+        gain = ratio_words(z, span)
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":
@@ -313,9 +313,14 @@ def format_what_if(result):
                 f"batches/s{how}: with input free the run would be {gain} "
                 f"(it ran at {result['observed_batches_per_s']:.1f} batches/s)"
                 + _budget_words(result))
+    # the input alone may be a little slower than the step alone and still keep up
+    # with the run's cycle (the step's rate leaves out the time between steps)
+    room = (f"the input could feed a step {x / y:.1f}x faster" if x >= y else
+            f"the input alone keeps up with the cycle the run would have with it free, "
+            f"{z * result['observed_batches_per_s']:.1f} batches/s")
     return (f"what-if: the step consumes {y:.1f} batches/s{how}, input supplies {x:.1f} "
-            f"batches/s: the step is the bound (the input could feed a step {x / y:.1f}x "
-            f"faster); with input free the run would be {gain}"
+            f"batches/s: the step is the bound ({room}); with input free the run would be "
+            f"{gain}"
             + (" (the input competes with the step for the host)"
                if faster and replayed else "")
             + f" (it ran at {result['observed_batches_per_s']:.1f} batches/s)"

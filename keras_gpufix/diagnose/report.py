@@ -88,8 +88,10 @@ def _fit_causes(fit, scan):
             "text": f"{label}: the what-if finds the input costing "
                     f"{'at least ' if not cost[2] else ''}{cost[0]:.0%} of the run",
             "period": None, "phase": phase, "where": None}))
+    told = out[0][2]["text"] if out else ""  # the judgement, its events' messages in it
     for event in events:
-        if analysis.is_cause(event["verdict"]) and event["verdict"] != run.get("covers"):
+        if (analysis.is_cause(event["verdict"]) and event["verdict"] != run.get("covers")
+                and event["message"] not in told):
             out.append((event["verdict"], event.get("cost_share") or 0.0, {
                 "source": "GPUOscillationMonitor", "figure": "event",
                 "value": event.get("cost_share"), "text": f"{label}: {event['message']}",
@@ -553,9 +555,8 @@ def format_report(result):
                          + "; the sum takes the causes as apart, and they can interact (a "
                            "plot's pause slows the eager steps after it), so what is left is "
                            "the least sure figure and each fix's own gain the firmer one "
-                           "(accum_plot, docs/benchmarks.md: 4.18x-14.76x predicted against "
-                           "6.90x-9.94x measured in four runs, each fix alone within 25% in "
-                           "three)")
+                           "(docs/benchmarks.md, advice-gains: each fix and the sum, "
+                           "predicted against measured)")
     if result.get("seen_in_code"):
         lines.append("seen in the code (no effect measured in this run: not ranked):")
         for seen in result["seen_in_code"]:

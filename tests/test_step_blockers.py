@@ -3,7 +3,7 @@
 import inspect
 
 from keras_gpufix.analysis.verdicts import compiled_step_fix
-from keras_gpufix.diagnose.step_blockers import step_blockers
+from keras_gpufix.diagnose.step_blockers import own_wrappers, step_blockers
 
 HERE = __file__
 
@@ -21,6 +21,13 @@ class Trainer:
             value = i
         self.current_step += 1
         return float(total), last.numpy(), value
+
+
+def _compiled_path(trainer, tf, use_tf_function):
+    """A trainer's own compiled step, behind a flag (never called here)."""
+    if use_tf_function:
+        return tf.function(trainer.step, jit_compile=True)
+    return trainer.step
 
 
 def _line(text):
@@ -60,3 +67,24 @@ def test_a_step_that_failed_to_trace_names_every_blocker_by_its_line():
     fix = compiled_step_fix({"function": "step (t.py:1)", "reason": "could not trace",
                              "blockers": list(found.values())})
     assert "cannot run it as written: change the 4 lines below first" in fix
+
+
+def test_the_scripts_own_tf_function_of_the_step_is_named_as_the_path_to_take():
+    (wrapper,) = own_wrappers(Trainer.step)
+    assert wrapper["code"] == "return tf.function(trainer.step, jit_compile=True)"
+    lines, first = inspect.getsourcelines(_compiled_path)
+    line = first + next(i for i, text in enumerate(lines) if "return tf" in text)
+    assert wrapper["where"] == f"{HERE}:{line}"
+    assert own_wrappers(_line) == []  # no tf.function of it anywhere
+    measured = {"function": "step (t.py:1)", "eager_ms": 9.0, "function_ms": 3.0,
+                "xla_ms": None, "best": "tf.function", "best_ms": 3.0, "blockers": [],
+                "own_wrappers": [wrapper]}
+    fix = compiled_step_fix(measured)
+    assert (f"the script already wraps it in tf.function at {wrapper['where']} "
+            f"(`{wrapper['code']}`): take that path") in fix
+    assert "not that path's arguments" in fix  # what diagnose did not check
+    blocked = compiled_step_fix({"function": "step (t.py:1)", "reason": "could not trace",
+                                 "blockers": step_blockers(Trainer.step),
+                                 "own_wrappers": [wrapper]})
+    assert blocked.endswith(f"the script's own tf.function of it at {wrapper['where']} "
+                            f"(`{wrapper['code']}`) needs the same changes")

@@ -304,6 +304,17 @@ STEP_BLOCKERS = {
     "trace_error": "`{code}`: tf.function could not trace the step here: {message}",
 }
 
+#: What `compiled_step_fix` adds where the script wraps the step's function in
+#: tf.function itself (`diagnose.own_wrappers`), measured or blocked.
+OWN_WRAPPER_NOTE = {
+    "measured": (
+        "; the script already wraps it in tf.function at {lines}: take that path (the flag "
+        "or branch that leads there) rather than a new wrapper (diagnose timed its own "
+        "tf.function of the same function, not that path's arguments)"
+    ),
+    "blocked": "; the script's own tf.function of it at {lines} needs the same changes",
+}
+
 #: The `eager_step` fix when diagnose could not compile the user's step as written.
 BLOCKED_STEP_FIX = (
     "the step {function} runs eagerly, and tf.function cannot run it as written: change the "
@@ -663,13 +674,20 @@ def compiled_step_fix(compiled: dict) -> "str | None":
     if compiled.get("best_ms") is None:
         if not blockers:
             return None
-        return BLOCKED_STEP_FIX.format(function=compiled.get("function", "?"),
+        text = BLOCKED_STEP_FIX.format(function=compiled.get("function", "?"),
                                        count=len(blockers), s="s" * (len(blockers) != 1))
-    key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
-    values = _Fields({k: v for k, v in compiled.items() if v is not None})
-    text = COMPILED_STEP_FIXES[key].format_map(values)
-    if blockers:
-        text += STATEFUL_STEP_NOTE.format(lines=", ".join(b["where"] for b in blockers))
+        kind = "blocked"
+    else:
+        key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
+        values = _Fields({k: v for k, v in compiled.items() if v is not None})
+        text = COMPILED_STEP_FIXES[key].format_map(values)
+        if blockers:
+            text += STATEFUL_STEP_NOTE.format(lines=", ".join(b["where"] for b in blockers))
+        kind = "measured"
+    wrappers = compiled.get("own_wrappers")
+    if wrappers:
+        text += OWN_WRAPPER_NOTE[kind].format(lines=", ".join(
+            f"{w['where']} (`{w['code']}`)" for w in wrappers))
     return text
 
 

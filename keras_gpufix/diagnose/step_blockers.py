@@ -21,6 +21,10 @@ that break or silently change a step under `tf.function`:
 | `trace_error`      | any other error of the trace, at its     | as raised                   |
 |                    | deepest user line                        |                             |
 
+`own_wrappers` finds where the script itself wraps the step's function in
+`tf.function` (`tf.function(self.train_step, ...)`, in a branch this run
+may not have taken): the smallest change is then to take that path.
+
 Each blocker is named by the user's `file:line` and the code there; the
 texts the report prints are `analysis.STEP_BLOCKERS`. Only the step's own
 function is read statically; a blocker in a function it calls is found
@@ -32,7 +36,7 @@ import inspect
 import re
 import textwrap
 
-__all__ = ["step_blockers"]
+__all__ = ["step_blockers", "own_wrappers"]
 
 #: Loops autograph leaves in Python (their iterable is a Python object).
 _PYTHON_ITERABLES = {"range", "enumerate", "zip", "reversed", "sorted", "list", "tuple", "dict",
@@ -251,3 +255,27 @@ def step_blockers(fn, exc=None, library=()):
             seen.add(blocker["where"])
             out.append(blocker)
     return out
+
+
+def own_wrappers(fn) -> list:
+    """Where the script's own code wraps `fn` in `tf.function`: each call
+    `tf.function(X, ...)` in `fn`'s file whose `X` is `fn`'s name (`step`,
+    `self.step`), as a dict `where` (`file:line`) and `code`."""
+    try:
+        path = inspect.getsourcefile(fn)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        tree = ast.parse(text)
+    except (OSError, TypeError, SyntaxError, UnicodeDecodeError):
+        return []
+    lines, name, out = text.splitlines(), fn.__name__, []
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if not (isinstance(node, ast.Call) and node.args and isinstance(func, ast.Attribute)
+                and func.attr == "function" and getattr(func.value, "id", None) == "tf"):
+            continue
+        target = node.args[0]
+        if (getattr(target, "id", None) or getattr(target, "attr", None)) == name:
+            out.append({"where": f"{path}:{node.lineno}",
+                        "code": lines[node.lineno - 1].strip()})
+    return sorted(out, key=lambda w: int(w["where"].rpartition(":")[2]))

@@ -60,7 +60,7 @@ import time
 from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS, SECONDS,
                                            Cycles, block_timings, format_what_if, ratio_words,
                                            what_if, what_if_until_known)
-from keras_gpufix.diagnose.step_blockers import step_blockers
+from keras_gpufix.diagnose.step_blockers import own_wrappers, step_blockers
 
 __all__ = ["Budget", "Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
@@ -298,16 +298,19 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
         `tf.function(jit_compile=True)`, the faster that compiled),
         `best_ms`, `first_call_s` (the best way's first call: its trace and
-        compile, a one-off cost) and `blockers` (`step_blockers`: the Python state the step
-        changes, which a trace runs once); or a dict `reason` and `blockers`
-        (what stops the trace, each by its line) when it could not be traced.
+        compile, a one-off cost), `blockers` (`step_blockers`: the Python state the step
+        changes, which a trace runs once) and `own_wrappers` (`own_wrappers`: where the
+        script wraps the function in tf.function itself); or a dict `function`,
+        `own_wrappers`, `reason` and `blockers` (what stops the trace, each by its line)
+        when it could not be traced.
     """
     import numpy as np
     import tensorflow as tf
 
     kwargs = kwargs or {}
     code = fn.__code__
-    out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})"}
+    out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})",
+           "own_wrappers": own_wrappers(fn)}
     plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
     library = tuple(library) or (os.sep + "site-packages",)
     t0 = time.perf_counter()

@@ -92,14 +92,14 @@ class RunRecord:
         """
         causes = [_cause(c) for c in report.get("causes") or ()]
         fixes = []
-        for cause in causes:
+        for cause, where in zip(causes, (c.get("where") for c in report.get("causes") or ())):
             if not cause["share"]:
                 continue
             fix = report.get("fix") if cause["verdict"] == report.get("verdict") else fix_for(
                 cause["verdict"], phase=cause["phase"], period=cause["period"],
-                share=cause["share"])
+                share=cause["share"], where=where)
             fixes.append({"rank": len(fixes) + 1, "verdict": cause["verdict"], "fix": fix,
-                          "where": [], "share": cause["share"],
+                          "where": [where] if where else [], "share": cause["share"],
                           "expected_speedup": cause["expected_speedup"], "speedup_range": None,
                           "source": "cost_share",
                           "text": cost_share_prediction(cause["share"])})

@@ -51,6 +51,14 @@ the input wait is not measured (None; the loop's whole cycle is its step)
 and the detector judges a loop that reads a value every k steps per k
 steps.
 
+Where the loop body stalls: a daemon thread wakes every
+`_StallSampler.INTERVAL` (20 ms) and, only while a cycle has run past twice
+the median of the recent ones, reads which line of the loop's own frame the
+loop is at (`sys._current_frames()`, a few microseconds; no tracing hook, and
+nothing on a cycle of normal length). The line that holds most of those
+samples is the periodic stall's `where`, as diagnose's stack samples find it
+(the loop's `next()` line left out: that is the input's wait).
+
 Releasing a `tf.data` iterator joins its prefetch threads, which took up
 to 0.28 s on the 2-core test host: that is input time, not the loop's.
 
@@ -70,8 +78,12 @@ it.
 
 import atexit
 import functools
+import statistics
 import sys
+import threading
+import time
 import weakref
+from collections import Counter, deque
 
 import keras
 
@@ -135,7 +147,7 @@ class Watched:
     once a sync failed).
     """
 
-    def __init__(self, iterable, callbacks=None, model=None, sync=True):
+    def __init__(self, iterable, callbacks=None, model=None, sync=True, locate_stalls=True):
         if not hasattr(iterable, "__iter__"):
             raise ValueError(
                 "`iterable` must be iterable (a tf.data.Dataset, a "
@@ -177,6 +189,8 @@ class Watched:
         self._in_with = False
         self._at_exit = None  # closes a run begun outside `with` at the program's end
         self._eager_probe = None  # undoes the run's eager-gradient probe
+        # where a long cycle's loop body is (diagnose samples its loops itself)
+        self._stalls = _StallSampler() if locate_stalls else None
 
     def __enter__(self):
         self._in_with = True
@@ -205,6 +219,8 @@ class Watched:
                 atexit.register(self._at_exit)
             self._stream = stream_of(self.callbacks)
             self._tell_stream()
+            if self._stalls is not None:
+                self._stalls.start()
             if self._stream is not None and not _is_dataset(self.iterable):
                 # Its batches need not be those an instrumented dataset
                 # recorded, in order (an iterator made before the run).
@@ -236,6 +252,9 @@ class Watched:
             self._eager_probe = None
         if self._running:
             self._running = False
+            if self._stalls is not None:
+                self._stalls.stop()
+                self._tell_stall()
             self._hooks.on_train_end()
             self._said_wait_error()
             self._say_unsynced()
@@ -324,6 +343,12 @@ class Watched:
              f"({type(exc).__name__}: {exc}); from here steps are timed at dispatch "
              "and the input wait is not measured.")
 
+    def _tell_stall(self):
+        """Tells the step stream the loop-body line its long cycles spent their time at."""
+        where = self._stalls.where()
+        if where is not None and self._stream is not None:
+            self._stream.tell(stall_where=where)
+
     def _tell_stream(self):
         """Lets the step stream (and our monitors' detectors) know whether steps are synced."""
         if self._stream is not None:
@@ -375,6 +400,83 @@ class Watched:
                 self._failed = True
                 warn(f"kg.watch could not hand step {self.steps} to the monitors "
                      f"({type(exc).__name__}: {exc}); training continues, unmeasured.")
+
+
+class _StallSampler:
+    """Which line of the loop's frame its long cycles spend their excess at.
+
+    `cycle(frame)` at each `next()` (the loop's frame: its code is kept once)
+    begins a cycle. A daemon thread wakes every `INTERVAL` seconds; while the
+    current cycle has lasted more than `FACTOR` times the median of the last
+    cycles (at least `MIN_CYCLES` of them), it reads the loop thread's stack
+    and counts the line of the loop's frame, unless that is the line of its
+    `next()` (the input's wait). `where()`: that line as `file:line` when it
+    holds at least half of at least `MIN_SAMPLES` samples.
+    """
+
+    INTERVAL = 0.02
+    FACTOR = 2.0
+    MIN_CYCLES = 8
+    MIN_SAMPLES = 3
+
+    def __init__(self):
+        self.code = self.thread = self.next_line = self.begun = None
+        self.cycles = deque(maxlen=64)
+        self.counts = Counter()
+        self._stop = threading.Event()
+        self._worker = None
+
+    def start(self):
+        if self._worker is None:
+            self._stop.clear()
+            self._worker = threading.Thread(target=self._run, name="kg.watch-stalls",
+                                            daemon=True)
+            self._worker.start()
+
+    def stop(self):
+        if self._worker is not None:
+            self._stop.set()
+            self._worker.join()
+            self._worker = None
+        self.begun = None
+
+    def cycle(self, frame):
+        now = time.perf_counter()
+        if self.begun is not None:
+            self.cycles.append(now - self.begun)
+        self.begun = now
+        if self.code is None:
+            self.code, self.thread = frame.f_code, threading.get_ident()
+            self.next_line = frame.f_lineno
+
+    def _run(self):
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                self._sample()
+            except Exception:  # a monitor never stops training
+                return
+
+    def _sample(self):
+        begun, cycles = self.begun, list(self.cycles)
+        if begun is None or len(cycles) < self.MIN_CYCLES:
+            return
+        if time.perf_counter() - begun <= self.FACTOR * statistics.median(cycles):
+            return
+        frame = sys._current_frames().get(self.thread)
+        while frame is not None and frame.f_code is not self.code:
+            frame = frame.f_back
+        if frame is not None and frame.f_lineno != self.next_line:
+            self.counts[frame.f_lineno] += 1
+        frame = None
+
+    def where(self):
+        """`file:line` of the loop-body line most of the long cycles' samples hold, or
+        None."""
+        total = sum(self.counts.values())
+        if total < self.MIN_SAMPLES:
+            return None
+        line, count = self.counts.most_common(1)[0]
+        return f"{self.code.co_filename}:{line}" if 2 * count >= total else None
 
 
 def _probe_eager_gradients(watched):
@@ -514,6 +616,8 @@ class _Epoch:
             self.done = True
             _, took = timed(self._release)  # its cost timed as input
             self.watched._carry += took
+            if self.watched._stalls is not None:
+                self.watched._tell_stall()
             if not failed:
                 self.watched._hooks.on_epoch_end(self.epoch)
 
@@ -522,6 +626,8 @@ class _Epoch:
         if self.done:
             raise StopIteration
         watched = self.watched
+        if watched._stalls is not None:
+            watched._stalls.cycle(sys._getframe(1))
         element, wait = timed(next, self.iterator, _END)
         if element is _END:
             watched._carry += wait

@@ -215,6 +215,36 @@ def test_the_report_is_readable_in_the_loop_and_a_short_run_is_judged_at_its_end
     assert watched.report()["verdict"] == "unknown"
 
 
+def test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it():
+    import inspect
+
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    with kg.watch(batches(60), callbacks=[monitor]) as watched:
+        for step, _ in enumerate(watched):
+            time.sleep(0.004)  # the step
+            if step % 5 == 4:
+                time.sleep(0.08)  # a plot every 5 steps
+    source, first = inspect.getsourcelines(
+        test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it)
+    plot = f"{__file__}:{first + next(i for i, l in enumerate(source) if 'a plot every' in l)}"
+    report = watched.report()
+    assert report["verdict"] == "periodic_stall", report["because"]
+    assert report["fix"].endswith(f"at {plot}")
+    (stall,) = [c for c in report["causes"] if c["verdict"] == "periodic_stall"]
+    assert stall["where"] == plot
+    # the run record names it too, as diagnose's does
+    from keras_gpufix.run_record import RunRecord
+
+    record = RunRecord.from_monitor(report)
+    assert [f["where"] for f in record.data["fixes"]] == [[plot]]
+    # a loop without stalls names no line
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    with kg.watch(batches(60), callbacks=[monitor]) as watched:
+        for _ in watched:
+            time.sleep(0.004)
+    assert all("where" not in c for c in watched.report()["causes"])
+
+
 def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
     from keras_gpufix import watched as watched_module
 

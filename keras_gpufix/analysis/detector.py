@@ -523,6 +523,7 @@ class OscillationDetector:
         self.eager = eager
         self.synced = synced
         self.eager_where = eager_where
+        self.stall_where = None
         self.async_blockers = None  # RunFacts (tell): judge's arguments and the fix's fields
         self.input_source = None
         self.input_workers = None
@@ -533,6 +534,7 @@ class OscillationDetector:
     def tell(self, facts):
         """Takes what the run's adapters know about it (an `analysis.RunFacts`)."""
         self.jit, self.eager, self.eager_where = facts.jit, facts.eager, facts.eager_where
+        self.stall_where = facts.stall_where
         self.synced = facts.synced
         self.run_thresholds = dict(facts.thresholds)
         self.async_blockers = facts.async_blockers
@@ -695,10 +697,12 @@ class OscillationDetector:
         return event
 
     def _where(self, verdict):
-        """The file:line a verdict's fix names (the eager step's), or None."""
+        """The file:line a verdict's fix names (the eager step's, a periodic stall's
+        loop-body line), or None."""
         if verdict == "sync_callbacks":
             return ", ".join(self.async_blockers or ()) or None
-        return self.eager_where if verdict == "eager_step" else None
+        return {"eager_step": self.eager_where,
+                "periodic_stall": self.stall_where}.get(verdict)
 
     def dominant_verdict(self) -> str:
         """The verdict that covered the most steps: `healthy` if none was
@@ -738,6 +742,10 @@ class OscillationDetector:
         if same:
             fix, phase, share = same[-1]["fix"], same[-1]["phase"], same[-1]["cost_share"]
             causes = same[-1].get("causes") or []
+            where = self._where(verdict)
+            if where:  # the line may have been learnt after the event (kg.watch's stalls)
+                fix = fix_for(verdict, phase=phase, period=same[-1].get("period"),
+                              share=share, where=where, source=self.input_source)
             because.append(f"{verdict} from step {same[0]['start_step']} to step "
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
         elif judgement is not None and verdict not in NOT_CAUSES:
@@ -756,6 +764,8 @@ class OscillationDetector:
         if verdict == "unknown" and count:
             fix = TOO_FEW_STEPS.format(steps=count,
                                        min_steps=self.active_thresholds()["min_judge_steps"])
+        causes = [dict(c, where=self._where(c["verdict"])) if self._where(c["verdict"])
+                  else c for c in causes]
         return {"verdict": verdict, "fix": fix, "phase": phase, "cost_share": share,
                 "because": because, "changed": changed, "causes": causes}
 

@@ -19,6 +19,8 @@ class RunFacts(NamedTuple):
         jit: whether the step is XLA-compiled (None: not known).
         eager: whether the step runs eagerly.
         eager_where: `file:line` where the step was made eager, or None.
+        stall_where: `file:line` of the loop-body work a periodic stall runs
+            (`kg.watch`'s samples of its long cycles), or None.
         synced: whether each step is timed where its device work ends
             (None: not known).
         thresholds: this run's threshold overrides by name (a
@@ -36,6 +38,7 @@ class RunFacts(NamedTuple):
     jit: Optional[bool] = None
     eager: bool = False
     eager_where: Optional[str] = None
+    stall_where: Optional[str] = None
     synced: Optional[bool] = None
     thresholds: dict = {}
     async_blockers: Optional[tuple] = None

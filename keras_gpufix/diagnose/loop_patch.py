@@ -248,7 +248,8 @@ class _Loop:
         self.source = _Current(patch)
         # ProfilerTrigger weak-refs its model: a placeholder stands for the user's
         self.watched = Watched(self.source, callbacks=list(self.mine.values()),
-                               model=keras.Sequential(name="custom_loop")).__enter__()
+                               model=keras.Sequential(name="custom_loop"),
+                               locate_stalls=False).__enter__()  # `_StackSampler` does
         self.entry = {"index": len(patch.fits_patch.fits) + 1, "kind": "loop",
                       "x": "tf.data.Dataset (iterated by the script)", "epochs": 0,
                       "step": dict(patch.step_info)}

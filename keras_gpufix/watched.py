@@ -52,7 +52,7 @@ and the detector judges a loop that reads a value every k steps per k
 steps.
 
 Where the loop body stalls: a daemon thread wakes every
-`_StallSampler.INTERVAL` (20 ms) and, only while a cycle has run past twice
+`_StallSampler.INTERVAL` (50 ms) and, only while a cycle has run past twice
 the median of the recent ones, reads which line of the loop's own frame the
 loop is at (`sys._current_frames()`, a few microseconds; no tracing hook, and
 nothing on a cycle of normal length). The line that holds most of those
@@ -408,20 +408,23 @@ class _StallSampler:
     `cycle(frame)` at each `next()` (the loop's frame: its code is kept once)
     begins a cycle. A daemon thread wakes every `INTERVAL` seconds; while the
     current cycle has lasted more than `FACTOR` times the median of the last
-    cycles (at least `MIN_CYCLES` of them), it reads the loop thread's stack
+    cycles (at least `MIN_CYCLES` of them; the median taken every `RECOUNT`
+    wakes), it reads the loop thread's stack
     and counts the line of the loop's frame, unless that is the line of its
     `next()` (the input's wait). `where()`: that line as `file:line` when it
     holds at least half of at least `MIN_SAMPLES` samples.
     """
 
-    INTERVAL = 0.02
+    INTERVAL = 0.05
     FACTOR = 2.0
     MIN_CYCLES = 8
     MIN_SAMPLES = 3
+    RECOUNT = 20  # wakes between two medians of the recent cycles
 
     def __init__(self):
         self.code = self.thread = self.next_line = self.begun = None
         self.cycles = deque(maxlen=64)
+        self._limit, self._wakes = None, 0
         self.counts = Counter()
         self._stop = threading.Event()
         self._worker = None
@@ -457,10 +460,13 @@ class _StallSampler:
                 return
 
     def _sample(self):
-        begun, cycles = self.begun, list(self.cycles)
-        if begun is None or len(cycles) < self.MIN_CYCLES:
-            return
-        if time.perf_counter() - begun <= self.FACTOR * statistics.median(cycles):
+        self._wakes += 1
+        if self._limit is None or self._wakes % self.RECOUNT == 0:
+            cycles = list(self.cycles)
+            self._limit = (self.FACTOR * statistics.median(cycles)
+                           if len(cycles) >= self.MIN_CYCLES else None)
+        begun = self.begun
+        if begun is None or self._limit is None or time.perf_counter() - begun <= self._limit:
             return
         frame = sys._current_frames().get(self.thread)
         while frame is not None and frame.f_code is not self.code:

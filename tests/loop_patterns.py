@@ -29,7 +29,8 @@ MODE:
 - `host_work`: a `tf.function` step (+ its device time) and host NumPy work (a
   spectrogram of 128 frames for a plot) every 4 steps; `--no-host` leaves it out.
   Prints `LOOP_S`.
-- `accum_way [--compiled] [--no-plot]`: one way of `accum_truth`, timed once (`LOOP_S`).
+- `accum_way [--compiled] [--no-plot]`: the accumulation loop one way (its step in
+  `tf.function`, without its plot), timed once (`LOOP_S`).
 - `truth WAY [WAY ...] [--rounds R] [--steps N] [--own-process]`: runs each WAY (a quoted
   mode and its flags, e.g. "slow_map --epochs 3 --cache") in this process in turn (with
   `--own-process` each in a process of its own, as a user runs the script), R rounds
@@ -39,11 +40,9 @@ MODE:
 
 `--watch` runs the loop inside `kg.watch` (the same loop diagnose watches without it)
 and prints `WATCH <verdict> <json of the ranked causes>` at the end. The truth, for
-`accum_plot`: the loop prints `LOOP_S <seconds of its steps after the first 5>`;
-`accum_truth` times it as it is, with its step in `tf.function`, without its plot and
-with neither, each 3 times in turn, and prints `TRUTH <json of the medians>`; for
-`contention`,
-`--cached` computes its batches before the fit, which prints `FIT_S <seconds>`.
+`accum_plot`: the loop prints `LOOP_S <seconds of its steps after the first 5>`, and
+`truth` runs its `accum_way`s; for `contention`, `--cached` computes its batches before
+the fit, which prints `FIT_S <seconds>`.
 """
 
 import gc
@@ -155,14 +154,6 @@ if MODE in ("accum_plot", "tf_print"):
     if WATCH:
         source.close()
     say_watch()
-elif MODE == "accum_truth":  # each way in turn, rounds interleaved: medians
-    ways = {"as_is": (accumulate_step, PLOT_S), "compiled": (tf.function(accumulate_step), PLOT_S),
-            "no_plot": (accumulate_step, 0), "neither": (tf.function(accumulate_step), 0)}
-    times = {name: [] for name in ways}
-    for _ in range(3):
-        for name, (step, plot_s) in ways.items():
-            times[name].append(accumulation_loop(iter(dataset), step, plot_s, STEPS))
-    print("TRUTH", json.dumps({k: float(np.median(v)) for k, v in times.items()}), flush=True)
 elif MODE in ("distributed", "mirrored"):
     dist = strategy.experimental_distribute_dataset(dataset.take(STEPS))
 

@@ -405,7 +405,7 @@ class Watched:
 class _StallSampler:
     """Which line of the loop's frame its long cycles spend their excess at.
 
-    `cycle(frame)` at each `next()` (the loop's frame: its code is kept once)
+    `cycle(frame)` at each `next()` (the loop's frame at the first, else None)
     begins a cycle. A daemon thread wakes every `INTERVAL` seconds; while the
     current cycle has lasted more than `FACTOR` times the median of the last
     cycles (at least `MIN_CYCLES` of them; the median taken every `RECOUNT`
@@ -448,7 +448,7 @@ class _StallSampler:
         if self.begun is not None:
             self.cycles.append(now - self.begun)
         self.begun = now
-        if self.code is None:
+        if frame is not None:
             self.code, self.thread = frame.f_code, threading.get_ident()
             self.next_line = frame.f_lineno
 
@@ -632,8 +632,9 @@ class _Epoch:
         if self.done:
             raise StopIteration
         watched = self.watched
-        if watched._stalls is not None:
-            watched._stalls.cycle(sys._getframe(1))
+        stalls = watched._stalls
+        if stalls is not None:  # the loop's frame is read once, at its first next()
+            stalls.cycle(sys._getframe(1) if stalls.code is None else None)
         element, wait = timed(next, self.iterator, _END)
         if element is _END:
             watched._carry += wait

@@ -13,11 +13,21 @@ runs it under both outcomes.
 
 Every test also leaves `TF_XLA_FLAGS` as it found it (`kg.from_config`
 and `CompileCache.enable` set it when TensorFlow has not started yet).
+
+The suite's time is kept (issue 50): a test outside `-m slow` should take at
+most `TEST_BUDGET_S` seconds (setup, call and teardown together) on a quiet
+2-core machine; the run's summary lists each test over it, to be made smaller
+or marked `slow` with its reason. A list, not a failure: tests never assert on
+wall time.
 """
 
+import collections
 import os
 
 import pytest
+
+TEST_BUDGET_S = 20.0
+_seconds = collections.defaultdict(float)
 
 CPU_FLAGS = frozenset(os.environ.get("KERAS_GPUFIX_TEST_CPU_FLAGS", "").split())
 
@@ -62,3 +72,16 @@ def _compile_cache_flag_stays_in_its_test():
         os.environ.pop("TF_XLA_FLAGS", None)
     else:
         os.environ["TF_XLA_FLAGS"] = before
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds, setup to teardown (on xdist's controller too)."""
+    _seconds[report.nodeid] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((s, n) for n, s in _seconds.items() if s > TEST_BUDGET_S), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over the {TEST_BUDGET_S:.0f} s budget (issue 50)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

@@ -78,7 +78,7 @@ compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
 strategy: {{mode: auto}}
 callbacks:
   # warmup: the first epoch: its XLA compiles (one per bucket) are not judged
-  GPUOscillationMonitor: {{window: 8, warmup: {warmup}, log_dir: logs}}
+  GPUOscillationMonitor: {{window: 16, warmup: {warmup}, log_dir: logs}}
   RetracingMonitor: {{max_new_shapes: 5}}
   StepTimer: {{log_dir: logs}}
   # no ProfilerTrigger: the demo traces each way's second epoch itself (steady state)
@@ -147,15 +147,16 @@ def _corpus(kg, workdir, utterances, verbose):
 
 
 def _model(vocab_size, n_mels):
-    """Predicts the next mel frame from the previous ones and the text."""
+    """Predicts the next mel frame from the previous ones and the text: as light
+    a step on the CPU as a GPU makes a real model's (a few milliseconds), so the
+    naive way's costs are those a GPU run meets: its input and its padding."""
     import keras
 
     text = keras.Input((None,), dtype="int32", name="text")
     mel = keras.Input((None, n_mels), name="mel")
-    summary = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocab_size, 32)(text))
-    x = keras.layers.Conv1D(64, 5, padding="causal", activation="relu")(mel)
-    x = keras.layers.Conv1D(64, 5, padding="causal", activation="relu")(x)
-    x = x + keras.layers.Dense(64)(summary)[:, None, :]
+    summary = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocab_size, 16)(text))
+    x = keras.layers.Conv1D(32, 5, padding="causal", activation="relu")(mel)
+    x = x + keras.layers.Dense(32)(summary)[:, None, :]
     out = keras.layers.Dense(n_mels, dtype="float32")(x)
     return keras.Model({"text": text, "mel": mel}, out, name="tiny_mel_predictor")
 
@@ -205,8 +206,10 @@ def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per
     losses = history.history.get("loss", [])
     per_step = samples_per_epoch / steps_per_epoch
     compiles = [e for e in retracing.report()["shape_events"] if e["epoch"] == 0]
+    report = monitor.report()
     return {
-        "monitor": monitor.report(),
+        "monitor": report,
+        "phase_ms": _phase_ms(report["step_time"]),
         "retracing": retracing.report(),
         "traces": [] if trace is None else trace.report()["traces"],
         "steps_per_epoch": steps_per_epoch,
@@ -219,6 +222,56 @@ def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per
         "wall_seconds": step_ends[-1] - started if step_ends else None,
         "progress": [((i + 1) * per_step, t - started) for i, t in enumerate(step_ends)],
     }
+
+
+def _phase_ms(summary):
+    """Milliseconds per utterance in each phase of the cycle (`PHASES`), over the
+    steps the monitor judged (`StepLog.summary()`); None without samples."""
+    from keras_gpufix.analysis import PHASES
+
+    rate, phases = summary.get("samples_per_s"), summary.get("phases") or {}
+    if not rate:
+        return None
+    return {p: 1e3 * (phases.get(p) or 0.0) / rate for p in PHASES}
+
+
+def _promise(naive, fast):
+    """The naive way's predicted gain for each fix of its causes, beside the gain the
+    keras_gpufix way measured, and what no fix covered.
+
+    Args:
+        naive, fast: `run_demo` sides.
+
+    Returns:
+        None without both steady rates; else a dict: `causes` (the naive way's
+        ranked causes: `verdict`, `share`, `speedup` (predicted, the whole run
+        once its time goes), `phase`, `fix`), `predicted` (all of them
+        together, `analysis.combined_speedup`; 1.0 with none), `measured` (the
+        keras_gpufix way's steady utterances/s over the naive way's),
+        `not_covered` (`measured / predicted`) and `phases`: per phase,
+        milliseconds per utterance `[naive, predicted once the fixes remove
+        their causes' time, keras_gpufix]` (None without the monitors' rates).
+    """
+    from keras_gpufix.analysis import combined_speedup
+
+    slow, quick = naive["steady_samples_per_s"], fast["steady_samples_per_s"]
+    if not slow or not quick:
+        return None
+    causes = [c for c in naive["monitor"].get("causes") or () if c.get("share")]
+    predicted = combined_speedup([c["speedup"] for c in causes]) if causes else 1.0
+    phases = None
+    before, after = naive["phase_ms"], fast["phase_ms"]
+    if before and after:
+        cycle = sum(before.values())
+        left = dict(before)
+        for c in causes:
+            if c.get("phase") in left:
+                left[c["phase"]] = max(0.0, left[c["phase"]] - c["share"] * cycle)
+        phases = {p: [before[p], left[p], after[p]] for p in before}
+    measured = quick / slow
+    return {"causes": causes, "predicted": predicted, "measured": measured,
+            "not_covered": None if predicted is None else measured / predicted,
+            "phases": phases}
 
 
 def _at(progress, utterances, rate):
@@ -304,7 +357,10 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         first and last epoch, `first_epoch_compile_s` (the first epoch's
         priced compiles), `wall_seconds` (from the way's setup to its last
         step), `progress` (utterances done and seconds since the setup at
-        each step's end)), `payback` (`_payback(naive, keras_gpufix)`),
+        each step's end), `phase_ms` (`_phase_ms`)), `payback`
+        (`_payback(naive, keras_gpufix)`), `promise` (`_promise(naive,
+        keras_gpufix)`: the naive way's predicted gain per fix beside the
+        measured),
         `compile_cache` (`directory`, `active`, `note`, `entries` (before
         the keras_gpufix way's fit), `written`: entries its fit added, i.e.
         its fresh compiles, `fresh_shapes`: the batch shapes whose first
@@ -404,6 +460,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         "naive": naive,
         "keras_gpufix": fast,
         "payback": _payback(naive, fast),
+        "promise": _promise(naive, fast),
         "compile_cache": {**kept, "written": written["written"], "fresh_shapes": _fresh_shapes(
             fast["retracing"]["shape_events"], after_step, kept.get("entries") or 0)},
         "log_dir": log_dir,
@@ -430,14 +487,19 @@ def _side_lines(side, compiled=""):
     wait = m.get("input_wait")
     rate = side["steady_samples_per_s"]
     loss = side["loss"]
+    padding = next((e["evidence"]["padding"] for e in reversed(m.get("events") or ())
+                    if e["evidence"].get("padding") is not None), None)
     lines = [f"          verdict:  {m.get('verdict')} (GPUOscillationMonitor.report(), steps after "
              "the first epoch)",
              f"          evidence: median step {(m.get('step_time') or {}).get('p50_ms') or 0:.1f} ms"
              + ("" if wait is None else f", input wait {wait:.0%}")
+             + ("" if padding is None else f", padding {padding:.0%} of the frames")
              + f", {r.get('new_shapes')} input shapes, {r.get('trace_count')} traces"]
     lines += [_trace_line(t, side["steps_per_epoch"]) for t in side["traces"]]
     if m.get("verdict") != "healthy":
         lines.append(f"          fix:      {m.get('fix')}")
+    for c in (m.get("causes") or ())[1:]:  # ranked after the verdict's own
+        lines.append(f"          also:     {c['verdict']}, {c['share']:.0%} of the run: {c['fix']}")
     first, compiling = side["epoch_seconds"][0], side["first_epoch_compile_s"]
     lines.append(f"          speed:    first epoch {first:.1f} s (compiling {compiling:.1f} s"
                  f"{compiled}; training and start-up {max(0.0, first - compiling):.1f} s), then "
@@ -482,6 +544,47 @@ def _payback_words(p, ways=("keras_gpufix", "naive")):
                  f"rates it would after {when}")
 
 
+def _promise_lines(p, jit):
+    """The promise check for people: each fix predicted, all of them against the
+    measured gain, and where the time no fix covered went."""
+    if p is None:
+        return []
+    x = lambda v: "unbounded" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = ["promise:  the naive way's causes, the gain their fixes predict, and the "
+             "keras_gpufix way's measured gain (utterances/s after the first epoch)"]
+    lines += [f"          {c['verdict']} ({c['share']:.0%} of the run): predicted "
+              f"{x(c['speedup'])}" for c in p["causes"]]
+    if not p["causes"]:
+        lines.append("          the naive way's verdict named no cause: no fix predicted a gain")
+    lines.append(f"          together: predicted {x(p['predicted'])}; measured "
+                 f"{x(p['measured'])}")
+    covered = p["not_covered"]
+    if covered is None:
+        return lines
+    if abs(covered - 1.0) < 0.10:
+        lines.append(f"          covered: the fixes' prediction is within 10% of the measured "
+                     f"gain ({x(covered)})")
+        return lines
+    word = "more" if covered > 1 else "less"
+    text = (f"          not covered by any fix: the keras_gpufix way measured {x(covered)} "
+            f"{word} than the fixes predict")
+    if p["phases"]:
+        names = {"input_wait": "input wait", "step": "step", "between": "between steps"}
+        gaps = {ph: v[1] - v[2] for ph, v in p["phases"].items()}
+        worst = max(gaps, key=lambda ph: abs(gaps[ph]))
+        before, left, after = p["phases"][worst]
+        why = {("step", True): "its step is compiled with XLA (jit_compile=True), which no "
+                               "fix of the naive way priced",
+               ("input_wait", True): "its cached features also free the cores the naive "
+                                     "input took from the step"}.get((worst, gaps[worst] > 0))
+        text += (f"; the {names[worst]} per utterance: {before:.1f} ms naive, {left:.1f} ms "
+                 f"predicted with the fixes, {after:.1f} ms measured"
+                 + (f" ({why}, jit_compile={jit})" if why and worst == "step" else
+                    f" ({why})" if why else ""))
+    lines.append(text)
+    return lines
+
+
 def format_demo(result):
     """The demo's report for people: data, both ways side by side, the ratio."""
     b, c, cache = result["builder"], result["compile"], result["compile_cache"]
@@ -509,6 +612,7 @@ def format_demo(result):
                               naive["steady_samples_per_s"], " utterances/s")
         + " after the first epoch, same corpus and model, this run; "
         + _payback_words(result["payback"]),
+        *_promise_lines(result.get("promise"), c.get("jit_compile")),
         f"wall:     naive {naive['wall_seconds']:.1f} s, keras_gpufix {fast['wall_seconds']:.1f} s "
         "(each way from its setup, feature cache and compile included, to its last step)",
         f"report:   {result['reports']['naive']}  {result['reports']['keras_gpufix']}",

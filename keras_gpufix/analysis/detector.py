@@ -134,9 +134,10 @@ def _padding(rs, step, n):
     record's real frames (`kg.data.instrument(frames=...)`: the utterances'
     own lengths). The step's time per element is the slope of the Theil-Sen
     line of step time vs elements per batch over the shapes' median steps
-    (how the step itself grows with its batch, robust to a stalled step);
-    with one shape it cannot be measured, and each step's time is taken as
-    proportional to its elements (an upper bound).
+    (how the step itself grows with its batch, robust to a stalled step),
+    at most the step's time in proportion to its padded elements; with one
+    shape the slope cannot be measured, and that proportion (an upper bound)
+    is the price.
 
     Args:
         rs: the window's records.
@@ -179,8 +180,10 @@ def _padding(rs, step, n):
         slope = None if line is None else max(0.0, line[1])
     seconds = 0.0
     for i, key, frames, padding, padded, elements in rows:
-        spent = step[i] * n[i]
-        seconds += min(spent, slope * padded if slope is not None else spent * padded / elements)
+        # at most the step's share of padded elements: a step that costs more per
+        # element than its own time per element is a noisy slope, not the padding
+        most = step[i] * n[i] * padded / elements
+        seconds += most if slope is None else min(most, slope * padded)
     frames = sum(row[2] for row in rows)
     return {"padding": sum(row[2] * row[3] for row in rows) / frames, "seconds": seconds,
             "shapes": len(groups), "per_element": slope}

@@ -74,7 +74,7 @@ data:
   audio: {{n_mels: 40, max_seconds: 4.0}}
   cache_dir: cache
   on_bad_input: skip
-build: {{batch_size: 8, num_buckets: 4}}
+build: {{batch_size: 8, num_buckets: 3}}
 compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
 strategy: {{mode: auto}}
 callbacks:

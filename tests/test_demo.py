@@ -144,7 +144,7 @@ def test_the_naive_way_names_its_cause_and_the_demo_checks_its_promise(demo):
     assert_the_naive_way_names_what_the_fast_way_removes(proc.stdout)
 
 
-@pytest.mark.slow  # a third demo beside two CPU burners: ~60 s on a 2-core machine
+@pytest.mark.slow  # a third demo beside two CPU burners: 136 s at load 9 on a 2-core machine
 def test_beside_a_cpu_burner_the_naive_way_still_names_its_input_or_padding(first_demo,
                                                                             tmp_path):
     _, workdir, env = first_demo

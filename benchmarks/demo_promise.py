@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 from _results import add_out_argument, run_stdout, write_results  # noqa: E402 (beside this file)
 
 

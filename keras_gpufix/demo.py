@@ -4,15 +4,19 @@
    audio, one deliberately truncated file) and a YAML config beside it;
 2. `kg.from_config` makes the strategy, dtype policy, dataset builder
    (feature cache, length buckets) and the monitors;
-3. the naive way: a tiny mel-prediction model trained from the naive loader
+3. the naive way: a tiny mel-prediction model (as light a step on the CPU as a
+   GPU makes a real model's, so the naive way's costs are those a GPU run
+   meets: its input and its padding) trained from the naive loader
    (`keras_gpufix.data.naive`: a NumPy spectrogram in `tf.numpy_function`,
-   padded batches) with `model.compile` defaults, the monitors attached;
+   padded batches, its utterances' lengths told to the monitors) with
+   `model.compile` defaults, the monitors attached;
 4. the keras_gpufix way: the same model from the config's cached, bucketed
    dataset, compiled with `kg.compile_model` (XLA), the same monitors;
 5. the report: what the builder skipped and padded, each way's one verdict
-   (`GPUOscillationMonitor.report()`, judged after the first epoch, whose
-   XLA compiles, one per length bucket, are expected) with its evidence and
-   utterances/s after the first epoch, each way's first epoch split into
+   (`GPUOscillationMonitor.report()`, judged after the way's first epoch, whose
+   XLA compiles, one per length bucket, are expected) with its evidence (the
+   input wait, the padding, the shapes), the naive way's other ranked causes,
+   and utterances/s after the first epoch, each way's first epoch split into
    compiling (`RetracingMonitor`'s priced compiles: tracing, and XLA
    compiling or loading from the compile cache) and training, each way's
    wall time (its setup, feature cache and compile included, to its last
@@ -20,6 +24,10 @@
    after how many utterances (and seconds) the keras_gpufix way had caught
    up with the naive way, both counted from their setup, measured in this
    run (projected at the steady rates, and said so, when it had not yet);
+   then the promise check: the gain the naive way's verdict predicted for
+   the fix of each of its causes, all of them together, beside the gain the
+   keras_gpufix way measured, and the phase (input wait, step, time between
+   steps) where what no fix covered went;
 6. each way's run record (`logs/<way>/run_record.json`, written by its
    monitor) rendered as `logs/<way>/report.html` (`keras-gpufix report`).
 

@@ -98,8 +98,8 @@ def naive_dataset(corpus, batch_size, audio=None, text=None, seed=0, drop_remain
         `((ids, text_len), (mel, mel_len))` batches (int32 `[B, T]`,
         int32 `[B]`, float32 `[B, F, audio.num_features]` padded with
         `audio.padding_value`, int32 `[B]`) and went through
-        `kg.data.instrument` (its frames: `mel_len`), so the monitors
-        measure its input wait and its padding.
+        `kg.data.instrument` (its frames: `mel_len`; `dataset.input_probe`),
+        so the monitors measure its input wait and its padding.
 
     Raises:
         FileNotFoundError: `corpus` has no `metadata.csv`.
@@ -158,5 +158,8 @@ def naive_dataset(corpus, batch_size, audio=None, text=None, seed=0, drop_remain
     ds = ds.padded_batch(batch_size, drop_remainder=drop_remainder,
                          padding_values=((0, 0), (audio.padding_value, 0)))
     steps = len(paths) // batch_size if drop_remainder else -(-len(paths) // batch_size)
-    return instrument(ds, frames=lambda batch: batch[1][1],
-                      frames_per_second=audio.frames_per_second).prefetch(tf.data.AUTOTUNE), steps
+    ds = instrument(ds, frames=lambda batch: batch[1][1],
+                    frames_per_second=audio.frames_per_second)
+    out = ds.prefetch(tf.data.AUTOTUNE)
+    out.input_probe = ds.input_probe
+    return out, steps

@@ -136,8 +136,9 @@ def _padding(rs, step, n):
     line of step time vs elements per batch over the shapes' median steps
     (how the step itself grows with its batch, robust to a stalled step),
     at most the step's time in proportion to its padded elements; with one
-    shape the slope cannot be measured, and that proportion (an upper bound)
-    is the price.
+    shape, or shapes within 1.25x of each other's elements (batches all
+    padded to about the same longest utterance), the slope cannot be
+    measured, and that proportion (an upper bound) is the price.
 
     Args:
         rs: the window's records.
@@ -173,10 +174,9 @@ def _padding(rs, step, n):
     for i, key, *_ in rows:
         groups.setdefault(key, []).append(step[i])
     slope = None
-    if len(groups) >= 2:
-        keys = list(groups)
-        line = _theil_sen(np.array([_elements(k) for k in keys]),
-                          np.array([float(np.median(groups[k])) for k in keys]))
+    sizes = np.array([_elements(k) for k in groups])
+    if len(groups) >= 2 and sizes.max() >= 1.25 * sizes.min():
+        line = _theil_sen(sizes, np.array([float(np.median(groups[k])) for k in groups]))
         slope = None if line is None else max(0.0, line[1])
     seconds = 0.0
     for i, key, frames, padding, padded, elements in rows:

@@ -417,9 +417,10 @@ FIXES = {
     ),
     "padded_batches": (
         "{padding} of the batches' frames are padding (each batch padded to its longest "
-        "utterance; {shapes} input shapes in the steps judged) and the step's work on it costs {share} of the "
-        "run: bucket the utterances by length (kg.data.SpeechDatasetBuilder(num_buckets=8), "
-        "or tf.data's bucket_by_sequence_length(..., pad_to_bucket_boundary=True)), so each "
+        "utterance; {shapes} input shapes in the steps judged) and the step's work on it "
+        "costs {share} of the run: bucket the utterances by length "
+        "(kg.data.SpeechDatasetBuilder(num_buckets=8), or tf.data's "
+        "bucket_by_sequence_length(..., pad_to_bucket_boundary=True)), so each "
         "batch pads only to its bucket's boundary; the few bounded shapes then let the step "
         "compile with XLA once each (kg.compile_model(jit_compile=True)): predicted {gain} "
         "faster with the padding's time gone (XLA's own gain is not in it)"

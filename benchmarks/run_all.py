@@ -44,6 +44,7 @@ BENCHMARKS = {
     "async_sync": (["--rounds", "3", "--lengths", "2000"], ["--full"]),
     "step_shapes_overhead": (["--quick"], []),
     "first_step": (["--quick"], []),
+    "demo_promise": (["--utterances", "48", "--burners", "0"], []),
     "validate_time": (["--rounds", "3"], []),
 }
 

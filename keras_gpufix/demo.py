@@ -4,15 +4,19 @@
    audio, one deliberately truncated file) and a YAML config beside it;
 2. `kg.from_config` makes the strategy, dtype policy, dataset builder
    (feature cache, length buckets) and the monitors;
-3. the naive way: a tiny mel-prediction model trained from the naive loader
+3. the naive way: a tiny mel-prediction model (as light a step on the CPU as a
+   GPU makes a real model's, so the naive way's costs are those a GPU run
+   meets: its input and its padding) trained from the naive loader
    (`keras_gpufix.data.naive`: a NumPy spectrogram in `tf.numpy_function`,
-   padded batches) with `model.compile` defaults, the monitors attached;
+   padded batches, its utterances' lengths told to the monitors) with
+   `model.compile` defaults, the monitors attached;
 4. the keras_gpufix way: the same model from the config's cached, bucketed
    dataset, compiled with `kg.compile_model` (XLA), the same monitors;
 5. the report: what the builder skipped and padded, each way's one verdict
-   (`GPUOscillationMonitor.report()`, judged after the first epoch, whose
-   XLA compiles, one per length bucket, are expected) with its evidence and
-   utterances/s after the first epoch, each way's first epoch split into
+   (`GPUOscillationMonitor.report()`, judged after the way's first epoch, whose
+   XLA compiles, one per length bucket, are expected) with its evidence (the
+   input wait, the padding, the shapes), the naive way's other ranked causes,
+   and utterances/s after the first epoch, each way's first epoch split into
    compiling (`RetracingMonitor`'s priced compiles: tracing, and XLA
    compiling or loading from the compile cache) and training, each way's
    wall time (its setup, feature cache and compile included, to its last
@@ -20,6 +24,10 @@
    after how many utterances (and seconds) the keras_gpufix way had caught
    up with the naive way, both counted from their setup, measured in this
    run (projected at the steady rates, and said so, when it had not yet);
+   then the promise check: the gain the naive way's verdict predicted for
+   the fix of each of its causes, all of them together, beside the gain the
+   keras_gpufix way measured, and the phase (input wait, step, time between
+   steps) where what no fix covered went;
 6. each way's run record (`logs/<way>/run_record.json`, written by its
    monitor) rendered as `logs/<way>/report.html` (`keras-gpufix report`).
 
@@ -49,6 +57,7 @@ filtered from stderr while TensorFlow loads);
 `TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix demo` shows them all.
 """
 
+import gc
 import glob
 import json
 import os
@@ -73,12 +82,13 @@ data:
   audio: {{n_mels: 40, max_seconds: 4.0}}
   cache_dir: cache
   on_bad_input: skip
-build: {{batch_size: 8, num_buckets: 4}}
+build: {{batch_size: 8, num_buckets: 3}}
 compile: {{jit_compile: true, mixed_precision: auto, steps_per_execution: 1}}
 strategy: {{mode: auto}}
 callbacks:
-  # warmup: the first epoch: its XLA compiles (one per bucket) are not judged
-  GPUOscillationMonitor: {{window: 8, warmup: {warmup}, log_dir: logs}}
+  # warmup: the first epoch: its XLA compiles (one per bucket) are not judged (the demo
+  # sets each way's monitor to its own first epoch's steps)
+  GPUOscillationMonitor: {{window: 16, warmup: {warmup}, log_dir: logs}}
   RetracingMonitor: {{max_new_shapes: 5}}
   StepTimer: {{log_dir: logs}}
   # no ProfilerTrigger: the demo traces each way's second epoch itself (steady state)
@@ -147,15 +157,16 @@ def _corpus(kg, workdir, utterances, verbose):
 
 
 def _model(vocab_size, n_mels):
-    """Predicts the next mel frame from the previous ones and the text."""
+    """Predicts the next mel frame from the previous ones and the text: as light
+    a step on the CPU as a GPU makes a real model's (a few milliseconds), so the
+    naive way's costs are those a GPU run meets: its input and its padding."""
     import keras
 
     text = keras.Input((None,), dtype="int32", name="text")
     mel = keras.Input((None, n_mels), name="mel")
-    summary = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocab_size, 32)(text))
-    x = keras.layers.Conv1D(64, 5, padding="causal", activation="relu")(mel)
-    x = keras.layers.Conv1D(64, 5, padding="causal", activation="relu")(x)
-    x = x + keras.layers.Dense(64)(summary)[:, None, :]
+    summary = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocab_size, 16)(text))
+    x = keras.layers.Conv1D(32, 5, padding="causal", activation="relu")(mel)
+    x = x + keras.layers.Dense(32)(summary)[:, None, :]
     out = keras.layers.Dense(n_mels, dtype="float32")(x)
     return keras.Model({"text": text, "mel": mel}, out, name="tiny_mel_predictor")
 
@@ -205,8 +216,10 @@ def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per
     losses = history.history.get("loss", [])
     per_step = samples_per_epoch / steps_per_epoch
     compiles = [e for e in retracing.report()["shape_events"] if e["epoch"] == 0]
+    report = monitor.report()
     return {
-        "monitor": monitor.report(),
+        "monitor": report,
+        "phase_ms": _phase_ms(report["step_time"]),
         "retracing": retracing.report(),
         "traces": [] if trace is None else trace.report()["traces"],
         "steps_per_epoch": steps_per_epoch,
@@ -219,6 +232,67 @@ def _side(monitor, retracing, trace, steps_per_epoch, epoch_seconds, samples_per
         "wall_seconds": step_ends[-1] - started if step_ends else None,
         "progress": [((i + 1) * per_step, t - started) for i, t in enumerate(step_ends)],
     }
+
+
+def _padding(report):
+    """The padding share of the features' frames the monitor's latest judgement
+    measured (`analysis.judge`'s evidence), or None."""
+    return next((e["evidence"]["padding"] for e in reversed(report.get("events") or ())
+                 if e["evidence"].get("padding") is not None), None)
+
+
+def _phase_ms(summary):
+    """Milliseconds per utterance in each phase of the cycle (`PHASES`), over the
+    steps the monitor judged (`StepLog.summary()`); None without samples."""
+    from keras_gpufix.analysis import PHASES
+
+    rate, phases = summary.get("samples_per_s"), summary.get("phases") or {}
+    if not rate:
+        return None
+    return {p: 1e3 * (phases.get(p) or 0.0) / rate for p in PHASES}
+
+
+def _promise(naive, fast, fast_padding=None):
+    """The naive way's predicted gain for each fix of its causes, beside the gain the
+    keras_gpufix way measured, and what no fix covered.
+
+    Args:
+        naive, fast: `run_demo` sides.
+        fast_padding: the keras_gpufix way's padding share (its builder's
+            `1 - padding_efficiency`), or None.
+
+    Returns:
+        None without both steady rates; else a dict: `causes` (the naive way's
+        ranked causes: `verdict`, `share`, `speedup` (predicted, the whole run
+        once its time goes), `phase`, `fix`), `predicted` (all of them
+        together, `analysis.combined_speedup`; 1.0 with none), `measured` (the
+        keras_gpufix way's steady utterances/s over the naive way's),
+        `not_covered` (`measured / predicted`) and `phases`: per phase,
+        milliseconds per utterance `[naive, predicted once the fixes remove
+        their causes' time, keras_gpufix]` (None without the monitors' rates),
+        `padding` (`[naive, keras_gpufix]` shares of padded frames, each None
+        when not measured).
+    """
+    from keras_gpufix.analysis import combined_speedup
+
+    slow, quick = naive["steady_samples_per_s"], fast["steady_samples_per_s"]
+    if not slow or not quick:
+        return None
+    causes = [c for c in naive["monitor"].get("causes") or () if c.get("share")]
+    predicted = combined_speedup([c["speedup"] for c in causes]) if causes else 1.0
+    phases = None
+    before, after = naive["phase_ms"], fast["phase_ms"]
+    if before and after:
+        cycle = sum(before.values())
+        left = dict(before)
+        for c in causes:
+            if c.get("phase") in left:
+                left[c["phase"]] = max(0.0, left[c["phase"]] - c["share"] * cycle)
+        phases = {p: [before[p], left[p], after[p]] for p in before}
+    measured = quick / slow
+    return {"causes": causes, "predicted": predicted, "measured": measured,
+            "not_covered": None if predicted is None else measured / predicted,
+            "phases": phases, "padding": [_padding(naive["monitor"]), fast_padding]}
 
 
 def _at(progress, utterances, rate):
@@ -304,7 +378,10 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         first and last epoch, `first_epoch_compile_s` (the first epoch's
         priced compiles), `wall_seconds` (from the way's setup to its last
         step), `progress` (utterances done and seconds since the setup at
-        each step's end)), `payback` (`_payback(naive, keras_gpufix)`),
+        each step's end), `phase_ms` (`_phase_ms`)), `payback`
+        (`_payback(naive, keras_gpufix)`), `promise` (`_promise(naive,
+        keras_gpufix)`: the naive way's predicted gain per fix beside the
+        measured),
         `compile_cache` (`directory`, `active`, `note`, `entries` (before
         the keras_gpufix way's fit), `written`: entries its fit added, i.e.
         its fresh compiles, `fresh_shapes`: the batch shapes whose first
@@ -347,8 +424,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
     m = cfg.callbacks["GPUOscillationMonitor"]
     log_dir = m["log_dir"]
     staging = tempfile.mkdtemp(prefix=".naive_scalars_", dir=workdir)  # then run `naive`
-    monitor = kg.GPUOscillationMonitor(  # as the config's
-        **{**m, "log_dir": staging, "verbose": 0})
+    naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
+    monitor = kg.GPUOscillationMonitor(  # as the config's, judged after the first epoch
+        **{**m, "log_dir": staging, "warmup": naive_steps, "verbose": 0})
     retracing = kg.RetracingMonitor(**{**cfg.callbacks["RetracingMonitor"], "warn": False,
                                        "verbose": 0})
 
@@ -357,7 +435,6 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
     started = time.perf_counter()
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("float32")  # model.compile's default
-    naive_ds, naive_steps = naive_dataset(corpus, cfg.build["batch_size"], audio, text, seed=0)
     naive_model = _model(text.num_ids, audio.n_mels)
     naive_model.compile("adam", "mse")
     keras.mixed_precision.set_global_policy(policy)
@@ -368,6 +445,8 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
     _name_run(staging, os.path.join(log_dir, "naive"))  # beside the keras_gpufix way's run
     naive = _side(monitor, retracing, naive_trace, naive_steps, seconds,
                   naive_steps * cfg.build["batch_size"], history, started, ends)
+    del naive_ds, naive_model, history
+    gc.collect()  # the naive iterator's threads stop making batches the monitors would see
 
     emit(f"2/2 keras_gpufix: {os.path.basename(config_path)} through kg.from_config (feature "
          f"cache, length buckets, kg.compile_model); {epochs} epochs ...", verbose)
@@ -379,6 +458,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         model = _model(text.num_ids, audio.n_mels)
         report = kg.compile_model(model, "adam", "mse", **setup.compile_kwargs)
     steps = setup.builder.report["batches_per_epoch"]
+    callbacks = [kg.GPUOscillationMonitor(**{**m, "warmup": steps, "verbose": 0})
+                 if isinstance(cb, kg.GPUOscillationMonitor) else cb
+                 for cb in setup.callbacks]  # judged after its own first epoch
     trace = _steady_trace(kg, os.path.join(log_dir, "keras_gpufix"), steps,
                           setup.fit_kwargs["epochs"])
     after_step = []  # compile entries after each step: a step that added one compiled afresh
@@ -386,9 +468,9 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         on_train_batch_end=lambda batch, logs: after_step.append(len(compile_cache.entries())))
     with compile_cache.watch() as written:
         history, seconds, ends = _fit(model, train, setup.fit_kwargs["epochs"],
-                                      setup.callbacks + [trace] * (trace is not None)
+                                      callbacks + [trace] * (trace is not None)
                                       + [entries], steps=steps)
-    by_name = {type(cb).__name__: cb for cb in setup.callbacks}
+    by_name = {type(cb).__name__: cb for cb in callbacks}
     fast = _side(by_name["GPUOscillationMonitor"], by_name["RetracingMonitor"], trace, steps,
                  seconds, setup.builder.report["utterances"], history, started, ends)
     kept = report.compile_cache or {}
@@ -404,6 +486,7 @@ def run_demo(workdir=None, utterances=96, epochs=3, verbose=1, fresh=False):
         "naive": naive,
         "keras_gpufix": fast,
         "payback": _payback(naive, fast),
+        "promise": _promise(naive, fast, 1.0 - setup.builder.report["padding_efficiency"]),
         "compile_cache": {**kept, "written": written["written"], "fresh_shapes": _fresh_shapes(
             fast["retracing"]["shape_events"], after_step, kept.get("entries") or 0)},
         "log_dir": log_dir,
@@ -430,14 +513,18 @@ def _side_lines(side, compiled=""):
     wait = m.get("input_wait")
     rate = side["steady_samples_per_s"]
     loss = side["loss"]
+    padding = _padding(m)
     lines = [f"          verdict:  {m.get('verdict')} (GPUOscillationMonitor.report(), steps after "
              "the first epoch)",
              f"          evidence: median step {(m.get('step_time') or {}).get('p50_ms') or 0:.1f} ms"
              + ("" if wait is None else f", input wait {wait:.0%}")
+             + ("" if padding is None else f", padding {padding:.0%} of the frames")
              + f", {r.get('new_shapes')} input shapes, {r.get('trace_count')} traces"]
     lines += [_trace_line(t, side["steps_per_epoch"]) for t in side["traces"]]
     if m.get("verdict") != "healthy":
         lines.append(f"          fix:      {m.get('fix')}")
+    for c in (m.get("causes") or ())[1:]:  # ranked after the verdict's own
+        lines.append(f"          also:     {c['verdict']}, {c['share']:.0%} of the run: {c['fix']}")
     first, compiling = side["epoch_seconds"][0], side["first_epoch_compile_s"]
     lines.append(f"          speed:    first epoch {first:.1f} s (compiling {compiling:.1f} s"
                  f"{compiled}; training and start-up {max(0.0, first - compiling):.1f} s), then "
@@ -482,6 +569,47 @@ def _payback_words(p, ways=("keras_gpufix", "naive")):
                  f"rates it would after {when}")
 
 
+def _promise_lines(p, jit):
+    """The promise check for people: each fix's predicted gain, all of them against
+    the measured gain, and where the time no fix covered went."""
+    if p is None:
+        return []
+    x = lambda v: "unbounded" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = ["promise:  the naive way's verdict priced each fix; the keras_gpufix way made "
+             "them all (utterances/s after the first epoch)"]
+    lines += [f"          {c['verdict']} ({c['share']:.0%} of the naive run): its fix predicted "
+              f"{x(c['speedup'])}" for c in p["causes"]]
+    if not p["causes"]:
+        lines.append("          the naive way's verdict named no cause: no fix predicted a gain")
+    lines.append(f"          together: predicted {x(p['predicted'])}, measured "
+                 f"{x(p['measured'])}")
+    covered = p["not_covered"]
+    if covered is None or not p["phases"]:
+        return lines
+    gaps = {ph: v[1] - v[2] for ph, v in p["phases"].items()}
+    worst = max(gaps, key=lambda ph: abs(gaps[ph]))
+    if abs(covered - 1.0) < 0.10:
+        lines.append(f"          covered: the fixes' prediction is within 10% of the measured "
+                     "gain")
+        return lines
+    before, left, after = p["phases"][worst]
+    name = {"input_wait": "input wait", "step": "step", "between": "time between steps"}[worst]
+    text = (f"          not covered by any fix: {x(covered)} "
+            + ("beyond" if covered > 1 else "short of")
+            + f" the prediction; the {name} per utterance: {before:.1f} ms naive, "
+              f"{left:.1f} ms predicted with the fixes, {after:.1f} ms measured")
+    if worst == "step" and gaps[worst] > 0:
+        naive_pad, fast_pad = p["padding"]
+        padded = ("" if naive_pad is None or fast_pad is None
+                  else f", padded to its bucket ({naive_pad:.0%} -> {fast_pad:.0%} of the frames "
+                       "padding)")
+        text += (f": the keras_gpufix way's step is compiled with XLA (jit_compile={jit})"
+                 f"{padded} and has the cores to itself (no NumPy input beside it); no fix "
+                 "priced those")
+    lines.append(text)
+    return lines
+
+
 def format_demo(result):
     """The demo's report for people: data, both ways side by side, the ratio."""
     b, c, cache = result["builder"], result["compile"], result["compile_cache"]
@@ -509,6 +637,7 @@ def format_demo(result):
                               naive["steady_samples_per_s"], " utterances/s")
         + " after the first epoch, same corpus and model, this run; "
         + _payback_words(result["payback"]),
+        *_promise_lines(result.get("promise"), c.get("jit_compile")),
         f"wall:     naive {naive['wall_seconds']:.1f} s, keras_gpufix {fast['wall_seconds']:.1f} s "
         "(each way from its setup, feature cache and compile included, to its last step)",
         f"report:   {result['reports']['naive']}  {result['reports']['keras_gpufix']}",

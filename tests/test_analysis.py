@@ -331,8 +331,9 @@ def test_irregular_late_batches_are_an_irregular_stall_whose_fix_names_input_wai
     assert {e["verdict"] for e in detector.events} == {"irregular_stall"}
     event = detector.events[0]
     assert event["phase"] == "input_wait"
-    assert event["fix"].startswith(f"occasional long cycles cost {event['cost_share']:.0%} of "
-                                   "the run, most of it in input wait: capture a trace")
+    # the run measured where the time went (the input): the fix is the input's, no trace
+    assert event["fix"].startswith(f"occasional late batches cost {event['cost_share']:.0%} of "
+                                   "the run") and "trace" not in event["fix"]
 
 
 @pytest.mark.parametrize("k", [3, 6, 11, 20])
@@ -465,11 +466,12 @@ def test_fix_texts_keep_their_format_fields():
 def test_docs_quote_the_one_table_and_thresholds():
     from pathlib import Path
 
-    from keras_gpufix.analysis.verdicts import PHASE_FIXES
+    from keras_gpufix.analysis.verdicts import PHASE_FIXES, STALL_FIXES
 
     doc = (Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
     rows = [f"| `{v}` | {FIXES[v]} |" for v in VERDICTS]
     rows += [f"| `{p}` | {text} |" for p, text in PHASE_FIXES.items()]
+    rows += [f"| `{p}` | {text} |" for p, text in STALL_FIXES.items()]
     rows += [f"| `{k}` | {v} |" for k, v in THRESHOLDS.items()]
     missing = [row for row in rows if row not in doc]
     assert not missing, f"docs/monitoring.md is out of date with analysis/verdicts.py: {missing}"
@@ -809,3 +811,55 @@ def test_a_compiled_steps_saving_is_its_calls_excess_over_the_runs_cycle():
     # never more than the step's own steady share (four micro-batches a step)
     assert compiled_cause_share(causes, dict(once, calls_per_step=4.0), 50.0) == 0.35
     assert compiled_cause_share(causes, {"reason": "could not trace"}, 50.0) is None
+
+
+def padded(n, seed=0, wait=0.0002):
+    """StepRecords of speech batches padded to their longest utterance: 8 utterances of
+    40-400 frames, the step 2 ms plus 25 ns per element of the batch (real and padded)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        lengths = rng.integers(40, 400, 8)
+        longest = int(lengths.max())
+        elements = 8 * longest * 80 + 8 * 60
+        step = (0.002 + 25e-9 * elements) * (1 + 0.03 * rng.standard_normal())
+        out.append(StepRecord(index=i, steps=1, input_wait=wait, step=float(step),
+                              between=0.0003, real_frames=int(lengths.sum()),
+                              shape=((8, 60), (8, longest, 80), (8,))))
+    return out
+
+
+def test_padding_that_costs_the_step_is_padded_batches_with_an_edit_for_fix():
+    rs = padded(96)
+    frames = sum(r.shape[1][0] * r.shape[1][1] for r in rs)
+    truth = 1 - sum(r.real_frames for r in rs) / frames
+    judgement = judge(rs)
+    ev = judgement["evidence"]
+    assert (judgement["verdict"], judgement["phase"]) == ("padded_batches", "step")
+    assert ev["padding"] == pytest.approx(truth)
+    # the step's time per element, measured from the run (25 ns), prices the padding
+    cost = sum(25e-9 * (r.shape[1][0] * r.shape[1][1] - r.real_frames) * 80 for r in rs)
+    assert judgement["cost_share"] == pytest.approx(cost / sum(r.cycle for r in rs), rel=0.15)
+    fix = judgement["causes"][0]["fix"]
+    assert f"{truth:.0%} of the batches' frames are padding" in fix and "num_buckets" in fix
+    assert f"{1 / (1 - judgement['cost_share']):.2f}x" in fix and "trace" not in fix
+    # the same batches with real lengths unknown: nothing to price
+    assert judge([r._replace(real_frames=None) for r in rs])["verdict"] == "healthy"
+    # bucketed batches (little padding) cost little
+    assert judge([r._replace(real_frames=int(0.95 * r.shape[1][0] * r.shape[1][1]))
+                  for r in rs])["verdict"] == "healthy"
+
+
+def test_an_input_bound_run_ranks_its_padding_beside_the_input():
+    rs = padded(96, wait=0.004)
+    judgement = judge(rs)
+    assert judgement["verdict"] == "input_bound"
+    causes = {c["verdict"]: c for c in judgement["causes"]}
+    assert set(causes) == {"input_bound", "padded_batches"}
+    assert causes["padded_batches"]["share"] >= THRESHOLDS["cost_share"]
+    assert "bucket" in causes["padded_batches"]["fix"]
+    # the run's one verdict names both, each with its own fix
+    det = OscillationDetector(window=32, warmup=0)
+    for r in rs:
+        det.update(r)
+    assert {c["verdict"] for c in det.verdict()["causes"]} == {"input_bound", "padded_batches"}

@@ -19,13 +19,16 @@ def test_naive_batches_hold_the_builders_features_and_ids(tmp_path, audio):
     dataset, steps = naive_dataset(corpus, 3, audio, text, seed=0)
     assert steps == 2
     assert dataset.element_spec[1][0].shape.as_list() == [3, None, audio.num_features]
-    naive = {}
+    naive, real = {}, []
     for (ids, text_len), (mel, mel_len) in dataset.take(steps):
+        real.append(int(np.sum(mel_len)))
         for i in range(3):
             n = int(mel_len[i])
             naive[tuple(ids[i, :int(text_len[i])].numpy())] = mel[i, :n].numpy()
         padded = np.arange(mel.shape[1])[None, :] >= mel_len.numpy()[:, None]
         np.testing.assert_array_equal(mel.numpy()[padded], np.float32(audio.padding_value))
+    # each batch's real frames reach the monitors (its padding is measured)
+    assert dataset.input_probe.read(0, steps)[2].tolist() == real
     builder = SpeechDatasetBuilder(corpus, audio=audio, text=text, verbose=0)
     kg = {}
     for (ids, text_len), (mel, mel_len) in builder.build(batch_size=6, num_buckets=1,

@@ -213,3 +213,43 @@ def test_the_eager_step_fix_names_the_compile_override_that_made_it_eager():
     assert report["verdict"] == "eager_step"
     assert report["fix"].endswith(f", at {__file__}:{line}")
     assert report["events"][0]["fix"] == report["fix"]
+
+
+def _speech_batches(bucketed):
+    """240 utterances, 8 a batch, each batch's longest of 100-400 frames (its others from
+    20 frames up to it): padded to the longest of each batch, or bucketed by length
+    (10-frame buckets, padded to the boundary); their lengths told to the monitors
+    (`instrument(frames=...)`)."""
+    rng = np.random.default_rng(0)
+    caps = np.repeat(rng.integers(100, 400, 30), 8)
+    lengths = tf.constant(rng.integers(20, caps), tf.int32)
+    ds = tf.data.Dataset.from_tensor_slices(lengths).repeat().map(
+        lambda n: (tf.ones([n, 64]), n))
+    if bucketed:
+        ds = ds.bucket_by_sequence_length(lambda x, n: n, list(range(10, 410, 10)), [8] * 41,
+                                          pad_to_bucket_boundary=True)
+    else:
+        ds = ds.padded_batch(8)
+    ds = kg.data.instrument(ds, frames=lambda batch: batch[1])
+    return ds.map(lambda x, n: (x, x[:, :, :1])).prefetch(2)
+
+
+def test_padding_that_costs_the_step_is_named_with_buckets_for_fix():
+    def run(bucketed):
+        inputs = keras.Input((None, 64))
+        x = keras.layers.Conv1D(256, 9, padding="same", activation="relu")(inputs)
+        model = keras.Model(inputs, keras.layers.Conv1D(1, 9, padding="same")(x))
+        model.compile("sgd", "mse")
+        monitor = kg.GPUOscillationMonitor(window=16, warmup=4, nvml=False, verbose=0)
+        model.fit(_speech_batches(bucketed), epochs=1, steps_per_epoch=30, verbose=0,
+                  callbacks=[monitor])
+        return monitor.report()
+
+    padded = run(bucketed=False)
+    causes = {c["verdict"]: c for c in padded["causes"]}
+    assert "padded_batches" in causes, padded["causes"]
+    assert "num_buckets" in causes["padded_batches"]["fix"]
+    evidence = next(e["evidence"] for e in padded["events"] if "padding" in e["evidence"])
+    assert 0.3 < evidence["padding"] < 0.6  # 20-400 frames, padded to each batch's longest
+    bucketed = run(bucketed=True)
+    assert "padded_batches" not in {c["verdict"] for c in bucketed["causes"]}

@@ -126,6 +126,69 @@ def _expected_step(shapes, step, min_steps):
     return base
 
 
+def _padding(rs, step, n):
+    """The padding in the window's batches and the step time spent on it.
+
+    A record's batch is padded when its shape key's largest tensor (the
+    features, `(B, T, ...)`) holds more frames (`B x T` a step) than the
+    record's real frames (`kg.data.instrument(frames=...)`: the utterances'
+    own lengths). The step's time per element is the slope of the Theil-Sen
+    line of step time vs elements per batch over the shapes' median steps
+    (how the step itself grows with its batch, robust to a stalled step),
+    at most the step's time in proportion to its padded elements; with one
+    shape, or shapes within 1.25x of each other's elements (batches all
+    padded to about the same longest utterance), the slope cannot be
+    measured, and that proportion (an upper bound) is the price.
+
+    Args:
+        rs: the window's records.
+        step: each record's step time, per step (seconds).
+        n: each record's steps.
+
+    Returns:
+        None when no record says its real frames (or its shape); else a dict
+        `padding` (the share of the features' frames that are padding),
+        `seconds` (the step time spent on it, over the window), `shapes`
+        (distinct input shapes in the window) and `per_element` (the
+        slope, seconds per element; None with one shape).
+    """
+    rows = []
+    for i, r in enumerate(rs):
+        key = r.shape
+        if key is None or not r.real_frames or r.real_frames <= 0:
+            continue
+        sizes = [_elements((dims,)) for dims in key]
+        if any(s is None for s in sizes):
+            continue
+        features = key[int(np.argmax(sizes))]
+        if len(features) < 2:
+            continue
+        frames = float(features[0]) * float(features[1]) * n[i]
+        if not 0 < r.real_frames <= frames:
+            continue
+        padding = 1.0 - r.real_frames / frames
+        rows.append((i, key, frames, padding, padding * max(sizes) * n[i], sum(sizes)))
+    if not rows:
+        return None
+    groups = {}
+    for i, key, *_ in rows:
+        groups.setdefault(key, []).append(step[i])
+    slope = None
+    sizes = np.array([_elements(k) for k in groups])
+    if len(groups) >= 2 and sizes.max() >= 1.25 * sizes.min():
+        line = _theil_sen(sizes, np.array([float(np.median(groups[k])) for k in groups]))
+        slope = None if line is None else max(0.0, line[1])
+    seconds = 0.0
+    for i, key, frames, padding, padded, elements in rows:
+        # at most the step's share of padded elements: a step that costs more per
+        # element than its own time per element is a noisy slope, not the padding
+        most = step[i] * n[i] * padded / elements
+        seconds += most if slope is None else min(most, slope * padded)
+    frames = sum(row[2] for row in rows)
+    return {"padding": sum(row[2] * row[3] for row in rows) / frames, "seconds": seconds,
+            "shapes": len(groups), "per_element": slope}
+
+
 def locate_periodic(cycles, samples, period, thresholds=None):
     """Where the work every `period` steps runs, from stack samples.
 
@@ -239,10 +302,17 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
 
 
 def _cause(judgement):
-    share = judgement["cost_share"]
+    share, ev = judgement["cost_share"], judgement["evidence"]
     return {"verdict": judgement["verdict"], "share": share,
             "speedup": None if share is None else speedup_of(share),
-            "phase": judgement["phase"], "period": judgement["period"]}
+            "phase": judgement["phase"], "period": judgement["period"],
+            "fix": fix_for(judgement["verdict"], phase=judgement["phase"],
+                           period=judgement["period"], share=share, **_fix_fields(ev))}
+
+
+def _fix_fields(ev):
+    """The fields of a fix text that come from a judgement's evidence."""
+    return {"padding": ev.get("padding"), "shapes": ev.get("shapes")}
 
 
 def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blockers,
@@ -349,6 +419,14 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blo
     wait_share = ev["phases"]["input_wait"]
     if wait_share is not None:
         ev["input_wait"] = wait_share
+    padded = None if folded else _padding(rs, phase["step"], n)
+    padded_share = 0.0
+    if padded is not None:
+        padded_share = padded["seconds"] / total if total > 0 else 0.0
+        ev["signals"].append("padding")
+        ev.update(padding=padded["padding"], padding_time_share=padded_share,
+                  shapes=max(shapes_seen, padded["shapes"]))
+    padding_costs = padded_share >= th["cost_share"]
     utils = [r.gpu_util for r in rs if r.gpu_util is not None]
     util = None
     if utils:
@@ -401,10 +479,22 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blo
         if wait_share is not None and wait_share >= th["input_wait_share"]:
             ev["also"] = [_judgement("input_bound", ev, phase="input_wait",
                                      cost_share=wait_share)]
+        if padding_costs:
+            ev.setdefault("also", []).append(
+                _judgement("padded_batches", ev, phase="step", cost_share=padded_share))
         return _judgement("periodic_stall", ev, period, stall_phase, share)
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
+        # While the input is the bound, a lighter step waits longer: the
+        # padding's time is a cause beside it, ranked by its share.
+        if padding_costs:
+            ev["also"] = [_judgement("padded_batches", ev, phase="step",
+                                     cost_share=padded_share)]
         return _judgement("input_bound", ev, phase="input_wait", cost_share=wait_share)
+    if padding_costs:
+        # The run's own measurements say where the step's time goes: no stall
+        # verdict (whose fix is a trace) is given past it.
+        return _judgement("padded_batches", ev, phase="step", cost_share=padded_share)
     if async_blockers:
         # With dispatch on, the host's part of each cycle overlaps the device's:
         # the smaller of the two is lost per step. The device's part is what the
@@ -745,13 +835,15 @@ class OscillationDetector:
             where = self._where(verdict)
             if where:  # the line may have been learnt after the event (kg.watch's stalls)
                 fix = fix_for(verdict, phase=phase, period=same[-1].get("period"),
-                              share=share, where=where, source=self.input_source)
+                              share=share, where=where, source=self.input_source,
+                              **_fix_fields(same[-1]["evidence"]))
             because.append(f"{verdict} from step {same[0]['start_step']} to step "
                            f"{same[-1]['end_step']}: {same[-1]['message']}")
         elif judgement is not None and verdict not in NOT_CAUSES:
             phase, share = judgement["phase"], judgement["cost_share"]
             fix = fix_for(verdict, phase=phase, period=judgement["period"], share=share,
-                          where=self._where(verdict), source=self.input_source)
+                          where=self._where(verdict), source=self.input_source,
+                          **_fix_fields(judgement["evidence"]))
         else:
             fix, phase, share = FIXES[verdict], None, None
         others = [e for e in self.events if e["verdict"] != verdict]
@@ -783,7 +875,7 @@ def _event(judgement, start, end, where=None, source=None):
         "cost_share": share,
         "evidence": ev,
         "fix": fix_for(verdict, phase=phase, period=period, share=share, where=where,
-                       source=source),
+                       source=source, **_fix_fields(ev)),
         "message": _message(verdict, start, ev, period, phase, share),
         "causes": [dict(c) for c in judgement.get("causes", ())],
     }
@@ -798,6 +890,9 @@ def _message(verdict, start, ev, period, phase, share):
         parts.append(f"slow every {period} steps in {where} ({share:.0%} of time lost)")
     if ev.get("input_wait") is not None:
         parts.append(f"input wait {ev['input_wait']:.0%}")
+    if ev.get("padding") is not None:
+        parts.append(f"padding {ev['padding']:.0%} of the frames, {ev['shapes']} shapes "
+                     f"({ev['padding_time_share']:.0%} of time in the step)")
     if "gpu_util" in ev:
         parts.append(f"GPU util {ev['gpu_util']:.0%}")
     if "slow_steps_at_new_shapes" in ev:

@@ -17,6 +17,9 @@ Verdicts, in order of precedence (the detector tries them in this order):
 |                   | utilisation on long steps; phase `step` (contention): the   |
 |                   | what-if finds the input costing >= `what_if_share` while    |
 |                   | the wait reads low (`detector.weigh`)                       |
+| `padded_batches`  | the step's work on padding (frames past each utterance's    |
+|                   | end, priced by the step's own time per element) costs       |
+|                   | >= `cost_share`                                             |
 | `sync_callbacks`  | callbacks turned Keras's asynchronous dispatch off (JAX,    |
 |                   | torch, numpy) and the host time per step that no longer     |
 |                   | overlaps the device step costs >= `cost_share`              |
@@ -36,6 +39,7 @@ __all__ = [
     "FIXES",
     "PHASES",
     "PHASE_FIXES",
+    "STALL_FIXES",
     "STAGE_FIXES",
     "CONTENTION_FIX",
     "THRESHOLDS",
@@ -65,6 +69,7 @@ VERDICTS = (
     "eager_step",
     "periodic_stall",
     "input_bound",
+    "padded_batches",
     "sync_callbacks",
     "dispatch_bound",
     "irregular_stall",
@@ -188,6 +193,33 @@ PHASE_FIXES = {
         "work in the loop body every {period} steps costs {share} of the run "
         "(logging, plots, checkpoints or host syncs on that schedule); run it less "
         "often or move it off the step path"
+    ),
+}
+
+#: The fix of `irregular_stall` by the phase holding most of the long cycles'
+#: excess: where the run's own measurements say where the time went (the
+#: input, the time between steps), the fix names that; a trace is the advice
+#: only for long steps nothing measured explains, and it says what the trace
+#: will show.
+STALL_FIXES = {
+    "input_wait": (
+        "occasional late batches cost {share} of the run (the step waited for its input at "
+        "those cycles, on no schedule): part of the input is slow now and then (a slow "
+        "file, a py_function's uneven work, a shuffle or cache buffer refilling): cache "
+        "the input's costly work (ds.cache() after it, or kg.data.SpeechDatasetBuilder("
+        "cache_dir=...)) and prefetch, so one late batch no longer stops the step"
+    ),
+    "between": (
+        "occasional long gaps between steps cost {share} of the run (callbacks, logging, "
+        "checkpoints or garbage collection on no fixed schedule): run that work less often "
+        "or off the step path"
+    ),
+    "step": (
+        "occasional long steps cost {share} of the run and nothing the run measured "
+        "explains them (not the input, new shapes, padding or the time between steps): "
+        "capture a trace of one (kg.ProfilerTrigger(trigger='slow_step')): it shows whether "
+        "the long step waits on a host op, a copy between host and device, or cores taken "
+        "by other processes"
     ),
 }
 
@@ -383,6 +415,16 @@ FIXES = {
         "feature cache (kg.data.SpeechDatasetBuilder(cache_dir=...)), raise "
         "map parallelism to AUTOTUNE and prefetch"
     ),
+    "padded_batches": (
+        "{padding} of the batches' frames are padding (each batch padded to its longest "
+        "utterance; {shapes} input shapes in the steps judged) and the step's work on it "
+        "costs {share} of the run: bucket the utterances by length "
+        "(kg.data.SpeechDatasetBuilder(num_buckets=8), or tf.data's "
+        "bucket_by_sequence_length(..., pad_to_bucket_boundary=True)), so each "
+        "batch pads only to its bucket's boundary; the few bounded shapes then let the step "
+        "compile with XLA once each (kg.compile_model(jit_compile=True)): predicted {gain} "
+        "faster with the padding's time gone (XLA's own gain is not in it)"
+    ),
     "sync_callbacks": (
         "{where} override a batch-end hook without `async_safe = True`, so Keras waits for "
         "each step before dispatching the next ({share} of the time lost): set "
@@ -438,14 +480,19 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         verdict: a name in `VERDICTS`.
         phase: for `periodic_stall`, the phase where the time goes
             (`input_wait`, `step`, `between`, or `loop_body` for an unsplit
-            custom-loop span); selects the phase's text from `PHASE_FIXES`.
+            custom-loop span); selects the phase's text from `PHASE_FIXES`;
+            for `irregular_stall`, from `STALL_FIXES` (a trace only for
+            long steps nothing measured explains).
             For `input_bound`, `step` (the input's cost shows as a slower
             step: contention for the host's cores) selects `CONTENTION_FIX`,
             and a `source` field of `INPUT_SOURCE_FIXES` (fit's Python data
             source) that source's text.
             `FIXES` itself uses `{period}`, `{where}`, `{share}` and
             `{phase}` (`irregular_stall`: the phase holding most of the
-            long cycles' excess).
+            long cycles' excess); `padded_batches` `{padding}` (the share
+            of the features' frames that are padding, a fraction),
+            `{shapes}` (distinct input shapes) and `{gain}` (computed
+            from `share` unless given).
         **fields: `period`, `share` (a fraction, printed as a percentage),
             `where`, ...; a missing one prints as `?`.
 
@@ -456,6 +503,8 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
         raise ValueError(f"`verdict` must be one of {VERDICTS}. Received: verdict={verdict!r}")
     if verdict == "periodic_stall" and phase in PHASE_FIXES:
         text = PHASE_FIXES[phase]
+    elif verdict == "irregular_stall" and phase in STALL_FIXES:
+        text = STALL_FIXES[phase]
     elif verdict == "input_bound" and phase == "step":
         text = CONTENTION_FIX
     elif verdict == "input_bound" and fields.get("source") in INPUT_SOURCE_FIXES:
@@ -465,6 +514,11 @@ def fix_for(verdict: str, phase: str = None, **fields) -> str:
     if verdict == "periodic_stall" and fields.get("where"):
         text += ", at {where}"  # located (diagnose's stack samples of the slow cycles)
     values = _Fields({k: v for k, v in fields.items() if v is not None})
+    if verdict == "padded_batches" and isinstance(values.get("share"), float):
+        gain = speedup_of(values["share"])
+        values.setdefault("gain", "unbounded" if gain is None else f"{gain:.2f}x")
+    if isinstance(values.get("padding"), float):
+        values["padding"] = f"{values['padding']:.0%}"
     if isinstance(values.get("share"), float):
         values["share"] = f"{values['share']:.0%}"
     if phase is not None:
@@ -633,7 +687,7 @@ def rank_causes(causes) -> list:
     for cause in ranking:
         best = next((e for e in cause["evidence"] if e.get("period") or e.get("phase")),
                     cause["evidence"][0] if cause["evidence"] else {})
-        fields = {k: best.get(k) for k in ("period", "where")}
+        fields = {k: best.get(k) for k in ("period", "where", "padding", "shapes")}
         fields["share"] = cause["score"]
         cause["fix"] = fix_for(cause["verdict"], phase=best.get("phase"), **fields)
     return ranking

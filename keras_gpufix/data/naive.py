@@ -8,7 +8,8 @@ computes the spectrogram with NumPy every epoch (frames, Hann window,
 or linear features where the `AudioConfig` asks; map with AUTOTUNE
 parallelism), `padded_batch` (each batch padded to its longest clip, no
 length buckets), `kg.data.instrument` (so the monitors see its input wait,
-as `keras-gpufix diagnose` does for any dataset), prefetch. Features match
+as `keras-gpufix diagnose` does for any dataset, and each batch's real frames:
+how much of it is padding), prefetch. Features match
 `kg.data.AudioConfig`'s (librosa-compatible filterbank, same log floor), so
 the two paths train the same model on the same numbers; only the input path
 differs.
@@ -97,7 +98,8 @@ def naive_dataset(corpus, batch_size, audio=None, text=None, seed=0, drop_remain
         `((ids, text_len), (mel, mel_len))` batches (int32 `[B, T]`,
         int32 `[B]`, float32 `[B, F, audio.num_features]` padded with
         `audio.padding_value`, int32 `[B]`) and went through
-        `kg.data.instrument`, so the monitors measure its input wait.
+        `kg.data.instrument` (its frames: `mel_len`; `dataset.input_probe`),
+        so the monitors measure its input wait and its padding.
 
     Raises:
         FileNotFoundError: `corpus` has no `metadata.csv`.
@@ -156,4 +158,8 @@ def naive_dataset(corpus, batch_size, audio=None, text=None, seed=0, drop_remain
     ds = ds.padded_batch(batch_size, drop_remainder=drop_remainder,
                          padding_values=((0, 0), (audio.padding_value, 0)))
     steps = len(paths) // batch_size if drop_remainder else -(-len(paths) // batch_size)
-    return instrument(ds).prefetch(tf.data.AUTOTUNE), steps
+    ds = instrument(ds, frames=lambda batch: batch[1][1],
+                    frames_per_second=audio.frames_per_second)
+    out = ds.prefetch(tf.data.AUTOTUNE)
+    out.input_probe = ds.input_probe
+    return out, steps

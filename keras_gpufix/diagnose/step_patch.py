@@ -44,9 +44,10 @@ import linecache
 import os
 import re
 import textwrap
+import time
 import traceback
 
-__all__ = ["make_runnable", "write_patch", "SAME_RTOL", "SAME_ATOL"]
+__all__ = ["make_runnable", "write_patch", "saved_state", "SAME_RTOL", "SAME_ATOL"]
 
 #: Tolerance of "the same result" (graph and eager kernels reorder float sums).
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
@@ -496,6 +497,12 @@ class _State:
         space.update(saved)
 
 
+def saved_state(args, kwargs, fn):
+    """Every live variable's value and the Python state of `fn`'s arguments (and the
+    numbers of its module it names), saved: `.restore()` puts them back."""
+    return _State(_variables(), args, kwargs or {}, fn)
+
+
 def _leaves(result):
     import numpy as np
     import tensorflow as tf
@@ -603,7 +610,9 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
         `kind`, `where`, `code`, `change`), `traces` (how many), and where it runs:
         `same` (True, or the reason it differs: `differs`), `function` (the copy in
         `tf.function`) and `xla_function`, `xla_error`, `xla_op`, `xla_where`
-        (None where XLA ran it), `step` (for `write_patch`); where it does not:
+        (None where XLA ran it), `first_call_s` (each way's trace, compile and first
+        call, by `tf.function` / `tf.function(jit_compile=True)`), `step` (for
+        `write_patch`); where it does not:
         `blocker` (`where`, `code`, `message`: the line it could not change, with
         TensorFlow's message) and `unchecked` (what was not checked).
     """
@@ -625,7 +634,8 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
                           "message": "its module does not import tensorflow by a name"}
         out["unchecked"] = "the step was not changed nor traced"
         return out
-    state = _State(_variables(), args, kwargs, fn)
+    state = saved_state(args, kwargs, fn)
+    first_call_s = {}
     try:
         try:
             eager, eager_locals = _eager_run(fn, args, kwargs)
@@ -644,8 +654,10 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
             made = step.function()
             function = tf.function(made)
             out["traces"] += 1
+            t0 = time.perf_counter()
             try:
                 concrete = function.get_concrete_function(*args, **kwargs)
+                first_call_s["tf.function"] = time.perf_counter() - t0
                 break
             except Exception as exc:  # the next change the trace names
                 _fix_error(step, made, exc, library, eager_locals)
@@ -653,7 +665,9 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
             raise CannotPatch(step.where(1), step.code(1),
                               f"still failing after {MAX_TRACES} traces")
         try:
+            t0 = time.perf_counter()
             patched = function(*args, **kwargs)
+            first_call_s["tf.function"] += time.perf_counter() - t0
             patched_after = [v.numpy() for v, _ in state.values]
         except Exception as exc:
             raise CannotPatch(step.where(1), step.code(1), _message(exc)) from exc
@@ -669,10 +683,13 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
     differs = _same(eager, patched, [(v, x) for (v, _), x in zip(state.values, eager_after)],
                     patched_after)
     out.update(runs=True, same=differs is None, differs=differs, function=function,
-               step=step, xla_function=None, xla_error=None, xla_op=None, xla_where=None)
+               step=step, xla_function=None, xla_error=None, xla_op=None, xla_where=None,
+               first_call_s=first_call_s)
     xla = tf.function(made, jit_compile=True)
     try:
+        t0 = time.perf_counter()
         xla(*args, **kwargs)
+        first_call_s["tf.function(jit_compile=True)"] = time.perf_counter() - t0
         out["xla_function"] = xla
     except Exception as exc:  # an op XLA cannot compile
         text = str(exc)

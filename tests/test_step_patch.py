@@ -216,3 +216,58 @@ def test_a_change_it_cannot_make_is_named_and_a_copy_that_differs_is_not_offered
     assert made["runs"] is True and made["same"] is False
     assert "variable" in made["differs"]
     assert variable.numpy() == 0.0  # restored
+
+
+PIPELINE = '''\
+import time
+
+import numpy as np
+import tensorflow as tf
+
+
+def read(x):
+    time.sleep(0.0001)  # a file read in Python
+    return x
+
+
+frames = tf.data.Dataset.from_tensor_slices(np.arange(8, dtype=np.float32)).map(
+    lambda x: tf.py_function(read, [x], tf.float32))
+counts = tf.data.Dataset.range(8).map(lambda x: x * 2)
+batches = frames.batch(4).repeat(2)
+TOTAL = float(sum(float(b.numpy().sum()) for b in batches))
+DOUBLED = int(sum(int(c) for c in counts))
+'''
+
+
+@pytest.mark.parametrize("kind, edit", [("python", ".cache()"),
+                                        ("parallel", "num_parallel_calls=tf.data.AUTOTUNE")])
+def test_an_input_fix_at_a_named_line_is_a_patch_that_applies_and_keeps_the_data(
+        tmp_path, kind, edit):
+    path = tmp_path / "pipeline.py"
+    path.write_text(PIPELINE)
+    line = _line(str(path), "from_tensor_slices(np.arange") if kind == "python" else _line(
+        str(path), "counts = ")
+    fixes = [{"verdict": "input_bound", "fix": "the fix",
+              "stage": {"kind": kind, "where": f"{path}:{line}"}},
+             {"verdict": "periodic_stall", "fix": "plot less often"}]
+    scan = [{"trap": "no_prefetch", "file": str(path), "line": _line(str(path), "batches =")}]
+    from keras_gpufix.diagnose.step_patch import input_patch
+
+    out = input_patch(fixes, scan, str(tmp_path / "logs"), cwd=str(tmp_path))
+    assert fixes[0]["patch"] == out and f"`patch -p1 < {out}`" in fixes[0]["fix"]
+    assert "patch" not in fixes[1]  # a choice only the user makes: no patch
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(path, copy / "pipeline.py")
+    subprocess.run(["patch", "-p1", "-i", out], cwd=copy, check=True, capture_output=True)
+    patched = (copy / "pipeline.py").read_text()
+    assert "batches = frames.batch(4).repeat(2).prefetch(tf.data.AUTOTUNE)" in patched
+    if kind == "python":
+        assert "lambda x: tf.py_function(read, [x], tf.float32)).cache()" in patched
+    else:
+        assert f"map(lambda x: x * 2, {edit})" in patched
+    import runpy
+
+    before, after = runpy.run_path(str(path)), runpy.run_path(str(copy / "pipeline.py"))
+    assert (before["TOTAL"], before["DOUBLED"]) == (after["TOTAL"], after["DOUBLED"]) == (
+        56.0, 56)

@@ -348,6 +348,12 @@ STEP_PATCH_NOTES = {
     ),
 }
 
+#: What an `input_bound` fix that is an edit at a named line adds
+#: (`diagnose.step_patch.input_patch`): the patch that makes it.
+INPUT_PATCH_NOTE = (
+    "; `patch -p1 < {patch}` from the folder diagnose ran in makes the edit ({edits})"
+)
+
 #: A change of diagnose's patch, listed under the `eager_step` fix.
 STEP_CHANGE = "{where}: `{code}` -> {change}"
 

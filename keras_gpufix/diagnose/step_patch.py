@@ -47,7 +47,9 @@ import textwrap
 import time
 import traceback
 
-__all__ = ["make_runnable", "write_patch", "saved_state", "SAME_RTOL", "SAME_ATOL"]
+from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
+
+__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "saved_state", "SAME_RTOL", "SAME_ATOL"]
 
 #: Tolerance of "the same result" (graph and eager kernels reorder float sums).
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
@@ -724,3 +726,123 @@ def write_patch(step, folder, jit=False, cwd=None):
     with open(out, "w", encoding="utf-8") as f:
         f.writelines(diff)
     return out
+
+
+def _tf_name(tree):
+    """The name the module imports TensorFlow as (`tf` when it does not)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "tensorflow":
+                    return alias.asname or "tensorflow"
+    return "tf"
+
+
+def _map_call(tree, line):
+    """The `.map(...)` call (or, where none, any dataset call) made at `line`: the one
+    whose `.map` is on that line, else the one starting there."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute)]
+    for test in (lambda n: n.func.attr == "map" and n.func.end_lineno == line,
+                 lambda n: n.func.attr == "map" and n.lineno == line,
+                 lambda n: n.func.end_lineno == line):
+        found = [n for n in calls if test(n)]
+        if found:
+            return min(found, key=lambda n: (n.end_lineno, n.end_col_offset))
+    return None
+
+
+def _input_edits(tree, lines, stage, prefetch_lines, tf_name):
+    """(line, start column, end column, text) edits of one file: `.cache()` after the
+    slow stage's call, or `num_parallel_calls=AUTOTUNE` on it; `.prefetch(AUTOTUNE)`
+    at the end of each statement a scan named for no prefetch."""
+    edits = []
+    autotune = f"{tf_name}.data.AUTOTUNE"
+    if stage is not None:
+        kind, line = stage
+        call = _map_call(tree, line)
+        if call is not None and kind in ("python", "cache", "source"):
+            edits.append((call.end_lineno, call.end_col_offset, call.end_col_offset,
+                          ".cache()"))
+        elif call is not None and kind == "parallel":
+            keyword = next((k for k in call.keywords if k.arg == "num_parallel_calls"), None)
+            if keyword is not None:
+                edits.append((keyword.value.lineno, keyword.value.col_offset,
+                              keyword.value.end_col_offset, autotune))
+            elif lines[call.end_lineno - 1][call.end_col_offset - 1] == ")":
+                edits.append((call.end_lineno, call.end_col_offset - 1, call.end_col_offset - 1,
+                              f", num_parallel_calls={autotune}"))
+    for line in prefetch_lines:
+        stmt = next((s for s in ast.walk(tree) if isinstance(s, (ast.Assign, ast.Expr))
+                     and s.lineno <= line <= s.end_lineno), None)
+        value = getattr(stmt, "value", None)
+        if isinstance(value, ast.Call):
+            edits.append((value.end_lineno, value.end_col_offset, value.end_col_offset,
+                          f".prefetch({autotune})"))
+    return edits
+
+
+def input_patch(fixes, scan, folder, cwd=None):
+    """Writes the `input_bound` fix that is an edit at a named line as `input.patch`
+    in `folder` (a unified diff `patch -p1` applies from `cwd`): `.cache()` after the
+    measured slow stage (Python work, a slow map even in parallel, a slow source),
+    `num_parallel_calls=tf.data.AUTOTUNE` on a map run one element at a time, and
+    `.prefetch(tf.data.AUTOTUNE)` where the scan found none. Sets the fix's `patch`
+    (its path) and returns it; None where no edit applies (a fix only the user can
+    choose, such as how often to plot, names its line and has no patch)."""
+    fix = next((f for f in fixes if f.get("verdict") == "input_bound"), None)
+    if fix is None:
+        return None
+    cwd = os.path.abspath(cwd or os.getcwd())
+    by_file = {}
+    stage = fix.get("stage") or {}
+    if stage.get("where") and stage.get("kind"):
+        path, _, line = stage["where"].rpartition(":")
+        if line.isdigit():
+            by_file.setdefault(os.path.abspath(path), [None, []])[0] = (stage["kind"], int(line))
+    for finding in scan or ():
+        if finding.get("trap") == "no_prefetch" and finding.get("ran") is not False:
+            by_file.setdefault(os.path.abspath(finding["file"]), [None, []])[1].append(
+                finding["line"])
+    diffs = []
+    for path, (stage_at, prefetch_lines) in sorted(by_file.items()):
+        relative = os.path.relpath(path, cwd)
+        if relative.startswith(os.pardir):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        old = text.splitlines(True)
+        new = list(old)
+        for line, start, end, insert in sorted(
+                _input_edits(tree, old, stage_at, prefetch_lines, _tf_name(tree)), reverse=True):
+            row = new[line - 1]
+            new[line - 1] = row[:start] + insert + row[end:]
+        if new != old:
+            diffs += difflib.unified_diff(old, new, f"a/{relative}", f"b/{relative}")
+    if not diffs:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "input.patch")
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(diffs)
+    edits = [line[1:].strip() for line in diffs if line.startswith("+") and not
+             line.startswith("+++")]
+    fix["patch"] = out
+    fix["fix"] += INPUT_PATCH_NOTE.format(patch=out, edits="; ".join(f"`{e}`" for e in edits))
+    return out
+
+
+def attach_patches(fixes, fits, scan, folder, cwd=None):
+    """Names each ranked fix's patch in it (`patch`): the eager step's (`compile_step`
+    wrote it) and the input's (`input_patch`, written here)."""
+    eager = next((f for f in fixes if f.get("verdict") == "eager_step"), None)
+    patch = next((f["compiled_step"].get("patch") for f in fits
+                  if (f.get("compiled_step") or {}).get("patch")), None)
+    if eager is not None and patch:
+        eager["patch"] = patch
+    if folder is not None:
+        input_patch(fixes, scan, folder, cwd)

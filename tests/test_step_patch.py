@@ -271,3 +271,20 @@ def test_an_input_fix_at_a_named_line_is_a_patch_that_applies_and_keeps_the_data
     before, after = runpy.run_path(str(path)), runpy.run_path(str(copy / "pipeline.py"))
     assert (before["TOTAL"], before["DOUBLED"]) == (after["TOTAL"], after["DOUBLED"]) == (
         56.0, 56)
+
+
+def test_a_step_whose_source_is_no_def_is_timed_as_written_with_no_patch(tmp_path):
+    # a lambda (its source is a line, not a def): diagnose cannot copy it, but it traces
+    # as written, so it is timed as before and says why no patch was written
+    from keras_gpufix.diagnose.what_if import compile_step
+
+    variable = tf.Variable(1.0)
+    step = lambda x: variable.assign_add(tf.reduce_sum(x))  # noqa: E731
+    compiled = compile_step(step, (tf.constant([1.0, 2.0]),), seconds=0.2,
+                            log_dir=str(tmp_path))
+    assert compiled["best_ms"] is not None and compiled["patch"] is None
+    assert "cannot be read as a def" in compiled["patch_reason"]
+    assert compiled["changes"] is None  # nothing checked: the fix claims no check
+    assert "diagnose ran it so" not in compiled_step_fix(compiled)
+    assert variable.numpy() == 1.0  # restored
+    assert not os.listdir(tmp_path)

@@ -716,7 +716,7 @@ def compiled_step_fix(compiled: dict) -> "str | None":
         key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
         values = _Fields({k: v for k, v in compiled.items() if v is not None})
         text = COMPILED_STEP_FIXES[key].format_map(values)
-        if blockers and "patch" not in compiled:
+        if blockers and compiled.get("changes") is None:  # no copy moved them out
             text += STATEFUL_STEP_NOTE.format(lines=", ".join(b["where"] for b in blockers))
         kind = "measured"
     text += step_patch_note(compiled)

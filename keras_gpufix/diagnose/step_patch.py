@@ -49,7 +49,7 @@ import traceback
 
 from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
 
-__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "saved_state", "SAME_RTOL", "SAME_ATOL"]
+__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla_refusal", "saved_state", "SAME_RTOL", "SAME_ATOL"]
 
 #: Tolerance of "the same result" (graph and eager kernels reorder float sums).
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
@@ -109,7 +109,8 @@ class _Step:
         self.moved = []  # statements moved to the wrapper (dedented text)
         self.changes = []  # dicts kind, where, code, change
         self.tf_name = next((k for k, v in fn.__globals__.items()
-                             if getattr(v, "__name__", None) == "tensorflow"), None)
+                             if getattr(v, "__name__", None) == "tensorflow"),
+                            '__import__("tensorflow")')
         self.indent = re.match(r"\s*", self.rows[0][1]).group(0)
 
     # -- the source
@@ -480,11 +481,19 @@ class _State:
     """The variables' values and the arguments' Python state, to put back."""
 
     def __init__(self, variables, args, kwargs, fn):
-        self.values = [(v, v.numpy()) for v in variables]
+        self.values = []
+        for v in variables:
+            try:
+                self.values.append((v, v.numpy()))
+            except Exception:  # noqa: BLE001 - a variable not readable here (uninitialized)
+                continue
+        # plain Python values of the arguments' attributes (a trainer's step count, its
+        # lists and dicts copied); a layer's or model's state is its variables
         objects = [a for a in (*args, *kwargs.values()) if hasattr(a, "__dict__")
-                   and not hasattr(a, "numpy")]
-        self.objects = [(o, {k: (list(v) if isinstance(v, list) else dict(v)
-                                 if isinstance(v, dict) else v) for k, v in vars(o).items()})
+                   and not hasattr(a, "numpy") and not hasattr(a, "trainable_variables")]
+        self.objects = [(o, {k: (v.copy() if type(v) in (list, dict) else v)
+                             for k, v in vars(o).items()
+                             if type(v) in (int, float, bool, str, list, dict, type(None))})
                         for o in objects]
         names = set(fn.__code__.co_names) & set(fn.__globals__)
         self.globals = fn.__globals__, {k: fn.__globals__[k] for k in names
@@ -574,7 +583,7 @@ def _ops(graph, seen=None):
 def _op_where(graph, op_type, library, step, made):
     """`file:line` of the user's code that made the first `op_type` op (a copy's line
     as the file's line)."""
-    name, offset = made.__kg_rows__
+    name, offset = made.__kg_rows__ if made is not None else (None, 0)
     for op in _ops(graph):
         if op.type != op_type:
             continue
@@ -584,16 +593,6 @@ def _op_where(graph, op_type, library, step, made):
         f = frames[-1]
         return step.where(f.lineno - offset) if f.filename == name else f"{f.filename}:{f.lineno}"
     return None
-
-
-def _library():
-    """The folders of TensorFlow and Keras (never the user's lines)."""
-    import keras
-    import tensorflow as tf
-
-    import keras_gpufix
-
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (tf, keras, keras_gpufix))
 
 
 def make_runnable(fn, args, kwargs=None, library=(), static=()):
@@ -621,21 +620,21 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
     import tensorflow as tf
 
     kwargs = kwargs or {}
-    library = tuple(library) or _library()
-    out = {"runs": False, "changes": [], "traces": 0}
+    if not library:
+        from keras_gpufix.diagnose.loop_patch import _library_prefixes
+
+        library = _library_prefixes()
+    library = tuple(library)
+    out = {"runs": False, "changes": [], "traces": 0, "copied": False}
     try:
         step = _Step(fn)
-    except (OSError, TypeError) as exc:
+        step.tree()
+    except (OSError, TypeError, SyntaxError, CannotPatch) as exc:
         out["blocker"] = {"where": f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}",
-                          "code": "", "message": f"its source cannot be read ({exc})"}
+                          "code": "", "message": f"its source cannot be read as a def ({exc})"}
         out["unchecked"] = "the step was not changed nor traced"
         return out
-    out["changes"] = step.changes
-    if step.tf_name is None:
-        out["blocker"] = {"where": step.where(1), "code": step.code(1),
-                          "message": "its module does not import tensorflow by a name"}
-        out["unchecked"] = "the step was not changed nor traced"
-        return out
+    out["changes"], out["copied"] = step.changes, True
     state = saved_state(args, kwargs, fn)
     first_call_s = {}
     try:
@@ -694,16 +693,23 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
         first_call_s["tf.function(jit_compile=True)"] = time.perf_counter() - t0
         out["xla_function"] = xla
     except Exception as exc:  # an op XLA cannot compile
-        text = str(exc)
-        op = (re.search(r"No registered '(\w+)' OpKernel", text)
-              or re.search(r"XLA_\w+_JIT: (\w+)", text))
-        out["xla_error"] = f"{type(exc).__name__}: " + next(
-            (line for line in text.splitlines() if line.strip()), "")
-        out["xla_op"] = op and op.group(1)
-        out["xla_where"] = op and _op_where(concrete.graph, op.group(1), library, step, made)
+        out.update(xla_refusal(exc, concrete.graph, library, step, made))
     finally:
         state.restore()
     return out
+
+
+def xla_refusal(exc, graph, library, step=None, made=None):
+    """`xla_error` (the error's first line), `xla_op` (the op XLA has no kernel for) and
+    `xla_where` (the user's line that made it, a copy's line as the file's) of
+    `jit_compile=True`'s error `exc` on the step traced as `graph`."""
+    text = str(exc)
+    op = (re.search(r"No registered '(\w+)' OpKernel", text)
+          or re.search(r"XLA_\w+_JIT: (\w+)", text))
+    return {"xla_error": f"{type(exc).__name__}: " + next(
+        (line for line in text.splitlines() if line.strip()), ""),
+        "xla_op": op and op.group(1),
+        "xla_where": op and _op_where(graph, op.group(1), library, step, made)}
 
 
 def write_patch(step, folder, jit=False, cwd=None):

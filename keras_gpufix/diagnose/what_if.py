@@ -60,7 +60,8 @@ from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS,
                                            Cycles, block_timings, format_what_if, ratio_words,
                                            what_if, what_if_until_known)
 from keras_gpufix.diagnose.step_blockers import own_wrappers, step_blockers
-from keras_gpufix.diagnose.step_patch import make_runnable, saved_state, write_patch
+from keras_gpufix.diagnose.step_patch import (make_runnable, saved_state, write_patch,
+                                              xla_refusal)
 
 __all__ = ["Budget", "Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
@@ -264,6 +265,26 @@ def _per_call_ms(call, sync, seconds):
     return 1000 * statistics.median(times), first
 
 
+def _as_written(fn, args, kwargs, library, made):
+    """`make_runnable`'s result for a step that traced as written but whose source
+    diagnose could not copy (a lambda, no file): `fn` itself, timed, with no patch."""
+    import tensorflow as tf
+
+    plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    graph = plain.get_concrete_function(*args, **kwargs).graph  # traced: its first call runs
+    out = {**made, "runs": True, "same": True, "function": plain, "xla_function": None,
+           "no_patch": made["blocker"]["message"], "first_call_s": None}
+    saved = saved_state(args, kwargs, fn)
+    try:
+        xla(*args, **kwargs)
+        out.update(xla_function=xla, xla_error=None, xla_op=None, xla_where=None)
+    except Exception as exc:  # an op XLA cannot compile
+        out.update(xla_refusal(exc, graph, library))
+    finally:
+        saved.restore()
+    return out
+
+
 def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir=None,
                  cwd=None):
     """The user's eager step made to run under tf.function, checked, and timed.
@@ -309,7 +330,11 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
     code = fn.__code__
     out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})",
            "own_wrappers": own_wrappers(fn)}
-    library = tuple(library) or (os.sep + "site-packages",)
+    if not library:
+        from keras_gpufix.diagnose.loop_patch import _library_prefixes
+
+        library = _library_prefixes()
+    library = tuple(library)
     t0 = time.perf_counter()
     try:
         tf.function(fn).get_concrete_function(*args, **kwargs)
@@ -323,6 +348,8 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
                          static=[b for b in out["blockers"]
                                  if b["kind"] in ("python_state", "host_read")])
     out["changes"], out["traces"] = made["changes"], made["traces"]
+    if not made["copied"] and "reason" not in out:  # traced as written; no copy: as is
+        made = _as_written(fn, args, kwargs, library, made)
     if not made["runs"]:
         return {**out, "reason": out.get("reason") or "tf.function could not run it",
                 "stopped": {**made["blocker"], "unchecked": made["unchecked"]}}
@@ -355,6 +382,8 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
     out["best_ms"], out["best"] = best
     out["first_call_s"] = (made["first_call_s"].get(out["best"], first[out["best"]])
                            if made.get("first_call_s") else first[out["best"]] + traced)
+    if made.get("no_patch"):  # no copy of the step: as written, in tf.function
+        return {**out, "changes": None, "patch": None, "patch_reason": made["no_patch"]}
     out["patch"], out["patch_reason"] = None, None
     if log_dir is None:
         out["patch_reason"] = "no log dir"

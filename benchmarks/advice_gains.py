@@ -34,6 +34,10 @@ Patterns (the fixes applied as diagnose words them):
 - `blocked`: an eager step tf.function cannot run as written: `eager_step` -> diagnose's
   patch (its four lines changed, the step in tf.function; wall time of the run, the
   trace included).
+- `xtts`: an XTTS-like trainer's eager step that only tracing unblocks (a tensor-count
+  accumulation loop, a None accumulator, `max()` of a tensor in it, reads, Python state,
+  a `tf.print` in the loss) and a plot every 5 steps: `eager_step` -> diagnose's patch,
+  `periodic_stall` -> no plot; both.
 - `slow_map_1ep` / `slow_map_3ep`: `fit` over a slow `tf.py_function` map, 1 and 3
   epochs: `input_bound` -> `.cache()` after the map (pays from epoch 2), or the read in
   TF ops.
@@ -70,6 +74,12 @@ PATTERNS = {
     "blocked": (14, ["blocked", "--steps", "40"],
                 ["truth", "blocked", "patched:blocked", "--steps", "16"],
                 "blocked", {"eager_step": {"diagnose's patch": "patched:blocked"}}, None),
+    "xtts": (40, ["xtts", "--steps", "60"],
+             ["truth", "xtts", "patched:xtts", "xtts --no-plot", "patched:xtts --no-plot",
+              "--steps", "40"],
+             "xtts", {"eager_step": {"diagnose's patch": "patched:xtts"},
+                      "periodic_stall": {"no plot": "xtts --no-plot"}},
+             "patched:xtts --no-plot"),
     "slow_map_1ep": (500, ["slow_map"], ["truth", "slow_map", "slow_map --cache",
                                          "slow_map --tf-ops"],
                      "slow_map", {"input_bound": {".cache() after the map": "slow_map --cache",
@@ -107,7 +117,7 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
 #: turn, so the plot removed (never the first way) read 2.53x-3.61x against diagnose's
 #: 2.12x-2.70x. `blocked` is timed by its wall, so it stays in one process (a process's
 #: start-up would be half of it).
-OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work"}
+OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work", "xtts"}
 
 
 #: A way run on the script as diagnose's patch changed it (`patched_script`).

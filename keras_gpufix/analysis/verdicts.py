@@ -338,12 +338,12 @@ STEP_PATCH_NOTES = {
         "returns and updated weights; no patch file was written ({reason})"
     ),
     "stopped": (
-        "; diagnose changed {count} line{s} of a copy of the step and traced it {traces} "
+        "; diagnose made {count} change{s} in a copy of the step and traced it {traces} "
         "time{ts}, and stopped at {where} (`{code}`): {message}; it cannot make that change: "
         "{unchecked}"
     ),
     "differs": (
-        "; diagnose changed {count} line{s} of a copy of the step so that it runs, but the "
+        "; diagnose made {count} change{s} in a copy of the step so that it runs, but the "
         "copy computes a different result ({differs}): no change is offered"
     ),
 }
@@ -733,7 +733,7 @@ def step_patch_note(compiled: dict) -> str:
     changes = compiled.get("changes")
     if changes is None:
         return ""
-    count = len({c["where"] for c in changes})
+    count = len(changes)
     lines = dict(count=count, s="s" * (count != 1), traces=compiled.get("traces", 0),
                  ts="s" * (compiled.get("traces", 0) != 1))
     if compiled.get("stopped"):

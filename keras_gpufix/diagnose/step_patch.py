@@ -49,7 +49,8 @@ import traceback
 
 from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
 
-__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla_refusal", "saved_state", "SAME_RTOL", "SAME_ATOL"]
+__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla_refusal",
+           "saved_state", "SAME_RTOL", "SAME_ATOL"]
 
 #: Tolerance of "the same result" (graph and eager kernels reorder float sums).
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
@@ -233,7 +234,7 @@ class _Step:
         self.note("python_state", index, "moved after the compiled call (in the wrapper)",
                   code)
 
-    def define_before_loop(self, name, index, value):
+    def define_before_loop(self, name, index, value, message=""):
         """Sets `name` to a tensor before the loop on (or holding) row `index`: zeros of
         the gradients a `name = None ... name = g if name is None else ...` accumulator
         takes, else zeros of the eager step's last value of it (`value`)."""
@@ -281,7 +282,9 @@ class _Step:
         else:
             self.rows.insert(loop.lineno - 1, [None, f"{indent}{name} = {init}\n"])
             self.note("none_before_loop", loop.lineno + 1,
-                      f"`{name} = {init}` set before the loop", code=self.code(loop.lineno + 1))
+                      f"`{name} = {init}` set before the loop"
+                      + (f" (the trace: {message})" if message else ""),
+                      code=self.code(loop.lineno + 1))
 
     def _set_line(self, stmt, text):
         indent = re.match(r"\s*", self.rows[stmt.lineno - 1][1]).group(0)
@@ -456,7 +459,8 @@ def _fix_error(step, made, exc, library, eager_locals):
         (name, index + offset) in frames) else []
     loop_name = _LOOP_NAME.search(message)
     if loop_name:
-        step.define_before_loop(loop_name.group(1), index, eager_locals.get(loop_name.group(1)))
+        step.define_before_loop(loop_name.group(1), index, eager_locals.get(loop_name.group(1)),
+                                message)
         return
     if deeper and not loop_name:
         f, line = deeper[-1]

@@ -267,7 +267,7 @@ class _Step:
                       f"`{self.code(none.lineno)}`: zeros of the gradients, a tuple",
                       code=f"{name} = None")
             old = self.code(stmt.lineno)
-            self._set_statement(stmt, f"{name} = {_as_tuple(self.segment(then))}")
+            self._set_line(stmt, f"{name} = {_as_tuple(self.segment(then))}")
             self.note("none_before_loop", stmt.lineno, f"`{self.code(stmt.lineno)}`: the "
                                                        "accumulator kept a tuple", code=old)
             return
@@ -287,12 +287,11 @@ class _Step:
                       code=self.code(loop.lineno + 1))
 
     def _set_line(self, stmt, text):
+        """Statement `stmt` (its rows) made the one line `text`."""
         indent = re.match(r"\s*", self.rows[stmt.lineno - 1][1]).group(0)
         self.rows[stmt.lineno - 1][1] = f"{indent}{text}\n"
         for i in range(stmt.lineno + 1, stmt.end_lineno + 1):
             self.rows[i - 1][1] = ""
-
-    _set_statement = _set_line
 
     # -- the function, in memory and in the file
     def function(self):
@@ -462,7 +461,7 @@ def _fix_error(step, made, exc, library, eager_locals):
         step.define_before_loop(loop_name.group(1), index, eager_locals.get(loop_name.group(1)),
                                 message)
         return
-    if deeper and not loop_name:
+    if deeper:
         f, line = deeper[-1]
         raise CannotPatch(f"{f}:{line}", linecache.getline(f, line).strip(),
                           f"{message} (in a function the step calls: diagnose changes only the "

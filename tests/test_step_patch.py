@@ -288,3 +288,39 @@ def test_a_step_whose_source_is_no_def_is_timed_as_written_with_no_patch(tmp_pat
     assert "diagnose ran it so" not in compiled_step_fix(compiled)
     assert variable.numpy() == 1.0  # restored
     assert not os.listdir(tmp_path)
+
+
+STATEFUL = '''
+import tensorflow as tf
+
+
+class Trainer:
+    def __init__(self):
+        self.last = None
+        self.weight = tf.Variable(1.0)
+
+    def step(self, x):
+        loss = tf.reduce_sum(x * self.weight)
+        self.weight.assign_sub(0.1 * loss)
+        self.last = loss  # Python state set from a value the step computes
+        return loss
+'''
+
+
+def test_a_step_that_traces_but_cannot_be_changed_is_timed_as_written(tmp_path):
+    # its Python state reads a value the step computes: diagnose cannot move it out, but
+    # the step traces as written, so it is timed as before, with the state's line named
+    from keras_gpufix.diagnose.what_if import compile_step
+
+    path = tmp_path / "stateful.py"
+    path.write_text(STATEFUL)
+    module = _load(str(path))
+    trainer = module.Trainer()
+    compiled = compile_step(module.Trainer.step, (trainer, tf.constant([1.0, 2.0])),
+                            seconds=0.2, log_dir=str(tmp_path / "logs"))
+    assert compiled["best_ms"] is not None and compiled["patch"] is None
+    line = _line(str(path), "self.last = loss")
+    assert compiled["patch_reason"].startswith(f"{path}:{line}: it sets Python state")
+    fix = compiled_step_fix(compiled)
+    assert f"first move the Python state it changes out of it ({path}:{line}" in fix
+    assert trainer.weight.numpy() == 1.0  # restored

@@ -682,6 +682,12 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
         out["unchecked"] = ("the changes after it (and whether the step then computes the same "
                             "result, and its speed) were not checked")
         return out
+    except Exception as exc:  # noqa: BLE001 - the eager step itself, or a change gone wrong
+        out["blocker"] = {"where": step.where(1), "code": step.code(1),
+                          "message": f"diagnose could not run or change it: "
+                                     f"{type(exc).__name__}: {_first_sentence(str(exc))}"}
+        out["unchecked"] = "the step's changes, result and speed were not checked"
+        return out
     finally:
         state.restore()
     differs = _same(eager, patched, [(v, x) for (v, _), x in zip(state.values, eager_after)],

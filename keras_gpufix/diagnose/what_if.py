@@ -266,14 +266,15 @@ def _per_call_ms(call, sync, seconds):
 
 
 def _as_written(fn, args, kwargs, library, made):
-    """`make_runnable`'s result for a step that traced as written but whose source
-    diagnose could not copy (a lambda, no file): `fn` itself, timed, with no patch."""
+    """`make_runnable`'s result for a step that traced as written but that diagnose
+    could not copy (a lambda) or change (Python state set from the step's values): `fn`
+    itself in tf.function, timed as before, with no patch (`no_patch` says why)."""
     import tensorflow as tf
 
     plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
     graph = plain.get_concrete_function(*args, **kwargs).graph  # traced: its first call runs
     out = {**made, "runs": True, "same": True, "function": plain, "xla_function": None,
-           "no_patch": made["blocker"]["message"], "first_call_s": None}
+           "no_patch": "{where}: {message}".format(**made["blocker"]), "first_call_s": None}
     saved = saved_state(args, kwargs, fn)
     try:
         xla(*args, **kwargs)
@@ -348,7 +349,7 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
                          static=[b for b in out["blockers"]
                                  if b["kind"] in ("python_state", "host_read")])
     out["changes"], out["traces"] = made["changes"], made["traces"]
-    if not made["copied"] and "reason" not in out:  # traced as written; no copy: as is
+    if not made["runs"] and "reason" not in out:  # traced as written, no running copy
         made = _as_written(fn, args, kwargs, library, made)
     if not made["runs"]:
         return {**out, "reason": out.get("reason") or "tf.function could not run it",

@@ -1,7 +1,7 @@
 """diagnose's predicted gain per fix against the gain measured with the fix applied.
 
-    (about 16 min on 2 cores at load 1 before the xtts pattern; xtts alone took 9 min at load 8)
-    (about 16 min on 2 cores at load 1)
+    python benchmarks/advice_gains.py [--patterns ...] [--rounds R] [--out PATH]
+    (about 16 min on 2 cores at load 1 before the xtts pattern; xtts alone: 9 min at load 8)
 
 For each pattern (a synthetic training script in `tests/loop_patterns.py`), R rounds
 (default 3), each round:

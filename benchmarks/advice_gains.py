@@ -1,14 +1,16 @@
 """diagnose's predicted gain per fix against the gain measured with the fix applied.
 
     python benchmarks/advice_gains.py [--patterns ...] [--rounds R] [--out PATH]
-    (about 16 min on 2 cores at load 1)
+    (about 16 min on 2 cores at load 1 before the xtts pattern; xtts alone: 9 min at load 8)
 
 For each pattern (a synthetic training script in `tests/loop_patterns.py`), R rounds
 (default 3), each round:
 1. `keras-gpufix diagnose --json --no-trace --steps N -- python tests/loop_patterns.py
    MODE ...` gives the verdict and the fixes, each with its `predicted` gain;
-2. then the truth: the same script run with each named fix applied by hand (a flag or
-   a twin mode of the script), every way in turn, each in a fresh process
+2. then the truth: the same script run with each named fix applied: the eager step's
+   by diagnose's own patch (the `step.patch` its first round wrote in its log dir,
+   applied with `patch -p1` to a copy of the script: `PATCHED` ways), the others by
+   hand (a flag or a twin mode of the script), every way in turn, each in a fresh process
    (`loop_patterns.py truth --own-process`, the order reversed every other round;
    `blocked` in one process: `OWN_PROCESS`), each way timed by the script itself
    (its loop or fit, `LOOP_S` / `FIT_S`) or its wall time.
@@ -25,12 +27,17 @@ has several.
 
 Patterns (the fixes applied as diagnose words them):
 - `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
-  `eager_step` -> the step in tf.function, `periodic_stall` -> no plot; both.
+  `eager_step` -> diagnose's patch (the step in tf.function), `periodic_stall` -> no
+  plot; both.
 - `contention`: `fit` with a heavy TF map beside a heavy step: `input_bound` -> the
   batches computed before the fit (`--cached`).
-- `blocked`: an eager step tf.function cannot run as written: `eager_step` -> the step
-  changed as the blockers say, in tf.function (`blocked_fixed`; wall time of the run,
-  the trace included).
+- `blocked`: an eager step tf.function cannot run as written: `eager_step` -> diagnose's
+  patch (its four lines changed, the step in tf.function; wall time of the run, the
+  trace included).
+- `xtts`: an XTTS-like trainer's eager step that only tracing unblocks (a tensor-count
+  accumulation loop, a None accumulator, `max()` of a tensor in it, reads, Python state,
+  a `tf.print` in the loss) and a plot every 5 steps: `eager_step` -> diagnose's patch,
+  `periodic_stall` -> no plot; both.
 - `slow_map_1ep` / `slow_map_3ep`: `fit` over a slow `tf.py_function` map, 1 and 3
   epochs: `input_bound` -> `.cache()` after the map (pays from epoch 2), or the read in
   TF ops.
@@ -55,19 +62,24 @@ SCRIPT = "tests/loop_patterns.py"
 # the way with every fix applied
 PATTERNS = {
     "accum_plot": (60, ["accum_plot", "--steps", "80"],
-                   ["truth", "accum_way", "accum_way --compiled", "accum_way --no-plot",
-                    "accum_way --compiled --no-plot", "--steps", "60"],
-                   "accum_way", {"eager_step": {"tf.function": "accum_way --compiled"},
+                   ["truth", "accum_way", "patched:accum_way", "accum_way --no-plot",
+                    "patched:accum_way --no-plot", "--steps", "60"],
+                   "accum_way", {"eager_step": {"diagnose's patch": "patched:accum_way"},
                                  "periodic_stall": {"no plot": "accum_way --no-plot"}},
-                   "accum_way --compiled --no-plot"),
+                   "patched:accum_way --no-plot"),
     "contention": (60, ["contention", "--steps", "80"],
                    ["truth", "contention", "contention --cached", "--steps", "80"],
                    "contention", {"input_bound": {"batches before the fit":
                                                   "contention --cached"}}, None),
     "blocked": (14, ["blocked", "--steps", "40"],
-                ["truth", "blocked", "blocked_fixed", "--steps", "16"],
-                "blocked", {"eager_step": {"changed as said, tf.function": "blocked_fixed"}},
-                None),
+                ["truth", "blocked", "patched:blocked", "--steps", "16"],
+                "blocked", {"eager_step": {"diagnose's patch": "patched:blocked"}}, None),
+    "xtts": (40, ["xtts", "--steps", "60"],
+             ["truth", "xtts", "patched:xtts", "xtts --no-plot", "patched:xtts --no-plot",
+              "--steps", "40"],
+             "xtts", {"eager_step": {"diagnose's patch": "patched:xtts"},
+                      "periodic_stall": {"no plot": "xtts --no-plot"}},
+             "patched:xtts --no-plot"),
     "slow_map_1ep": (500, ["slow_map"], ["truth", "slow_map", "slow_map --cache",
                                          "slow_map --tf-ops"],
                      "slow_map", {"input_bound": {".cache() after the map": "slow_map --cache",
@@ -93,7 +105,10 @@ PATTERNS = {
 # others (the read in TF ops: the fit's trace and start-up kept) with `speedup`, the
 # whole run as the script runs it
 FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "speedup_if_cached",
-          "slow_map --epochs 3 --cache": "speedup_if_cached"}
+          "slow_map --epochs 3 --cache": "speedup_if_cached",
+          # blocked is timed by its wall, its trace and compile in it: the whole run's
+          # figure with the first call's one-off cost (the others time steps after the 5th)
+          "patched:blocked": "run_speedup"}
 
 
 #: patterns whose truth runs each way in a process of its own (`truth --own-process`),
@@ -105,18 +120,52 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
 #: turn, so the plot removed (never the first way) read 2.53x-3.61x against diagnose's
 #: 2.12x-2.70x. `blocked` is timed by its wall, so it stays in one process (a process's
 #: start-up would be half of it).
-OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work"}
+OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work", "xtts"}
 
 
-def truth(command, reverse=False, own_process=False):
+#: A way run on the script as diagnose's patch changed it (`patched_script`).
+PATCHED = "patched:"
+
+
+def patched_script(report, folder):
+    """(the script with the patch diagnose wrote (`compiled_step`'s `patch`) applied by
+    `patch -p1`, as a user applies it, to a copy under `folder`; the patch's text), or
+    (None, None) without a patch."""
+    import shutil
+    import subprocess
+
+    patch = next((f["compiled_step"].get("patch") for f in report.get("fits") or ()
+                  if (f.get("compiled_step") or {}).get("patch")), None)
+    if patch is None:
+        return None, None
+    copy = os.path.join(folder, SCRIPT)
+    os.makedirs(os.path.dirname(copy), exist_ok=True)
+    shutil.copy(os.path.join(ROOT, SCRIPT), copy)
+    subprocess.run(["patch", "-p1", "-i", patch], cwd=folder, check=True, capture_output=True)
+    with open(patch, encoding="utf-8") as f:
+        return copy, f.read()
+
+
+def truth(command, reverse=False, own_process=False, patched=None):
     """{way: [seconds]} of one round of `loop_patterns.py truth WAY ...`, the ways in
-    the order given or reversed."""
+    the order given or reversed; the `PATCHED` ways by the `patched` script's own truth,
+    after the others (before them, reversed)."""
     ways = [a for i, a in enumerate(command[1:], 1)
             if not a.startswith("--") and command[i - 1] != "--steps"]
     flags = [a for a in command[1:] if a not in ways]
-    out = run_stdout([sys.executable, SCRIPT, "truth", *(ways[::-1] if reverse else ways),
-                      *flags, "--rounds", "1"] + (["--own-process"] if own_process else []))
-    return json.loads(re.search(r"^TRUTH (.*)$", out, re.M).group(1))
+    out = {}
+    runs = [(SCRIPT, [w for w in ways if not w.startswith(PATCHED)], "")]
+    if patched is not None:
+        runs.append((patched, [w[len(PATCHED):] for w in ways if w.startswith(PATCHED)],
+                     PATCHED))
+    for script, mine, prefix in runs[::-1] if reverse else runs:
+        if not mine:
+            continue
+        text = run_stdout([sys.executable, script, "truth", *(mine[::-1] if reverse else mine),
+                           *flags, "--rounds", "1"] + (["--own-process"] if own_process else []))
+        seconds = json.loads(re.search(r"^TRUTH (.*)$", text, re.M).group(1))
+        out.update({prefix + way: value for way, value in seconds.items()})
+    return out
 
 
 def _median_predicted(predictions, which):
@@ -186,21 +235,27 @@ def main(argv=None) -> int:
           "cores", flush=True)
     print(f"{'pattern':13} {'verdict':15} {'fix':28} {'applied as':24} {'predicted':>20} "
           f"{'measured':>20} {'pred/meas':>9}  within 25%, predicted for", flush=True)
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="advice_gains_")
     for name in args.patterns:
         steps, script, truth_command, as_is, applied, all_fixed = PATTERNS[name]
         load = os.getloadavg()
-        reports, runs = [], {}
+        reports, runs, patched, diff = [], {}, None, None
         for r in range(args.rounds):  # diagnose and one truth round in turn: the same load
             reports.append(json.loads(run_stdout([
                 sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
                 "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1]))
-            for way, seconds in truth(truth_command, r % 2, name in OWN_PROCESS).items():
+            if patched is None:  # diagnose's own patch, as its first round wrote it
+                patched, diff = patched_script(reports[-1], os.path.join(work, name))
+            for way, seconds in truth(truth_command, r % 2, name in OWN_PROCESS,
+                                      patched).items():
                 runs.setdefault(way, []).extend(seconds)
         verdicts = [report["verdict"] for report in reports]
         verdict = statistics.mode(verdicts)
         rounds = [{f["verdict"]: f for f in report["fixes"]} for report in reports]
         pattern = {"verdicts": verdicts, "load_average_before": load, "seconds": runs,
-                   "fixes": []}
+                   "fixes": [], "patch": diff}
         named = list(dict.fromkeys(v for fixes in rounds for v in fixes))
         for fix_verdict in named + [v for v in applied if v not in named]:
             fix = next((fixes[fix_verdict] for fixes in rounds if fix_verdict in fixes), {})
@@ -209,7 +264,7 @@ def main(argv=None) -> int:
                 predicted = _median_predicted(
                     [fixes.get(fix_verdict, {}).get("predicted") or {} for fixes in rounds],
                     which)
-                measured = speedup(runs[as_is], runs[way]) if way else (None,)
+                measured = speedup(runs[as_is], runs[way]) if way in runs else (None,)
                 named_in = sum(fix_verdict in fixes for fixes in rounds)
                 label = fix_verdict + ("" if named_in == len(rounds) else
                                        f" ({named_in}/{len(rounds)} named)")
@@ -229,7 +284,7 @@ def main(argv=None) -> int:
         if all_fixed and together:
             predicted = {"speedup": statistics.median(together),
                          "speedup_range": (min(together), max(together))}
-            measured = speedup(runs[as_is], runs[all_fixed])
+            measured = speedup(runs[as_is], runs[all_fixed]) if all_fixed in runs else (None,)
             ratio = _row(figures, f"{name}_all", f"{name:13} {verdict:15} "
                          f"{'all fixes together':28} {'all applied':24}", predicted, measured)
             pattern["together"] = {"predicted": together, "measured": measured,

@@ -120,7 +120,8 @@ class RunRecord:
                   "share": f["predicted"].get("share"),
                   "expected_speedup": f["predicted"].get("speedup"),
                   "speedup_range": f["predicted"].get("speedup_range"),
-                  "source": f["predicted"].get("source"), "text": f["predicted"].get("text")}
+                  "source": f["predicted"].get("source"), "text": f["predicted"].get("text"),
+                  "patch": f.get("patch")}
                  for f in result.get("fixes") or ()]
         predicted = {f["verdict"]: f for f in fixes}
         causes = [dict(_cause({**(c.get("evidence") or [{}])[0], "verdict": c["verdict"],

@@ -20,6 +20,10 @@ MODE:
   as written: a None accumulator before a loop over its micro-batches, `self.current_step
   += 1` and `float(loss.numpy())`; `blocked_fixed`: the same step changed as diagnose's
   blockers say (zeros and a loss before the loop, the count and the read outside), in tf.function.
+- `xtts [--no-plot]`: an XTTS-like trainer's eager step (gradient accumulation over a
+  tensor count, which AutoGraph makes a tf.while_loop; a None accumulator and a name set
+  from `max()` of a tensor inside it; `float()`/`.numpy()` reads, `self.current_step +=
+  1`, a `tf.print` in the loss) and a plot every 5 steps. Prints `LOOP_S`.
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 - `slow_map`: `fit` (`--epochs E`, default 1) over utterances read by a slow
   `tf.py_function` map (a file read: a 1 ms sleep each) feeding a small compiled step;
@@ -232,6 +236,47 @@ elif MODE == "blocked_fixed":
     for x, y in dataset.take(STEPS):
         loss = float(trainer.train_step(x, y).numpy())
         trainer.current_step += 1
+elif MODE == "xtts":
+    lengths = rng.integers(1, 50, len(xs)).astype(np.int32)
+    utterances = tf.data.Dataset.from_tensor_slices((xs, ys, lengths)).batch(16).repeat()
+
+    def xtts_loss(x, y):
+        loss = loss_fn(y, model(x, training=True))
+        tf.print("loss", loss, output_stream="file:///dev/null")  # XLA cannot compile it
+        return loss
+
+    class XTTSTrainer:
+        def __init__(self):
+            self.current_step = 0
+            self.accumulation_steps = tf.constant(2)  # a tensor count: a tf.while_loop
+
+        def train_step(self, x, y, text_lengths):
+            accumulated = None
+            size = tf.shape(x)[0] // self.accumulation_steps
+            for step in range(self.accumulation_steps):
+                micro_x = x[step * size:(step + 1) * size]
+                micro_y = y[step * size:(step + 1) * size]
+                text_maxlen = max(text_lengths[step * size:(step + 1) * size])
+                with tf.GradientTape() as tape:
+                    loss = xtts_loss(micro_x, micro_y)
+                grads = tape.gradient(loss, model.trainable_variables)
+                accumulated = grads if accumulated is None else [
+                    a + g for a, g in zip(accumulated, grads)]
+            optimizer.apply(accumulated, model.trainable_variables)
+            self.current_step += 1
+            return {"loss": float(loss.numpy()), "text_maxlen": int(text_maxlen)}
+
+    trainer = XTTSTrainer()
+    batches = iter(utterances)
+    for i in range(STEPS):
+        if i == 5:
+            t0 = time.perf_counter()
+        x, y, text_lengths = next(batches)
+        logs = trainer.train_step(x, y, text_lengths)
+        if i % 5 == 4 and "--no-plot" not in sys.argv:
+            time.sleep(PLOT_S)  # a spectrogram plotted
+    print("LOOP_S", time.perf_counter() - t0, flush=True)
+    print("XTTS", trainer.current_step, "loss %.4f" % logs["loss"], flush=True)
 elif MODE == "pydataset":
     data = Batches()
     source = watched(data)

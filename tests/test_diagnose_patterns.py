@@ -8,6 +8,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,13 +30,14 @@ def _line(text):
         return next(i for i, line in enumerate(f, start=1) if text in line)
 
 
-def diagnose(mode, steps, *flags, script_steps=None):
-    """(process, result) of `keras-gpufix diagnose --steps STEPS -- python SCRIPT MODE`."""
+def diagnose(mode, steps, *flags, script_steps=None, script=SCRIPT, cwd=None):
+    """(process, result) of `keras-gpufix diagnose --steps STEPS -- python SCRIPT MODE`
+    (run in `cwd`)."""
     args = [] if script_steps is None else ["--steps", str(script_steps)]
     proc = subprocess.run(
         [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
-         "--steps", str(steps), *flags, "--", "python", SCRIPT, mode, *args],
-        capture_output=True, text=True, env=_env(), timeout=300)
+         "--steps", str(steps), *flags, "--", "python", script, mode, *args],
+        capture_output=True, text=True, env=_env(), timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -169,25 +171,37 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
 
 
 
-def test_a_step_tf_function_cannot_run_as_written_names_each_blocker_and_promises_nothing():
+def test_a_step_tf_function_cannot_run_as_written_is_patched_checked_and_the_patch_applies(
+        tmp_path):
     # a trainer's eager step: a None accumulator before a loop over its micro-batches,
     # `self.current_step += 1` and `float(loss.numpy())`, a loss first set in that loop:
-    # wrapped in tf.function as it is, it crashes at its first call (the None), and each
-    # of the others breaks it once the one before is changed
-    _, result = diagnose("blocked", 14, script_steps=40)
-    fix = result["fixes"][0]
-    assert fix["verdict"] == "eager_step", result["fixes"]
-    assert "cannot run it as written: change the 4 lines below first" in fix["fix"]
-    assert "jit_compile=True)" not in fix["fix"].split("then")[0]  # never "wrap it" first
-    where = {w.split(": ", 1)[0]: w for w in fix["where"]}
-    for code, says in (("accumulated = None", "is not allowed to be None before the loop"),
-                       ("self.current_step += 1", "runs once, when the step is traced"),
-                       ("return float(loss.numpy())", "reads a tensor's value into Python"),
-                       ("for micro_x, micro_y in", "'loss' is first set inside the loop")):
-        line = where.get(f"{SCRIPT}:{_line(code)}")
-        assert line is not None and code in line and says in line, fix["where"]
-    assert fix["predicted"]["source"] == "not-measured" and fix["predicted"]["speedup"] is None
-    # the step changed as those lines say: it compiles, and the step is no longer eager
+    # wrapped in tf.function as it is, it crashes at its first call. diagnose changes a
+    # copy of it until it runs (each line named), checks it computes the same, times it
+    # and writes the patch, which applies from the folder diagnose ran in
+    (tmp_path / "tests").mkdir()
+    script = tmp_path / "tests" / "loop_patterns.py"
+    shutil.copy(SCRIPT, script)
+    _, result = diagnose("blocked", 14, script=str(script), cwd=tmp_path, script_steps=40)
+    (compiled,) = [f["compiled_step"] for f in result["fits"] if f.get("compiled_step")]
+    assert compiled["best_ms"] is not None, compiled.get("reason")
+    where = {c["where"] for c in compiled["changes"]}
+    for code in ("accumulated = None", "self.current_step += 1", "return float(loss.numpy())",
+                 "for micro_x, micro_y in"):
+        assert f"{script}:{_line(code)}" in where, compiled["changes"]
+    # the fix (where compiling saves time: this step's tf.data loop costs about as much
+    # in a graph, so on a loaded host it may not) names the patch and lists each change
+    fix = next((f for f in result["fixes"] if f["verdict"] == "eager_step"), None)
+    if fix is not None:
+        assert f"`patch -p1 < {compiled['patch']}` from the folder diagnose ran in" in fix["fix"]
+        assert where <= {w.split(": ", 1)[0] for w in fix["where"]}
+        assert fix["predicted"]["source"] == "compiled-step"
+    patched = subprocess.run(["patch", "-p1", "-i", compiled["patch"]], cwd=tmp_path,
+                             capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    run = subprocess.run([sys.executable, str(script), "blocked", "--steps", "4"],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert run.returncode == 0 and "done blocked" in run.stdout, run.stderr[-2000:]
+    # the step changed by hand as the blockers say (blocked_fixed): the step is compiled
     _, fixed = diagnose("blocked_fixed", 14, "--no-what-if", script_steps=40)
     (loop,) = fixed["fits"]
     assert [f["name"] for f in loop["step"]["functions"]] == ["train_step"]

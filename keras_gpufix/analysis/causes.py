@@ -25,7 +25,7 @@ decision about a verdict in it is one of these pure functions:
 """
 
 from keras_gpufix.analysis.traps import traps_of
-from keras_gpufix.analysis.verdicts import (NOT_CAUSES, THRESHOLDS, blocker_line,
+from keras_gpufix.analysis.verdicts import (NOT_CAUSES, STEP_CHANGE, THRESHOLDS, blocker_line,
                                            compiled_share, compiled_step_fix)
 
 __all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
@@ -150,6 +150,9 @@ def measured_lines(verdict: str, steps, compiled_steps) -> list:
     lines = [f"{s['eager_where']}: the step's gradient, measured eager"
              for s in steps if s.get("eager_where")]
     for c in compiled_steps:
+        if c.get("best_ms") is not None and c.get("changes") is not None:
+            lines += [STEP_CHANGE.format(**change) for change in c["changes"]]
+            continue
         lines += [blocker_line(b) for b in c.get("blockers") or ()]
         if c.get("reason") and not c.get("blockers"):
             lines.append(f"{c.get('function', 'the step')}: diagnose could not compile it to "

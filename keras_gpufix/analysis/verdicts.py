@@ -354,6 +354,41 @@ BLOCKED_STEP_FIX = (
     "jit_compile=True)"
 )
 
+#: What `compiled_step_fix` adds from diagnose's patched copy of the step
+#: (`diagnose.step_patch`): the changes that made it run under tf.function,
+#: checked to compute the eager step's result, and the patch file; or where the
+#: copy stopped (the line, TensorFlow's message, what was not checked); or that the
+#: copy ran but computed something else (then nothing is offered).
+STEP_PATCH_NOTES = {
+    "applied": (
+        "; diagnose ran it so: {changed}checked on the run's batch to give the eager step's "
+        "returns and updated weights (from the same weights, restored after); "
+        "`patch -p1 < {patch}` from the folder diagnose ran in applies {what}"
+    ),
+    "no_patch": (
+        "; diagnose ran it so: {changed}checked on the run's batch to give the eager step's "
+        "returns and updated weights; no patch file was written ({reason})"
+    ),
+    "stopped": (
+        "; diagnose made {count} change{s} in a copy of the step and traced it {traces} "
+        "time{ts}, and stopped at {where} (`{code}`): {message}; it cannot make that change: "
+        "{unchecked}"
+    ),
+    "differs": (
+        "; diagnose made {count} change{s} in a copy of the step so that it runs, but the "
+        "copy computes a different result ({differs}): no change is offered"
+    ),
+}
+
+#: What an `input_bound` fix that is an edit at a named line adds
+#: (`diagnose.step_patch.input_patch`): the patch that makes it.
+INPUT_PATCH_NOTE = (
+    "; `patch -p1 < {patch}` from the folder diagnose ran in makes the edit ({edits})"
+)
+
+#: A change of diagnose's patch, listed under the `eager_step` fix.
+STEP_CHANGE = "{where}: `{code}` -> {change}"
+
 #: What `compiled_step_fix` adds when the step compiled but changes Python state.
 STATEFUL_STEP_NOTE = (
     "; first move the Python state it changes out of it ({lines}, below): the step as "
@@ -735,14 +770,41 @@ def compiled_step_fix(compiled: dict) -> "str | None":
         key = "no_xla" if compiled.get("xla_ms") is None else compiled["best"]
         values = _Fields({k: v for k, v in compiled.items() if v is not None})
         text = COMPILED_STEP_FIXES[key].format_map(values)
-        if blockers:
+        if blockers and compiled.get("changes") is None:  # no copy moved them out
             text += STATEFUL_STEP_NOTE.format(lines=", ".join(b["where"] for b in blockers))
         kind = "measured"
+    text += step_patch_note(compiled)
     wrappers = compiled.get("own_wrappers")
     if wrappers:
         text += OWN_WRAPPER_NOTE[kind].format(lines=", ".join(
             f"{w['where']} (`{w['code']}`)" for w in wrappers))
     return text
+
+
+def step_patch_note(compiled: dict) -> str:
+    """What diagnose's patched copy of the step showed (`STEP_PATCH_NOTES`), or ""
+    where no copy was made."""
+    changes = compiled.get("changes")
+    if changes is None:
+        return ""
+    count = len(changes)
+    lines = dict(count=count, s="s" * (count != 1), traces=compiled.get("traces", 0),
+                 ts="s" * (compiled.get("traces", 0) != 1))
+    if compiled.get("stopped"):
+        return STEP_PATCH_NOTES["stopped"].format_map(_Fields({**lines, **compiled["stopped"]}))
+    if compiled.get("differs"):
+        return STEP_PATCH_NOTES["differs"].format_map(_Fields({**lines, **compiled}))
+    if compiled.get("best_ms") is None:
+        return ""
+    changed = (f"the {count} change{lines['s']} below, then tf.function; " if count
+               else "as written in tf.function; ")
+    what = ("the changes and the wrapper" if count else "the wrapper") + (
+        " (jit_compile=True)" if compiled.get("best") == "tf.function(jit_compile=True)" else "")
+    if compiled.get("patch"):
+        return STEP_PATCH_NOTES["applied"].format(changed=changed, patch=compiled["patch"],
+                                                  what=what)
+    return STEP_PATCH_NOTES["no_patch"].format(changed=changed,
+                                               reason=compiled.get("patch_reason") or "?")
 
 
 def compiled_share(steady_share: float, eager_ms: float, compiled_ms: float) -> float:

@@ -34,7 +34,10 @@ The package holds one concern per module: `scan` (the static scan), `run`
 (the patching and the run), `loop_patch` (custom loops), `jax_steps` (a JAX
 script's `jax.jit` steps; on JAX no TensorFlow is imported), `what_if` (input
 alone vs step alone), `stages` (the input's stages, where built and how
-fast) and `report` (the ranking and the text report).
+fast), `step_blockers` (what stops tf.function running an eager step),
+`step_patch` (the eager step's copy changed until tf.function runs it and
+checked to compute the same; the patch files of the step's and the input's
+fixes, written in the log dir) and `report` (the ranking and the text report).
 """
 
 from keras_gpufix.analysis import TRAPS

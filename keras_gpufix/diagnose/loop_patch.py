@@ -432,6 +432,7 @@ class LoopPatch:
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
         self.eager_calls = 0  # its calls while a loop ran (several a cycle: micro-batches)
+        self._eager_frame = None  # the frame of its last call
         self._undo = []  # undoes the patches that are not a class attribute (jax.jit)
         self._jit_trains = {}  # id(Jitted) -> its first call's outputs, then whether it trains
         self.train_jits = []  # the jitted functions that train, in order
@@ -626,8 +627,9 @@ class LoopPatch:
                 self.eager_step = (fn, *_arguments(frame))
             except KeyError:  # a parameter deleted in the body
                 pass
-            if self.loop is not None:
-                self.eager_calls += 1
+            if self.loop is not None and frame is not self._eager_frame:
+                self.eager_calls += 1  # a call of the function, not each gradient in it
+            self._eager_frame = frame  # held: a later call's frame is a new object
 
     def jit_call(self, fn, args, kwargs):
         """A call of a `jax.jit` function the script made (`jax_steps.Jitted`).
@@ -765,9 +767,10 @@ class LoopPatch:
         """`compile_step` of the loop's eager step, or a dict with the reason it was not
         measured."""
         fn, args, kwargs = self.eager_step
-        self.eager_step = None  # its batch is not kept past the what-if
+        self.eager_step = self._eager_frame = None  # its batch is not kept past the what-if
         try:
-            compiled = compile_step(fn, args, kwargs, library=_library_prefixes())
+            compiled = compile_step(fn, args, kwargs, library=_library_prefixes(),
+                                    log_dir=self.fits_patch.log_dir)
         except Exception as exc:  # never break the user's run
             return {"reason": f"{type(exc).__name__}: {exc}"}
         if self.loop.cycles:

@@ -206,6 +206,8 @@ def _predicted(cause, fits):
                         + ("" if run is None else
                            f"; its first call traces and compiles once ({once:.2f} s here), "
                            f"so this run's {steps} steps ({wall:.1f} s) would be {run:.2f}x faster"
+                           + (f" ({steps / wall:.1f} steps/s -> {run * steps / wall:.1f} steps/s)"
+                              if steps else "")
                            + (", slower than now: the trace pays only in a longer run"
                               if run < 1 else ""))}
     return {"share": share, "speedup": speedup, "speedup_range": None, "source": "cost_share",

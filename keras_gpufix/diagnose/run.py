@@ -29,6 +29,7 @@ from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
                                           seen_in_code, trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
+from keras_gpufix.diagnose.step_patch import attach_patches
 from keras_gpufix.diagnose.stages import StageSites, measure_stages
 from keras_gpufix.diagnose.what_if import (Budget, Cycles, fit_replay, input_rate,
                                            replay_rates, what_if_until_known)
@@ -759,6 +760,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         seen = sum(f.get("steps_run") or 0 for f in patch.fits) + loops.step_calls
         ended = _ended_by(ended, seen, patch.what_if_stopped)
     verdict, ranking, fixes = rank_causes(patch.fits, scan)
+    attach_patches(fixes, patch.fits, scan, log_dir)
     traces = trace_evidence(patch.fits)
     evidence = list(ranking[0]["evidence"]) if ranking else []
     if not is_cause(verdict):  # the evidence that the run is healthy, or what was seen

@@ -52,7 +52,6 @@ then the share of the cycle spent waiting for input, nothing more.
 """
 
 import os
-import re
 import statistics
 import time
 
@@ -61,6 +60,8 @@ from keras_gpufix.analysis.what_if import (COMPILE_TIMINGS, MAX_BATCHES, ROUNDS,
                                            Cycles, block_timings, format_what_if, ratio_words,
                                            what_if, what_if_until_known)
 from keras_gpufix.diagnose.step_blockers import own_wrappers, step_blockers
+from keras_gpufix.diagnose.step_patch import (make_runnable, saved_state, write_patch,
+                                              xla_refusal)
 
 __all__ = ["Budget", "Cycles", "input_rate", "fit_replay", "replay_rates", "what_if",
            "what_if_until_known", "format_what_if", "ratio_words", "compile_step"]
@@ -264,26 +265,41 @@ def _per_call_ms(call, sync, seconds):
     return 1000 * statistics.median(times), first
 
 
-def _op_where(graph, op_type, library):
-    """`file:line` of the user's code that made the first `op_type` op of `graph`."""
-    for op in graph.get_operations():
-        if op.type != op_type:
-            continue
-        frames = [f for f in op.traceback if not f.filename.startswith(library)]
-        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-    return None
+def _as_written(fn, args, kwargs, library, made):
+    """`make_runnable`'s result for a step that traced as written but that diagnose
+    could not copy (a lambda) or change (Python state set from the step's values): `fn`
+    itself in tf.function, timed as before, with no patch (`no_patch` says why)."""
+    import tensorflow as tf
+
+    plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    graph = plain.get_concrete_function(*args, **kwargs).graph  # traced: its first call runs
+    out = {**made, "runs": True, "same": True, "function": plain, "xla_function": None,
+           "no_patch": "{where}: {message}".format(**made["blocker"]), "first_call_s": None}
+    saved = saved_state(args, kwargs, fn)
+    try:
+        xla(*args, **kwargs)
+        out.update(xla_function=xla, xla_error=None, xla_op=None, xla_where=None)
+    except Exception as exc:  # an op XLA cannot compile
+        out.update(xla_refusal(exc, graph, library))
+    finally:
+        saved.restore()
+    return out
 
 
-def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
-    """The user's eager step compiled both ways on a real batch, and timed.
+def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir=None,
+                 cwd=None):
+    """The user's eager step made to run under tf.function, checked, and timed.
 
     `fn(*args, **kwargs)` (the function that computed the eager gradient,
-    on the arguments of its last call) is timed eagerly, as
-    `tf.function(fn)` and as `tf.function(fn, jit_compile=True)`, each on
-    the same batch, each first call (trace and compile) untimed. Every
-    variable the step writes (model, optimizer, accumulators) is restored
+    on the arguments of its last call) is first made to run under
+    `tf.function` (`step_patch.make_runnable`: a patched copy, traced until
+    it runs, checked to give the eager step's returns and variables); the
+    copy is then timed eagerly (`fn` as written), as `tf.function` and as
+    `tf.function(jit_compile=True)`, each on the same batch, each first call
+    (trace and compile) untimed. Every variable the step writes (model,
+    optimizer, accumulators) and its arguments' Python state are restored
     after. An op XLA cannot compile (`tf.print` in the loss: `StringFormat`)
-    is named with the user's line that made it (`op.traceback`).
+    is named with the user's line that made it.
 
     Args:
         fn: the step's Python function.
@@ -291,18 +307,22 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         library: path prefixes of library code (the line named is the
             user's last frame outside them).
         seconds: the timing budget of each of the three ways.
+        log_dir: where the patch is written (`step.patch`); None: not written.
+        cwd: the folder the patch applies from (`patch -p1`); the current one by default.
 
     Returns:
-        A dict `function` (`name (file:line)`), `eager_ms`, `function_ms`,
-        `xla_ms` (None when XLA failed), `xla_error` (its first line),
-        `xla_op`, `xla_where` (`file:line`), `best` (`tf.function` or
-        `tf.function(jit_compile=True)`, the faster that compiled),
-        `best_ms`, `first_call_s` (the best way's first call: its trace and
-        compile, a one-off cost), `blockers` (`step_blockers`: the Python state the step
-        changes, which a trace runs once) and `own_wrappers` (`own_wrappers`: where the
-        script wraps the function in tf.function itself); or a dict `function`,
-        `own_wrappers`, `reason` and `blockers` (what stops the trace, each by its line)
-        when it could not be traced.
+        A dict `function` (`name (file:line)`), `own_wrappers` (`own_wrappers`: where
+        the script wraps the function in tf.function itself), `blockers`
+        (`step_blockers`: what stops tf.function running it as written), `changes`
+        (each change the copy made: `kind`, `where`, `code`, `change`), `traces`;
+        where the copy ran and computed the same result: `eager_ms`, `function_ms`,
+        `xla_ms` (None when XLA failed), `xla_error` (its first line), `xla_op`,
+        `xla_where` (`file:line`), `best` (`tf.function` or
+        `tf.function(jit_compile=True)`, the faster that compiled), `best_ms`,
+        `first_call_s` (the best way's trace and compile, a one-off cost), `patch`
+        (the diff's path, or None) and `patch_reason` (why none); else `reason`, with
+        `stopped` (`where`, `code`, `message`: the line the copy could not change, and
+        `unchecked`) or `differs` (how the copy's result differs from the eager one's).
     """
     import numpy as np
     import tensorflow as tf
@@ -311,18 +331,37 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
     code = fn.__code__
     out = {"function": f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})",
            "own_wrappers": own_wrappers(fn)}
-    plain, xla = tf.function(fn), tf.function(fn, jit_compile=True)
-    library = tuple(library) or (os.sep + "site-packages",)
+    if not library:
+        from keras_gpufix.diagnose.loop_patch import _library_prefixes
+
+        library = _library_prefixes()
+    library = tuple(library)
     t0 = time.perf_counter()
     try:
-        concrete = plain.get_concrete_function(*args, **kwargs)
+        tf.function(fn).get_concrete_function(*args, **kwargs)
+        out["blockers"] = step_blockers(fn, library=library)  # Python state: traced, yet wrong
     except Exception as exc:
-        return {**out, "reason": f"tf.function could not trace it: {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else ''}",
-                "blockers": step_blockers(fn, exc, library)}
+        out["blockers"] = step_blockers(fn, exc, library)
+        out["reason"] = (f"tf.function could not trace it: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}")
     traced = time.perf_counter() - t0
-    out["blockers"] = step_blockers(fn, library=library)  # Python state: traced, yet wrong
-    saved = [(v, v.numpy()) for v in concrete.variables]
+    made = make_runnable(fn, args, kwargs, library=library,
+                         static=[b for b in out["blockers"]
+                                 if b["kind"] in ("python_state", "host_read")])
+    out["changes"], out["traces"] = made["changes"], made["traces"]
+    if not made["runs"] and "reason" not in out:  # traced as written, no running copy
+        made = _as_written(fn, args, kwargs, library, made)
+    if not made["runs"]:
+        return {**out, "reason": out.get("reason") or "tf.function could not run it",
+                "stopped": {**made["blocker"], "unchecked": made["unchecked"]}}
+    if not made["same"]:
+        return {**out, "reason": f"the changed step computes a different result: "
+                                 f"{made['differs']}", "differs": made["differs"]}
+    out.pop("reason", None)
+    plain, xla = made["function"], made["xla_function"]
+    for key in ("xla_error", "xla_op", "xla_where"):
+        out[key] = made[key]
+    saved = saved_state(args, kwargs, fn)
     first = {}  # each way's first call: trace and compile, once
 
     def sync(result):
@@ -332,24 +371,27 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3):
         out["eager_ms"], _ = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
         out["function_ms"], first["tf.function"] = _per_call_ms(
             lambda: plain(*args, **kwargs), sync, seconds)
-        out["xla_ms"] = out["xla_error"] = out["xla_op"] = out["xla_where"] = None
-        try:
+        out["xla_ms"] = None
+        if xla is not None:
             out["xla_ms"], first["tf.function(jit_compile=True)"] = _per_call_ms(
                 lambda: xla(*args, **kwargs), sync, seconds)
-        except Exception as exc:  # an op XLA cannot compile
-            text = str(exc)
-            op = (re.search(r"No registered '(\w+)' OpKernel", text)
-                  or re.search(r"XLA_\w+_JIT: (\w+)", text))
-            out["xla_error"] = f"{type(exc).__name__}: " + next(
-                (line for line in text.splitlines() if line.strip()), "")
-            out["xla_op"] = op and op.group(1)
-            out["xla_where"] = op and _op_where(concrete.graph, op.group(1), library)
     finally:
-        for variable, value in saved:
-            variable.assign(value)
+        saved.restore()
     best = min((ms, name) for ms, name in ((out["function_ms"], "tf.function"),
                                            (out["xla_ms"], "tf.function(jit_compile=True)"))
                if ms is not None)
     out["best_ms"], out["best"] = best
-    out["first_call_s"] = first[out["best"]] + (traced if out["best"] == "tf.function" else 0)
+    out["first_call_s"] = (made["first_call_s"].get(out["best"], first[out["best"]])
+                           if made.get("first_call_s") else first[out["best"]] + traced)
+    if made.get("no_patch"):  # no copy of the step: as written, in tf.function
+        return {**out, "changes": None, "patch": None, "patch_reason": made["no_patch"]}
+    out["patch"], out["patch_reason"] = None, None
+    if log_dir is None:
+        out["patch_reason"] = "no log dir"
+    else:
+        out["patch"] = write_patch(made["step"], log_dir,
+                                   jit=out["best"] == "tf.function(jit_compile=True)", cwd=cwd)
+        if out["patch"] is None:
+            out["patch_reason"] = (f"{made['step'].path} is not under the folder diagnose ran in "
+                                   f"({os.path.abspath(cwd or os.getcwd())})")
     return out

@@ -1,0 +1,863 @@
+"""The eager step made to run under `tf.function`: a patched copy, traced until it runs.
+
+A scan of the step's source (`step_blockers`) finds what can be read in it;
+what only a trace finds (a name AutoGraph needs before a loop over a tensor
+count, a None accumulator whose structure changes in the `tf.while_loop`)
+shows only when TensorFlow traces it. So before diagnose says "wrap the
+step in tf.function", `make_runnable` builds a copy of the step's own
+function in memory, changes each line the scan named, traces it, and while
+the trace fails changes the line its error names, until the copy traces
+or a change it cannot make is met (that line is then named with
+TensorFlow's message):
+
+| what                                  | the change                                   |
+|---------------------------------------|----------------------------------------------|
+| `float(t)`, `int(t)`, `t.numpy()`,    | `t`: the step returns the tensor, read after |
+| `t.item()` (`host_read`)              | the call                                     |
+| `self.n += 1`, a global set           | moved out of the compiled step into a plain  |
+| (`python_state`, top-level statement) | wrapper of the same name that calls it       |
+| `acc = None` before a loop over a     | zeros of the value set in the loop           |
+| tensor, `acc = g if acc is None else  | (`tuple(tf.zeros_like(v) for v in SOURCES)`  |
+| [...]` in it                          | for a tape's gradients), the loop's update   |
+|                                       | kept a tuple                                 |
+| a name first set in such a loop       | set before it to zeros of the value the      |
+| ("must be defined before the loop")   | eager step gave it (`tf.zeros(shape, dtype)`)|
+
+The copy that runs is then checked: from the same variables, on the run's
+own batch, the eager step and the patched one must give the same returned
+values and the same variables after (`SAME_RTOL`/`SAME_ATOL`); every
+variable, and the Python state of the step's arguments, is restored after
+each (the user's run is unchanged). `jit_compile=True` is tried on it: the
+op XLA refuses (a `tf.print`'s `StringFormat`) is named by the line that
+made it. `write_patch` writes the changes, with the `tf.function` wrapper,
+as a unified diff `patch -p1` applies from the folder diagnose ran in.
+
+Only the step's own function is changed: a blocker in a function it calls is
+named, not changed.
+"""
+
+import ast
+import difflib
+import gc
+import inspect
+import linecache
+import os
+import re
+import textwrap
+import time
+import traceback
+
+from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
+
+__all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla_refusal",
+           "saved_state", "SAME_RTOL", "SAME_ATOL"]
+
+#: Tolerance of "the same result" (graph and eager kernels reorder float sums).
+SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
+#: Traces tried at most before diagnose gives up changing the step.
+MAX_TRACES = 12
+_READ_METHODS = {"numpy", "item", "tolist"}
+_READ_BUILTINS = {"float", "int", "bool"}
+_LOOP_NAME = re.compile(r"'(\w+)' (?:must be defined|is not allowed to be None|has a None value|"
+                        r"does not have the same nested structure)")
+
+
+class CannotPatch(Exception):
+    """A change the patcher cannot make: `where` (`file:line`), `code`, `message`."""
+
+    def __init__(self, where, code, message):
+        super().__init__(message)
+        self.where, self.code, self.message = where, code, message
+
+
+#: Python builtins that iterate a tensor, and their TensorFlow op.
+_REDUCTIONS = {"max": "reduce_max", "min": "reduce_min", "sum": "reduce_sum"}
+
+
+def _reduction(node):
+    """(the tensor, the op) of `max(t)` / `min(t)` / `sum(t)`, or None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in _REDUCTIONS and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], (ast.List, ast.Tuple, ast.GeneratorExp,
+                                              ast.ListComp))):
+        return node.args[0], _REDUCTIONS[node.func.id]
+    return None
+
+
+def _is_read(node):
+    """The tensor a call reads into Python (`float(t)`, `t.numpy()`), or None."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr in _READ_METHODS and not node.args:
+        return func.value
+    if (isinstance(func, ast.Name) and func.id in _READ_BUILTINS and len(node.args) == 1
+            and not node.keywords and not isinstance(node.args[0], ast.Constant)):
+        return node.args[0]
+    return None
+
+
+class _Step:
+    """The step's function as source lines, each with the file's line number it came
+    from (None for a line the patch adds); changed in place."""
+
+    def __init__(self, fn):
+        lines, self.first = inspect.getsourcelines(fn)
+        self.path = inspect.getsourcefile(fn)
+        self.fn = fn
+        self.rows = [[self.first + i, line if line.endswith("\n") else line + "\n"]
+                     for i, line in enumerate(lines)]
+        self.moved = []  # statements moved to the wrapper (dedented text)
+        self.changes = []  # dicts kind, where, code, change
+        self.tf_name = next((k for k, v in fn.__globals__.items()
+                             if getattr(v, "__name__", None) == "tensorflow"),
+                            '__import__("tensorflow")')
+        self.indent = re.match(r"\s*", self.rows[0][1]).group(0)
+
+    # -- the source
+    def text(self):
+        return textwrap.dedent("".join(r[1] or "\n" for r in self.rows))
+
+    def tree(self):
+        node = ast.parse(self.text()).body[0]
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise CannotPatch(self.where(1), self.code(1), "the step is not a def")
+        return node
+
+    def where(self, index):
+        """`file:line` of row `index` (1-based), the nearest line of the file."""
+        for i in range(index - 1, -1, -1):
+            if self.rows[i][0] is not None:
+                return f"{self.path}:{self.rows[i][0]}"
+        return f"{self.path}:{self.first}"
+
+    def code(self, index):
+        return self.rows[index - 1][1].strip() if 0 < index <= len(self.rows) else ""
+
+    def index_of(self, line):
+        """The row (1-based) of the file's `line`, or None."""
+        return next((i + 1 for i, r in enumerate(self.rows) if r[0] == line), None)
+
+    def _abs(self, row, col):
+        """`col` of a dedented row as a column of the row as it is in the file."""
+        text = self.rows[row - 1][1]
+        dedented = self.text().splitlines(True)[row - 1]
+        return col + len(text) - len(dedented)
+
+    def replace(self, node, new_text):
+        """Replaces `node`'s text (on one row) by `new_text`."""
+        if node.lineno != node.end_lineno:
+            return False
+        row = node.lineno
+        a, b = self._abs(row, node.col_offset), self._abs(row, node.end_col_offset)
+        text = self.rows[row - 1][1]
+        self.rows[row - 1][1] = text[:a] + new_text + text[b:]
+        return True
+
+    def segment(self, node):
+        return ast.get_source_segment(self.text(), node)
+
+    def statement_rows(self, stmt):
+        return range(stmt.lineno, stmt.end_lineno + 1)
+
+    # -- the changes
+    def note(self, kind, index, change, code=None):
+        self.changes.append({"kind": kind, "where": self.where(index),
+                             "code": code if code is not None else self.code(index),
+                             "change": change})
+
+    def remove_reads(self, index):
+        """Each Python read of a tensor on row `index`, made the tensor; False when none."""
+        code, done = self.code(index), False
+        for _ in range(20):
+            node = next((n for n in ast.walk(self.tree()) if getattr(n, "lineno", None) == index
+                         and _is_read(n) is not None), None)
+            if node is None or not self.replace(node, self.segment(_is_read(node))):
+                break
+            done = True
+        if done:
+            self.note("host_read", index, f"`{self.code(index)}`: the tensor, read after the "
+                                          "call", code)
+        return done
+
+    def reduce_in_tf(self, index):
+        """`max(t)` / `min(t)` / `sum(t)` on row `index` (Python iterating a tensor) as the
+        TensorFlow op; False when none."""
+        code, done = self.code(index), False
+        for _ in range(20):
+            node = next((n for n in ast.walk(self.tree()) if getattr(n, "lineno", None) == index
+                         and _reduction(n) is not None), None)
+            if node is None:
+                break
+            tensor, op = _reduction(node)
+            if not self.replace(node, f"{self.tf_name}.{op}({self.segment(tensor)})"):
+                break
+            done = True
+        if done:
+            self.note("host_read", index, f"`{self.code(index)}`: in TensorFlow ops", code)
+        return done
+
+    def move_state(self, index):
+        """Moves the top-level statement on row `index` (Python state the step changes)
+        into the wrapper that calls the compiled step."""
+        fn = self.tree()
+        stmt = next((s for s in fn.body if s.lineno <= index <= s.end_lineno), None)
+        where, code = self.where(index), self.code(index)
+        if stmt is None:
+            raise CannotPatch(where, code, "it changes Python state inside a block of the step "
+                                           "(an if, a loop): diagnose cannot move it out")
+        params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs,
+                                  fn.args.vararg, fn.args.kwarg) if a is not None}
+        local = {t.id for s in fn.body if s is not stmt for n in ast.walk(s)
+                 for t in getattr(n, "targets", [getattr(n, "target", None)])
+                 if isinstance(t, ast.Name)} - params
+        read = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, ast.Load)}
+        if read & local:
+            raise CannotPatch(where, code, "it sets Python state from values the step computes "
+                                           f"({', '.join(sorted(read & local))}): diagnose "
+                                           "cannot move it out")
+        written = {ast.dump(t) for n in ast.walk(stmt)
+                   for t in getattr(n, "targets", [getattr(n, "target", None)]) if t is not None}
+        for other in fn.body:
+            if other is stmt:
+                continue
+            if any(isinstance(n, (ast.Attribute, ast.Name)) and isinstance(n.ctx, ast.Load)
+                   and ast.dump(type(n)(**{**n.__dict__, "ctx": ast.Store()})) in written
+                   for n in ast.walk(other)):
+                raise CannotPatch(where, code, "the step reads the state it changes: under "
+                                               "tf.function it would read its value at the trace")
+        text = textwrap.dedent("".join(self.rows[i - 1][1] for i in self.statement_rows(stmt)))
+        self.moved.append(text)
+        for i in self.statement_rows(stmt):
+            self.rows[i - 1][1] = ""
+        self.note("python_state", index, "moved after the compiled call (in the wrapper)",
+                  code)
+
+    def define_before_loop(self, name, index, value, message=""):
+        """Sets `name` to a tensor before the loop on (or holding) row `index`: zeros of
+        the gradients a `name = None ... name = g if name is None else ...` accumulator
+        takes, else zeros of the eager step's last value of it (`value`)."""
+        fn = self.tree()
+        loops = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))
+                 and n.lineno <= index <= n.end_lineno
+                 and name in {t.id for m in ast.walk(n)
+                              for t in getattr(m, "targets", [getattr(m, "target", None)])
+                              if isinstance(t, ast.Name)}]
+        where, code = self.where(index), self.code(index)
+        if not loops:
+            raise CannotPatch(where, code, f"no loop here sets '{name}'")
+        loop = max(loops, key=lambda n: n.lineno)  # the innermost
+        block = _block_of(fn, loop)
+        before = [s for s in block if s.end_lineno < loop.lineno]
+        none = next((s for s in reversed(before) if isinstance(s, ast.Assign)
+                     and isinstance(s.value, ast.Constant) and s.value.value is None
+                     and any(getattr(t, "id", None) == name for t in s.targets)), None)
+        update = _none_update(loop, name)
+        if none is not None and update is not None:
+            stmt, first, then = update
+            sources = _gradient_sources(fn, first)
+            if sources is None:
+                raise CannotPatch(self.where(stmt.lineno), self.code(stmt.lineno),
+                                  f"'{name}' starts from None and takes its first value in the "
+                                  "loop; diagnose finds its zeros only for a tape's gradients")
+            self._set_line(none, f"{name} = tuple({self.tf_name}.zeros_like(v) for v in "
+                                 f"{sources})")
+            self.note("none_before_loop", none.lineno,
+                      f"`{self.code(none.lineno)}`: zeros of the gradients, a tuple",
+                      code=f"{name} = None")
+            old = self.code(stmt.lineno)
+            self._set_line(stmt, f"{name} = {_as_tuple(self.segment(then))}")
+            self.note("none_before_loop", stmt.lineno, f"`{self.code(stmt.lineno)}`: the "
+                                                       "accumulator kept a tuple", code=old)
+            return
+        init = _zeros_of(value, self.tf_name)
+        if init is None:
+            raise CannotPatch(where, code, f"'{name}' has no tensor value in the eager step to "
+                                           "start it from")
+        indent = re.match(r"\s*", self.rows[loop.lineno - 1][1]).group(0)
+        if none is not None:
+            self._set_line(none, f"{name} = {init}")
+            self.note("none_before_loop", none.lineno, f"`{name} = {init}`", code=f"{name} = None")
+        else:
+            self.rows.insert(loop.lineno - 1, [None, f"{indent}{name} = {init}\n"])
+            self.note("none_before_loop", loop.lineno + 1,
+                      f"`{name} = {init}` set before the loop"
+                      + (f" (the trace: {message})" if message else ""),
+                      code=self.code(loop.lineno + 1))
+
+    def _set_line(self, stmt, text):
+        """Statement `stmt` (its rows) made the one line `text`."""
+        indent = re.match(r"\s*", self.rows[stmt.lineno - 1][1]).group(0)
+        self.rows[stmt.lineno - 1][1] = f"{indent}{text}\n"
+        for i in range(stmt.lineno + 1, stmt.end_lineno + 1):
+            self.rows[i - 1][1] = ""
+
+    # -- the function, in memory and in the file
+    def function(self):
+        """The changed function, compiled in memory (its decorators left out)."""
+        fn = self.tree()
+        rows = ["\n" if i < fn.lineno - 1 else r[1] or "\n" for i, r in enumerate(self.rows)]
+        src = textwrap.dedent("".join(rows))
+        free = self.fn.__code__.co_freevars
+        offset = 0
+        if free:
+            src = (f"def __kg_outer__({', '.join(free)}):\n" + textwrap.indent(src, "    ")
+                   + f"    return {fn.name}\n")
+            offset = 1
+        name = f"<keras_gpufix patched {self.path}>"
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        namespace = {}
+        exec(compile(src, name, "exec"), self.fn.__globals__, namespace)  # noqa: S102
+        made = namespace[fn.name]
+        if free:
+            cells = [c.cell_contents for c in self.fn.__closure__]
+            made = namespace["__kg_outer__"](*cells)
+        made.__kg_rows__ = (name, offset)
+        return made
+
+    def new_text(self, jit):
+        """The function as the patched file holds it: `@tf.function` (with
+        `jit_compile=True` where `jit`) above its def, in a wrapper of its name that
+        runs the moved statements after it where there are any."""
+        fn = self.tree()
+        rows = [r[1] for r in self.rows]
+        def_row = fn.lineno - 1
+        deco = f"{self.indent}@{self.tf_name}.function" + ("(jit_compile=True)" if jit else "")
+        if not self.moved:
+            return "".join(rows[:def_row]) + deco + "\n" + "".join(rows[def_row:])
+        compiled = f"_{fn.name}_compiled"
+        rows[def_row] = rows[def_row].replace(f"def {fn.name}(", f"def {compiled}(", 1)
+        args = fn.args
+        positional = [a.arg for a in (*args.posonlyargs, *args.args)]
+        method = bool(positional) and "." in self.fn.__qualname__.rpartition("<locals>.")[2]
+        call = positional[1:] if method else positional
+        call = (call + ([f"*{args.vararg.arg}"] if args.vararg else [])
+                + [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+                + ([f"**{args.kwarg.arg}"] if args.kwarg else []))
+        target = f"{positional[0]}.{compiled}" if method else compiled
+        body = "".join(textwrap.indent(m, self.indent + "    ") for m in self.moved)
+        wrapper = (f"{self.indent}def {fn.name}({ast.unparse(args)}):\n"
+                   f"{self.indent}    result = {target}({', '.join(call)})\n"
+                   f"{body}{self.indent}    return result\n\n")
+        return (wrapper + "".join(rows[:def_row]) + deco + "\n" + "".join(rows[def_row:]))
+
+
+def _block_of(fn, node):
+    """The statement list holding `node`."""
+    for parent in ast.walk(fn):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(parent, field, None)
+            if isinstance(block, list) and node in block:
+                return block
+    return fn.body
+
+
+def _none_update(loop, name):
+    """(statement, value when None, value after) of `name = A if name is None else B`
+    or `if name is None: name = A else: name = B` in `loop`, or None."""
+    def is_none_test(test):
+        return (isinstance(test, ast.Compare) and getattr(test.left, "id", None) == name
+                and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0],
+                                                                   ast.Constant)
+                and test.comparators[0].value is None)
+
+    for node in ast.walk(loop):
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                 for t in node.targets)
+                and isinstance(node.value, ast.IfExp) and is_none_test(node.value.test)):
+            return node, node.value.body, node.value.orelse
+        if (isinstance(node, ast.If) and is_none_test(node.test) and len(node.body) == 1
+                and len(node.orelse) == 1 and all(isinstance(s, ast.Assign)
+                                                  for s in (*node.body, *node.orelse))):
+            return node, node.body[0].value, node.orelse[0].value
+    return None
+
+
+def _gradient_sources(fn, value):
+    """The sources (`model.trainable_variables`) of the tape gradient `value` is
+    (`tape.gradient(loss, SOURCES)`, directly or by a name set to it), or None."""
+    if isinstance(value, ast.Name):
+        value = next((n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                      and any(getattr(t, "id", None) == value.id for t in n.targets)
+                      and isinstance(n.value, ast.Call)), None)
+    if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+            and value.func.attr == "gradient" and len(value.args) >= 2):
+        return ast.unparse(value.args[1])
+    return None
+
+
+def _as_tuple(text):
+    """`[a + g for ...]` as `tuple(a + g for ...)`; other values wrapped in tuple()."""
+    node = ast.parse(text, mode="eval").body
+    if isinstance(node, ast.ListComp):
+        return f"tuple({text.strip()[1:-1].strip()})"
+    return f"tuple({text})"
+
+
+def _zeros_of(value, tf_name):
+    """`tf.zeros(shape, dtype)` source for a tensor `value` (0 / 0.0 for a number)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return repr(type(value)(0))
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    return f"{tf_name}.zeros({list(shape)}, {tf_name}.{getattr(dtype, 'name', dtype)})"
+
+
+def _frames(exc):
+    """(file, line) of each frame the error names: AutoGraph's "in user code:" frames
+    in its message, then its traceback's."""
+    text = str(exc)
+    out = [(m.group(1), int(m.group(2)))
+           for m in re.finditer(r'File "([^"]+)", line (\d+)', text)]
+    out += [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
+    return out
+
+
+def _message(exc):
+    """TensorFlow's message: its error's line (AutoGraph puts it after the frames) and the
+    first sentence of a note after it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    at = next((i for i, line in enumerate(lines)
+               if re.match(r"\w+(Error|Exception): ", line)), None)
+    if at is None:
+        text = lines[-1] if lines else ""
+        return text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
+    note = next((line for line in lines[at + 1:] if line.startswith("Note:")), "")
+    return _first_sentence(lines[at]) + (f" ({_first_sentence(note)})" if note else "")
+
+
+def _first_sentence(text):
+    """`text` up to its first sentence's end (TensorFlow's advice after it left out)."""
+    return re.sub(r"(?<=[a-z`'\)])\. [A-Z].*", ".", text)
+
+
+def _fix_error(step, made, exc, library, eager_locals):
+    """Makes the change the trace's error names (raises `CannotPatch` where it cannot)."""
+    name, offset = made.__kg_rows__
+    frames = _frames(exc)
+    message = _message(exc)
+    mine = [line - offset for f, line in frames if f == name]
+    others = [(f, line) for f, line in frames if f != name and not f.startswith(library)
+              and not f.startswith("<") and "__autograph_generated" not in f
+              and os.path.exists(f)]
+    if not mine:
+        where = f"{others[-1][0]}:{others[-1][1]}" if others else step.where(1)
+        code = linecache.getline(*others[-1]).strip() if others else ""
+        raise CannotPatch(where, code, message)
+    # the deepest line of the copy the message names (AutoGraph's frames come first)
+    text_frames = [line - offset for f, line in
+                   ((m.group(1), int(m.group(2)))
+                    for m in re.finditer(r'File "([^"]+)", line (\d+)', str(exc))) if f == name]
+    index = (text_frames or mine)[-1]
+    deeper = [(f, line) for f, line in others
+              if (f, line) in frames[frames.index((name, index + offset)) + 1:]] if (
+        (name, index + offset) in frames) else []
+    loop_name = _LOOP_NAME.search(message)
+    if loop_name:
+        step.define_before_loop(loop_name.group(1), index, eager_locals.get(loop_name.group(1)),
+                                message)
+        return
+    if deeper:
+        f, line = deeper[-1]
+        raise CannotPatch(f"{f}:{line}", linecache.getline(f, line).strip(),
+                          f"{message} (in a function the step calls: diagnose changes only the "
+                          "step's own lines)")
+    if ("numpy" in message or "item" in message or "__float__" in message or "float()" in message
+            or "int()" in message or "OperatorNotAllowed" in message or "bool" in message):
+        if step.remove_reads(index) or step.reduce_in_tf(index):
+            return
+    raise CannotPatch(step.where(index), step.code(index), message)
+
+
+def _variables():
+    """Every live tf.Variable (the step's weights, optimizer slots, accumulators)."""
+    import tensorflow as tf
+
+    return [o for o in gc.get_objects() if isinstance(o, tf.Variable)]
+
+
+class _State:
+    """The variables' values and the arguments' Python state, to put back."""
+
+    def __init__(self, variables, args, kwargs, fn):
+        self.values = []
+        for v in variables:
+            try:
+                self.values.append((v, v.numpy()))
+            except Exception:  # noqa: BLE001 - a variable not readable here (uninitialized)
+                continue
+        # plain Python values of the arguments' attributes (a trainer's step count, its
+        # lists and dicts copied); a layer's or model's state is its variables
+        objects = [a for a in (*args, *kwargs.values()) if hasattr(a, "__dict__")
+                   and not hasattr(a, "numpy") and not hasattr(a, "trainable_variables")]
+        self.objects = [(o, {k: (v.copy() if type(v) in (list, dict) else v)
+                             for k, v in vars(o).items()
+                             if type(v) in (int, float, bool, str, list, dict, type(None))})
+                        for o in objects]
+        names = set(fn.__code__.co_names) & set(fn.__globals__)
+        self.globals = fn.__globals__, {k: fn.__globals__[k] for k in names
+                                        if isinstance(fn.__globals__[k], (int, float, str))}
+
+    def restore(self):
+        for variable, value in self.values:
+            variable.assign(value)
+        for o, saved in self.objects:
+            o.__dict__.update(saved)
+        space, saved = self.globals
+        space.update(saved)
+
+
+def saved_state(args, kwargs, fn):
+    """Every live variable's value and the Python state of `fn`'s arguments (and the
+    numbers of its module it names), saved: `.restore()` puts them back."""
+    return _State(_variables(), args, kwargs or {}, fn)
+
+
+def _leaves(result):
+    import numpy as np
+    import tensorflow as tf
+
+    out = []
+    for leaf in tf.nest.flatten(result):
+        try:
+            out.append(np.asarray(leaf, dtype=np.float64))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _eager_run(fn, args, kwargs):
+    """(returned value, each local's last value) of one eager call of `fn`."""
+    import sys
+
+    seen = {}
+    code = fn.__code__
+
+    def profile(frame, event, arg):
+        if event == "return" and frame.f_code is code:
+            seen.update(frame.f_locals)
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(old)
+    return result, seen
+
+
+def _same(eager, patched, before, after):
+    """Why the patched step's result differs from the eager one's, or None."""
+    import numpy as np
+
+    a, b = _leaves(eager), _leaves(patched)
+    if len(a) != len(b):
+        return f"it returns {len(b)} values where the eager step returns {len(a)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=SAME_RTOL, atol=SAME_ATOL):
+            return f"its returned value {i} differs ({x.ravel()[:3]} eager, {y.ravel()[:3]})"
+    changed = 0
+    for (v, x), y in zip(before, after):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=SAME_RTOL, atol=SAME_ATOL):
+            changed += 1
+            if changed == 1:
+                first = v.name
+    if changed:
+        return f"{changed} variable(s) end different (the first: {first})"
+    return None
+
+
+def _ops(graph, seen=None):
+    """Every op of `graph` and of the functions it calls (a while loop's body)."""
+    seen = seen if seen is not None else set()
+    for op in graph.get_operations():
+        yield op
+    for function in list(getattr(graph, "_functions", {}).values()):
+        inner = getattr(function, "graph", None)
+        if inner is not None and id(inner) not in seen:
+            seen.add(id(inner))
+            yield from _ops(inner, seen)
+
+
+def _op_where(graph, op_type, library, step, made):
+    """`file:line` of the user's code that made the first `op_type` op (a copy's line
+    as the file's line)."""
+    name, offset = made.__kg_rows__ if made is not None else (None, 0)
+    for op in _ops(graph):
+        if op.type != op_type:
+            continue
+        frames = [f for f in op.traceback if not f.filename.startswith(library)]
+        if not frames:
+            return None
+        f = frames[-1]
+        return step.where(f.lineno - offset) if f.filename == name else f"{f.filename}:{f.lineno}"
+    return None
+
+
+def make_runnable(fn, args, kwargs=None, library=(), static=()):
+    """The user's eager step changed until `tf.function` runs it, checked to compute
+    what the eager step computes, and tried with `jit_compile=True`.
+
+    Args:
+        fn: the step's Python function (a method's function, `self` in `args`).
+        args, kwargs: the arguments of its last call in the run (its batch).
+        library: path prefixes of library code (never named as the user's line).
+        static: `step_blockers`'s static blockers (`python_state`, `host_read`), changed
+            first.
+
+    Returns:
+        A dict `runs` (whether the patched copy traced and ran), `changes` (each
+        `kind`, `where`, `code`, `change`), `traces` (how many), and where it runs:
+        `same` (True, or the reason it differs: `differs`), `function` (the copy in
+        `tf.function`) and `xla_function`, `xla_error`, `xla_op`, `xla_where`
+        (None where XLA ran it), `first_call_s` (each way's trace, compile and first
+        call, by `tf.function` / `tf.function(jit_compile=True)`), `step` (for
+        `write_patch`); where it does not:
+        `blocker` (`where`, `code`, `message`: the line it could not change, with
+        TensorFlow's message) and `unchecked` (what was not checked).
+    """
+    import tensorflow as tf
+
+    kwargs = kwargs or {}
+    if not library:
+        from keras_gpufix.diagnose.loop_patch import _library_prefixes
+
+        library = _library_prefixes()
+    library = tuple(library)
+    out = {"runs": False, "changes": [], "traces": 0, "copied": False}
+    try:
+        step = _Step(fn)
+        step.tree()
+    except (OSError, TypeError, SyntaxError, CannotPatch) as exc:
+        out["blocker"] = {"where": f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}",
+                          "code": "", "message": f"its source cannot be read as a def ({exc})"}
+        out["unchecked"] = "the step was not changed nor traced"
+        return out
+    out["changes"], out["copied"] = step.changes, True
+    state = saved_state(args, kwargs, fn)
+    first_call_s = {}
+    try:
+        try:
+            eager, eager_locals = _eager_run(fn, args, kwargs)
+            eager_after = [v.numpy() for v, _ in state.values]
+        finally:
+            state.restore()
+        for blocker in sorted(static, key=lambda b: -int(b["where"].rpartition(":")[2])):
+            index = step.index_of(int(blocker["where"].rpartition(":")[2]))
+            if index is None:
+                continue
+            if blocker["kind"] == "python_state":
+                step.move_state(index)
+            elif blocker["kind"] == "host_read":
+                step.remove_reads(index)
+        for _ in range(MAX_TRACES):
+            made = step.function()
+            function = tf.function(made)
+            out["traces"] += 1
+            t0 = time.perf_counter()
+            try:
+                concrete = function.get_concrete_function(*args, **kwargs)
+                first_call_s["tf.function"] = time.perf_counter() - t0
+                break
+            except Exception as exc:  # the next change the trace names
+                _fix_error(step, made, exc, library, eager_locals)
+        else:
+            raise CannotPatch(step.where(1), step.code(1),
+                              f"still failing after {MAX_TRACES} traces")
+        try:
+            t0 = time.perf_counter()
+            patched = function(*args, **kwargs)
+            first_call_s["tf.function"] += time.perf_counter() - t0
+            patched_after = [v.numpy() for v, _ in state.values]
+        except Exception as exc:
+            raise CannotPatch(step.where(1), step.code(1), _message(exc)) from exc
+        finally:
+            state.restore()
+    except CannotPatch as exc:
+        out["blocker"] = {"where": exc.where, "code": exc.code, "message": exc.message}
+        out["unchecked"] = ("the changes after it (and whether the step then computes the same "
+                            "result, and its speed) were not checked")
+        return out
+    except Exception as exc:  # noqa: BLE001 - the eager step itself, or a change gone wrong
+        out["blocker"] = {"where": step.where(1), "code": step.code(1),
+                          "message": f"diagnose could not run or change it: "
+                                     f"{type(exc).__name__}: {_first_sentence(str(exc))}"}
+        out["unchecked"] = "the step's changes, result and speed were not checked"
+        return out
+    finally:
+        state.restore()
+    differs = _same(eager, patched, [(v, x) for (v, _), x in zip(state.values, eager_after)],
+                    patched_after)
+    out.update(runs=True, same=differs is None, differs=differs, function=function,
+               step=step, xla_function=None, xla_error=None, xla_op=None, xla_where=None,
+               first_call_s=first_call_s)
+    xla = tf.function(made, jit_compile=True)
+    try:
+        t0 = time.perf_counter()
+        xla(*args, **kwargs)
+        first_call_s["tf.function(jit_compile=True)"] = time.perf_counter() - t0
+        out["xla_function"] = xla
+    except Exception as exc:  # an op XLA cannot compile
+        out.update(xla_refusal(exc, concrete.graph, library, step, made))
+    finally:
+        state.restore()
+    return out
+
+
+def xla_refusal(exc, graph, library, step=None, made=None):
+    """`xla_error` (the error's first line), `xla_op` (the op XLA has no kernel for) and
+    `xla_where` (the user's line that made it, a copy's line as the file's) of
+    `jit_compile=True`'s error `exc` on the step traced as `graph`."""
+    text = str(exc)
+    op = (re.search(r"No registered '(\w+)' OpKernel", text)
+          or re.search(r"XLA_\w+_JIT: (\w+)", text))
+    return {"xla_error": f"{type(exc).__name__}: " + next(
+        (line for line in text.splitlines() if line.strip()), ""),
+        "xla_op": op and op.group(1),
+        "xla_where": op and _op_where(graph, op.group(1), library, step, made)}
+
+
+def write_patch(step, folder, jit=False, cwd=None):
+    """Writes the step's changes, with its `tf.function` wrapper, as a unified diff
+    `patch -p1` applies from `cwd` (the folder diagnose ran in); returns its path, or
+    None when the step's file is not under `cwd`."""
+    cwd = os.path.abspath(cwd or os.getcwd())
+    path = os.path.abspath(step.path)
+    relative = os.path.relpath(path, cwd)
+    if relative.startswith(os.pardir):
+        return None
+    with open(path, encoding="utf-8") as f:
+        old = f.read().splitlines(True)
+    start = step.first - 1
+    new = old[:start] + step.new_text(jit).splitlines(True) + old[start + len(
+        [r for r in step.rows if r[0] is not None]):]
+    diff = difflib.unified_diff(old, new, f"a/{relative}", f"b/{relative}")
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "step.patch")
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(diff)
+    return out
+
+
+def _tf_name(tree):
+    """The name the module imports TensorFlow as (`tf` when it does not)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "tensorflow":
+                    return alias.asname or "tensorflow"
+    return "tf"
+
+
+def _map_call(tree, line):
+    """The `.map(...)` call (or, where none, any dataset call) made at `line`: the one
+    whose `.map` is on that line, else the one starting there."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute)]
+    for test in (lambda n: n.func.attr == "map" and n.func.end_lineno == line,
+                 lambda n: n.func.attr == "map" and n.lineno == line,
+                 lambda n: n.func.end_lineno == line):
+        found = [n for n in calls if test(n)]
+        if found:
+            return min(found, key=lambda n: (n.end_lineno, n.end_col_offset))
+    return None
+
+
+def _input_edits(tree, lines, stage, prefetch_lines, tf_name):
+    """(line, start column, end column, text) edits of one file: `.cache()` after the
+    slow stage's call, or `num_parallel_calls=AUTOTUNE` on it; `.prefetch(AUTOTUNE)`
+    at the end of each statement a scan named for no prefetch."""
+    edits = []
+    autotune = f"{tf_name}.data.AUTOTUNE"
+    if stage is not None:
+        kind, line = stage
+        call = _map_call(tree, line)
+        if call is not None and kind in ("python", "cache", "source"):
+            edits.append((call.end_lineno, call.end_col_offset, call.end_col_offset,
+                          ".cache()"))
+        elif call is not None and kind == "parallel":
+            keyword = next((k for k in call.keywords if k.arg == "num_parallel_calls"), None)
+            if keyword is not None:
+                edits.append((keyword.value.lineno, keyword.value.col_offset,
+                              keyword.value.end_col_offset, autotune))
+            elif lines[call.end_lineno - 1][call.end_col_offset - 1] == ")":
+                edits.append((call.end_lineno, call.end_col_offset - 1, call.end_col_offset - 1,
+                              f", num_parallel_calls={autotune}"))
+    for line in prefetch_lines:
+        stmt = next((s for s in ast.walk(tree) if isinstance(s, (ast.Assign, ast.Expr))
+                     and s.lineno <= line <= s.end_lineno), None)
+        value = getattr(stmt, "value", None)
+        if isinstance(value, ast.Call):
+            edits.append((value.end_lineno, value.end_col_offset, value.end_col_offset,
+                          f".prefetch({autotune})"))
+    return edits
+
+
+def input_patch(fixes, scan, folder, cwd=None):
+    """Writes the `input_bound` fix that is an edit at a named line as `input.patch`
+    in `folder` (a unified diff `patch -p1` applies from `cwd`): `.cache()` after the
+    measured slow stage (Python work, a slow map even in parallel, a slow source),
+    `num_parallel_calls=tf.data.AUTOTUNE` on a map run one element at a time, and
+    `.prefetch(tf.data.AUTOTUNE)` where the scan found none. Sets the fix's `patch`
+    (its path) and returns it; None where no edit applies (a fix only the user can
+    choose, such as how often to plot, names its line and has no patch)."""
+    fix = next((f for f in fixes if f.get("verdict") == "input_bound"), None)
+    if fix is None:
+        return None
+    cwd = os.path.abspath(cwd or os.getcwd())
+    by_file = {}
+    stage = fix.get("stage") or {}
+    if stage.get("where") and stage.get("kind"):
+        path, _, line = stage["where"].rpartition(":")
+        if line.isdigit():
+            by_file.setdefault(os.path.abspath(path), [None, []])[0] = (stage["kind"], int(line))
+    for finding in scan or ():
+        if finding.get("trap") == "no_prefetch" and finding.get("ran") is not False:
+            by_file.setdefault(os.path.abspath(finding["file"]), [None, []])[1].append(
+                finding["line"])
+    diffs = []
+    for path, (stage_at, prefetch_lines) in sorted(by_file.items()):
+        relative = os.path.relpath(path, cwd)
+        if relative.startswith(os.pardir):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        old = text.splitlines(True)
+        new = list(old)
+        for line, start, end, insert in sorted(
+                _input_edits(tree, old, stage_at, prefetch_lines, _tf_name(tree)), reverse=True):
+            row = new[line - 1]
+            new[line - 1] = row[:start] + insert + row[end:]
+        if new != old:
+            diffs += difflib.unified_diff(old, new, f"a/{relative}", f"b/{relative}")
+    if not diffs:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "input.patch")
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(diffs)
+    edits = [line[1:].strip() for line in diffs if line.startswith("+") and not
+             line.startswith("+++")]
+    fix["patch"] = out
+    fix["fix"] += INPUT_PATCH_NOTE.format(patch=out, edits="; ".join(f"`{e}`" for e in edits))
+    return out
+
+
+def attach_patches(fixes, fits, scan, folder, cwd=None):
+    """Names each ranked fix's patch in it (`patch`): the eager step's (`compile_step`
+    wrote it) and the input's (`input_patch`, written here)."""
+    eager = next((f for f in fixes if f.get("verdict") == "eager_step"), None)
+    patch = next((f["compiled_step"].get("patch") for f in fits
+                  if (f.get("compiled_step") or {}).get("patch")), None)
+    if eager is not None and patch:
+        eager["patch"] = patch
+    if folder is not None:
+        input_patch(fixes, scan, folder, cwd)

@@ -11,7 +11,7 @@ both ways see the same load:
 | short_steps | a `fit` of ~10 s over a `tf.data` input whose `py_function`    |
 |             | sleeps (input-bound, ~40 ms steps, 256 steps)                  |
 | long_steps  | a `fit` of multi-second compute steps (Dense 1024 x 4, batch   |
-|             | 2048, 8 steps)                                                 |
+|             | 2048, 10 steps over `tf.data`: `--trace` traces steps 5-6)     |
 
 Each way under diagnose: the default (`auto`: no trace on a host without a
 GPU) and `--trace` (the trace every run took before: its capture and
@@ -62,6 +62,7 @@ model.fit(ds, epochs=EPOCHS, verbose=0)
 
 LONG_STEPS = """\
 import numpy as np
+import tensorflow as tf
 import keras
 
 x = np.random.rand(2048 * STEPS, 1024).astype("float32")
@@ -69,10 +70,11 @@ y = np.random.rand(2048 * STEPS, 1).astype("float32")
 model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024, activation="relu")
                                                   for _ in range(4)] + [keras.layers.Dense(1)])
 model.compile("sgd", "mse")
-model.fit(x, y, batch_size=2048, epochs=1, verbose=0)
+model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2048), epochs=1, verbose=0)
 """
 
 WAYS = {"alone": None, "diagnose": [], "diagnose --trace": ["--trace"]}
+KEYS = {"diagnose": "diag", "diagnose --trace": "diag_trace"}
 
 
 def run(way, script, work):
@@ -101,7 +103,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     scripts = {"short_steps": SHORT_STEPS.replace("EPOCHS", "2" if args.quick else "4"),
-               "long_steps": LONG_STEPS.replace("STEPS", "4" if args.quick else "8")}
+               "long_steps": LONG_STEPS.replace("STEPS", "8" if args.quick else "10")}
     figures, details = {}, {}
     with tempfile.TemporaryDirectory() as work:
         for name, source in scripts.items():
@@ -118,13 +120,14 @@ def main(argv=None):
                         costs[way].append(result["own_cost"])
             alone = statistics.median(walls["alone"])
             figures[f"{name}_alone_s"] = round(alone, 1)
+            details[f"{name}_alone"] = {"walls_s": walls["alone"]}
+            said = [f"{name}: alone {alone:.1f} s"]
             for way, listed in costs.items():
-                key = f"{name}_{way.replace('diagnose', 'diag').replace(' --', '_')}"
+                key = f"{name}_{KEYS[way]}"
                 wall = statistics.median(walls[way])
-                last = listed[-1]
-                items = {i["item"]: round(statistics.median(
-                    next(j["seconds"] for j in c["items"] if j["item"] == i["item"])
-                    for c in listed), 2) for i in last["items"]}
+                items = {k: round(statistics.median(
+                    next(i["seconds"] for i in c["items"] if i["item"] == k) for c in listed), 2)
+                    for k in (i["item"] for i in listed[-1]["items"])}
                 added = statistics.median(c["added_s"] for c in listed)
                 aside = statistics.median(c["aside_s"] for c in listed)
                 figures[f"{key}_wall_s"] = round(wall, 1)
@@ -134,14 +137,12 @@ def main(argv=None):
                 figures[f"{key}_unlisted_s"] = round(wall - alone - added - aside, 1)
                 figures[f"{key}_within_bound"] = all(c["within"] for c in listed)
                 details[key] = {"items_s": items, "walls_s": walls[way],
-                                "bound_s": last["bound_s"], "script_s": last["script_s"],
-                                "text": last["text"]}
-            details[f"{name}_alone"] = {"walls_s": walls["alone"]}
-            print(f"{name}: alone {alone:.1f} s; " + "; ".join(
-                f"{way}: {figures[f'{name}_' + way.replace('diagnose', 'diag').replace(' --', '_') + '_wall_s']:.1f} s, items "
-                + ", ".join(f"{k} {v:.1f}" for k, v in details[
-                    f"{name}_" + way.replace('diagnose', 'diag').replace(' --', '_')]["items_s"].items())
-                for way in costs), flush=True)
+                                "bound_s": listed[-1]["bound_s"],
+                                "script_s": listed[-1]["script_s"], "text": listed[-1]["text"]}
+                said.append(f"{way} {wall:.1f} s (+{wall - alone:.1f}: listed {added:.1f} held, "
+                            f"{aside:.1f} aside; " + ", ".join(
+                                f"{k} {v:.1f}" for k, v in items.items()) + ")")
+            print("; ".join(said), flush=True)
     write_results(args.out, "diagnose_cost", figures, details)
     print(json.dumps(figures, indent=1))
 

@@ -61,8 +61,9 @@ from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, OWN_COST_SHARE,
-                                             OWN_ITEMS, main_what_if, own_cost, stall_period,
-                                             trace_plan, trace_question, traced_extra_s)
+                                             OWN_ITEMS, TRACE_SLOWDOWN, main_what_if, own_cost,
+                                             stall_period, trace_cost_text, trace_plan,
+                                             trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import (CACHED_KINDS, judge_stages, located_by_stage,
@@ -151,6 +152,14 @@ __all__ = [
     "ratio_words",
     "stall_period",
     "trace_plan",
+    "trace_question",
+    "trace_cost_text",
+    "traced_extra_s",
+    "own_cost",
+    "OWN_ITEMS",
+    "OWN_COST_SHARE",
+    "OWN_COST_FLOOR_S",
+    "TRACE_SLOWDOWN",
     "what_if_until_known",
     "TRAPS",
     "traps_of",

@@ -9,8 +9,9 @@ added beyond the script, item by item, and their bound (`own_cost`,
 `traced_extra_s`). Imports neither TensorFlow nor Keras.
 """
 
-__all__ = ["MONITOR_WARMUP", "OWN_COST_SHARE", "OWN_COST_FLOOR_S", "OWN_ITEMS", "trace_plan",
-           "trace_question", "stall_period", "main_what_if", "own_cost", "traced_extra_s"]
+__all__ = ["MONITOR_WARMUP", "OWN_COST_SHARE", "OWN_COST_FLOOR_S", "OWN_ITEMS", "TRACE_SLOWDOWN",
+           "trace_plan", "trace_question", "trace_cost_text", "stall_period", "main_what_if",
+           "own_cost", "traced_extra_s"]
 
 #: Steps the diagnose monitors leave out at the start of each run (trace,
 #: compile, the pipeline's start-up).
@@ -73,6 +74,26 @@ def trace_question(mode, gpus) -> "str | None":
         return ("on the GPU, whether the device idles within a step, which the step log "
                 "(the host's clock) cannot see")
     return None
+
+
+#: How much slower a step runs under the profiler (its cycle traced against
+#: untraced, TensorFlow on a CPU: benchmarks/diagnose_cost.py, long_steps).
+TRACE_SLOWDOWN = 0.5
+
+
+def trace_cost_text(steps, median_s) -> str:
+    """What a trace of `steps` steps will cost, said before it starts.
+
+    Args:
+        steps: the steps it traces.
+        median_s: the run's median step so far, in seconds (None: unknown).
+    """
+    if not median_s:
+        return ("its steps run slower under the profiler and saving it pauses the run "
+                "after them; the report lists what it cost")
+    return (f"{steps} steps of about {median_s * 1e3:.0f} ms run under the profiler, about "
+            f"{TRACE_SLOWDOWN:.0%} slower ({TRACE_SLOWDOWN * steps * median_s:.1f} s more), "
+            "and saving it pauses the run after them; the report lists what it cost")
 
 
 def traced_extra_s(cycles, traces) -> float:

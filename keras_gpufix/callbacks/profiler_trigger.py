@@ -42,7 +42,7 @@ import types
 import weakref
 
 from keras_gpufix import profiling
-from keras_gpufix.analysis import is_cause, weigh
+from keras_gpufix.analysis import is_cause, trace_cost_text, weigh
 from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._timed import TimedCallback
@@ -260,6 +260,9 @@ class ProfilerTrigger(TimedCallback):
         self._owner = types.SimpleNamespace(
             callback=weakref.ref(self),
             model=(lambda: None) if model is None else weakref.ref(model))
+        recent = self.stream.stall_limit() if self.stream is not None else None
+        emit(f"\nProfilerTrigger: tracing steps {step}-{step + self.steps - 1} ({self._armed}): "
+             f"{trace_cost_text(self.steps, recent and recent[1])}", self.verbose)
         t0 = time.perf_counter()
         try:
             profiling.start_trace(self.log_dir, owner=self._owner, tag=f"steps_{step}")

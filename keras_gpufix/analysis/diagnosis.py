@@ -43,8 +43,8 @@ OWN_ITEMS = {
                 "import, which it pays alone too, left out)",
     "scan": "the static scan of the script and its own modules, and the markers on their "
             "flagged lines",
-    "monitors": "the monitors' begin and end hooks of each fit and epoch, and freeing a "
-                "stopped fit's input",
+    "monitors": "the monitors' begin and end hooks of each fit and epoch (and of each "
+                "step, on TensorFlow), and freeing a stopped fit's input",
     "trace capture": "starting and saving the profiler traces, and the traced steps' "
                      "slowdown under the profiler",
     "trace analysis": "waiting at a fit's end for XProf's analysis of its traces",

@@ -104,24 +104,29 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _time_own_hooks(callbacks):
-    """A one-item list that adds up the seconds `callbacks` (diagnose's own) spend in
-    their train and epoch begin and end hooks: the fit's wall holds them, the
-    script's run does not (`report._script_run`)."""
-    seconds = [0.0]
+def _time_own_hooks(callbacks, batch_hooks=False):
+    """A two-item list that adds up the seconds `callbacks` (diagnose's own) spend in
+    their train and epoch begin and end hooks (the fit's wall holds them, the
+    script's run does not: `report._script_run`) and, with `batch_hooks`, in
+    their batch begin and end hooks (on TensorFlow, where Keras runs them on
+    the loop's thread: elsewhere the end hooks run in Keras's pool, beside it)."""
+    seconds = [0.0, 0.0]
 
-    def timed(hook):
+    def timed(hook, slot):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return hook(*args, **kwargs)
             finally:
-                seconds[0] += time.perf_counter() - t0
+                seconds[slot] += time.perf_counter() - t0
         return run
 
+    names = {"on_train_begin": 0, "on_train_end": 0, "on_epoch_begin": 0, "on_epoch_end": 0}
+    if batch_hooks:
+        names.update(on_train_batch_begin=1, on_train_batch_end=1)
     for callback in callbacks:
-        for name in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end"):
-            setattr(callback, name, timed(getattr(callback, name)))
+        for name, slot in names.items():
+            setattr(callback, name, timed(getattr(callback, name), slot))
     return seconds
 
 
@@ -423,7 +428,7 @@ class FitPatch:
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch, "tf_data": dataset,
-                "own_hooks": _time_own_hooks(ours)}
+                "own_hooks": _time_own_hooks(ours, batch_hooks=self.tensorflow)}
         if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
             return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None
@@ -501,6 +506,7 @@ class FitPatch:
                 entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
             entry["own_hooks_s"] = own_hooks[0]
+            entry["own_batch_hooks_s"] = own_hooks[1]
             entry["stopped_by_diagnose"] = counter.stopped
             entry["steps_run"] = counter.seen
             self.steps_done += counter.seen
@@ -511,7 +517,7 @@ class FitPatch:
                 "steps_per_execution": getattr(model, "steps_per_execution", None),
             }
             self.collect(entry, mine)
-            self.own["monitors"] += own_hooks[0]
+            self.own["monitors"] += own_hooks[0] + own_hooks[1]
             self.bill_traces(entry, mine.get("timer"))
             # A fit stopped early leaves its epoch iterator in a reference
             # cycle; freed only at interpreter exit, an iterator with a

@@ -836,8 +836,8 @@ def test_a_loops_cycles_are_its_records_with_the_train_functions_time_as_step():
 
 
 def test_diagnose_bills_its_own_seconds_item_by_item_against_its_bound():
-    from keras_gpufix.analysis import (OWN_ITEMS, own_cost, trace_cost_text, trace_question,
-                                       traced_extra_s)
+    from keras_gpufix.analysis import (OWN_ITEMS, TRACE_SLOWDOWN, own_cost, trace_cost_text,
+                                       trace_question, traced_extra_s)
 
     seconds = {"start-up": 0.5, "scan": 0.1, "monitors": 0.4, "trace capture": 2.0,
                "trace analysis": 1.0, "what-if": 9.0, "report": 0.2}
@@ -865,6 +865,7 @@ def test_diagnose_bills_its_own_seconds_item_by_item_against_its_bound():
     assert trace_question("auto", []) is None and trace_question(False, ["H200"]) is None
     assert "GPU" in trace_question("auto", ["H200"]) and trace_question(True, []) is not None
     assert "10 steps of about 900 ms" in trace_cost_text(10, 0.9)
+    assert f"up to about {TRACE_SLOWDOWN * 9:.1f} s more" in trace_cost_text(10, 0.9)
 
 
 TWELVE_SECONDS = """\

@@ -76,9 +76,11 @@ def trace_question(mode, gpus) -> "str | None":
     return None
 
 
-#: How much slower a step runs under the profiler (its cycle traced against
-#: untraced, TensorFlow on a CPU: benchmarks/diagnose_cost.py, long_steps).
-TRACE_SLOWDOWN = 0.5
+#: A trace's cost (its steps' slowdown under the profiler, starting and saving
+#: it) as a share of its steps' own time, at most: TensorFlow on a CPU, 2.0 for
+#: steps of ~40 ms (1.6 s for 2 traces of 10 steps), 0.03 for steps of ~2.5 s
+#: (0.2 s for 2 steps); benchmarks/diagnose_cost.py, --trace.
+TRACE_SLOWDOWN = 2.0
 
 
 def trace_cost_text(steps, median_s) -> str:
@@ -91,9 +93,10 @@ def trace_cost_text(steps, median_s) -> str:
     if not median_s:
         return ("its steps run slower under the profiler and saving it pauses the run "
                 "after them; the report lists what it cost")
-    return (f"{steps} steps of about {median_s * 1e3:.0f} ms run under the profiler, about "
-            f"{TRACE_SLOWDOWN:.0%} slower ({TRACE_SLOWDOWN * steps * median_s:.1f} s more), "
-            "and saving it pauses the run after them; the report lists what it cost")
+    return (f"{steps} steps of about {median_s * 1e3:.0f} ms run under the profiler; they "
+            f"and its save cost up to about {TRACE_SLOWDOWN * steps * median_s:.1f} s more "
+            f"({TRACE_SLOWDOWN:g}x their time, as measured on a CPU); the report lists what "
+            "it cost")
 
 
 def traced_extra_s(cycles, traces) -> float:

@@ -45,6 +45,7 @@ BENCHMARKS = {
     "step_shapes_overhead": (["--quick"], []),
     "first_step": (["--quick"], []),
     "validate_time": (["--rounds", "3"], []),
+    "diagnose_cost": (["--quick"], []),
 }
 
 

@@ -428,7 +428,11 @@ class FitPatch:
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch, "tf_data": dataset,
-                "own_hooks": _time_own_hooks(ours, batch_hooks=self.tensorflow)}
+                # the profiler's seconds are its own items (`bill_traces`), not the monitors'
+                "own_hooks": _time_own_hooks([cb for cb in ours if cb is not mine.get("profiler")],
+                                             batch_hooks=self.tensorflow),
+                "profiler_hooks": _time_own_hooks([cb for cb in ours
+                                                   if cb is mine.get("profiler")])}
         if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
             return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None
@@ -490,7 +494,7 @@ class FitPatch:
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
             return original(model, *args, **kwargs)
-        own_hooks = info.pop("own_hooks")
+        own_hooks, profiler_hooks = info.pop("own_hooks"), info.pop("profiler_hooks")
         entry = {"index": len(self.fits) + 1, **info}
         self.fits.append(entry)
         cache = _compile_cache()
@@ -505,7 +509,7 @@ class FitPatch:
             if cache:
                 entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
-            entry["own_hooks_s"] = own_hooks[0]
+            entry["own_hooks_s"] = own_hooks[0] + profiler_hooks[0]
             entry["own_batch_hooks_s"] = own_hooks[1]
             entry["stopped_by_diagnose"] = counter.stopped
             entry["steps_run"] = counter.seen

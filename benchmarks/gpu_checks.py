@@ -1,6 +1,6 @@
 """The checks to run where a GPU is lent (../shared/GPU_CHECKS.md), on the Keras JAX backend.
 
-    python benchmarks/gpu_checks.py [--small] [--rounds 3] [--out PATH]
+    python benchmarks/gpu_checks.py [--small] [--rounds 3] [--parts a,b] [--out PATH]
 
 Runs without TensorFlow (the lent machine has jax with CUDA and
 `nvidia-ml-py`, not TensorFlow). `--small` is a CPU mode: a small model and
@@ -31,7 +31,9 @@ short runs, to try the script anywhere. What it does:
    whether Keras kept its asynchronous callback dispatch; and steps/s of a
    `jax.jit` loop (loss read every 5th step) under `kg.watch` ÷ the bare
    loop, both timed from their first batch, with the watched run's
-   start-up and close (once a loop) beside it.
+   start-up and close (once a loop) beside it. `watch_host_cost`: the host
+   time `kg.watch` adds to each step, on a `jax.jit` step so small that the
+   loop is all host work (on a CPU too: its mechanism, where no GPU is lent).
 4. Variable-length batches: a Conv1D `fit` on a `PyDataset` whose every
    batch has a new length (an unbucketed speech loader), two epochs: the verdict
    (`recompiling` planted), the distinct shapes, the XLA compile seconds JAX
@@ -391,6 +393,55 @@ def watch_overhead(size, rounds):
             "start_and_close_ms": statistics.median(start_ms)}
 
 
+def watch_host_cost(rounds, steps=3000):
+    """The host time kg.watch adds to each step: a `jax.jit` step so small (a 16-float
+    add) that the loop is all host work, bare and under `kg.watch` (loss read every
+    5th step, as `watch_overhead`), in interleaved rounds; each way's fastest round.
+    A loop whose host work and device work overlap (a GPU's) keeps
+    `step / (step + cost)` of its steps/s at most where the host is its bound, and
+    all of them where the device is: the ratios at the H100/H200 checks' steps."""
+    import jax
+    import jax.numpy as jnp
+
+    tiny = jax.jit(lambda x: x + 1.0)
+    batches = [(jnp.zeros(16), None)] * 8
+
+    def bare():
+        loss = None
+        t0 = time.perf_counter()
+        for i, (xb, _) in enumerate(feed(batches, steps)):
+            loss = tiny(xb)
+            if i % EVERY == EVERY - 1:
+                float(loss[0])
+        float(loss[0])
+        return (time.perf_counter() - t0) / steps
+
+    def watched():
+        loss = None
+        t0 = time.perf_counter()
+        with kg.watch(feed(batches, steps),
+                      callbacks=[kg.GPUOscillationMonitor(verbose=0)]) as loop:
+            for i, (xb, _) in enumerate(loop):
+                loss = tiny(xb)
+                if i % EVERY == EVERY - 1:
+                    float(loss[0])
+            float(loss[0])
+        return (time.perf_counter() - t0) / steps
+
+    bare(), watched()  # compile, warm
+    ways = {"bare": [], "watch": []}
+    for _ in range(rounds):
+        ways["bare"].append(bare())
+        ways["watch"].append(watched())
+    bare_s, watch_s = min(ways["bare"]), min(ways["watch"])
+    cost = watch_s - bare_s
+    return {"steps": steps, "bare_us_per_step": bare_s * 1e6, "watch_us_per_step": watch_s * 1e6,
+            "watch_host_cost_us_per_step": cost * 1e6,
+            "rounds_us": {k: [v * 1e6 for v in vs] for k, vs in ways.items()},
+            "host_bound_ratio_at_step_ms": {ms: ms / (ms + cost * 1e3)
+                                            for ms in (3.1, 3.8, 29.8, 33.0)}}
+
+
 class NewLengths(keras.utils.PyDataset):
     """`steps` batches an epoch of `(batch, T, 80)` features, T new at every batch."""
 
@@ -632,12 +683,18 @@ def device_name():
     return f"{device.platform}: {getattr(device, 'device_kind', device)}"
 
 
+PARTS = ("planted", "fit_overhead", "watch_overhead", "watch_host_cost", "variable_length",
+         "keras_tensorboard", "diagnose")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true",
                         help="a CPU mode: a small model and short runs")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds of each overhead ratio (default 3)")
+    parser.add_argument("--parts", type=lambda text: text.split(","), default=None,
+                        metavar="a,b", help=f"run only these parts (of {', '.join(PARTS)})")
     add_out_argument(parser, "gpu_checks")
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
@@ -659,13 +716,15 @@ def main(argv=None):
             write_results(path, "gpu_checks", figures, details)
 
     log_dir = tempfile.mkdtemp(prefix="gpu_checks_")
-    parts = [("planted", lambda: planted_fits(size, smi_on, log_dir)
+    parts = [(name, part) for name, part in [("planted", lambda: planted_fits(size, smi_on, log_dir)
               + planted_loops(size, smi_on)),
              ("fit_overhead", lambda: fit_overhead(size, args.rounds, log_dir)),
              ("watch_overhead", lambda: watch_overhead(size, args.rounds)),
+             ("watch_host_cost", lambda: watch_host_cost(args.rounds)),
              ("variable_length", lambda: variable_length(size, smi_on)),
              ("keras_tensorboard", lambda: keras_tensorboard(size, args.rounds, log_dir)),
              ("diagnose", lambda: diagnosed(size, log_dir))]
+             if args.parts is None or name in args.parts]
     for name, part in parts:
         started = time.perf_counter()
         details[name] = part()
@@ -685,6 +744,8 @@ def main(argv=None):
             figures["watch_steps_per_s_ratio_over_bare"] = details[name][
                 "steps_per_s_ratio_watch_over_bare"]
             figures["watch_start_and_close_ms"] = details[name]["start_and_close_ms"]
+        elif name == "watch_host_cost":
+            figures["watch_host_cost_us_per_step"] = details[name]["watch_host_cost_us_per_step"]
         elif name == "variable_length":
             row = details[name]
             figures["variable_length_verdict"] = row["verdict"]
@@ -700,6 +761,9 @@ def main(argv=None):
                 1.0 - row["steps_per_s_ratio_with_over_without"])
         save()
         print(f"{name}: done in {details[f'{name}_seconds']} s", flush=True)
+    if args.parts is not None:
+        print(json.dumps(figures, indent=1))
+        return 0
     for row in details["planted"]:
         print(f"{row['run']}: {row['verdict']}"
               + ("" if row["period"] is None else f" period {row['period']}")

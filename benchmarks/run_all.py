@@ -46,6 +46,7 @@ BENCHMARKS = {
     "first_step": (["--quick"], []),
     "demo_promise": (["--utterances", "48", "--burners", "0"], []),
     "validate_time": (["--rounds", "3"], []),
+    "diagnose_cost": (["--quick"], []),
 }
 
 

@@ -30,7 +30,7 @@ def diagnose(example, work):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--",
+        [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--trace", "--",
          sys.executable, os.path.join("examples", example), "--dir", work],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

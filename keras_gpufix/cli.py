@@ -24,6 +24,7 @@ stopped it), after its report.
 import argparse
 import json
 import sys
+import time
 
 from keras_gpufix import __version__, data_service
 from keras_gpufix.backends import name as backend_name
@@ -90,17 +91,23 @@ def build_parser():
                     "or -c CODE); every model.fit and custom training loop gets the "
                     "monitors. Exits with the script's exit code (SIGTERM/SIGINT: the "
                     "report of what was measured, exit 143/130).",
-        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--no-trace] [--no-what-if] "
-              "[--what-if-budget SECONDS] -- python train.py ARGS")
+        usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--trace | --no-trace] "
+              "[--no-what-if] [--what-if-budget SECONDS] -- python train.py ARGS")
     p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
     p.add_argument("--steps", type=_positive_int, metavar="N",
-                   help="stop every fit and every custom training loop after N steps")
+                   help="end the script after N training steps, fits' and custom loops' in "
+                        "all: the loop stops, and where the script asks to train again it "
+                        "ends there (exit 0)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="where each run's TensorBoard scalars and profiler traces go "
                         "(default: a new temp folder)")
-    p.add_argument("--no-trace", action="store_true", help="take no XProf trace")
+    traced = p.add_mutually_exclusive_group()
+    traced.add_argument("--trace", action="store_true",
+                        help="take XProf traces of every run (default: only where one shows "
+                             "what the step log cannot: on a GPU)")
+    traced.add_argument("--no-trace", action="store_true", help="take no XProf trace")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the what-if (input alone vs step alone, a few seconds per run)")
     p.add_argument("--what-if-budget", type=_positive_float, metavar="SECONDS",
@@ -212,12 +219,14 @@ def _diagnose(args, sub):
         sub.error("the script to run is required: keras-gpufix diagnose -- python train.py ARGS")
     try:
         result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
-                               trace=not args.no_trace,
+                               trace=True if args.trace else False if args.no_trace else "auto",
                                what_if=not args.no_what_if, verbose=0 if args.json else 1,
                                what_if_budget=args.what_if_budget)
     except ValueError as exc:
         sub.error(str(exc))
+    t0 = time.perf_counter()
     result["record"], result["html_report"] = _keep(result)
+    _bill_report(result, time.perf_counter() - t0)
     if args.json:
         _print_json(result)
     else:
@@ -226,6 +235,18 @@ def _diagnose(args, sub):
             print(f"report: {result['html_report']} (run record {result['record']}; after a "
                   f"fix: keras-gpufix compare {result['record']} AFTER)", flush=True)
     return result["exit_code"]
+
+
+def _bill_report(result, seconds):
+    """Adds writing the run record and HTML report to diagnose's own `report` item."""
+    from keras_gpufix.analysis import own_cost
+
+    cost = result.get("own_cost")
+    if cost:
+        own = {i["item"]: i["seconds"] for i in cost["items"]}
+        own["report"] += seconds
+        result["own_cost"] = own_cost(own, cost["script_s"] + sum(own.values()),
+                                      opted_in_trace=cost["opted_in_trace"])
 
 
 def _keep(result):

@@ -98,8 +98,7 @@ def diagnose(tmp_path, source, *args, steps=30, trace=True):
     script.write_text(source)
     cmd = [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--steps", str(steps),
            "--log-dir", str(tmp_path / "logs")]
-    if not trace:
-        cmd.append("--no-trace")
+    cmd.append("--trace" if trace else "--no-trace")  # on a CPU none is taken unasked
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(cmd + ["--", "python", str(script), *args], capture_output=True,
                           text=True, timeout=300, env=env, cwd=tmp_path)
@@ -132,6 +131,17 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     traces = [e for e in result["evidence"] if e["source"] == "XProf"]
     assert traces and traces[0]["value"] >= 20.0 and "input-bound" in traces[0]["text"]
     assert result["fits"][0]["stopped_by_diagnose"] is True
+    # diagnose's own seconds, item by item: the trace asked for (--trace) and the
+    # what-if listed aside, the rest held to the bound; they add up to the wall
+    cost = result["own_cost"]
+    seconds = {i["item"]: i["seconds"] for i in cost["items"]}
+    aside = {i["item"] for i in cost["items"] if not i["counted"]}
+    assert aside == {"trace capture", "trace analysis", "what-if"}
+    assert seconds["trace capture"] > 0 and seconds["what-if"] > 0 and seconds["start-up"] > 0
+    assert cost["added_s"] == pytest.approx(sum(s for k, s in seconds.items() if k not in aside))
+    assert cost["within"] and cost["added_s"] <= cost["bound_s"]
+    assert cost["text"][0].startswith(f"diagnose's own time: {cost['added_s']:.1f} s beyond "
+                                      f"the script's {cost['script_s']:.1f} s")
     # what-if: the input alone is the bound; the step alone (model.train_function
     # replayed on one cached batch) is far faster, and the model was restored
     assert result["what_if"] == result["fits"][0]["what_if"]
@@ -823,3 +833,83 @@ def test_a_loops_cycles_are_its_records_with_the_train_functions_time_as_step():
     assert [trace_plan(t) for t in (None, 12, 60)] == [
         {"at": 10, "steps": 10, "max_traces": 2}, {"at": 5, "steps": 3, "max_traces": 2},
         {"at": 10, "steps": 10, "max_traces": 2}]
+
+
+def test_diagnose_bills_its_own_seconds_item_by_item_against_its_bound():
+    from keras_gpufix.analysis import (OWN_ITEMS, TRACE_SLOWDOWN, own_cost, trace_cost_text,
+                                       trace_question, traced_extra_s)
+
+    seconds = {"start-up": 0.5, "scan": 0.1, "monitors": 0.4, "trace capture": 2.0,
+               "trace analysis": 1.0, "what-if": 9.0, "report": 0.2}
+    # a 60 s process: the script's own time is what diagnose's items leave
+    cost = own_cost(seconds, 60.0)
+    assert [i["item"] for i in cost["items"]] == list(OWN_ITEMS)
+    assert cost["script_s"] == pytest.approx(60.0 - 13.2)
+    assert cost["added_s"] == pytest.approx(4.2) and cost["aside_s"] == pytest.approx(9.0)
+    assert cost["bound_s"] == 5.0 and cost["within"]  # 10% of 46.8 s is under the 5 s floor
+    assert cost["text"][1] == ("  start-up 0.5 s, scan 0.1 s, monitors 0.4 s, trace capture "
+                               "2.0 s, trace analysis 1.0 s, report 0.2 s")
+    assert cost["text"][2] == "  aside, not held to the bound: what-if 9.0 s (its own budget)"
+    # an opted-in trace is listed aside; a long script's bound is its 10%
+    cost = own_cost(dict(seconds, **{"trace capture": 40.0}), 400.0, opted_in_trace=True)
+    assert cost["added_s"] == pytest.approx(1.2) and cost["bound_s"] == pytest.approx(34.88)
+    assert "trace capture 40.0 s (asked for: --trace)" in cost["text"][2]
+    over = own_cost(dict(seconds, **{"trace capture": 40.0}), 400.0)
+    assert not over["within"] and " OVER its bound of 34.9 s" in over["text"][0]
+    # the traced steps' cost: their cycles less as many untraced medians
+    cycles = {i: 1.0 for i in range(20)}
+    cycles.update({10: 1.6, 11: 1.4, 12: 0.9})
+    assert traced_extra_s(cycles, [(10, 12)]) == pytest.approx(0.9)
+    assert traced_extra_s(cycles, []) == 0.0
+    # a trace only where it answers what the step log cannot: on a GPU, or asked for
+    assert trace_question("auto", []) is None and trace_question(False, ["H200"]) is None
+    assert "GPU" in trace_question("auto", ["H200"]) and trace_question(True, []) is not None
+    assert "10 steps of about 900 ms" in trace_cost_text(10, 0.9)
+    assert f"up to about {TRACE_SLOWDOWN * 9:.1f} s more" in trace_cost_text(10, 0.9)
+
+
+TWELVE_SECONDS = """\
+import time
+import numpy as np
+import tensorflow as tf
+import keras
+
+def slow_load(x):
+    time.sleep(0.004)
+    return x
+
+def load(x, y):
+    x = tf.py_function(slow_load, [x], tf.float32)
+    x.set_shape([16])
+    return x, y
+
+xs = np.random.rand(512, 16).astype("float32")
+ys = np.random.rand(512, 1).astype("float32")
+ds = tf.data.Dataset.from_tensor_slices((xs, ys)).map(load).batch(8).prefetch(2)
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+model.compile("adam", "mse")
+model.fit(ds, epochs=4, verbose=0)
+print("twelve seconds done")
+"""
+
+
+@pytest.mark.slow  # a 10-15 s fit (4 epochs of 64 input-bound steps), then its what-if
+def test_a_fit_of_twelve_seconds_bills_diagnose_within_its_bound(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TWELVE_SECONDS)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--log-dir",
+                           str(tmp_path / "logs"), "--", "python", str(script)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "twelve seconds done" in lines and "ProfilerTrigger" not in proc.stdout  # no GPU
+    head = next(i for i, line in enumerate(lines) if line.startswith("diagnose's own time: "))
+    bound = float(lines[head].split(", within its bound of ")[1].split(" s ")[0])
+    assert bound >= 5.0  # the larger of 10% of the script's time and 5 s
+    listed = dict(item.rsplit(" ", 2)[0:2] for item in lines[head + 1].strip().split(", "))
+    assert list(listed) == ["start-up", "scan", "monitors", "trace capture", "trace analysis",
+                            "report"]
+    assert float(listed["trace capture"]) == 0.0  # none taken on a CPU unasked
+    assert sum(map(float, listed.values())) <= bound
+    assert lines[head + 2].startswith("  aside, not held to the bound: what-if ")

@@ -159,7 +159,7 @@ def _cases(folder):
                          "steps": [f["name"] for f in stall["fits"][0]["step"]["functions"]],
                          "expected": f"{script}:{line}"}
     _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20")
-    out["loop_steps"] = {"exit_code": steps["exit_code"], "notes": steps["notes"],
+    out["loop_steps"] = {"exit_code": steps["exit_code"], "ended": steps["stopped"],
                          "stopped": steps["fits"][0]["stopped_by_diagnose"],
                          "timed": steps["fits"][0]["steps"]}
     _, watch = _diagnose(folder, "watch_stall", WATCH_STALL, "--steps", "40")
@@ -226,7 +226,10 @@ def test_steps_stop_a_jax_fit_and_a_jit_loop_over_a_list(cases):
     assert cases["fit_steps"] == {"steps_run": 12, "exit_code": 0}, cases["fit_steps"]
     case = cases["loop_steps"]
     assert case["stopped"] and case["exit_code"] == 0, case
-    assert any("next jax.jit step call" in n for n in case["notes"]), case
+    # the loop over a list ends at its 21st step call: the script ends there, exit 0
+    assert case["ended"]["how"] == "asked_again", case
+    assert case["ended"]["text"].startswith("stopped by --steps after 20 steps; the script "
+                                            "then asked for a train step at "), case
 
 
 def test_a_jax_diagnose_never_imports_tensorflow(cases):

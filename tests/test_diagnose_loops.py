@@ -40,8 +40,11 @@ def _diagnose(mode, steps=30):
 ])
 def test_custom_loop_named_right(mode, verdict):
     proc, result = _diagnose(mode)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert result["exit_code"] == 3
+    # --steps 30 stopped the first of 3 epochs of 32 steps, and the script ended where
+    # it asked for the second: exit 0 (the script's own 3 where it never trained)
+    code = 3 if mode == "never_trains" else 0
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert result["exit_code"] == code
     assert result["verdict"] == verdict, result["evidence"]
     if mode == "never_trains":
         assert result["fits"] == []
@@ -86,12 +89,15 @@ def test_steps_stops_a_healthy_tf_function_loop():
     # 60 steps (of the first epoch's 64): at 14 steps (9 judged) its ~10 %
     # input wait crossed the 20 % input_bound line under load (stop 19's note)
     proc, result = _diagnose("function", steps=60)
-    assert proc.returncode == 3
+    assert proc.returncode == 0
     assert result["verdict"] == "healthy", result["evidence"]  # cached input, compiled step
     # diagnose hid TensorFlow's own log lines (the level was unset) and says how to see them
     assert not [line for line in proc.stderr.splitlines() if TF_LOG_LINE.match(line)]
     assert any("TF_CPP_MIN_LOG_LEVEL=0" in n for n in result["notes"])
-    assert "done" in proc.stdout  # the script ran on after its loop ended
+    # the loop ended cleanly; the script ended where its second epoch asked for a batch
+    assert "done" not in proc.stdout and "Traceback" not in proc.stderr
+    assert result["stopped"]["how"] == "asked_again"
+    assert result["stopped"]["where"].endswith(f"custom_loop.py:{_line('enumerate(ds)')}")
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
     # 60 cycles after the first step was seen; the monitor's warm-up drops 5
@@ -106,10 +112,80 @@ def test_steps_stops_a_loop_that_calls_next_itself():
     proc, result = _diagnose("next", steps=12)
     assert proc.returncode == 0 and result["exit_code"] == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "done" not in proc.stdout
+    assert result["stopped"]["how"] == "own_next"
     (loop,) = result["fits"]
     assert loop["stopped_by_diagnose"] is True
     assert loop["monitor"]["step_time"]["count"] == 12 - 5
     # 7 timed steps are too few to judge: unknown, never healthy
     assert result["verdict"] == "unknown" and "too few to judge" in result["evidence"][0]["text"]
-    note = next(n for n in result["notes"] if "its own next() call" in n)
-    assert f"custom_loop.py:{_line('= next(batches)')}" in note
+    assert result["stopped"]["where"].endswith(f"custom_loop.py:{_line('= next(batches)')}")
+
+
+# A trainer of TensorFlowTTS's shape (`while True: self._train_epoch()`): each epoch
+# reads a count its loop sets, so an epoch that yields nothing raises UnboundLocalError.
+# `fit` mode: a `while True` over `fit` itself. `finally` says the script's clean-up ran.
+ENDLESS = """\
+import sys
+import numpy as np
+import tensorflow as tf
+import keras
+
+x = np.random.rand(64, 8).astype("float32")
+data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+opt = keras.optimizers.SGD(0.01)
+
+@tf.function
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    return loss
+
+def train_epoch(epoch):
+    for steps_this_epoch, (x, y) in enumerate(data, 1):
+        train_step(x, y)
+    print(f"epoch {epoch}: {steps_this_epoch} steps", flush=True)
+
+try:
+    epoch = 0
+    while True:
+        epoch += 1
+        if sys.argv[1] == "fit":
+            model.compile("sgd", "mse")
+            model.fit(data, epochs=1, verbose=0)
+        else:
+            train_epoch(epoch)
+finally:
+    print("clean-up ran", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode, asked", [("loop", "a batch of the dataset it trained on"),
+                                         ("fit", "a fit")])
+def test_steps_end_a_while_true_trainer_as_a_finished_run(tmp_path, mode, asked):
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
+         "--no-what-if", "--steps", "20", "--log-dir", str(tmp_path / "logs"), "--",
+         "python", str(script), mode], capture_output=True, text=True, env=env, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and result["exit_code"] == 0, proc.stderr[-2000:]
+    assert result["ended_by"] is None and "Traceback" not in proc.stderr
+    assert "clean-up ran" in proc.stdout  # the script's own `finally` on the way out
+    stopped = result["stopped"]
+    assert stopped["how"] == "asked_again" and stopped["steps_run"] == 20
+    assert stopped["text"].startswith(f"stopped by --steps after 20 steps; the script then "
+                                      f"asked for {asked} at {script}:")
+    # the run record and its HTML report were written
+    assert os.path.isfile(result["record"]) and os.path.isfile(result["html_report"])
+    runs = result["fits"]
+    assert [r["kind"] for r in runs] == (["loop"] if mode == "loop" else ["fit", "fit"])
+    if mode == "loop":  # 16 steps a epoch: epoch 2 stopped, epoch 3 never began
+        assert "epoch 2:" in proc.stdout and "epoch 3:" not in proc.stdout
+        assert runs[0]["stopped_by_diagnose"] is True
+    else:  # the second fit ran the 4 steps left; the third ended the script
+        assert [r["steps_run"] for r in runs] == [16, 4]
+    assert runs[-1]["stopped_by_diagnose"] is True

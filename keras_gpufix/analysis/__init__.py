@@ -40,8 +40,9 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `what_if`     | the what-if's judgement: `Cycles` (a run's steady cycles),   |
 |               | `what_if` (its figures), `what_if_until_known`,              |
 |               | `ratio_words`, `format_what_if`, its budgets                 |
-| `diagnosis`   | diagnose's other decisions: `trace_plan`, `stall_period`,    |
-|               | `main_what_if`, `MONITOR_WARMUP`                             |
+| `diagnosis`   | diagnose's other decisions: `trace_plan`, `trace_question`,  |
+|               | `stall_period`, `main_what_if`, `MONITOR_WARMUP`; its own    |
+|               | bill: `own_cost`, `traced_extra_s`, `OWN_ITEMS`              |
 | `traps`       | `TRAPS`: the one table of a script's traps and the verdict   |
 |               | each would produce (`traps_of`); config traps' rules:        |
 |               | `divisible_batch`, `missing_gpus`                            |
@@ -59,7 +60,10 @@ from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_
                                           verdict_of_ranking, what_if_cause)
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
-from keras_gpufix.analysis.diagnosis import MONITOR_WARMUP, main_what_if, stall_period, trace_plan
+from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, OWN_COST_SHARE,
+                                             OWN_ITEMS, TRACE_SLOWDOWN, main_what_if, own_cost,
+                                             stall_period, trace_cost_text, trace_plan,
+                                             trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import (CACHED_KINDS, judge_stages, located_by_stage,
@@ -148,6 +152,14 @@ __all__ = [
     "ratio_words",
     "stall_period",
     "trace_plan",
+    "trace_question",
+    "trace_cost_text",
+    "traced_extra_s",
+    "own_cost",
+    "OWN_ITEMS",
+    "OWN_COST_SHARE",
+    "OWN_COST_FLOOR_S",
+    "TRACE_SLOWDOWN",
     "what_if_until_known",
     "TRAPS",
     "traps_of",

@@ -976,7 +976,8 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
         low, high = what_if.get("speedup_range") or (speedup, speedup)
         span = f" ({low:.2f}x-{high:.2f}x)" if low and high else ""
         if not known:  # only its low end is sure: the gain is at least that
-            speedup, span = low, f" (at least: its range {low:.2f}x-{high:.2f}x was too wide)"
+            top = f"{high:.2f}x" if high else "unbounded"
+            speedup, span = low, f" (at least: its range {low:.2f}x-{top} was too wide)"
         # Stalls with no period that the input's measured cost covers are the
         # step waiting for the cores the input holds (a loaded host turns
         # contention's slower steps into stalls): the input is their cause.

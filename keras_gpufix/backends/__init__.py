@@ -13,7 +13,7 @@ only on TensorFlow and nothing warns about a TensorFlow structure elsewhere:
 | input wait in `fit`           | `kg.data.instrument`; PyDataset, generator and arrays through the epoch iterator (`backends/batch_clock.py`)        |||
 | traces (`ProfilerTrigger`)    | `tf.profiler`, `Trace` markers| `jax.profiler`,               | not supported       |
 |                               |                               | `StepTraceAnnotation` markers |                     |
-| scalars and verdict text      | `tf.summary`                  | the `tensorboard` package's event files (no TensorFlow) ||
+| scalars and verdict text      | the `tensorboard` package's event files (no TensorFlow op) |||
 
 Where something is not supported the adapter says so in one line
 (`Backend.unsupported`), never with an untested stand-in.

@@ -6,6 +6,7 @@ protos and record writer only; the Scalars and Text tabs show them, each
 with its description. Used on every Keras backend but TensorFlow.
 """
 
+import itertools
 import os
 import socket
 import time
@@ -13,6 +14,8 @@ import time
 from keras_gpufix.backends.base import NotSupported
 
 __all__ = ["EventWriter"]
+
+_IDS = itertools.count()  # two writers of one folder in one second get two files
 
 
 class EventWriter:
@@ -33,7 +36,7 @@ class EventWriter:
         self._event_pb2 = event_pb2
         os.makedirs(path, exist_ok=True)
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                f"{os.getpid()}.keras_gpufix")
+                f"{os.getpid()}.{next(_IDS)}.keras_gpufix")
         self._file = open(os.path.join(path, name), "wb")
         self._records = RecordWriter(self._file)
         self._emit(self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))

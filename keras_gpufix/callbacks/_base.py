@@ -72,10 +72,9 @@ class GuardedCallback(keras.callbacks.Callback):
 class ScalarWriter:
     """Buffered TensorBoard scalars under `log_dir/<run>`.
 
-    Writes through the Keras backend's adapter (`backends.current()`):
-    `tf.summary` on TensorFlow, the `tensorboard` package's event files on
-    other backends (no TensorFlow needed). Where neither is installed it
-    warns once and drops the scalars.
+    Writes the `tensorboard` package's event files on every backend (no
+    TensorFlow op: `backends.current().scalar_writer`). Where it is not
+    installed it warns once and drops the scalars.
     At most `MAX_PENDING` scalars wait in memory (a long epoch flushes
     early). Each scalar is written with its description from
     `DESCRIPTIONS` (the tables of `StepTimer` and `GPUOscillationMonitor`);

@@ -42,7 +42,7 @@ import types
 import weakref
 
 from keras_gpufix import profiling
-from keras_gpufix.analysis import is_cause, weigh
+from keras_gpufix.analysis import is_cause, trace_cost_text, weigh
 from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import guarded
 from keras_gpufix.callbacks._timed import TimedCallback
@@ -88,7 +88,12 @@ class ProfilerTrigger(TimedCallback):
             (`step_time_ms`, `input_percent`, `classification`,
             `conclusion`, ... from `profiling.analyze_trace`; None while
             running or with `analyze=False`; `{"error": ...}` on failure;
-            `"pending"` says whether XProf is still analysing it).
+            `"pending"` says whether XProf is still analysing it), `save_s`
+            (stopping and saving it: the pause after its last step) and
+            `analysis_cpu_s` (the analysis thread's CPU seconds).
+        seconds: this fit's own seconds on the loop's thread: `capture`
+            (starting and saving its traces) and `waited` (the end of `fit`
+            waiting for their analyses).
         skipped: why armed traces did not start when due (another profiler
             running, profiler errors), at most 100 entries.
 
@@ -122,6 +127,7 @@ class ProfilerTrigger(TimedCallback):
         self._current = None
         self._pending = []
         self._warned = set()
+        self.seconds = {"capture": 0.0, "waited": 0.0}
         self._reset()
 
     def _reset(self):
@@ -161,6 +167,7 @@ class ProfilerTrigger(TimedCallback):
     def _begin(self):
         self._stop_stale()
         self._reset()
+        self.seconds = {"capture": 0.0, "waited": 0.0}
         self._warned.discard("busy")
 
     @guarded
@@ -253,6 +260,10 @@ class ProfilerTrigger(TimedCallback):
         self._owner = types.SimpleNamespace(
             callback=weakref.ref(self),
             model=(lambda: None) if model is None else weakref.ref(model))
+        recent = self.stream.stall_limit() if self.stream is not None else None
+        emit(f"\nProfilerTrigger: tracing steps {step}-{step + self.steps - 1} ({self._armed}): "
+             f"{trace_cost_text(self.steps, recent and recent[1])}", self.verbose)
+        t0 = time.perf_counter()
         try:
             profiling.start_trace(self.log_dir, owner=self._owner, tag=f"steps_{step}")
         except profiling.ProfilerBusyError as exc:
@@ -265,6 +276,8 @@ class ProfilerTrigger(TimedCallback):
             self._warn_once("start", f"ProfilerTrigger: the profiler failed to start "
                                      f"({type(exc).__name__}: {exc}); no trace taken.")
             return
+        finally:
+            self.seconds["capture"] += time.perf_counter() - t0
         self._current = {"path": None, "start_step": step, "end_step": None,
                          "reason": self._armed, "analysis": None}
         self._armed = None
@@ -284,12 +297,16 @@ class ProfilerTrigger(TimedCallback):
         trace["end_step"] = end_step
         trace["reason"] += note
         self._last_end = end_step
+        t0 = time.perf_counter()
         try:
             trace["path"] = profiling.stop_trace()
         except Exception as exc:  # profiler errors are never fatal
             trace["analysis"] = {"error": f"{type(exc).__name__}: {exc}"}
             self._warn_once("stop", f"ProfilerTrigger: the profiler failed to stop or "
                                     f"save ({type(exc).__name__}: {exc}).")
+        finally:  # saving the trace: the pause after its last step
+            trace["save_s"] = time.perf_counter() - t0
+            self.seconds["capture"] += trace["save_s"]
         self.traces.append(trace)
         if trace["path"] is None:
             return
@@ -305,13 +322,17 @@ class ProfilerTrigger(TimedCallback):
 
     @staticmethod
     def _analyze(trace):
+        t0 = time.thread_time()
         try:
             trace["analysis"] = profiling.analyze_trace(trace["path"])
         except Exception as exc:
             trace["analysis"] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:  # the analysis thread's CPU, taken beside the steps
+            trace["analysis_cpu_s"] = time.thread_time() - t0
 
     def _collect(self, wait):
         """Reports finished analyses; with `wait`, waits `analysis_timeout` s in all."""
+        t0 = time.perf_counter()
         deadline = time.monotonic() + self.analysis_timeout
         still = []
         for trace, thread in self._pending:
@@ -330,6 +351,8 @@ class ProfilerTrigger(TimedCallback):
                      f"{profiling.format_analysis(analysis, self.log_dir)}"
                      + "".join(f" {b}." for b in self._weighed(trace)), self.verbose)
         self._pending = still
+        if wait:
+            self.seconds["waited"] += time.perf_counter() - t0
         if wait and still:
             emit(f"ProfilerTrigger: {len(still)} XProf analysis(es) still running after "
                  f"{self.analysis_timeout:g} s; fit returns now and each lands in "
@@ -372,14 +395,15 @@ class ProfilerTrigger(TimedCallback):
             `report()` starts (`verdict`, `fix`, `phase`, `cost_share`,
             `because`, `changed`, `errors`), then `traces` (as in `traces`,
             each with `pending`: XProf is still analysing it; its `analysis`
-            arrives when it finishes), `skipped`, `log_dir`, `tensorboard`
-            (the command to open them).
+            arrives when it finishes), `skipped`, `seconds` (as the
+            attribute), `log_dir`, `tensorboard` (the command to open them).
         """
         pending = {id(trace) for trace, thread in self._pending if thread.is_alive()}
         return {
             **self._verdict_report(),
             "traces": [dict(t, pending=id(t) in pending) for t in self.traces],
             "skipped": list(self.skipped),
+            "seconds": dict(self.seconds),
             "log_dir": str(self.log_dir),
             "tensorboard": profiling.tensorboard_command(self.log_dir),
         }

@@ -43,9 +43,13 @@ stream's records (its `StepTimer`'s), read when the loop ends: nothing here
 times a cycle again. Only the calls of the train functions are timed
 (the step clock's `timed`), as the what-if's step of each cycle. With
 `steps=N` the iterator ends (`StepsReached`, a `StopIteration`, like an
-exhausted dataset) after N training cycles, so a `for` loop stops cleanly;
-later epochs over the same dataset end at once. A loop that calls `next()`
-itself gets the exception: diagnose ends the script there, cleanly
+exhausted dataset) once the run's N training steps ran (a `fit`'s before
+it count), so a `for` loop stops cleanly and the script runs on; where it
+asks to train again (a batch of a dataset it trained on: the next epoch of
+`while True: train_epoch()`; a train step call; a `fit`) the script ends
+there (`StepsEnded`), as a finished run does, before an epoch that yields
+nothing reaches the code after its loop. A loop that calls `next()` itself
+gets the `StopIteration`: diagnose ends the script there, cleanly
 (`run_diagnosis` says where). Iteration inside
 `fit`, `evaluate` or `predict`, inside a `tf.function`, or inside the body
 of a loop over another live iterator (a step that iterates its
@@ -68,14 +72,25 @@ from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
                                            what_if_until_known)
 
-__all__ = ["LoopPatch", "StepsReached"]
+__all__ = ["LoopPatch", "StepsEnded", "StepsReached"]
 
 
 class StepsReached(StopIteration):
-    """`diagnose --steps N`: the custom loop ran its N steps (`in_step`: raised by the
-    loop's next `jax.jit` step call, a loop over a Python iterable, not by `next()`)."""
+    """`diagnose --steps N`: the custom loop ran its N steps; its iterator ends, as an
+    exhausted dataset does, so a `for` loop over it stops cleanly."""
 
-    in_step = False
+
+class StepsEnded(BaseException):
+    """`diagnose --steps N`: the run's N training steps ran and the script asked to
+    train again (`asked`: a batch of a dataset it trained on, a train step call,
+    a `fit`); the script ends there as a finished run does (exit 0), its own
+    `finally` and `with` clean-up run on the way out. A BaseException, so the
+    script's `except Exception` does not take it; `run_diagnosis` does."""
+
+    def __init__(self, steps, asked):
+        super().__init__(f"--steps {steps} reached; the script asked for {asked}")
+        self.steps = steps
+        self.asked = asked
 
 
 def _library_prefixes():
@@ -340,8 +355,8 @@ class _WatchedIterator:
     def __next__(self):
         patch = self.patch
         patch.fits_patch.raise_pending()
-        if patch.stopped and self.key in patch.trained_datasets:
-            raise StepsReached(patch.steps)  # a later epoch of a loop --steps stopped
+        if self.key in patch.trained_datasets:  # a later epoch, once --steps was reached
+            patch.fits_patch.end_if_reached("a batch of the dataset it trained on")
         if self.mark is not None and patch.step_calls > self.mark and self.epoch is None:
             patch.trained_datasets.add(self.key)
             self.epoch = patch.start_loop().open_epoch(self)
@@ -361,7 +376,8 @@ class _WatchedIterator:
             loop.sampler.end()
             step = patch.step_s - self.in_step if patch.step_info["functions"] else 0.0
             loop.step_s.append((self.index, step))
-            if patch.steps and loop.cycles >= patch.steps:
+            patch.fits_patch.steps_done += 1
+            if patch.fits_patch.steps_reached():
                 patch.stopped = True  # the source ends: watch closes the step and epoch
         self.mark = patch.step_calls
         try:
@@ -544,6 +560,7 @@ class LoopPatch:
         def make_gradient(original):
             def gradient(tape, *args, **kwargs):
                 if not patch.fits_patch._depth and tf.executing_eagerly():
+                    patch.fits_patch.end_if_reached("a train step")
                     patch.step_calls += 1
                     frame = user_frame(2)
                     if not patch.step_info["eager"]:
@@ -569,6 +586,8 @@ class LoopPatch:
                     return original(fn, *args, **kwargs)
                 if not patch._stack:
                     patch._called(fn)
+                    if id(fn) in patch._train_functions:
+                        patch.fits_patch.end_if_reached("a train step")
                 patch._stack.append(fn)
                 try:
                     result, took = timed(original, fn, *args, **kwargs)
@@ -658,13 +677,12 @@ class LoopPatch:
             self._jit_trains[id(fn)] = arrays(result) or False
             return result
         self.fits_patch.raise_pending()
+        self.fits_patch.end_if_reached("a train step")
         watch = next((w for w, *_ in self._watches if w._open is not None), None)
         if watch is not None:  # the script's kg.watch loop: its steps count
             if self.steps and watch.steps > self.steps:
                 self.stopped = True
-                stop = StepsReached(self.steps)
-                stop.in_step = True
-                raise stop
+                raise StepsEnded(self.steps, "a train step")
         elif not any(it.consumer is not None for it in list(self.iterators)):
             self._call_cycle(args, kwargs)
         result, took = timed(fn.jitted, *args, **kwargs)
@@ -697,7 +715,7 @@ class LoopPatch:
 
     def _call_cycle(self, args, kwargs):
         """A train step's call in a loop over a Python iterable: ends the previous
-        cycle (at `--steps` the script ends here: `StepsReached`) and begins the next,
+        cycle (at `--steps` the script ends here: `StepsEnded`) and begins the next,
         as `_WatchedIterator.__next__` does at `next()`; its input wait is 0 (it is
         part of the cycle)."""
         from keras_gpufix.diagnose.jax_steps import batch_of
@@ -713,12 +731,10 @@ class LoopPatch:
             loop.cycles += 1
             loop.sampler.end()
             loop.step_s.append((calls.index, self.step_s - calls.in_step))
-            if self.steps and loop.cycles >= self.steps:
+            self.fits_patch.steps_done += 1
+            if self.fits_patch.steps_reached():
                 self.stopped = True
-        if self.stopped:
-            stop = StepsReached(self.steps)
-            stop.in_step = True
-            raise stop
+                raise StepsEnded(self.steps, "a train step")
         calls.element = batch_of(args, kwargs, self._updated)
         next(calls.epoch)
         calls.in_step = self.step_s
@@ -754,13 +770,15 @@ class LoopPatch:
             self.fits_patch.collect(entry, mine)
         if self.loop is not None:
             self.loop.finish()
+            self.fits_patch.bill_traces(self.loop.entry, self.loop.mine.get("timer"))
             if self.fits_patch.what_if:
-                self.loop.entry["what_if"] = self._what_if()
-                if self.eager_step is not None:
-                    self.loop.entry["compiled_step"] = self._compiled_step()
-                stages = self.fits_patch.input_stages(self.loop.entry, self.loop.dataset)
-                if stages is not None:
-                    self.loop.entry["stages"] = stages
+                with self.fits_patch.timing("what-if"):
+                    self.loop.entry["what_if"] = self._what_if()
+                    if self.eager_step is not None:
+                        self.loop.entry["compiled_step"] = self._compiled_step()
+                    stages = self.fits_patch.input_stages(self.loop.entry, self.loop.dataset)
+                    if stages is not None:
+                        self.loop.entry["stages"] = stages
         return False
 
     def _compiled_step(self):

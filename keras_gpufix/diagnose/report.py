@@ -8,7 +8,7 @@ from keras_gpufix.diagnose.what_if import format_what_if, ratio_words
 from keras_gpufix.profiling import format_analysis
 
 __all__ = ["rank_causes", "seen_in_code", "not_offered", "run_verdict", "format_report", "healthy_evidence",
-           "trace_evidence", "input_stage", "locate_input_stage"]
+           "trace_evidence", "input_stage", "locate_input_stage", "format_own_cost"]
 
 
 def _pct(x):
@@ -534,6 +534,8 @@ def format_report(result):
              f"verdict: {result['verdict']}"]
     if result.get("ended_by"):
         lines.insert(1, f"ended by: {result['ended_by']['text']}")
+    if result.get("stopped"):
+        lines.insert(1, result["stopped"]["text"])
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]
@@ -602,5 +604,11 @@ def format_report(result):
         lines.append(f"TensorBoard (step times, oscillation scalars"
                      f"{', traces' if result['traces'] else ''}): "
                      f"tensorboard --logdir {result['log_dir']}")
+    lines += format_own_cost(result)
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def format_own_cost(result):
+    """The report's lines on what diagnose added beyond the script (`own_cost`), or none."""
+    return list((result.get("own_cost") or {}).get("text") or ())

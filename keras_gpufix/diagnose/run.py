@@ -19,13 +19,13 @@ import traceback
 import warnings
 
 from keras_gpufix import __version__
-from keras_gpufix.analysis import (MONITOR_WARMUP, is_cause, main_what_if, stages_needed,
-                                   trace_plan)
+from keras_gpufix.analysis import (MONITOR_WARMUP, OWN_ITEMS, is_cause, main_what_if, own_cost,
+                                   stages_needed, trace_plan, trace_question, traced_extra_s)
 from keras_gpufix.analysis.what_if import what_if_budget
 from keras_gpufix.backends import name as backend_name
 from keras_gpufix.diagnose.jax_steps import STAGES_ELSEWHERE, WHAT_IF_ELSEWHERE, Drained
 from keras_gpufix.diagnose.lines_run import LinesRun
-from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsReached
+from keras_gpufix.diagnose.loop_patch import LoopPatch, StepsEnded, StepsReached
 from keras_gpufix.diagnose.report import (healthy_evidence, not_offered, rank_causes,
                                           seen_in_code, trace_evidence)
 from keras_gpufix.diagnose.scan import scan_script
@@ -105,24 +105,29 @@ def _instrumented(dataset, depth=64):
     return False
 
 
-def _time_own_hooks(callbacks):
-    """A one-item list that adds up the seconds `callbacks` (diagnose's own) spend in
-    their train and epoch begin and end hooks: the fit's wall holds them, the
-    script's run does not (`report._script_run`)."""
-    seconds = [0.0]
+def _time_own_hooks(callbacks, batch_hooks=False):
+    """A two-item list that adds up the seconds `callbacks` (diagnose's own) spend in
+    their train and epoch begin and end hooks (the fit's wall holds them, the
+    script's run does not: `report._script_run`) and, with `batch_hooks`, in
+    their batch begin and end hooks (on TensorFlow, where Keras runs them on
+    the loop's thread: elsewhere the end hooks run in Keras's pool, beside it)."""
+    seconds = [0.0, 0.0]
 
-    def timed(hook):
+    def timed(hook, slot):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return hook(*args, **kwargs)
             finally:
-                seconds[0] += time.perf_counter() - t0
+                seconds[slot] += time.perf_counter() - t0
         return run
 
+    names = {"on_train_begin": 0, "on_train_end": 0, "on_epoch_begin": 0, "on_epoch_end": 0}
+    if batch_hooks:
+        names.update(on_train_batch_begin=1, on_train_batch_end=1)
     for callback in callbacks:
-        for name in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end"):
-            setattr(callback, name, timed(getattr(callback, name)))
+        for name, slot in names.items():
+            setattr(callback, name, timed(getattr(callback, name), slot))
     return seconds
 
 
@@ -185,10 +190,13 @@ class FitPatch:
 
     While it is open, `sites` (a `StageSites`) records where the script
     builds each `tf.data` stage. Each run's what-if (its input drain,
-    replay and stages) keeps one `Budget` (`what_if_budget`).
+    replay and stages) keeps one `Budget` (`what_if_budget`). `steps`
+    counts the script's training steps in all, fits' and custom loops'
+    (`steps_done`): a fit runs the steps left, and once none is left a
+    `fit` (or a loop's next step) ends the script (`StepsEnded`).
     """
 
-    def __init__(self, steps=None, log_dir=None, trace=True, what_if=True, verbose=1,
+    def __init__(self, steps=None, log_dir=None, trace="auto", what_if=True, verbose=1,
                  what_if_budget=None):
         self.steps = steps
         self.log_dir = log_dir
@@ -198,6 +206,9 @@ class FitPatch:
         self.budget_s = what_if_budget  # None: `analysis.what_if_budget` of each run
         self.fits = []
         self.notes = []
+        self.steps_done = 0  # training steps of the runs so far: fits', and loops' cycles
+        self.own = dict.fromkeys(OWN_ITEMS, 0.0)  # diagnose's own seconds, by item
+        self._gpus = None
         self.what_if_stopped = None  # what a signal during a what-if stopped
         self._depth = 0
         self._signal = None  # the SIGTERM or SIGINT that ends the script, once one came
@@ -234,6 +245,50 @@ class FitPatch:
                  f"ended; its what-if (the input alone, the step alone) takes at most "
                  f"{budget.seconds:.0f} s", self.verbose)
         return self._budgets[key]
+
+    @contextlib.contextmanager
+    def timing(self, item):
+        """Adds the seconds the block takes to diagnose's own `item` (`OWN_ITEMS`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.own[item] += time.perf_counter() - t0
+
+    def bill_traces(self, entry, timer):
+        """Adds a run's traces to diagnose's own seconds: starting and saving them and
+        the traced steps' slowdown (capture), the wait for their analysis."""
+        profiler = entry.get("profiler") or {}
+        seconds = profiler.get("seconds") or {}
+        spans = [(t["start_step"], t["end_step"]) for t in profiler.get("traces") or ()]
+        extra = 0.0
+        if spans and timer is not None:
+            extra = traced_extra_s({r.index: r.cycle for r in timer.records()}, spans)
+        self.own["trace capture"] += (seconds.get("capture") or 0.0) + extra
+        self.own["trace analysis"] += seconds.get("waited") or 0.0
+
+    def _trace_question(self):
+        """`analysis.trace_question` for this run's host (its GPUs read once)."""
+        if self.trace is False:
+            return None
+        if self._gpus is None:
+            from keras_gpufix.compile import device_info
+
+            try:
+                self._gpus = device_info()["gpus"]
+            except Exception:  # never break the user's run
+                self._gpus = []
+        return trace_question(self.trace, self._gpus)
+
+    def steps_reached(self):
+        """Whether `--steps N` is reached: N training steps ran, fits' and loops'."""
+        return self.steps is not None and self.steps_done >= self.steps
+
+    def end_if_reached(self, asked):
+        """Ends the script (`StepsEnded`) where, `--steps` reached, it asks for `asked`
+        (a fit, a train step, a batch of a dataset it trained on)."""
+        if self.steps_reached():
+            raise StepsEnded(self.steps, asked)
 
     def raise_pending(self):
         """Raises the signal's exception again when the script lost it and went on:
@@ -320,10 +375,15 @@ class FitPatch:
                 mine[key] = cls(functions=functions, verbose=verbose)
             elif key == "timer":
                 mine[key] = cls(log_dir=run_dir, warmup=warmup)
-            elif self.trace:
+            elif self._trace_question() is not None:
                 plan = trace_plan(total)
                 mine[key] = cls(run_dir, trigger=["oscillation", plan["at"]], steps=plan["steps"],
                                 max_traces=plan["max_traces"], verbose=verbose)
+                emit(f"keras-gpufix diagnose: {kind} {len(self.fits) + 1} is traced from step "
+                     f"{plan['at']} ({plan['steps']} steps, at most {plan['max_traces']} "
+                     f"traces; why: {self._trace_question()}); each trace slows its steps "
+                     "and pauses the run to save it after them (its cost is said as it "
+                     "starts and listed in the report; --no-trace takes none)", verbose)
         return mine
 
     @staticmethod
@@ -358,17 +418,22 @@ class FitPatch:
         if per_epoch is None and dataset:
             card = int(x.cardinality())
             per_epoch = card if card > 0 else None
-        total = self.steps or (per_epoch * epochs if per_epoch else None)
-        if self.steps and per_epoch:
-            total = min(self.steps, per_epoch * epochs)
+        left = None if self.steps is None else self.steps - self.steps_done
+        total = left or (per_epoch * epochs if per_epoch else None)
+        if left and per_epoch:
+            total = min(left, per_epoch * epochs)
         user = list(arguments.get("callbacks") or [])
         mine = self.monitors(total, "fit", user=user, retracing=True)
         ours = [cb for cb in mine.values() if not any(cb is u for u in user)]
-        counter = _step_counter(self.steps, self.raise_pending)
+        counter = _step_counter(left, self.raise_pending)
         arguments["callbacks"] = user + ours + [counter]
         info = {"kind": "fit", "x": type(x).__name__, "instrumented": dataset, "epochs": epochs,
                 "steps_per_epoch": per_epoch, "tf_data": dataset,
-                "own_hooks": _time_own_hooks(ours)}
+                # the profiler's seconds are its own items (`bill_traces`), not the monitors'
+                "own_hooks": _time_own_hooks([cb for cb in ours if cb is not mine.get("profiler")],
+                                             batch_hooks=self.tensorflow),
+                "profiler_hooks": _time_own_hooks([cb for cb in ours
+                                                   if cb is mine.get("profiler")])}
         if not self.tensorflow and isinstance(x, keras.utils.PyDataset):
             return bound, mine, counter, info, x  # its what-if drains it alone (`Drained`)
         return bound, mine, counter, info, x if dataset else None
@@ -423,13 +488,14 @@ class FitPatch:
             return {"reason": f"{type(exc).__name__}: {exc}"}
 
     def _fit(self, original, model, args, kwargs):
+        self.end_if_reached("a fit")
         try:
             bound, mine, counter, info, dataset = self._prepare(original, model, args, kwargs)
         except Exception as exc:  # never break the user's fit
             self._note(f"could not attach the monitors ({type(exc).__name__}: {exc}); "
                        "this fit ran without them")
             return original(model, *args, **kwargs)
-        own_hooks = info.pop("own_hooks")
+        own_hooks, profiler_hooks = info.pop("own_hooks"), info.pop("profiler_hooks")
         entry = {"index": len(self.fits) + 1, **info}
         self.fits.append(entry)
         cache = _compile_cache()
@@ -444,9 +510,11 @@ class FitPatch:
             if cache:
                 entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
-            entry["own_hooks_s"] = own_hooks[0]
+            entry["own_hooks_s"] = own_hooks[0] + profiler_hooks[0]
+            entry["own_batch_hooks_s"] = own_hooks[1]
             entry["stopped_by_diagnose"] = counter.stopped
             entry["steps_run"] = counter.seen
+            self.steps_done += counter.seen
             entry["model"] = {
                 "name": model.name,
                 "jit_compile": getattr(model, "jit_compile", None),
@@ -454,18 +522,24 @@ class FitPatch:
                 "steps_per_execution": getattr(model, "steps_per_execution", None),
             }
             self.collect(entry, mine)
+            self.own["monitors"] += own_hooks[0] + own_hooks[1]
+            self.bill_traces(entry, mine.get("timer"))
             # A fit stopped early leaves its epoch iterator in a reference
             # cycle; freed only at interpreter exit, an iterator with a
-            # py_function in flight deadlocks there (TF 2.21). Free it now.
-            gc.collect()
+            # py_function in flight deadlocks there (TF 2.21). Free it now
+            # (only then: a collection of TensorFlow's heap takes ~0.5 s).
+            if counter.stopped or "error" in entry:
+                with self.timing("monitors"):
+                    gc.collect()
         if self.what_if:
-            entry["what_if"] = self.fit_what_if(model, dataset, mine.get("timer"),
-                                                self.what_if_budget(entry))
-            stages = self.input_stages(entry, dataset)
-            if stages is not None:
-                entry["stages"] = stages
-            self._measuring = None
-            gc.collect()
+            with self.timing("what-if"):
+                entry["what_if"] = self.fit_what_if(model, dataset, mine.get("timer"),
+                                                    self.what_if_budget(entry))
+                stages = self.input_stages(entry, dataset)
+                if stages is not None:
+                    entry["stages"] = stages
+                self._measuring = None
+                gc.collect()
         return history
 
 
@@ -522,18 +596,32 @@ def _user_frames(exc):
             if not f.filename.startswith(ours) and f.filename != runpy.__file__]
 
 
-def _stopped_in_next(exc, steps):
-    """The note for a loop that called `next()` itself, or iterated a Python iterable
-    (its jax.jit step ended it), when --steps ended it."""
-    user = _user_frames(exc)
-    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
-    stop = exc if isinstance(exc, StepsReached) else exc.__cause__
-    if stop.in_step:
-        return (f"--steps {steps} ended the loop at its next jax.jit step call{where}: the "
-                "script stopped there (a loop over a Python iterable cannot be ended cleanly)")
-    return (f"--steps {steps} ended the loop inside its own next() call{where}: the script "
-            "stopped there (a `for` loop over the dataset would have ended cleanly and the "
-            "script run on)")
+def _stopped(steps, steps_done, exc):
+    """The report's `stopped`: how `--steps` ended the run (None when it was not
+    reached). `exc`: the `StepsEnded` that ended the script where it asked to
+    train again, the `StepsReached` of a loop that called `next()` itself (or
+    the RuntimeError a generator made of it), or None: the script ran on to its
+    own end."""
+    if steps is None or (exc is None and steps_done < steps):
+        return None
+    steps_done = max(steps_done, steps)  # a kg.watch loop's steps are its own
+    user = _user_frames(exc) if exc is not None else []
+    where = f"{user[-1].filename}:{user[-1].lineno}" if user else None
+    at = f" at {where}" if where else ""
+    text = f"stopped by --steps after {steps_done} steps"
+    if isinstance(exc, StepsEnded):
+        how = "asked_again"
+        text += (f"; the script then asked for {exc.asked}{at} and ended there, as a "
+                 "finished run ends (exit 0)")
+    elif exc is not None:
+        how = "own_next"
+        text += (f"; its loop calls next() itself{at} and ended there (exit 0); a `for` loop "
+                 "over the dataset would have ended cleanly and the script run on")
+    else:
+        how = "ran_on"
+        text += "; the script ran on to its own end"
+    return {"steps": steps, "steps_run": steps_done, "how": how, "where": where,
+            "text": text}
 
 
 class Terminated(BaseException):
@@ -630,6 +718,27 @@ def _apply_script_backend(script):
             os.environ["KERAS_BACKEND"] = found.group(2)
 
 
+def _process_age():
+    """Seconds since this process started (Linux: /proc), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _framework_import():
+    """Imports Keras (and TensorFlow quietly, on its backend): the script's own
+    import, made before it runs. Returns whether TensorFlow's log lines were hidden."""
+    quiet = backend_name() == "tensorflow" and import_tensorflow_quietly()
+    import keras  # noqa: F401
+
+    return quiet
+
+
 def _exit_code(code):
     if code is None:
         return 0
@@ -653,7 +762,7 @@ def _jsonable(value):
     return str(value)
 
 
-def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, verbose=1,
+def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True, verbose=1,
                   what_if_budget=None):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
@@ -661,12 +770,20 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         command: `["python", "train.py", *args]`, `["train.py", *args]`,
             `["-m", "package.module", *args]` or `["python", "-c", code, *args]`
             (the code is saved as `log_dir/command.py` and run from there).
-        steps: stop every `fit` after this many steps. Defaults to None
-            (the script's own length).
+        steps: the script's training steps, fits' and custom loops' in all:
+            a fit runs the steps left, a loop's iterator ends after the
+            last, and where the script then asks to train again (a `fit`,
+            a train step, the next epoch of a dataset it trained on) it
+            ends there with exit code 0. Defaults to None (the script's
+            own length).
         log_dir: where the TensorBoard scalars and profiler traces of
             each run go (`fit_1/`, `loop_2/`, ...). Defaults to a new folder
             under the system temp dir.
-        trace: take XProf traces (ProfilerTrigger). Defaults to True.
+        trace: take XProf traces (ProfilerTrigger): True (the user asked
+            for them: their seconds are listed aside of diagnose's bound),
+            False (none) or `"auto"`, where one answers what the step log
+            cannot (`analysis.trace_question`: on a GPU). Defaults to
+            `"auto"`.
         what_if: after each run, measure the input alone and the step
             alone (`what_if.py`, a few seconds). Defaults to True.
         verbose: the monitors print their events (1) or not (0).
@@ -681,15 +798,22 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         it), `ended_by` (None, or what stopped the script early: `kind`
         `exception` or `signal`, `type`, `message`, `raised_at` and
         `script_line` as file:line, `steps_seen`, `during` (`what_if`
-        when a signal stopped a run's what-if, not its training), `text`), `verdict`,
+        when a signal stopped a run's what-if, not its training), `text`),
+        `stopped` (None, or how `--steps` ended the run: `steps`,
+        `steps_run`, `how` (`asked_again`: the script asked to train again
+        and ended there; `own_next`: its loop's own `next()` call ended it;
+        `ran_on`: it ran on to its own end), `where` (file:line) and
+        `text`, "stopped by --steps after N steps; ..."), `verdict`,
         `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
         its `predicted` effect), `seen_in_code` (static findings of no
         measured cause: not ranked, one entry per verdict), `not_offered`
         (static findings the run rules out, with the reason: their line never
         ran, or the measurement contradicts them), `scan` (each finding's
         `ran`: whether its line ran, None when not known),
-        `environment`, `fits` (one per `fit` or custom loop: the monitors'
-        reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
+        `environment`, `own_cost` (what diagnose added beyond the script,
+        item by item, against its bound: `analysis.own_cost`; the CLI adds
+        the writing of the record to its `report` item), `fits` (one per
+        `fit` or custom loop: the monitors' reports; a fit's `steps_run`), `what_if` (of the longest run: `input_batches_per_s`,
         `step_batches_per_s`, `speedup_if_input_free`, `speedup_range`, `known`,
         `budget_s`, `spent_s`, `cut_short`, ...), `traces`
         (XProf evidence), `log_dir`, `notes`.
@@ -699,6 +823,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
     """
     if steps is not None and steps < 1:
         raise ValueError(f"`steps` must be >= 1. Received: steps={steps}")
+    t_in, age = time.perf_counter(), _process_age()
     kind, target, argv = _resolve(command)
     log_dir = log_dir or tempfile.mkdtemp(prefix="keras_gpufix_diagnose_")
     notes = []
@@ -709,16 +834,20 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
             f.write(code)
         notes.append(f"the -c code was saved as {target}: the lines below refer to it")
     script = target if kind == "code" else argv[0]
+    t0 = time.perf_counter()
     scan = scan_script(script)
+    scan_s = time.perf_counter() - t0
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = list(argv)
     if kind != "module":
         sys.path.insert(0, os.getcwd() if kind == "code" else os.path.dirname(target))
     exit_code = 0
-    ended = None
+    ended = stop = None
     _apply_script_backend(script)
     # TensorFlow's log lines would bury the report; no TensorFlow on another backend
-    quiet = backend_name() == "tensorflow" and import_tensorflow_quietly()
+    t0 = time.perf_counter()
+    quiet = _framework_import()
+    framework_s = time.perf_counter() - t0
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
         with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,
@@ -728,6 +857,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
             try:
                 with LoopPatch(patch) as loops:  # its exit measures the loop's what-if
                     try:
+                        patch.own["scan"] = scan_s
+                        patch.own["start-up"] = ((age or 0.0) + time.perf_counter() - t_in
+                                                 - scan_s - framework_s)
                         if kind == "module":
                             runpy.run_module(target, run_name="__main__", alter_sys=True)
                         elif not lines_run.run_main(target):
@@ -738,9 +870,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                         if isinstance(exc, (KeyboardInterrupt, Terminated)):
                             patch.what_if = False  # nothing more is measured
                             raise
-                        if isinstance(exc, StepsReached) or isinstance(exc.__cause__,
-                                                                       StepsReached):
-                            patch.notes.append(_stopped_in_next(exc, steps))
+                        if isinstance(exc, (StepsEnded, StepsReached)) or isinstance(
+                                exc.__cause__, StepsReached):
+                            stop = exc
                         else:
                             traceback.print_exc()
                             ended = exc
@@ -754,6 +886,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                 patch.what_if = False
                 ended = exc
                 exit_code = 128 + getattr(exc, "signum", 2)
+    t_report = time.perf_counter()
     for finding in scan:  # a line the run never executed is no cause of it
         finding["ran"] = lines_run.status(finding)
     if ended is not None:
@@ -770,10 +903,13 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
                      "text": f"nothing to judge: the script stopped after {ended['steps_seen']} "
                              "training steps (ended by, above)"}]
     evidence += [t for t in traces if t not in evidence]
+    env = environment()
+    patch.own["report"] = time.perf_counter() - t_report
     return _jsonable({
         "command": list(command),
         "exit_code": exit_code,
         "ended_by": ended,
+        "stopped": _stopped(steps, patch.steps_done, stop),
         "verdict": verdict,
         "evidence": evidence,
         "ranking": ranking,
@@ -781,7 +917,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace=True, what_if=True, v
         "seen_in_code": seen_in_code(patch.fits, scan, fixes),
         "not_offered": not_offered(patch.fits, scan),
         "scan": scan,
-        "environment": environment(),
+        "environment": env,
+        "own_cost": own_cost(patch.own, (age or 0.0) + time.perf_counter() - t_in,
+                             opted_in_trace=trace is True),
         "fits": patch.fits,
         "what_if": main_what_if(patch.fits),
         "traces": traces,

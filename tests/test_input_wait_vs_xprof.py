@@ -20,7 +20,7 @@ import pytest
 import keras_gpufix as kg
 from planted import planted_dataset, tiny_model
 
-START, STEPS = 10, 20
+START, STEPS = 10, 30
 BATCHES = START + STEPS + 4
 
 

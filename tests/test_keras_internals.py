@@ -548,3 +548,34 @@ def test_time_train_function_stamps_each_step_and_gives_it_back():
     seen.found()
     assert model.train_function is wrapped.__wrapped__
     assert time_train_function(keras.Sequential(), stamps.append) is None  # not compiled
+
+
+def test_time_iterator_launches_stamps_each_graph_that_takes_its_batch():
+    from keras_gpufix.keras_internals import time_iterator_launches
+
+    launches, seen = [], []
+
+    class Begins(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(len(launches))
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((np.zeros((12, 4)), np.zeros((12, 1)))).batch(4)
+    restore = time_iterator_launches(lambda: launches.append(1))
+    try:
+        model.fit(data, epochs=1, verbose=0, callbacks=[Begins()])
+        assert seen == [0, 1, 2] and len(launches) == 3  # each step, after its begin hook
+        model.evaluate(data.take(2), verbose=0)
+        assert len(launches) == 5  # evaluation's graph takes its batches too
+        model.train_on_batch(np.zeros((4, 4)), np.zeros((4, 1)))  # its batch: in Python
+        assert len(launches) == 5
+        # A second wrapper replaces the first (one left by a run that failed).
+        again = time_iterator_launches(lambda: launches.append(2))
+        model.fit(data, epochs=1, verbose=0)
+        assert launches[5:] == [2, 2, 2]
+    finally:
+        restore()
+    again()
+    model.fit(data, epochs=1, verbose=0)
+    assert len(launches) == 8  # given back: TensorFlow's own call again

@@ -8,6 +8,14 @@ One `CycleInputs` per step stream, with the sources it reads:
   `BatchClock` (`backends/batch_clock.py`) that follows the source fit
   actually reads: each batch's ready time (the input wait), shapes and,
   for an instrumented dataset, its real (unpadded) frames;
+- on TensorFlow, when each step that takes its batch inside its graph
+  (Keras's `fit`) started that graph (`keras_internals.
+  time_iterator_launches`): its input wait is counted from then, not from
+  the cycle's start. The step's launch is no wait: Keras's and the
+  `tf.function`'s Python dispatch take 0.4-0.5 ms of each step on a 2-core
+  AMD EPYC host (XProf's trace), more on a slower or busier CPU, and were
+  counted as input wait before (here 6-8 points more input share than
+  XProf's on the planted input-bound run; issue 51);
 - what a custom-loop wrapper (`kg.watch`) measured itself and hands over
   with `supply()` before the begin hook (it replaces the probe's wait,
   batch size and shape);
@@ -29,11 +37,16 @@ one's shapes come first.
 """
 
 import sys
+import time
+from collections import deque
 from typing import NamedTuple, Optional
+
+import numpy as np
 
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis.phases import seconds_within
 from keras_gpufix.backends.batch_clock import BatchClock
+from keras_gpufix.keras_internals import time_iterator_launches
 
 __all__ = ["CycleInputs", "CycleInput"]
 
@@ -72,10 +85,15 @@ class CycleInputs:
 
     # Distinct input shapes remembered for `new_shape` (bounded memory).
     MAX_SHAPES = 4096
+    # Graph launches kept between two reads (the stream reads at least every
+    # 1024 hooks; evaluation's launch too).
+    MAX_LAUNCHES = 4096
 
     def __init__(self, offset):
         self._offset = offset
         self._cursor = self._batch_clock = self._compiles = None  # sources, see `open`
+        self._launches = deque(maxlen=self.MAX_LAUNCHES)  # step-clock seconds
+        self._unlaunch = None
         self._supplied = self._batch_size = None
         self._compiles_read = 0.0
         self._shapes = set()
@@ -105,6 +123,9 @@ class CycleInputs:
         # TensorFlow's train function only: the probe is a TensorFlow op.
         if backend.tensorflow_step and facts.jit and not facts.eager and model is not None:
             self.step_shapes, self.step_shapes_note = StepShapes.attach(model)
+        if backend.tensorflow_step:
+            self._unlaunch = time_iterator_launches(
+                lambda: self._launches.append(time.perf_counter()))
         self._batch_clock = BatchClock.attach(backend)
         if self._batch_clock is None:
             return {}
@@ -146,9 +167,12 @@ class CycleInputs:
             self._cursor.epoch_begin()
 
     def close(self):
-        """At the end of training: lets go of fit's source."""
+        """At the end of training: lets go of fit's source and of the graph launches."""
         if self._batch_clock is not None:
             self._batch_clock.detach()
+        if self._unlaunch is not None:
+            self._unlaunch()
+            self._unlaunch = None
 
     def read(self, hooks) -> list:
         """One `CycleInput` per finished hook, in order (the loop's thread).
@@ -160,12 +184,21 @@ class CycleInputs:
         """
         n = len(hooks)
         waits = rows = reals = [None] * n
+        launched = self._launched(hooks)
         if self._cursor is not None:
             off = self._offset
+            # A wait is counted from the cycle's start (a loop may take its
+            # batch before the begin hook), or from the launch of the graph
+            # that takes the batch: before it the loop launched the step.
             waits, rows, reals = self._cursor.take(
-                [start - gap + off for start, _, gap, _, _ in hooks],   # each cycle's start
+                [start - gap + off if at is None else at + off
+                 for (start, _, gap, _, _), at in zip(hooks, launched)],
                 [start + span + off for start, span, _, _, _ in hooks],
                 [steps for *_, steps, _ in hooks])
+            # `split_cycle` takes a probe's wait from the cycle's start: one
+            # from the launch lies in the step, after the gap.
+            waits = [w if at is None or not w else gap + w
+                     for w, at, (_, _, gap, _, _) in zip(waits, launched, hooks)]
         in_step = ([None] * n if self.step_shapes is None
                    else self.step_shapes.take([steps for *_, steps, _ in hooks]))
         compiled = [None] * n
@@ -196,6 +229,25 @@ class CycleInputs:
                 audio=None if frames is None or per_second is None else frames / per_second,
                 compile_s=compile_s))
         return out
+
+    def _launched(self, hooks) -> list:
+        """Per hook, when the first graph launch inside its span came, or None.
+
+        Launches up to the last hook's end are used up (later ones belong
+        to hooks not read yet).
+        """
+        if not hooks or not self._launches:
+            return [None] * len(hooks)
+        starts = np.array([start for start, *_ in hooks])
+        ends = np.array([start + span for start, span, *_ in hooks])
+        times = np.array(self._launches)
+        used = int(np.searchsorted(times, ends[-1], side="right"))
+        for _ in range(used):
+            self._launches.popleft()
+        first = np.searchsorted(times[:used], starts)  # first launch at or after each start
+        at = times[np.minimum(first, max(used - 1, 0))] if used else starts
+        inside = (first < used) & (at <= ends)
+        return [float(t) if ok else None for t, ok in zip(at.tolist(), inside.tolist())]
 
     def _remember(self, shape) -> bool:
         """Whether `shape` is new to the run (remembered up to `MAX_SHAPES`)."""

@@ -119,6 +119,7 @@ class RunRecord:
                   "where": list(f.get("where") or ()),
                   "share": f["predicted"].get("share"),
                   "expected_speedup": f["predicted"].get("speedup"),
+                  "steady_speedup": f["predicted"].get("steady_speedup"),
                   "speedup_range": f["predicted"].get("speedup_range"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text")}
                  for f in result.get("fixes") or ()]

@@ -179,9 +179,11 @@ def test_compare_of_a_slow_input_run_and_its_fixed_twin_says_improvement(slow_an
     assert result["word"] == "improvement"
     low, high = result["gain_range"]
     assert 1 < low <= result["gain"] <= high
-    # the measured gain: the two runs' steady medians (10 + 2 ms a step vs 2 ms)
+    # the measured gain: the two runs' wall per step (10 + 2 ms a step vs 2 ms)
     assert result["gain"] == pytest.approx(
-        result["before"]["median_ms"] / result["after"]["median_ms"])
+        result["before"]["wall_ms"] / result["after"]["wall_ms"])
+    assert result["gain"] == pytest.approx(
+        result["after"]["steps_per_s"] / result["before"]["steps_per_s"])
     assert result["gain"] > 2
     assert result["before"]["verdict"] == "input_bound"
     assert result["after"]["verdict"] == fixed_report["verdict"]
@@ -192,8 +194,10 @@ def test_compare_of_a_slow_input_run_and_its_fixed_twin_says_improvement(slow_an
     assert result["warnings"] == []
     assert main(["compare", str(slow), str(fixed)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"improvement: {RunRecord.find(fixed)} is {result['gain']:.2f}x")
-    assert "input_bound: " in out and "-> gone" in out and f"measured: {result['gain']:.2f}x" in out
+    assert out.startswith(f"improvement: {RunRecord.find(fixed)} runs {result['gain']:.2f}x")
+    assert "input_bound: " in out and "-> gone" in out
+    assert (f"predicted by {RunRecord.find(slow)}: {result['predicted'][0]['speedup']:.2f}x per "
+            f"step, measured {result['gain']:.2f}x") in out
 
 
 def test_compare_of_a_run_with_itself_says_no_change_and_names_what_differs(slow_and_fixed,
@@ -212,6 +216,32 @@ def test_compare_of_a_run_with_itself_says_no_change_and_names_what_differs(slow
     assert len(warnings) == 3
     assert "machines differ" in warnings[0] and "another-host" in warnings[0]
     assert "backends differ" in warnings[1] and "batch sizes differ" in warnings[2]
+
+
+def test_compare_of_a_stall_every_5_steps_and_its_fix_is_the_steps_own_wall_ratio(tmp_path):
+    # 30 ms of host work every 5th 10 ms step: the steps' median is the same both ways,
+    # their wall is not (issue 47, item 4: compare judges throughput, stalls included)
+    walls = {}
+    for name, stall_s in (("stalled", 0.03), ("fixed", 0.0)):
+        monitor = kg.GPUOscillationMonitor(log_dir=str(tmp_path / name), nvml=False, verbose=0)
+        with kg.watch([np.zeros((4, 2), np.float32) for _ in range(60)],
+                      callbacks=[monitor]) as watched:
+            for step, _ in enumerate(watched):
+                if step == 10:
+                    began = time.perf_counter()  # past the warm-up, as the record judges
+                time.sleep(0.01)
+                if step % 5 == 4:
+                    time.sleep(stall_s)
+                ended = time.perf_counter()  # the steps' wall, not the epoch end's hooks
+            walls[name] = ended - began
+    result = compare_runs(RunRecord.load(tmp_path / "stalled").data,
+                          RunRecord.load(tmp_path / "fixed").data)
+    truth = walls["stalled"] / walls["fixed"]  # (5 x 10 + 30) / 50 ms: about 1.6x
+    assert result["gain"] == pytest.approx(truth, rel=0.15)
+    low, high = result["gain_range"]
+    assert low <= result["gain"] <= high
+    assert result["word"] == "improvement"
+    assert result["before"]["verdict"] == "periodic_stall"
 
 
 def test_a_fit_stopped_by_sigterm_leaves_its_record(tmp_path):

@@ -423,7 +423,8 @@ def _stage_predicted(slow, before):
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
             "steady_speedup": gain, "speedup_if_cached": slow.get("run_gain_cached"),
             "speedup_later_runs": slow.get("run_gain_later"),
-            "speedup_range": spread, "source": "stage",
+            "speedup_range": spread if whole is None else None,  # the per-step gain's
+            "source": "stage",
             "text": f"predicted: {gain:.2f}x per step once the fix applies"
                     + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
                        if spread else "")

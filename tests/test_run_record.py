@@ -106,7 +106,7 @@ def _synthetic_report(steps, seed=0):
         stall = 0.2 if i % 500 == 250 else 0.0
         series.add(StepRecord(i, 1, 0.004 + stall, 0.006 * rng.uniform(0.9, 1.1), 0.0001,
                               new_shape=i == 0, epoch=i // 10_000,
-                              epoch_first=i % 10_000 == 0, gpu_util=0.5))
+                              epoch_first=i % 10_000 == 0, gpu_util=0.5), jit=True)
     return {"verdict": "input_bound", "fix": "the step waits for data " * 400,  # capped
             "phase": "input_wait", "cost_share": 0.4, "because": ["x" * 5000] * 50,
             "changed": None,
@@ -118,6 +118,20 @@ def _synthetic_report(steps, seed=0):
                           "samples_per_s": 1600.0, "steps_per_s": 100.0},
             "phases": {"input_wait": 0.4, "step": 0.59, "between": 0.01},
             "gpu_util": 0.5, "series": series.as_dict()}
+
+
+def test_the_series_marks_a_compile_only_where_the_step_compiled():
+    # a new shape compiles under XLA only; a new trace or counted compile time always
+    # (issue 47: a "compiled" mark on almost every step of an unjitted speech fit)
+    def marks(jit, **kwargs):
+        series = StepSeries(warmup=0)
+        series.add(StepRecord(0, 1, 0.0, 0.01, 0.0, **kwargs), jit=jit)
+        return series.as_dict()["compiles"]
+
+    assert marks(None, new_shape=True) == [0] and marks(False, new_shape=True) == [0]
+    assert marks(True, new_shape=True) == [1]
+    assert marks(None, traces=1) == [1] and marks(False, compile_s=0.2) == [1]
+    assert marks(True, new_shape=True, compile_s=0.0) == [0]  # counted: none compiled
 
 
 def test_a_100000_step_record_stays_under_its_stated_size(tmp_path):

@@ -228,7 +228,7 @@ class GPUOscillationMonitor(TimedCallback):
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         for record in records:
-            self._series.add(record)
+            self._series.add(record, jit=self.detector.jit)
             if record.epoch_first:
                 self._firsts[0] += 1
                 self._firsts[1] += record.cycle

@@ -5,8 +5,11 @@ here (rectangles and lines; no plotting library to install), and a
 Content-Security-Policy that forbids every request, so the file can be
 attached to a bug report and opened anywhere. In order:
 
-1. the verdict, its fix and what it rests on; the ranked fixes, each with
-   its predicted effect and the lines (file:line) to change;
+1. the headline (`analysis.headline`, the lines the console opens with): the
+   verdict and its share of the run, the top fix in one sentence with its
+   line and one gain, the `compare` command that checks it; then what the
+   verdict rests on and the ranked fixes, each with its predicted effect and
+   the lines (file:line) to change;
 2. the timeline: one stacked bar per point of the record's series (input
    wait, step, time between steps, per step), compiles and stalls marked,
    epoch starts drawn, steps not judged (warm-up, epoch starts) shaded; GPU
@@ -16,6 +19,8 @@ attached to a bug report and opened anywhere. In order:
 """
 
 import html
+
+from keras_gpufix.analysis import headline
 
 __all__ = ["html_report"]
 
@@ -51,10 +56,6 @@ def _ms(x):
     return "-" if x is None else f"{x:.1f} ms"
 
 
-def _speedup(x):
-    return "unbounded" if x is None else f"{x:.2f}x"
-
-
 def html_report(record) -> str:
     """The record as one HTML page (a string).
 
@@ -64,22 +65,25 @@ def html_report(record) -> str:
     data = getattr(record, "data", record)
     v = data["verdict"]
     verdict = v.get("verdict") or "unknown"
+    first, fix, check = headline(data, getattr(record, "path", None))
+    said = first[len("verdict: "):][len(verdict):]  # the line after the verdict's name
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; "
         "style-src 'unsafe-inline'; img-src data:\">",
         f"<title>keras-gpufix report: {_e(verdict)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>Verdict: <span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}</span></h1>",
+        f"<h1 id='headline'><span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}"
+        f"</span>{_e(said)}</h1>",
+        f"<p class='fix' id='top-fix'><b>Fix:</b> {_e(fix[len('fix:'):].strip())}</p>",
+        f"<p id='check'><b>Check:</b> <code>{_e(check[len('check:'):].strip())}</code></p>",
     ]
     if data.get("ended_by"):
         parts.append(f"<p><b>Ended by:</b> {_e(data['ended_by'])}; this record covers what "
                      "was measured until then.</p>")
-    if verdict != "healthy" and not data["fixes"]:  # else the first ranked fix says it
-        parts.append(f"<p class='fix'><b>Fix:</b> {_e(v.get('fix'))}</p>")
     because = [b for b in (v.get("because") or []) + [v.get("changed")] if b]
     if because:
-        parts.append("<ul class='because'>" + "".join(f"<li>{_e(b)}</li>" for b in because)
-                     + "</ul>")
+        parts.append("<h2>What the verdict rests on</h2><ul class='because'>"
+                     + "".join(f"<li>{_e(b)}</li>" for b in because) + "</ul>")
     parts += _fixes(data["fixes"])
     parts += _timeline(data["series"])
     parts += _distribution(data)
@@ -193,11 +197,10 @@ def _distribution(data):
            + "".join(f"<tr><th>{_e(k)}</th><td>{_e(val)}</td></tr>" for k, val in rows)
            + "</table>"]
     if data["causes"]:
-        out.append("<h2>Causes</h2><table><tr><th>cause</th><th>share of the run</th>"
-                   "<th>expected speedup when fixed</th></tr>" + "".join(
-                       f"<tr><td>{_e(c['verdict'])}</td><td>{_pct(c.get('share'))}</td>"
-                       f"<td>{_speedup(c.get('expected_speedup'))}</td></tr>"
-                       for c in data["causes"]) + "</table>")
+        # each cause's share; its gain is said once, by its ranked fix above
+        out.append("<h2>Causes</h2><table><tr><th>cause</th><th>share of the run</th></tr>"
+                   + "".join(f"<tr><td>{_e(c['verdict'])}</td><td>{_pct(c.get('share'))}</td>"
+                             "</tr>" for c in data["causes"]) + "</table>")
     what_if = data.get("what_if")
     out.append("<h2>What-if</h2><p>" + (_e(what_if["text"]) if what_if else
                                         "Not measured in this run (keras-gpufix diagnose "

@@ -120,6 +120,8 @@ class RunRecord:
                   "share": f["predicted"].get("share"),
                   "expected_speedup": f["predicted"].get("speedup"),
                   "steady_speedup": f["predicted"].get("steady_speedup"),
+                  "whole_run": f["predicted"].get("whole_run"),
+                  "stage_op": (f.get("stage") or {}).get("op"),
                   "speedup_range": f["predicted"].get("speedup_range"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text")}
                  for f in result.get("fixes") or ()]
@@ -162,6 +164,7 @@ class RunRecord:
             "step_time": step_time,
             "phases": dict(report.get("phases") or {}),
             "gpu_util": report.get("gpu_util"),
+            "contention": report.get("contention"),
             "what_if": None if not what_if else {
                 "speedup_if_input_free": what_if.get("speedup_if_input_free"),
                 "speedup_range": what_if.get("speedup_range"),

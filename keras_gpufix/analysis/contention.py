@@ -80,6 +80,6 @@ def contention_text(contention, verdict=None) -> "str | None":
     if load is not None and contention.get("cpus"):
         words += f" (load {load:.1f} on {contention['cpus']} CPUs)"
     if waited is not None and waited >= CONTENTION_WAIT:
-        words += f", and its threads waited {waited:.0%} of the run for a CPU"
+        words += f", and its threads waited {waited:.1f} s for a CPU per second of the run"
     return (f"{words}; {_COMPETES.get(verdict, 'the steps and the input compete with them')}"
             ", so a quiet run's figures and verdict can differ")

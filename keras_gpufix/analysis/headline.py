@@ -97,9 +97,9 @@ def headline(record: dict, path: str = None) -> list:
     period = cause.get("period")
     contention = contention_text(record.get("contention"), verdict)
     if verdict == "healthy":
-        first = f"healthy: no cause measured costs {THRESHOLDS['cost_share']:.0%} of the run"
+        first = f"healthy; no cause measured costs {THRESHOLDS['cost_share']:.0%} of the run"
     elif verdict == "unknown":
-        first = "unknown: no training step was judged"
+        first = "unknown; no training step was judged"
     else:
         words = _SHARE_WORDS.get(verdict, "lost to it").format(period=period or "?")
         first = f"{verdict}; " + (f"{share:.0%} of the run {words}" if share is not None

@@ -558,11 +558,12 @@ def format_report(result):
 
     command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
     lines = analysis.headline(RunRecord.from_diagnosis(result).data, result.get("record"))
-    main = _main(result["fits"])
-    live = ((main or {}).get("monitor") or {}).get("verdict")
-    if live and live != result["verdict"]:  # the monitor's own line, printed above, differs
-        lines.append(f"         (GPUOscillationMonitor's line above said {live}, from the step "
-                     "log alone; this verdict weighs in the what-if and XProf: evidence below)")
+    live = [v for v in dict.fromkeys((f.get("monitor") or {}).get("verdict")
+                                     for f in result["fits"]) if v]
+    if live and result["verdict"] not in live:  # the monitors' own lines, above, differ
+        lines.append(f"         (the GPUOscillationMonitor line above said {' and '.join(live)}, "
+                     "from the step log alone; this verdict weighs in the what-if and XProf: "
+                     "evidence below)")
     lines += ["", f"keras-gpufix diagnose: {command} (exit code {result['exit_code']})"]
     if result.get("ended_by"):
         lines.append(f"ended by: {result['ended_by']['text']}")

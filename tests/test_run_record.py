@@ -16,10 +16,11 @@ import pytest
 
 import keras_gpufix as kg
 from keras_gpufix.analysis import StepRecord
-from keras_gpufix.analysis.comparison import compare_runs
+from keras_gpufix.analysis.comparison import compare_runs, format_comparison
 from keras_gpufix.analysis.step_series import StepSeries
 from keras_gpufix.cli import main
 from keras_gpufix.run_record import RunRecord
+from report_lines import check_report_lines
 
 
 def _watched_run(log_dir, wait_s, steps=48):
@@ -256,6 +257,12 @@ def test_compare_of_a_stall_every_5_steps_and_its_fix_is_the_steps_own_wall_rati
     assert low <= result["gain"] <= high
     assert result["word"] == "improvement"
     assert result["before"]["verdict"] == "periodic_stall"
+    # every printed line holds together: the gain inside its range, the steps the records'
+    text = format_comparison(result)
+    assert check_report_lines(text)["ranges"] >= 1
+    counts = [RunRecord.load(tmp_path / n).data["step_time"]["count"] for n in walls]
+    assert f"the mean of {counts[0]} and {counts[1]} steady steps" in text
+    assert f"measured {result['gain']:.2f}x" in text.splitlines()[1]
 
 
 def test_a_fit_stopped_by_sigterm_leaves_its_record(tmp_path):

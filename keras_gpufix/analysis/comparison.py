@@ -158,8 +158,8 @@ def format_comparison(result: dict, before: str = "BEFORE", after: str = "AFTER"
                      f"judged points, {after}: {a['points']})")
     else:
         low, high = result["gain_range"]
-        lines.append(f"{result['word']}: {after} runs {_x(result['gain'])} the steps/s of "
-                     f"{before} ({_x(low)}-{_x(high)}): {b['steps_per_s']:.3g} -> "
+        lines.append(f"{result['word']}: {after} runs {_x(result['gain'])} ({_x(low)}-"
+                     f"{_x(high)}) the steps/s of {before}: {b['steps_per_s']:.3g} -> "
                      f"{a['steps_per_s']:.3g} steps/s, wall per step {b['wall_ms']:.2f} ms -> "
                      f"{a['wall_ms']:.2f} ms (the mean of {b['steps']} and {a['steps']} steady "
                      "steps, stalls included)")

@@ -97,9 +97,13 @@ def _fixes(fixes):
         return ["<h2>Fixes</h2><p>None ranked: this run measured no cause with a cost.</p>"]
     out = ["<h2>Fixes, ranked</h2><ol class='fixes'>"]
     for f in fixes:
-        where = "".join(f"<div class='where'>{_e(w)}</div>" for w in f.get("where") or ())
+        # a located input fix's text names its line and says each of its figures once
+        stage = f.get("source") == "stage"
+        where = "".join(f"<div class='where'>{_e(w)}</div>"
+                        for w in (f.get("where") or ())[1 if stage else 0:])
+        said = "" if stage else f"<div class='muted'>{_e(f.get('text'))}</div>"
         out.append(f"<li><b>[{_e(f['verdict'])}]</b> <span class='fix-text'>{_e(f['fix'])}"
-                   f"</span><div class='muted'>{_e(f.get('text'))}</div>{where}</li>")
+                   f"</span>{said}{where}</li>")
     out.append("</ol>")
     return out
 
@@ -162,8 +166,9 @@ def _timeline(series):
            f"<p class='legend'>Per step, stacked:{legend}<span style='background:#6a1b9a'></span>"
            "compiled (&#9650; above)<span style='background:#000'></span>stall (tick below)"
            "<span style='background:#eee'></span>not judged</p>", *svg,
-           f"<p class='muted'>{n} points, each {series['stride']} record(s) of "
-           f"{series['records']}; a bar past {top:.0f} ms is cut at the top. Dashed lines: "
+           f"<p class='muted'>{sum(series['steps'])} steps, one bar per "
+           f"{series['stride']} record(s) ({n} bars); a bar past {top:.0f} ms is cut at the "
+           "top. Dashed lines: "
            "epoch starts. Hover a bar for its figures.</p>"]
     util = series["gpu_util"]
     if any(u is not None for u in util):
@@ -181,7 +186,9 @@ def _timeline(series):
 
 def _distribution(data):
     st, phases = data["step_time"], data["phases"]
-    rows = [("steps judged", st.get("count")), ("median", _ms(st.get("p50_ms"))),
+    rows = [("steps judged", st.get("count")),
+            ("their time", "-" if st.get("total_s") is None else f"{st['total_s']:.1f} s"),
+            ("mean (steps/s's)", _ms(st.get("mean_ms"))), ("median", _ms(st.get("p50_ms"))),
             ("p95", _ms(st.get("p95_ms"))), ("p99", _ms(st.get("p99_ms"))),
             ("max", _ms(st.get("max_ms"))),
             ("cv", "-" if st.get("cv") is None else f"{st['cv']:.2f}"),

@@ -298,14 +298,20 @@ def format_what_if(result):
             else f"at least {low:.2f}x" if low else "unbounded")
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
+    slower = z * THRESHOLDS["min_speedup"] <= 1.0  # what `ratio_words` calls slower
+    if slower:  # freeing the input cannot slow the run: the step alone was timed slower
+        z_words = (f"no faster ({z:.2f}x: the step alone was timed slower than it ran in the "
+                   "run, as when the host's load changes between the timings)")
+    else:
+        z_words = ratio_words(z)
     if result.get("cut_short"):
-        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: cut short, "
+        gain = (f"{z_words}, but the what-if does not know ({span}: cut short, "
                 f"{result['cut_short']}, before its timings were all taken)")
     elif not known:
-        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
+        gain = (f"{z_words}, but the what-if does not know ({span}: its timings "
                 f"varied{_why_unknown(result)})")
     else:
-        gain = ratio_words(z, span)
+        gain = z_words if slower else ratio_words(z, span)
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":

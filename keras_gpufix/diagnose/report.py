@@ -576,6 +576,9 @@ def format_report(result):
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
+            if fix.get("stage"):  # its text names its line and says each figure once
+                lines += [f"     {w}" for w in fix["where"][1:]]
+                continue
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
         predicted = [f["predicted"]["speedup"] for f in result["fixes"]

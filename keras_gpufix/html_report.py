@@ -188,7 +188,7 @@ def _distribution(data):
     st, phases = data["step_time"], data["phases"]
     rows = [("steps judged", st.get("count")),
             ("their time", "-" if st.get("total_s") is None else f"{st['total_s']:.1f} s"),
-            ("mean (steps/s's)", _ms(st.get("mean_ms"))), ("median", _ms(st.get("p50_ms"))),
+            ("mean (wall per step)", _ms(st.get("mean_ms"))), ("median", _ms(st.get("p50_ms"))),
             ("p95", _ms(st.get("p95_ms"))), ("p99", _ms(st.get("p99_ms"))),
             ("max", _ms(st.get("max_ms"))),
             ("cv", "-" if st.get("cv") is None else f"{st['cv']:.2f}"),

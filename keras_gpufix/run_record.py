@@ -83,14 +83,19 @@ class RunRecord:
 
     @classmethod
     def from_monitor(cls, report: dict, command=None, ended_by=None) -> "RunRecord":
-        """The record of a `GPUOscillationMonitor.report()` (a `fit` or a `kg.watch` loop).
+        """The record of a `GPUOscillationMonitor.report()` (a `fit` or a `kg.watch` loop);
+        an `input_bound` cause's share is the run's input wait (`report()["input_wait"]`).
 
         Args:
             report: the monitor's `report()`.
             command: the command line. Defaults to None: `sys.argv`.
             ended_by: what stopped the run early (`"SIGTERM"`), or None.
         """
-        causes = [_cause(c) for c in report.get("causes") or ()]
+        # an input-bound run's cost is its input wait: the run's share (the figure its
+        # end line, Keras's logs and report.html give), not its last window's
+        wait = report.get("input_wait")
+        causes = [_cause(dict(c, share=wait) if c.get("verdict") == "input_bound"
+                         and wait is not None else c) for c in report.get("causes") or ()]
         fixes = []
         for cause, where in zip(causes, (c.get("where") for c in report.get("causes") or ())):
             if not cause["share"]:

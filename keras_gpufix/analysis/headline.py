@@ -92,8 +92,8 @@ def headline(record: dict, path: str = None) -> list:
     verdict = v.get("verdict") or "unknown"
     causes = {c.get("verdict"): c for c in record.get("causes") or ()}
     cause = causes.get(verdict) or {}
-    share = v.get("cost_share")
-    share = cause.get("share") if share is None else share
+    share = cause.get("share")  # the share its fix's gain is reckoned from
+    share = v.get("cost_share") if share is None else share
     period = cause.get("period")
     contention = contention_text(record.get("contention"), verdict)
     if verdict == "healthy":

@@ -173,7 +173,9 @@ class RunRecord:
             "what_if": None if not what_if else {
                 "speedup_if_input_free": what_if.get("speedup_if_input_free"),
                 "speedup_range": what_if.get("speedup_range"),
-                "known": what_if.get("known", True), "text": format_what_if(what_if)},
+                "known": what_if.get("known", True),
+                "text": format_what_if(what_if, gain=not any(  # one gain for the input
+                    f.get("source") == "stage" for f in fixes))},
             "series": {"stride": series.get("stride", 1), "records": series.get("records", 0),
                        **{k: list(series.get(k) or ()) for k in _SERIES}},
             "environment": {**_environment(), **environment},

@@ -283,8 +283,9 @@ def _budget_words(result):
     return f"; what-if budget {result['budget_s']:.0f} s, {result.get('spent_s') or 0:.0f} s used"
 
 
-def format_what_if(result):
-    """The what-if as one sentence for people."""
+def format_what_if(result, gain=True):
+    """The what-if as one sentence for people; with `gain=False` its rates only, where
+    a located fix (the input's slow stage) gives the one gain of the input's cause."""
     x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
     z = result.get("speedup_if_input_free")
     if not x or not y or z is None:
@@ -293,6 +294,11 @@ def format_what_if(result):
         return (f"what-if: not measured ({why})"
                 + (f"; the run went at {ran:.1f} batches/s" if ran else "")
                 + _budget_words(result))
+    if not gain:
+        return (f"what-if: input supplies {x:.1f} batches/s, the step alone consumes "
+                f"{y:.1f} batches/s (the run went at {result['observed_batches_per_s']:.1f} "
+                "batches/s; the fix of the input's slow stage, below, gives what fixing it "
+                "gains)" + _budget_words(result))
     low, high = result.get("speedup_range") or (None, None)
     span = (f"{low:.2f}x-{high:.2f}x" if low and high
             else f"at least {low:.2f}x" if low else "unbounded")

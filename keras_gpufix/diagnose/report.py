@@ -571,7 +571,8 @@ def format_report(result):
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]
     if result.get("what_if"):
-        lines.append(format_what_if(result["what_if"]))
+        lines.append(format_what_if(result["what_if"], gain=not any(
+            f.get("stage") for f in result["fixes"])))  # one gain for the input's cause
     if result["fixes"]:
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:

@@ -3,12 +3,12 @@
 `sample()` reads, in well under a millisecond, what `analysis.cpu_contention`
 compares between a run's start and its end:
 
-| figure       | from                                   | where                  |
-|--------------|----------------------------------------|------------------------|
-| `busy_s`, `total_s` | the CPU time of every process and the time of every CPU (`/proc/stat`) | Linux |
-| `own_cpu_s`  | this process's CPU time, all its threads (`time.process_time`) | everywhere |
-| `run_delay_s`| per thread, the time it was runnable but waited for a CPU (2nd field of `/proc/self/task/*/schedstat`) | Linux |
-| `load`       | the 1-minute load average (`os.getloadavg`) | Unix                 |
+- `busy_s`, `total_s`: the CPU time of every process and the time of every CPU
+  (`/proc/stat`; Linux);
+- `own_cpu_s`: this process's CPU time, all its threads (`time.process_time`);
+- `run_delay_s`: per thread, the time it was runnable but waited for a CPU (the
+  2nd field of `/proc/self/task/*/schedstat`; Linux);
+- `load`: the 1-minute load average (`os.getloadavg`; Unix).
 
 A figure that cannot be read is None; nothing here raises.
 """

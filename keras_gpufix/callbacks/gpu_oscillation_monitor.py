@@ -220,8 +220,8 @@ class GPUOscillationMonitor(TimedCallback):
             emit(f"GPUOscillationMonitor: verdict {first[len('verdict: '):]}\n  {fix}\n"
                  + (f"  {check}\n" if self.log_dir is not None else "")
                  + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "
-                 f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms, "
-                 f"cv {st['cv']:.2f}"
+                 f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, "
+                 f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
                  + ("" if wait is None else f", input wait {wait:.0%}")
                  + f", between steps {r['phases']['between']:.0%}"
                  + ("" if r["changed"] is None else f"; {r['changed']}"),

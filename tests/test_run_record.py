@@ -137,6 +137,35 @@ def test_the_series_marks_a_compile_only_where_the_step_compiled():
     assert marks(True, new_shape=True, compile_s=0.0) == [0]  # counted: none compiled
 
 
+def test_every_view_of_a_record_opens_with_its_three_line_headline(tmp_path):
+    from keras_gpufix.analysis import headline
+    from keras_gpufix.html_report import html_report
+
+    report = dict(_synthetic_report(600), input_wait=0.4, contention={
+        "others_share": 0.6, "waited_share": 0.1, "load": 3.2, "cpus": 2, "contended": True})
+    record = RunRecord.from_monitor(report)
+    path = record.write(tmp_path)
+    first, fix, check = headline(record.data, path)
+    assert first.startswith("verdict: input_bound; 40% of the run waiting for its input; other "
+                            "processes used 60% of the CPU during the run (load 3.2 on 2 CPUs)")
+    assert "the input pipeline competes with them" in first
+    # one gain: the input-bound cause's, known by its cost share alone (1 / (1 - 0.4))
+    assert fix.startswith("fix:     move the input's work into TF ops")
+    assert fix.endswith(": the whole run at most 1.67x faster (all of its time removed)")
+    assert check.endswith(f"keras-gpufix compare {path} AFTER")
+    page = html_report(RunRecord.load(path))
+    assert "id='verdict'>input_bound</span>; 40% of the run waiting for its input" in page
+    assert "at most 1.67x faster" in page and f"keras-gpufix compare {path} AFTER" in page
+    # a quiet run says nothing of the load; a healthy one has nothing to fix
+    quiet = RunRecord.from_monitor(dict(report, contention=None)).data
+    assert "other processes" not in headline(quiet)[0]
+    healthy = RunRecord.from_monitor(dict(report, verdict="healthy", causes=[],
+                                          contention=None)).data
+    assert headline(healthy) == [
+        "verdict: healthy; no cause measured costs 10% of the run", "fix:     nothing to fix",
+        "check:   a later run against this one: keras-gpufix compare BEFORE AFTER"]
+
+
 def test_a_100000_step_record_stays_under_its_stated_size(tmp_path):
     record = RunRecord.from_monitor(_synthetic_report(100_000))
     path = record.write(tmp_path)

@@ -110,8 +110,10 @@ def headline(record: dict, path: str = None) -> list:
     compare = f"keras-gpufix compare {path or 'BEFORE'} AFTER"
     if fix is None:
         if verdict in ("healthy", "unknown"):
-            told = v.get("fix") if verdict == "unknown" else "nothing to fix"
-            lines.append(f"fix:     {told or 'nothing to fix'}")
+            told = "nothing to fix"
+            if verdict == "unknown":
+                told = v.get("fix") or "nothing was judged: the evidence says what was seen"
+            lines.append(f"fix:     {told}")
             lines.append(f"check:   a later run against this one: {compare}")
             return lines
         sentence = HEADLINE_FIXES.get(verdict, v.get("fix") or "")

@@ -116,18 +116,18 @@ def headline(record: dict, path: str = None) -> list:
             lines.append(f"fix:     {told}")
             lines.append(f"check:   a later run against this one: {compare}")
             return lines
-        sentence = HEADLINE_FIXES.get(verdict, v.get("fix") or "")
-        lines.append(f"fix:     {sentence.format(period=period or '?', op='?', at='')}: "
-                     "its gain was not measured")
+        sentence = (HEADLINE_FIXES[verdict].format(period=period or "?", op="?", at="")
+                    if verdict in HEADLINE_FIXES else v.get("fix") or "")
+        lines.append(f"fix:     {sentence}: its gain was not measured")
     else:
         op = fix.get("stage_op")
         key = "input_bound_stage" if fix["verdict"] == "input_bound" and op else fix["verdict"]
         where = _line_of(fix.get("where"))
         at = f" at {where}" if where else ""
-        template = HEADLINE_FIXES.get(key, fix.get("fix") or "")
-        sentence = template.format(
+        template = HEADLINE_FIXES.get(key)
+        sentence = fix.get("fix") or "" if template is None else template.format(
             op=op, at=at, period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
-        lines.append(f"fix:     {sentence}" + ("" if "{at}" in template else at)
+        lines.append(f"fix:     {sentence}" + ("" if "{at}" in (template or "") else at)
                      + f": {gain_words(fix)}")
     lines.append(f"check:   after the fix, run it again and: {compare}")
     return lines

@@ -213,19 +213,27 @@ class GPUOscillationMonitor(TimedCallback):
             self._writer = None
         st = r["step_time"]
         if self._voice and self.job is None and st["count"]:  # in a job, the job's line says it
-            # the headline of the run's record (what report.html opens with), then the figures
-            first, fix, check = headline(RunRecord.from_monitor(r).data, None if self.log_dir
-                                         is None else os.path.join(self.log_dir, "keras_gpufix"))
-            wait = r["input_wait"]
-            emit(f"GPUOscillationMonitor: verdict {first[len('verdict: '):]}\n  {fix}\n"
-                 + (f"  {check}\n" if self.log_dir is not None else "")
-                 + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "
-                 f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, "
-                 f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
-                 + ("" if wait is None else f", input wait {wait:.0%}")
-                 + f", between steps {r['phases']['between']:.0%}"
-                 + ("" if r["changed"] is None else f"; {r['changed']}"),
-                 self._voice)
+            try:
+                self._summary(r)
+            except Exception as exc:  # a monitor never stops training
+                self._report_failure("summary", exc)
+
+    def _summary(self, r):
+        """Prints the run's end line: the headline of its record (what report.html
+        opens with), then the steady steps' figures."""
+        st = r["step_time"]
+        first, fix, check = headline(RunRecord.from_monitor(r).data, None if self.log_dir
+                                     is None else os.path.join(self.log_dir, "keras_gpufix"))
+        wait = r["input_wait"]
+        emit(f"GPUOscillationMonitor: verdict {first[len('verdict: '):]}\n  {fix}\n"
+             + (f"  {check}\n" if self.log_dir is not None else "")
+             + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "
+             f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, "
+             f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
+             + ("" if wait is None else f", input wait {wait:.0%}")
+             + f", between steps {r['phases']['between']:.0%}"
+             + ("" if r["changed"] is None else f"; {r['changed']}"),
+             self._voice)
 
     def _gather_job(self):
         self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)

@@ -232,8 +232,8 @@ def _diagnose(args, sub):
     else:
         print("\n" + format_report(result), flush=True)
         if result["html_report"]:
-            print(f"report: {result['html_report']} (run record {result['record']}; after a "
-                  f"fix: keras-gpufix compare {result['record']} AFTER)", flush=True)
+            print(f"report: {result['html_report']} (run record {result['record']})",
+                  flush=True)
     return result["exit_code"]
 
 

@@ -5,8 +5,11 @@ here (rectangles and lines; no plotting library to install), and a
 Content-Security-Policy that forbids every request, so the file can be
 attached to a bug report and opened anywhere. In order:
 
-1. the verdict, its fix and what it rests on; the ranked fixes, each with
-   its predicted effect and the lines (file:line) to change;
+1. the headline (`analysis.headline`, the lines the console opens with): the
+   verdict and its share of the run, the top fix in one sentence with its
+   line and one gain, the `compare` command that checks it; then what the
+   verdict rests on and the ranked fixes, each with its predicted effect and
+   the lines (file:line) to change;
 2. the timeline: one stacked bar per point of the record's series (input
    wait, step, time between steps, per step), compiles and stalls marked,
    epoch starts drawn, steps not judged (warm-up, epoch starts) shaded; GPU
@@ -16,6 +19,8 @@ attached to a bug report and opened anywhere. In order:
 """
 
 import html
+
+from keras_gpufix.analysis import headline
 
 __all__ = ["html_report"]
 
@@ -51,10 +56,6 @@ def _ms(x):
     return "-" if x is None else f"{x:.1f} ms"
 
 
-def _speedup(x):
-    return "unbounded" if x is None else f"{x:.2f}x"
-
-
 def html_report(record) -> str:
     """The record as one HTML page (a string).
 
@@ -64,22 +65,25 @@ def html_report(record) -> str:
     data = getattr(record, "data", record)
     v = data["verdict"]
     verdict = v.get("verdict") or "unknown"
+    first, fix, check = headline(data, getattr(record, "path", None))
+    said = first[len("verdict: "):][len(verdict):]  # the line after the verdict's name
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; "
         "style-src 'unsafe-inline'; img-src data:\">",
         f"<title>keras-gpufix report: {_e(verdict)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>Verdict: <span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}</span></h1>",
+        f"<h1 id='headline'><span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}"
+        f"</span>{_e(said)}</h1>",
+        f"<p class='fix' id='top-fix'><b>Fix:</b> {_e(fix[len('fix:'):].strip())}</p>",
+        f"<p id='check'><b>Check:</b> <code>{_e(check[len('check:'):].strip())}</code></p>",
     ]
     if data.get("ended_by"):
         parts.append(f"<p><b>Ended by:</b> {_e(data['ended_by'])}; this record covers what "
                      "was measured until then.</p>")
-    if verdict != "healthy" and not data["fixes"]:  # else the first ranked fix says it
-        parts.append(f"<p class='fix'><b>Fix:</b> {_e(v.get('fix'))}</p>")
     because = [b for b in (v.get("because") or []) + [v.get("changed")] if b]
     if because:
-        parts.append("<ul class='because'>" + "".join(f"<li>{_e(b)}</li>" for b in because)
-                     + "</ul>")
+        parts.append("<h2>What the verdict rests on</h2><ul class='because'>"
+                     + "".join(f"<li>{_e(b)}</li>" for b in because) + "</ul>")
     parts += _fixes(data["fixes"])
     parts += _timeline(data["series"])
     parts += _distribution(data)
@@ -93,9 +97,13 @@ def _fixes(fixes):
         return ["<h2>Fixes</h2><p>None ranked: this run measured no cause with a cost.</p>"]
     out = ["<h2>Fixes, ranked</h2><ol class='fixes'>"]
     for f in fixes:
-        where = "".join(f"<div class='where'>{_e(w)}</div>" for w in f.get("where") or ())
+        # a located input fix's text names its line and says each of its figures once
+        stage = f.get("source") == "stage"
+        where = "".join(f"<div class='where'>{_e(w)}</div>"
+                        for w in (f.get("where") or ())[1 if stage else 0:])
+        said = "" if stage else f"<div class='muted'>{_e(f.get('text'))}</div>"
         out.append(f"<li><b>[{_e(f['verdict'])}]</b> <span class='fix-text'>{_e(f['fix'])}"
-                   f"</span><div class='muted'>{_e(f.get('text'))}</div>{where}</li>")
+                   f"</span>{said}{where}</li>")
     out.append("</ol>")
     return out
 
@@ -158,8 +166,9 @@ def _timeline(series):
            f"<p class='legend'>Per step, stacked:{legend}<span style='background:#6a1b9a'></span>"
            "compiled (&#9650; above)<span style='background:#000'></span>stall (tick below)"
            "<span style='background:#eee'></span>not judged</p>", *svg,
-           f"<p class='muted'>{n} points, each {series['stride']} record(s) of "
-           f"{series['records']}; a bar past {top:.0f} ms is cut at the top. Dashed lines: "
+           f"<p class='muted'>{sum(series['steps'])} steps, one bar per "
+           f"{series['stride']} record(s) ({n} bars); a bar past {top:.0f} ms is cut at the "
+           "top. Dashed lines: "
            "epoch starts. Hover a bar for its figures.</p>"]
     util = series["gpu_util"]
     if any(u is not None for u in util):
@@ -177,7 +186,9 @@ def _timeline(series):
 
 def _distribution(data):
     st, phases = data["step_time"], data["phases"]
-    rows = [("steps judged", st.get("count")), ("median", _ms(st.get("p50_ms"))),
+    rows = [("steps judged", st.get("count")),
+            ("their time", "-" if st.get("total_s") is None else f"{st['total_s']:.1f} s"),
+            ("mean (wall per step)", _ms(st.get("mean_ms"))), ("median", _ms(st.get("p50_ms"))),
             ("p95", _ms(st.get("p95_ms"))), ("p99", _ms(st.get("p99_ms"))),
             ("max", _ms(st.get("max_ms"))),
             ("cv", "-" if st.get("cv") is None else f"{st['cv']:.2f}"),
@@ -193,11 +204,10 @@ def _distribution(data):
            + "".join(f"<tr><th>{_e(k)}</th><td>{_e(val)}</td></tr>" for k, val in rows)
            + "</table>"]
     if data["causes"]:
-        out.append("<h2>Causes</h2><table><tr><th>cause</th><th>share of the run</th>"
-                   "<th>expected speedup when fixed</th></tr>" + "".join(
-                       f"<tr><td>{_e(c['verdict'])}</td><td>{_pct(c.get('share'))}</td>"
-                       f"<td>{_speedup(c.get('expected_speedup'))}</td></tr>"
-                       for c in data["causes"]) + "</table>")
+        # each cause's share; its gain is said once, by its ranked fix above
+        out.append("<h2>Causes</h2><table><tr><th>cause</th><th>share of the run</th></tr>"
+                   + "".join(f"<tr><td>{_e(c['verdict'])}</td><td>{_pct(c.get('share'))}</td>"
+                             "</tr>" for c in data["causes"]) + "</table>")
     what_if = data.get("what_if")
     out.append("<h2>What-if</h2><p>" + (_e(what_if["text"]) if what_if else
                                         "Not measured in this run (keras-gpufix diagnose "

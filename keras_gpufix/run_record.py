@@ -83,14 +83,19 @@ class RunRecord:
 
     @classmethod
     def from_monitor(cls, report: dict, command=None, ended_by=None) -> "RunRecord":
-        """The record of a `GPUOscillationMonitor.report()` (a `fit` or a `kg.watch` loop).
+        """The record of a `GPUOscillationMonitor.report()` (a `fit` or a `kg.watch` loop);
+        an `input_bound` cause's share is the run's input wait (`report()["input_wait"]`).
 
         Args:
             report: the monitor's `report()`.
             command: the command line. Defaults to None: `sys.argv`.
             ended_by: what stopped the run early (`"SIGTERM"`), or None.
         """
-        causes = [_cause(c) for c in report.get("causes") or ()]
+        # an input-bound run's cost is its input wait: the run's share (the figure its
+        # end line, Keras's logs and report.html give), not its last window's
+        wait = report.get("input_wait")
+        causes = [_cause(dict(c, share=wait) if c.get("verdict") == "input_bound"
+                         and wait is not None else c) for c in report.get("causes") or ()]
         fixes = []
         for cause, where in zip(causes, (c.get("where") for c in report.get("causes") or ())):
             if not cause["share"]:
@@ -119,6 +124,9 @@ class RunRecord:
                   "where": list(f.get("where") or ()),
                   "share": f["predicted"].get("share"),
                   "expected_speedup": f["predicted"].get("speedup"),
+                  "steady_speedup": f["predicted"].get("steady_speedup"),
+                  "whole_run": f["predicted"].get("whole_run"),
+                  "stage_op": (f.get("stage") or {}).get("op"),
                   "speedup_range": f["predicted"].get("speedup_range"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text"),
                   "patch": f.get("patch")}
@@ -162,10 +170,13 @@ class RunRecord:
             "step_time": step_time,
             "phases": dict(report.get("phases") or {}),
             "gpu_util": report.get("gpu_util"),
+            "contention": report.get("contention"),
             "what_if": None if not what_if else {
                 "speedup_if_input_free": what_if.get("speedup_if_input_free"),
                 "speedup_range": what_if.get("speedup_range"),
-                "known": what_if.get("known", True), "text": format_what_if(what_if)},
+                "known": what_if.get("known", True),
+                "text": format_what_if(what_if, gain=not any(  # one gain for the input
+                    f.get("source") == "stage" for f in fixes))},
             "series": {"stride": series.get("stride", 1), "records": series.get("records", 0),
                        **{k: list(series.get(k) or ()) for k in _SERIES}},
             "environment": {**_environment(), **environment},

@@ -52,8 +52,10 @@ and the detector judges a loop that reads a value every k steps per k
 steps.
 
 Where the loop body stalls: a daemon thread wakes every
-`_StallSampler.INTERVAL` (50 ms) and, only while a cycle has run past twice
-the median of the recent ones, reads which line of the loop's own frame the
+`_StallSampler.INTERVAL` (50 ms) and, only while a cycle has run past the
+slow-step limit of the recent ones (`analysis.slow_limit`: 1.25x their median;
+a plot of 40 ms every 4th 40 ms step makes an 80 ms cycle, never past twice the
+median), reads which line of the loop's own frame the
 loop is at (`sys._current_frames()`, a few microseconds; no tracing hook, and
 nothing on a cycle of normal length). The line that holds most of those
 samples is the periodic stall's `where`, as diagnose's stack samples find it
@@ -78,7 +80,6 @@ it.
 
 import atexit
 import functools
-import statistics
 import sys
 import threading
 import time
@@ -87,7 +88,7 @@ from collections import Counter, deque
 
 import keras
 
-from keras_gpufix.analysis import UNSYNCED_NOTE
+from keras_gpufix.analysis import UNSYNCED_NOTE, slow_limit
 from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.callbacks._stream import stream_of
 from keras_gpufix.callbacks.gpu_oscillation_monitor import GPUOscillationMonitor
@@ -407,16 +408,16 @@ class _StallSampler:
 
     `cycle(frame)` at each `next()` (the loop's frame at the first, else None)
     begins a cycle. A daemon thread wakes every `INTERVAL` seconds; while the
-    current cycle has lasted more than `FACTOR` times the median of the last
-    cycles (at least `MIN_CYCLES` of them; the median taken every `RECOUNT`
-    wakes), it reads the loop thread's stack
+    current cycle has lasted longer than the slow-step limit of the last
+    cycles (`analysis.slow_limit` without its spread condition, as the
+    detector looks for a period; at least `MIN_CYCLES` of them, the limit
+    taken every `RECOUNT` wakes), it reads the loop thread's stack
     and counts the line of the loop's frame, unless that is the line of its
     `next()` (the input's wait). `where()`: that line as `file:line` when it
     holds at least half of at least `MIN_SAMPLES` samples.
     """
 
     INTERVAL = 0.05
-    FACTOR = 2.0
     MIN_CYCLES = 8
     MIN_SAMPLES = 3
     RECOUNT = 20  # wakes between two medians of the recent cycles
@@ -463,7 +464,7 @@ class _StallSampler:
         self._wakes += 1
         if self._limit is None or self._wakes % self.RECOUNT == 0:
             cycles = list(self.cycles)
-            self._limit = (self.FACTOR * statistics.median(cycles)
+            self._limit = (slow_limit(cycles, spread=False)
                            if len(cycles) >= self.MIN_CYCLES else None)
         begun = self.begun
         if begun is None or self._limit is None or time.perf_counter() - begun <= self._limit:

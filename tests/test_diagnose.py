@@ -18,6 +18,7 @@ from keras_gpufix.diagnose.report import format_report, seen_in_code
 from keras_gpufix.diagnose.what_if import (Cycles, format_what_if, input_rate, replay_rates,
                                            what_if)
 from keras_gpufix.run_record import RunRecord
+from report_lines import check_report_lines
 
 SLOW_INPUT = """\
 import time
@@ -296,7 +297,7 @@ def test_a_crash_is_named_with_where_and_the_steps_before_also_from_python_dash_
     # the 7th step's end hook raised: six steps were complete
     assert lines[header + 1] == (f"ended by: ValueError: planted at step 7 (raised at "
                                  f"{script}:8) after 6 training steps")
-    assert "verdict: unknown" in lines
+    assert any(line.startswith("verdict: unknown; ") for line in lines)
     assert not any("the script ran" in line for line in lines)
     assert f"note: the -c code was saved as {script}: the lines below refer to it" in lines
 
@@ -406,11 +407,13 @@ def test_each_line_once_no_nvml_line_without_a_gpu_and_a_progress_bar_of_the_rep
     bars = [line for line in out.splitlines() if " - loss: " in line]
     assert len(bars) == 2 and not any("verdict" in line for line in bars), bars
     shown = float(bars[-1].split("input_wait: ")[1].split()[0])
-    # the last fit's final line, the figure of its report() (rounded to 1%)
-    last = [line for line in out.splitlines()
-            if line.startswith("GPUOscillationMonitor: verdict")][2]
+    # the last fit's final lines, the figure of its report() (rounded to 1%)
+    last = out.split("GPUOscillationMonitor: verdict")[3]
     reported = float(last.split("input wait ")[1].split("%")[0])
     assert abs(100 * shown - reported) <= 1.0, (bars[-1], last)
+    # every printed line holds together: three fits, each counted by its monitor too
+    checked = check_report_lines(out)
+    assert checked["fits"] == 3 and checked["monitors"] == 3, checked
 
 
 def test_diagnose_argument_errors(tmp_path, capsys):

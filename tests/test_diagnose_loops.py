@@ -69,6 +69,13 @@ def test_custom_loop_named_right(mode, verdict):
     if mode == "between":  # the loop-body line of the work every 5 steps (stack samples)
         assert loop["step"]["stall_where"].endswith(f"custom_loop.py:{_line('time.sleep(0.05)')}")
         assert result["fixes"][0]["fix"].endswith(f", at {loop['step']['stall_where']}")
+        # and its where-line, which the headline's fix names (as kg.watch's does)
+        assert result["fixes"][0]["where"][0].startswith(f"{loop['step']['stall_where']}: ")
+        from keras_gpufix.analysis import headline
+        from keras_gpufix.run_record import RunRecord
+
+        fix = headline(RunRecord.from_diagnosis(result).data)[1]
+        assert f"custom_loop.py:{_line('time.sleep(0.05)')} off the step path" in fix, fix
     else:
         assert loop["step"]["stall_where"] is None
     if mode == "slow_input":  # the time in next() of the loop's iterator

@@ -33,7 +33,7 @@ def _record(tmp_path):
         series.add(StepRecord(i, 1, 0.004 + (0.1 if i % 50 == 25 else 0.0),
                               0.006 * rng.uniform(0.9, 1.1), 0.0002, new_shape=i in (0, 1, 2),
                               epoch=i // 100, epoch_first=i % 100 == 0,
-                              gpu_util=float(rng.uniform(0.2, 0.5))))
+                              gpu_util=float(rng.uniform(0.2, 0.5))), jit=True)
     report = {"verdict": "input_bound", "fix": "the step waits for data: cache the features",
               "phase": "input_wait", "cost_share": 0.4, "changed": None,
               "because": ["input_bound from step 30 to step 299: input wait 40%"],

@@ -245,6 +245,27 @@ def test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it():
     assert all("where" not in c for c in watched.report()["causes"])
 
 
+def test_host_work_shorter_than_a_step_every_4th_step_is_ranked_with_its_share_and_line():
+    # 40 ms of work on the host at every 4th 40 ms step: a stalled cycle is twice the median at
+    # most, the slow-step limit (1.25x) still sees it (issue 47, item 5)
+    import inspect
+
+    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
+    with kg.watch(batches(64), callbacks=[monitor]) as watched:
+        for step, _ in enumerate(watched):
+            time.sleep(0.04)  # the step
+            if step % 4 == 3:
+                time.sleep(0.04)  # host work every 4th step, as long as a step
+    source, first = inspect.getsourcelines(
+        test_host_work_shorter_than_a_step_every_4th_step_is_ranked_with_its_share_and_line)
+    work = f"{__file__}:{first + next(i for i, l in enumerate(source) if 'host work every' in l)}"
+    report = watched.report()
+    assert report["verdict"] == "periodic_stall", report["because"]
+    (stall,) = [c for c in report["causes"] if c["verdict"] == "periodic_stall"]
+    assert stall["period"] == 4 and stall["where"] == work
+    assert 0.1 <= stall["share"] <= 0.25  # 40 of every 200 ms: 20%
+
+
 def test_a_failing_hand_over_is_one_warning_and_the_loop_goes_on(monkeypatch):
     from keras_gpufix import watched as watched_module
 

@@ -48,6 +48,11 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `divisible_batch`, `missing_gpus`                            |
 | `xprof`       | `classify_input_percent` (XProf's classification of a trace),|
 |               | `reads_not_input_bound`                                      |
+| `contention`  | `cpu_contention`, `contention_text`: what other processes    |
+|               | took of the CPU over a run (`CONTENTION_SHARE`)              |
+| `headline`    | `headline`: the three lines every view of a run opens with   |
+|               | (verdict and share, one fix with its line and one gain, the  |
+|               | `compare` command); `HEADLINE_FIXES`, `gain_words`           |
 | `causes`      | diagnose's findings -> causes: `is_cause`, `is_judged`,      |
 |               | `what_if_cause`, `cause_where`, `compiled_cause_share`,      |
 |               | `priced_by_compile`, `measured_fix`, `measured_lines`,       |
@@ -58,6 +63,7 @@ from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_
                                           is_judged, measured_fix, measured_lines,
                                           priced_by_compile, prediction_source, ruled_out,
                                           verdict_of_ranking, what_if_cause)
+from keras_gpufix.analysis.contention import CONTENTION_SHARE, contention_text, cpu_contention
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, OWN_COST_SHARE,
@@ -65,6 +71,7 @@ from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, O
                                              stall_period, trace_cost_text, trace_plan,
                                              trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
+from keras_gpufix.analysis.headline import HEADLINE_FIXES, gain_words, headline
 from keras_gpufix.analysis.job import judge_job, worker_summary
 from keras_gpufix.analysis.stages import (CACHED_KINDS, judge_stages, located_by_stage,
                                           located_stage, run_gain, stages_needed)
@@ -104,6 +111,12 @@ from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
 from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
+    "CONTENTION_SHARE",
+    "contention_text",
+    "cpu_contention",
+    "HEADLINE_FIXES",
+    "gain_words",
+    "headline",
     "verdict_of_ranking",
     "CACHED_KINDS",
     "run_gain",

@@ -137,14 +137,18 @@ def measured_fix(verdict: str, fix: str, compiled_steps) -> str:
 
 def measured_lines(verdict: str, steps, compiled_steps) -> list:
     """The lines diagnose measured a cause at: for `eager_step`, each run's measured
-    eager gradient and each compile of the step that could not be done (why);
-    nothing for the others.
+    eager gradient and each compile of the step that could not be done (why); for
+    `periodic_stall`, the loop-body line each run's slow cycles were sampled at
+    (`stall_where`); nothing for the others.
 
     Args:
         verdict: the cause.
-        steps: each run's step facts (`eager_where`).
+        steps: each run's step facts (`eager_where`, `stall_where`).
         compiled_steps: each run's compile of its step (`function`, `reason`).
     """
+    if verdict == "periodic_stall":
+        return list(dict.fromkeys(f"{s['stall_where']}: where the slow cycles ran (sampled)"
+                                  for s in steps if s.get("stall_where")))
     if verdict != "eager_step":
         return []
     lines = [f"{s['eager_where']}: the step's gradient, measured eager"

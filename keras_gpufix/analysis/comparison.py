@@ -3,17 +3,19 @@
 Two run records (`RunRecord.data`) are compared by what each measured, never
 judged again:
 
-- the steady gain: BEFORE's median step (per step: input wait + step + time
-  between) over AFTER's, each taken over its record's judged points (steady
-  steps: after warm-up, epoch starts left out), with a range from the two
-  step distributions (each median's 95% distribution-free interval, from
-  the order statistics of its points; the gain's range pairs their ends);
+- the throughput gain: BEFORE's wall per step over AFTER's, each the mean
+  cycle (input wait + step + time between, stalls included: a stall every
+  5th step is a fifth of the steps' wall, which a median leaves out by
+  construction) over its record's judged points (steady steps: after
+  warm-up, epoch starts left out), weighted by the steps each point holds;
+  so also AFTER's steps/s over BEFORE's. Its range pairs the ends of each
+  mean's 95% interval (normal, over the points);
 - one word: `improvement` when the whole range lies above 1 and the gain is
   at least `1 + MIN_GAIN`, `regression` when it lies below 1 and the gain is
   at most `1 / (1 + MIN_GAIN)`, else `no change`;
 - each cause's share before and after, and for the causes that went away
-  the speedup BEFORE predicted for their fixes (alone and together), beside
-  the gain measured;
+  the gain per step BEFORE predicted for their fixes (alone and together),
+  beside the gain measured;
 - a warning for each thing that differs between the two runs and makes the
   gain not the change's alone: the machine, the Keras backend, the batch size.
 
@@ -28,32 +30,33 @@ from keras_gpufix.analysis.verdicts import combined_speedup, speedup_of
 
 __all__ = ["MIN_GAIN", "compare_runs", "format_comparison"]
 
-#: A steady gain within this either way of 1 is `no change`, whatever its range.
+#: A gain within this either way of 1 is `no change`, whatever its range.
 MIN_GAIN = 0.05
-#: The median's interval: 95% (normal quantile).
+#: The mean's interval: 95% (normal quantile).
 _Z = 1.96
 
 
-def _steady_ms(series) -> np.ndarray:
-    """Per-step cycles (ms) of a series' judged points (all points when none is)."""
+def _steady(series):
+    """`(cycles_ms, steps)` of a series' judged points (all points when none is): each
+    point's cycle per step and the steps it holds."""
     wait = [w or 0.0 for w in series["input_wait_ms"]]
     cycles = np.array([w + s + b for w, s, b in zip(wait, series["step_ms"],
                                                     series["between_ms"])], dtype=float)
+    steps = np.array([max(1, n or 1) for n in series["steps"]], dtype=float)
     judged = np.array(series["judged"], dtype=bool)
-    return cycles[judged] if judged.any() else cycles
+    return (cycles[judged], steps[judged]) if judged.any() else (cycles, steps)
 
 
-def _median_range(times):
-    """`(low, median, high)` of `times`: the median and its 95% interval by order
-    statistics (ranks n/2 -+ 1.96 sqrt(n)/2); None when empty."""
-    t = np.sort(np.asarray(times, dtype=float))
-    n = t.size
-    if not n:
+def _mean_range(cycles, steps):
+    """`(low, mean, high)`: the wall per step (the steps' mean cycle, each point
+    weighted by its steps) and its 95% interval; None when there is no point."""
+    if not cycles.size:
         return None
-    half = _Z * math.sqrt(n) / 2
-    low = max(0, int(math.floor(n / 2 - half)))
-    high = min(n - 1, int(math.ceil(n / 2 + half)) - 1)
-    return float(t[low]), float(np.median(t)), float(t[max(low, high)])
+    mean = float(np.dot(cycles, steps) / steps.sum())
+    spread = float(np.dot(steps, (cycles - mean) ** 2) / steps.sum())
+    points = steps.sum() ** 2 / float(np.dot(steps, steps))  # the points' effective count
+    half = _Z * math.sqrt(spread / points) if points > 1 else mean
+    return max(0.0, mean - half), mean, mean + half
 
 
 def _differences(before, after):
@@ -79,28 +82,32 @@ def compare_runs(before: dict, after: dict) -> dict:
 
     Returns:
         A dict: `word` (`improvement`, `no change`, `regression`), `gain`
-        (BEFORE's steady median step over AFTER's; None when either has no
-        steps) and `gain_range` (`[low, high]`), `before` / `after` (each
-        `verdict`, `median_ms` and its `median_range_ms`, `points`),
-        `causes` (every cause of either: `verdict`, `before`, `after` shares,
-        None where absent, `gone`), `predicted` (BEFORE's prediction for each
-        cause that went away: `verdict`, `speedup`, `speedup_range`, `text`),
-        `predicted_together` (the speedup of all of them together: the sum of
-        the time each saves, `combined_speedup`; None when none went away or one is
-        unbounded) and `warnings`.
+        (BEFORE's wall per step over AFTER's, stalls included: AFTER's steps/s
+        over BEFORE's; None when either has no steps) and `gain_range`
+        (`[low, high]`, holding `gain`), `before` / `after` (each `verdict`,
+        `wall_ms` (the mean wall per step) and its `wall_range_ms`,
+        `steps_per_s`, `steps` (the steady steps), `points`), `causes` (every
+        cause of either: `verdict`, `before`, `after` shares, None where
+        absent, `gone`), `predicted` (BEFORE's prediction for each cause that
+        went away: `verdict`, `speedup` (per step, as the gain is measured),
+        `speedup_range`, `text`), `predicted_together` (the speedup of all
+        of them together: the sum of the time each saves, `combined_speedup`;
+        None when none went away or one is unbounded) and `warnings`.
     """
     sides = {}
     for name, record in (("before", before), ("after", after)):
-        ranged = _median_range(_steady_ms(record["series"]))
+        cycles, steps = _steady(record["series"])
+        ranged = _mean_range(cycles, steps)
         sides[name] = {"verdict": record["verdict"].get("verdict"),
-                       "median_ms": ranged and ranged[1],
-                       "median_range_ms": ranged and [ranged[0], ranged[2]],
-                       "points": int(sum(record["series"]["judged"]))}
+                       "wall_ms": ranged and ranged[1],
+                       "wall_range_ms": ranged and [ranged[0], ranged[2]],
+                       "steps_per_s": 1000.0 / ranged[1] if ranged and ranged[1] else None,
+                       "steps": int(steps.sum()), "points": int(cycles.size)}
     b, a = sides["before"], sides["after"]
     gain = gain_range = None
-    if b["median_ms"] and a["median_ms"]:
-        gain = b["median_ms"] / a["median_ms"]
-        (bl, bh), (al, ah) = b["median_range_ms"], a["median_range_ms"]
+    if b["wall_ms"] and a["wall_ms"]:
+        gain = b["wall_ms"] / a["wall_ms"]
+        (bl, bh), (al, ah) = b["wall_range_ms"], a["wall_range_ms"]
         gain_range = [bl / ah if ah else None, bh / al if al else None]
     word = "no change"
     if gain is not None and gain_range[0] and gain_range[1]:
@@ -119,10 +126,12 @@ def compare_runs(before: dict, after: dict) -> dict:
     predicted = []
     for verdict in gone:
         fix = fixes.get(verdict) or {}
-        share = shares["before"][verdict]
-        predicted.append({"verdict": verdict,
-                          "speedup": fix.get("expected_speedup", speedup_of(share)),
-                          "speedup_range": fix.get("speedup_range"),
+        speedup = fix.get("steady_speedup") or fix.get("expected_speedup",
+                                                       speedup_of(shares["before"][verdict]))
+        span = fix.get("speedup_range")
+        if not (span and all(span) and span[0] <= (speedup or 0) <= span[1]):
+            span = None  # a range that does not hold its own point ranges another figure
+        predicted.append({"verdict": verdict, "speedup": speedup, "speedup_range": span,
                           "text": fix.get("text")})
     together = combined_speedup(p["speedup"] for p in predicted) if predicted and all(
         p["speedup"] for p in predicted) else None
@@ -140,7 +149,8 @@ def _share(value):
 
 
 def format_comparison(result: dict, before: str = "BEFORE", after: str = "AFTER") -> str:
-    """`compare_runs`'s result for people, the word first."""
+    """`compare_runs`'s result for people: the word and the measured gain first, the
+    predicted gain beside it, then the causes."""
     b, a = result["before"], result["after"]
     lines = []
     if result["gain"] is None:
@@ -148,24 +158,28 @@ def format_comparison(result: dict, before: str = "BEFORE", after: str = "AFTER"
                      f"judged points, {after}: {a['points']})")
     else:
         low, high = result["gain_range"]
-        lines.append(f"{result['word']}: {after} is {_x(result['gain'])} the speed of "
-                     f"{before} per step ({_x(low)}-{_x(high)}), steady median step "
-                     f"{b['median_ms']:.2f} ms -> {a['median_ms']:.2f} ms")
+        lines.append(f"{result['word']}: {after} runs {_x(result['gain'])} ({_x(low)}-"
+                     f"{_x(high)}) the steps/s of {before}: {b['steps_per_s']:.3g} -> "
+                     f"{a['steps_per_s']:.3g} steps/s, wall per step {b['wall_ms']:.2f} ms -> "
+                     f"{a['wall_ms']:.2f} ms (the mean of {b['steps']} and {a['steps']} steady "
+                     "steps, stalls included)")
+    predicted = result["predicted"]
+    if predicted and result["gain"] is not None:
+        speedup = predicted[0]["speedup"] if len(predicted) == 1 else result["predicted_together"]
+        lines.append(f"predicted by {before}: {_x(speedup)} per step, measured "
+                     f"{_x(result['gain'])}")
     lines.append(f"verdict:  {b['verdict']} -> {a['verdict']}")
     if result["causes"]:
         lines.append("causes (share of the run, before -> after):")
         lines += [f"  {c['verdict']}: {_share(c['before'])} -> "
                   + ("gone" if c["gone"] else _share(c["after"])) for c in result["causes"]]
-    if result["predicted"]:
-        lines.append(f"predicted by {before} for the causes that went away:")
-        for p in result["predicted"]:
-            span = p.get("speedup_range") or ()
-            span = f" ({_x(span[0])}-{_x(span[1])})" if len(span) == 2 and all(span) else ""
-            lines.append(f"  {p['verdict']}: {_x(p['speedup'])}{span}"
-                         + (f"; {p['text']}" if p.get("text") else ""))
-        if len(result["predicted"]) > 1:
+    if predicted:
+        lines.append(f"predicted by {before} for the causes that went away (per step):")
+        for p in predicted:
+            span = p.get("speedup_range")
+            span = f" ({_x(span[0])}-{_x(span[1])})" if span else ""
+            lines.append(f"  {p['verdict']}: {_x(p['speedup'])}{span}")
+        if len(predicted) > 1:
             lines.append(f"  together: {_x(result['predicted_together'])}")
-        if result["gain"] is not None:
-            lines.append(f"  measured: {_x(result['gain'])}")
     lines += [f"warning: {w}" for w in result["warnings"]]
     return "\n".join(lines)

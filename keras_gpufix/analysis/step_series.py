@@ -16,7 +16,8 @@ point takes twice as many records. A 100,000-step run is at most
 | `step_ms`       | mean step per step                                        |
 | `between_ms`    | mean time between steps per step                          |
 | `max_ms`        | its slowest record's cycle per step                       |
-| `compiles`      | records that compiled (a new trace, shape or compile)     |
+| `compiles`      | records that compiled (`step_compiled`: a new trace, a    |
+|                 | new shape under XLA, compile time counted)                |
 | `gpu_util`      | mean GPU utilisation, 0..1 (None: not sampled)            |
 | `epoch`         | epoch of its first record                                 |
 | `epoch_first`   | holds the first record of an epoch                        |
@@ -28,7 +29,7 @@ point takes twice as many records. A 100,000-step run is at most
 
 import numpy as np
 
-from keras_gpufix.analysis.verdicts import slow_limit
+from keras_gpufix.analysis.verdicts import slow_limit, step_compiled
 
 __all__ = ["StepSeries"]
 
@@ -70,8 +71,10 @@ class StepSeries:
         self.stride = 1  # records per point
         self.records = 0
 
-    def add(self, record):
-        """Adds one `StepRecord` (a few microseconds: it runs for every record of a run)."""
+    def add(self, record, jit=None):
+        """Adds one `StepRecord` (a few microseconds: it runs for every record of a run);
+        `jit`: whether the step is XLA-compiled (a new shape compiles only then), None
+        when not known."""
         self.records += 1
         p = self._open
         if p is None:
@@ -89,7 +92,8 @@ class StepSeries:
         p[_BETWEEN] += record.between
         if cycle / n > p[_MAX]:
             p[_MAX] = cycle / n
-        if record.new_shape or record.traces or record.compile_s:
+        if step_compiled(traces=record.traces, new_shape=record.new_shape, jit=jit,
+                         compile_s=record.compile_s):
             p[_COMPILES] += 1
         if record.gpu_util is not None:
             p[_UTIL] += record.gpu_util

@@ -283,8 +283,9 @@ def _budget_words(result):
     return f"; what-if budget {result['budget_s']:.0f} s, {result.get('spent_s') or 0:.0f} s used"
 
 
-def format_what_if(result):
-    """The what-if as one sentence for people."""
+def format_what_if(result, gain=True):
+    """The what-if as one sentence for people; with `gain=False` its rates only, where
+    a located fix (the input's slow stage) gives the one gain of the input's cause."""
     x, y = result.get("input_batches_per_s"), result.get("step_batches_per_s")
     z = result.get("speedup_if_input_free")
     if not x or not y or z is None:
@@ -293,19 +294,30 @@ def format_what_if(result):
         return (f"what-if: not measured ({why})"
                 + (f"; the run went at {ran:.1f} batches/s" if ran else "")
                 + _budget_words(result))
+    if not gain:
+        return (f"what-if: input supplies {x:.1f} batches/s, the step alone consumes "
+                f"{y:.1f} batches/s (the run went at {result['observed_batches_per_s']:.1f} "
+                "batches/s; the fix of the input's slow stage, below, gives what fixing it "
+                "gains)" + _budget_words(result))
     low, high = result.get("speedup_range") or (None, None)
     span = (f"{low:.2f}x-{high:.2f}x" if low and high
             else f"at least {low:.2f}x" if low else "unbounded")
     known = result.get("known", True)
     faster = known and z >= THRESHOLDS["min_speedup"]
+    slower = z * THRESHOLDS["min_speedup"] <= 1.0  # what `ratio_words` calls slower
+    if slower:  # freeing the input cannot slow the run: the step alone was timed slower
+        z_words = (f"no faster ({z:.2f}x: the step alone was timed slower than it ran in the "
+                   "run, as when the host's load changes between the timings)")
+    else:
+        z_words = ratio_words(z)
     if result.get("cut_short"):
-        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: cut short, "
+        gain = (f"{z_words}, but the what-if does not know ({span}: cut short, "
                 f"{result['cut_short']}, before its timings were all taken)")
     elif not known:
-        gain = (f"{ratio_words(z)}, but the what-if does not know ({span}: its timings "
+        gain = (f"{z_words}, but the what-if does not know ({span}: its timings "
                 f"varied{_why_unknown(result)})")
     else:
-        gain = ratio_words(z, span)
+        gain = z_words if slower else ratio_words(z, span)
     replayed = result.get("method") in ("replay", "side_by_side")
     how = "" if replayed else " (step as measured in the run)"
     if result["bound"] == "input":

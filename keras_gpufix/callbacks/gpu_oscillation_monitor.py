@@ -60,6 +60,9 @@ import os
 import sys
 import time
 
+from keras_gpufix import cpu_load
+from keras_gpufix.analysis.contention import cpu_contention
+from keras_gpufix.analysis.headline import headline
 from keras_gpufix.analysis.step_series import StepSeries
 from keras_gpufix.callbacks import _arguments
 from keras_gpufix.callbacks._base import ScalarWriter, UserError
@@ -131,6 +134,7 @@ class GPUOscillationMonitor(TimedCallback):
         self.job = None
         self._series = StepSeries(warmup=warmup)
         self._keep_on_signal = None
+        self._cpu = [None, None]  # cpu_load samples at the run's start and end
 
     @property
     def events(self):
@@ -138,6 +142,7 @@ class GPUOscillationMonitor(TimedCallback):
         return self.detector.events
 
     def _begin(self):
+        self._cpu = [cpu_load.sample(), None]
         self._firsts = [0, 0.0]
         self._task = cluster_task(callback_model(self))
         self._began = time.time()
@@ -182,6 +187,7 @@ class GPUOscillationMonitor(TimedCallback):
 
     def _end(self):
         # The stream's last records and final judgement came before this hook.
+        self._cpu[1] = cpu_load.sample()
         if self._task is not None and self.log_dir is not None:
             try:
                 self._gather_job()
@@ -207,15 +213,27 @@ class GPUOscillationMonitor(TimedCallback):
             self._writer = None
         st = r["step_time"]
         if self._voice and self.job is None and st["count"]:  # in a job, the job's line says it
-            wait = r["input_wait"]
-            emit(f"GPUOscillationMonitor: verdict {r['verdict']}; "
-                 f"{st['count']} steps, median {st['p50_ms']:.1f} ms, "
-                 f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
-                 + ("" if wait is None else f", input wait {wait:.0%}")
-                 + f", between steps {r['phases']['between']:.0%}"
-                 + ("" if r["changed"] is None else f"; {r['changed']}")
-                 + (f". Fix: {r['fix']}" if r["verdict"] != "healthy" else ""),
-                 self._voice)
+            try:
+                self._summary(r)
+            except Exception as exc:  # a monitor never stops training
+                self._report_failure("summary", exc)
+
+    def _summary(self, r):
+        """Prints the run's end line: the headline of its record (what report.html
+        opens with), then the steady steps' figures."""
+        st = r["step_time"]
+        first, fix, check = headline(RunRecord.from_monitor(r).data, None if self.log_dir
+                                     is None else os.path.join(self.log_dir, "keras_gpufix"))
+        wait = r["input_wait"]
+        emit(f"GPUOscillationMonitor: verdict {first[len('verdict: '):]}\n  {fix}\n"
+             + (f"  {check}\n" if self.log_dir is not None else "")
+             + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "
+             f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, "
+             f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"
+             + ("" if wait is None else f", input wait {wait:.0%}")
+             + f", between steps {r['phases']['between']:.0%}"
+             + ("" if r["changed"] is None else f"; {r['changed']}"),
+             self._voice)
 
     def _gather_job(self):
         self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)
@@ -228,7 +246,7 @@ class GPUOscillationMonitor(TimedCallback):
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         for record in records:
-            self._series.add(record)
+            self._series.add(record, jit=self.detector.jit)
             if record.epoch_first:
                 self._firsts[0] += 1
                 self._firsts[1] += record.cycle
@@ -283,8 +301,11 @@ class GPUOscillationMonitor(TimedCallback):
             measured), `gpu_util` (mean, None without NVML),
             `epoch_start_ms` (mean first step of an epoch), `new_shapes`,
             `job` (the multi-worker job's report, `analysis.judge_job`; None
-            outside a job or without `log_dir`) and `series` (every record
-            of the run in at most 1024 points, `analysis.StepSeries`).
+            outside a job or without `log_dir`), `series` (every record
+            of the run in at most 1024 points, `analysis.StepSeries`) and
+            `contention` (what other processes took of the CPU from the
+            run's start to its end, or to now: `analysis.cpu_contention`;
+            None before a run).
         """
         summary = self.detector.log.summary()
         gpu_util = None
@@ -302,6 +323,8 @@ class GPUOscillationMonitor(TimedCallback):
             "new_shapes": 0 if self.stream is None else self.stream.shapes_seen,
             "job": self.job,
             "series": self._series.as_dict(),
+            "contention": None if self._cpu[0] is None else cpu_contention(
+                self._cpu[0], self._cpu[1] or cpu_load.sample()),
         }
 
     def _keep(self, ended_by=None):

@@ -425,7 +425,8 @@ def _stage_predicted(slow, before):
     return {"share": before.get("share"), "speedup": whole if whole is not None else gain,
             "steady_speedup": gain, "speedup_if_cached": slow.get("run_gain_cached"),
             "speedup_later_runs": slow.get("run_gain_later"),
-            "speedup_range": spread, "source": "stage",
+            "speedup_range": spread if whole is None else None,  # the per-step gain's
+            "whole_run": whole is not None, "source": "stage",
             "text": f"predicted: {gain:.2f}x per step once the fix applies"
                     + (f" ({spread[0]:.2f}x-{spread[1]:.2f}x, the what-if's spread)"
                        if spread else "")
@@ -526,25 +527,63 @@ def _compile_cache_words(fit, retr):
     return words + f", {written} fresh compiles written to the compile cache"
 
 
+def _steps_line(fit):
+    """One run's steps and seconds, adding up: all its steps in its wall, the steady
+    ones (those judged) with their mean and median, and what else the wall holds."""
+    st = (fit.get("monitor") or {}).get("step_time") or {}
+    wall = fit.get("wall_s") or 0.0
+    series = (fit.get("monitor") or {}).get("series") or {}
+    run = sum(series.get("steps") or ()) or fit.get("steps_run") or fit.get("steps") or 0
+    text = f"{_label(fit)}: {run} steps in {wall:.1f} s"
+    if fit.get("stopped_by_diagnose"):
+        text += " (stopped by --steps)"
+    if not st.get("count"):
+        return text
+    text += (f"; the {st['count']} steady ones took {st['total_s']:.1f} s (mean "
+             f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms)")
+    cycles = zip(series.get("input_wait_ms") or (), series.get("step_ms") or (),
+                 series.get("between_ms") or (), series.get("steps") or (),
+                 series.get("judged") or ())
+    others = [((w or 0.0) + s + b) * n / 1000.0 for w, s, b, n, judged in cycles if not judged]
+    rest = wall - st["total_s"] - sum(others)
+    if others:
+        text += (f"; the other {run - st['count']} (warm-up, epoch starts) {sum(others):.1f} s")
+    if rest >= 0.05:
+        text += f"; {rest:.1f} s around the steps (start-up, compiles, epoch ends, callbacks)"
+    return text
+
+
 def format_report(result):
-    """The diagnosis as text for people."""
+    """The diagnosis as text for people: the headline (`analysis.headline`, from the
+    run record), then the evidence under it."""
+    from keras_gpufix.run_record import RunRecord
+
     command = " ".join(result["command"]).replace("\n", "; ")  # -c code on one line
-    lines = [f"keras-gpufix diagnose: {command} "
-             f"(exit code {result['exit_code']})",
-             f"verdict: {result['verdict']}"]
+    lines = analysis.headline(RunRecord.from_diagnosis(result).data, result.get("record"))
+    live = [v for v in dict.fromkeys((f.get("monitor") or {}).get("verdict")
+                                     for f in result["fits"]) if v]
+    if live and result["verdict"] not in live:  # the monitors' own lines, above, differ
+        lines.append(f"         (the GPUOscillationMonitor line above said {' and '.join(live)}, "
+                     "from the step log alone; this verdict weighs in the what-if and XProf: "
+                     "evidence below)")
+    lines += ["", f"keras-gpufix diagnose: {command} (exit code {result['exit_code']})"]
     if result.get("ended_by"):
-        lines.insert(1, f"ended by: {result['ended_by']['text']}")
+        lines.append(f"ended by: {result['ended_by']['text']}")
     if result.get("stopped"):
-        lines.insert(1, result["stopped"]["text"])
+        lines.append(result["stopped"]["text"])
     if result["evidence"]:
         lines.append("evidence:")
         lines += [f"  - {e['text']}" for e in result["evidence"]]
     if result.get("what_if"):
-        lines.append(format_what_if(result["what_if"]))
+        lines.append(format_what_if(result["what_if"], gain=not any(
+            f.get("stage") for f in result["fixes"])))  # one gain for the input's cause
     if result["fixes"]:
         lines.append("fixes (ranked):")
         for fix in result["fixes"]:
             lines.append(f"  {fix['rank']}. [{fix['verdict']}] {fix['fix']}")
+            if fix.get("stage"):  # its text names its line and says each figure once
+                lines += [f"     {w}" for w in fix["where"][1:]]
+                continue
             lines.append(f"     {fix['predicted']['text']}")
             lines += [f"     {w}" for w in fix["where"]]
         predicted = [f["predicted"]["speedup"] for f in result["fixes"]
@@ -587,13 +626,8 @@ def format_report(result):
                  f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable), GPUs: {gpus}, XLA built: "
                  f"{env['xla']['built_with_xla']}, NVML: {nvml}, policy {env['dtype_policy']}")
     for fit in result["fits"]:
-        st = (fit.get("monitor") or {}).get("step_time") or {}
         retr = fit.get("retracing") or {}
-        text = f"{_label(fit)}: {fit.get('steps') or 0} steps timed in {fit.get('wall_s', 0):.1f} s"
-        if fit.get("stopped_by_diagnose"):
-            text += " (stopped by --steps)"
-        if st.get("count"):
-            text += f", median {st['p50_ms']:.1f} ms, p95 {st['p95_ms']:.1f} ms"
+        text = _steps_line(fit)
         if retr.get("trace_count") is not None:
             text += f", {retr['trace_count']} traces, recompile {retr.get('recompile_ms') or 0:.0f} ms"
         text += _compile_cache_words(fit, retr)

@@ -46,6 +46,7 @@ import re
 import textwrap
 import time
 import traceback
+import weakref
 
 from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
 
@@ -477,7 +478,9 @@ def _variables():
     """Every live tf.Variable (the step's weights, optimizer slots, accumulators)."""
     import tensorflow as tf
 
-    return [o for o in gc.get_objects() if isinstance(o, tf.Variable)]
+    proxies = (weakref.ProxyType, weakref.CallableProxyType)  # a dead one raises on isinstance
+    return [o for o in gc.get_objects()
+            if not isinstance(o, proxies) and isinstance(o, tf.Variable)]
 
 
 class _State:

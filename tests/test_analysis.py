@@ -808,8 +808,18 @@ def test_a_compiled_steps_saving_is_its_calls_excess_over_the_runs_cycle():
     # one call a step in a 50 ms cycle saves 10 ms of it: 20%, not the 32% above
     once = dict(compiled, calls_per_step=1.0)
     assert compiled_cause_share(causes, once, 50.0) == pytest.approx(0.2)
-    # never more than the step's own steady share (four micro-batches a step)
-    assert compiled_cause_share(causes, dict(once, calls_per_step=4.0), 50.0) == 0.35
+    # above the steady share where its calls save more (the step's time above its
+    # median is compiled away too): four micro-batches a step save 40 ms of 50
+    four = dict(once, calls_per_step=4.0)
+    assert compiled_cause_share(causes, four, 50.0) == pytest.approx(0.8)
+    # never more than the run less the other causes' shares (a plot's time is its own)
+    # and the compiled calls' own time (4 ms of 50)
+    plot = causes + [{"verdict": "periodic_stall", "share": 0.3}]
+    assert compiled_cause_share(plot, four, 50.0) == pytest.approx(0.7 - 0.08)
+    assert compiled_cause_share(plot, once, 50.0) == pytest.approx(0.2)
+    # an isolated eager call slower than the whole cycle: the run keeps its compiled calls
+    assert compiled_cause_share(causes, dict(once, calls_per_step=9.0), 50.0) \
+        == pytest.approx(1 - 9 / 50)
     assert compiled_cause_share(causes, {"reason": "could not trace"}, 50.0) is None
 
 

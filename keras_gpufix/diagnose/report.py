@@ -206,6 +206,8 @@ def _predicted(cause, fits):
                         f"run's last batch after the run, not in its loop; "
                         + (f"{compiled['calls_per_step']:.2g} call"
                            f"{'' if compiled['calls_per_step'] == 1 else 's'} a step, "
+                           "over the run's mean cycle and at most what the other causes and "
+                           "the compiled calls leave of it, "
                            if compiled.get("calls_per_step") else
                            "applied to the run's steady step time, ")
                         + f"is {_pct(share)} of the run)"

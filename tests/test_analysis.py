@@ -823,6 +823,25 @@ def test_a_compiled_steps_saving_is_its_calls_excess_over_the_runs_cycle():
     assert compiled_cause_share(causes, {"reason": "could not trace"}, 50.0) is None
 
 
+def test_a_compiled_steps_saving_is_put_on_the_runs_clock_by_its_gradients_times():
+    from keras_gpufix.analysis import compiled_cause_share, run_clock
+
+    causes = [{"verdict": "eager_step", "share": 0.35}]
+    once = {"eager_ms": 11.0, "best_ms": 1.0, "calls_per_step": 1.0}
+    # its gradients took 1.5x as long in the run as alone: the call saved 15 ms of the run's
+    slow = dict(once, gradient_ms=4.0, run_gradient_ms=6.0)
+    assert run_clock(slow) == pytest.approx(1.5)
+    assert compiled_cause_share(causes, slow, 50.0) == pytest.approx(0.3)
+    # faster in the run than alone (a load spike after it): less saved
+    assert compiled_cause_share(causes, dict(once, gradient_ms=4.0, run_gradient_ms=2.0),
+                                50.0) == pytest.approx(0.1)
+    # either time unknown: the run's clock is the timing's
+    assert run_clock(once) == run_clock(dict(once, run_gradient_ms=6.0)) == 1.0
+    # the compiled calls' own time is on the run's clock too: 9 calls of 1.5 ms of 50 left
+    assert compiled_cause_share(causes, dict(slow, calls_per_step=9.0), 50.0) \
+        == pytest.approx(1 - 9 * 1.5 / 50)
+
+
 def padded(n, seed=0, wait=0.0002):
     """StepRecords of speech batches padded to their longest utterance: 8 utterances of
     40-400 frames, the step 2 ms plus 25 ns per element of the batch (real and padded)."""

@@ -203,7 +203,12 @@ def _predicted(cause, fits):
                         + f" (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
                         f"{compiled['best_ms']:.1f} ms per call, each the median of calls on the "
-                        f"run's last batch after the run, not in its loop; "
+                        f"run's last batch after the run, not in its loop"
+                        + (f", {analysis.run_clock(compiled):.2f}x on the run's clock (its "
+                           f"gradients took {compiled['run_gradient_ms']:.1f} ms in the run, "
+                           f"{compiled['gradient_ms']:.1f} ms alone)"
+                           if analysis.run_clock(compiled) != 1.0 else "")
+                        + "; "
                         + (f"{compiled['calls_per_step']:.2g} call"
                            f"{'' if compiled['calls_per_step'] == 1 else 's'} a step, "
                            "over the run's mean cycle and at most what the other causes and "

@@ -30,8 +30,8 @@ from keras_gpufix.analysis.verdicts import (NOT_CAUSES, STEP_CHANGE, THRESHOLDS,
                                            compiled_share, compiled_step_fix)
 
 __all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
-           "compiled_cause_share", "run_clock", "priced_by_compile", "measured_fix", "measured_lines",
-           "prediction_source", "verdict_of_ranking", "ruled_out"]
+           "compiled_cause_share", "run_clock", "priced_by_compile", "measured_fix",
+           "measured_lines", "prediction_source", "verdict_of_ranking", "ruled_out"]
 
 #: Where an eager step comes from when neither its measured gradient nor a scanned line says.
 _EAGER_DEFAULT_WHERE = "the model's compile (run_eagerly=True)"
@@ -101,9 +101,9 @@ def compiled_cause_share(causes, compiled: dict, cycle_ms: "float | None" = None
     (accum_plot: 0.34 of the run predicted from the steady share against 0.18-0.30
     measured; 0.21 this way). It is at most the run less the other causes' shares
     (a stall's time is its own fix's) and less the compiled calls' own time (what
-    the cycle still holds after the change), not the steady step share: an eager step's
-    time above its median (Python and dispatch that vary from call to call) is
-    time compiling removes too (xtts at load 8: saved 0.98 of the cycle, steady
+    the cycle still holds after the change), not the steady step share: an eager
+    step's time above its median (Python and dispatch that vary from call to call)
+    is time compiling removes too (xtts at load 8: saved 0.98 of the cycle, steady
     share 0.54, plot 0.31; the steady cap predicted 2.2-2.5x, this one 3.2x,
     against 2.8-5.7x measured with diagnose's own patch).
 

@@ -808,9 +808,38 @@ def test_a_compiled_steps_saving_is_its_calls_excess_over_the_runs_cycle():
     # one call a step in a 50 ms cycle saves 10 ms of it: 20%, not the 32% above
     once = dict(compiled, calls_per_step=1.0)
     assert compiled_cause_share(causes, once, 50.0) == pytest.approx(0.2)
-    # never more than the step's own steady share (four micro-batches a step)
-    assert compiled_cause_share(causes, dict(once, calls_per_step=4.0), 50.0) == 0.35
+    # above the steady share where its calls save more (the step's time above its
+    # median is compiled away too): four micro-batches a step save 40 ms of 50
+    four = dict(once, calls_per_step=4.0)
+    assert compiled_cause_share(causes, four, 50.0) == pytest.approx(0.8)
+    # never more than the run less the other causes' shares (a plot's time is its own)
+    # and the compiled calls' own time (4 ms of 50)
+    plot = causes + [{"verdict": "periodic_stall", "share": 0.3}]
+    assert compiled_cause_share(plot, four, 50.0) == pytest.approx(0.7 - 0.08)
+    assert compiled_cause_share(plot, once, 50.0) == pytest.approx(0.2)
+    # an isolated eager call slower than the whole cycle: the run keeps its compiled calls
+    assert compiled_cause_share(causes, dict(once, calls_per_step=9.0), 50.0) \
+        == pytest.approx(1 - 9 / 50)
     assert compiled_cause_share(causes, {"reason": "could not trace"}, 50.0) is None
+
+
+def test_a_compiled_steps_saving_is_put_on_the_runs_clock_by_its_gradients_times():
+    from keras_gpufix.analysis import compiled_cause_share, run_clock
+
+    causes = [{"verdict": "eager_step", "share": 0.35}]
+    once = {"eager_ms": 11.0, "best_ms": 1.0, "calls_per_step": 1.0}
+    # its gradients took 1.5x as long in the run as alone: the call saved 15 ms of the run's
+    slow = dict(once, gradient_ms=4.0, run_gradient_ms=6.0)
+    assert run_clock(slow) == pytest.approx(1.5)
+    assert compiled_cause_share(causes, slow, 50.0) == pytest.approx(0.3)
+    # faster in the run than alone (a load spike after it): less saved
+    assert compiled_cause_share(causes, dict(once, gradient_ms=4.0, run_gradient_ms=2.0),
+                                50.0) == pytest.approx(0.1)
+    # either time unknown: the run's clock is the timing's
+    assert run_clock(once) == run_clock(dict(once, run_gradient_ms=6.0)) == 1.0
+    # the compiled calls' own time is on the run's clock too: 9 calls of 1.5 ms of 50 left
+    assert compiled_cause_share(causes, dict(slow, calls_per_step=9.0), 50.0) \
+        == pytest.approx(1 - 9 * 1.5 / 50)
 
 
 def padded(n, seed=0, wait=0.0002):

@@ -62,6 +62,9 @@ def test_custom_loop_named_right(mode, verdict):
         compiled = loop["compiled_step"]
         assert compiled["function"] == f"step ({SCRIPT}:{_line('def step')})"
         assert compiled["best_ms"] < compiled["eager_ms"]
+        # its gradients timed in the run and alone: the run's clock for the prediction
+        assert 0 < compiled["gradient_ms"] < compiled["eager_ms"]
+        assert compiled["run_gradient_ms"] > 0
         assert result["fixes"][0]["fix"].startswith(f"wrap the step {compiled['function']} in ")
         assert result["fixes"][0]["predicted"]["source"] == "compiled-step"
     else:

@@ -167,6 +167,11 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
     predicted = fix["predicted"]
     assert compiled["first_call_s"] > 0 and predicted["run_speedup"] < predicted["speedup"]
     assert f"compiles once ({compiled['first_call_s']:.2f} s here)" in predicted["text"]
+    # the figure the user will see: the loop's steps/s now and after the change
+    now, after = predicted["steps_per_s"]
+    assert now == result["fits"][0]["monitor"]["step_time"]["steps_per_s"]
+    assert after == pytest.approx(now * predicted["speedup"])
+    assert f"{now:.1f} steps/s -> {after:.1f} steps/s once traced" in predicted["text"]
 
 
 

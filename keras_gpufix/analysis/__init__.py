@@ -55,13 +55,15 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `compare` command); `HEADLINE_FIXES`, `gain_words`           |
 | `causes`      | diagnose's findings -> causes: `is_cause`, `is_judged`,      |
 |               | `what_if_cause`, `cause_where`, `compiled_cause_share`,      |
-|               | `priced_by_compile`, `measured_fix`, `measured_lines`,       |
+|               | `run_clock`, `priced_by_compile`, `measured_fix`,            |
+|               | `measured_lines`,                                            |
 |               | `prediction_source`, `ruled_out`, `verdict_of_ranking`       |
 """
 
 from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_cause,
                                           is_judged, measured_fix, measured_lines,
                                           priced_by_compile, prediction_source, ruled_out,
+                                          run_clock,
                                           verdict_of_ranking, what_if_cause)
 from keras_gpufix.analysis.contention import CONTENTION_SHARE, contention_text, cpu_contention
 from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
@@ -186,6 +188,7 @@ __all__ = [
     "what_if_cause",
     "cause_where",
     "compiled_cause_share",
+    "run_clock",
     "priced_by_compile",
     "measured_fix",
     "measured_lines",

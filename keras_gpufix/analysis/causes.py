@@ -13,6 +13,7 @@ decision about a verdict in it is one of these pure functions:
 | `cause_where`          | where a cause was seen (the eager gradient, the        |
 |                        | loop-body line of a periodic stall, the script's line) |
 | `compiled_cause_share` | the share compiling the eager step saves, measured     |
+| `run_clock`            | the run's clock over the step's timing alone after it  |
 | `priced_by_compile`    | causes with `eager_step` priced by that measurement    |
 | `measured_fix`         | a cause's fix, from diagnose's own measurement of it   |
 | `measured_lines`       | the lines diagnose measured a cause at                 |
@@ -29,8 +30,8 @@ from keras_gpufix.analysis.verdicts import (NOT_CAUSES, STEP_CHANGE, THRESHOLDS,
                                            compiled_share, compiled_step_fix)
 
 __all__ = ["is_cause", "is_judged", "what_if_cause", "cause_where",
-           "compiled_cause_share", "priced_by_compile", "measured_fix", "measured_lines",
-           "prediction_source", "verdict_of_ranking", "ruled_out"]
+           "compiled_cause_share", "run_clock", "priced_by_compile", "measured_fix",
+           "measured_lines", "prediction_source", "verdict_of_ranking", "ruled_out"]
 
 #: Where an eager step comes from when neither its measured gradient nor a scanned line says.
 _EAGER_DEFAULT_WHERE = "the model's compile (run_eagerly=True)"
@@ -95,27 +96,53 @@ def compiled_cause_share(causes, compiled: dict, cycle_ms: "float | None" = None
 
     Where the step function's calls per cycle are known (`calls_per_step`), the
     saving is what its calls save in time (`eager_ms - best_ms` each) over the
-    run's mean cycle, at most the steady step's share: the step's phase also
-    holds the loop's other eager work (an optimizer's apply every k steps), which
-    compiling the function leaves as it is (accum_plot: 0.34 of the run
-    predicted from the steady share against 0.18-0.30 measured; 0.21 this way).
+    run's mean cycle: the step's phase also holds the loop's other eager work (an
+    optimizer's apply every k steps), which compiling the function leaves as it is
+    (accum_plot: 0.34 of the run predicted from the steady share against 0.18-0.30
+    measured; 0.21 this way). It is at most the run less the other causes' shares
+    (a stall's time is its own fix's) and less the compiled calls' own time (what
+    the cycle still holds after the change), not the steady step share: an eager
+    step's time above its median (Python and dispatch that vary from call to call)
+    is time compiling removes too (xtts at load 8: saved 0.98 of the cycle, steady
+    share 0.54, plot 0.31; the steady cap predicted 2.2-2.5x, this one 3.2x,
+    against 2.8-5.7x measured with diagnose's own patch).
+
+    The per-call times are taken alone after the run, on its last batch; the run's
+    own clock differs (tf.data's threads and the loop's other work share the cores;
+    back-to-back calls are warm): both are put on the run's clock by the ratio of
+    the step's gradients' median time in the run (`run_gradient_ms`) to their median
+    while `eager_ms` was timed (`gradient_ms`), the same ops timed both ways (xtts at
+    load 3: 65-72 ms median cycles in the run against a 30-49 ms eager call alone).
 
     Args:
         causes: the judgement's causes (`verdict`, `share`).
         compiled: diagnose's compile of the user's step on a real batch
-            (`eager_ms`, `best_ms`, optional `calls_per_step`), or None.
+            (`eager_ms`, `best_ms`, optional `calls_per_step`, `gradient_ms`,
+            `run_gradient_ms`), or None.
         cycle_ms: the run's mean cycle (its step log's `mean_ms`).
     """
     compiled = compiled or {}
-    steady = next((c["share"] for c in causes or () if c["verdict"] == "eager_step"), None)
+    causes = list(causes or ())
+    steady = next((c["share"] for c in causes if c["verdict"] == "eager_step"), None)
     if compiled.get("best_ms") is None or steady is None:
         return None
     share = compiled_share(steady, compiled["eager_ms"], compiled["best_ms"])
     calls = compiled.get("calls_per_step")
     if calls and cycle_ms:
+        calls *= run_clock(compiled)
         saved = max(0.0, compiled["eager_ms"] - compiled["best_ms"]) * calls / cycle_ms
-        share = min(steady, saved)
+        others = sum(c["share"] or 0.0 for c in causes if c["verdict"] != "eager_step")
+        left = others + compiled["best_ms"] * calls / cycle_ms
+        share = min(max(0.0, 1.0 - left), saved)
     return share
+
+
+def run_clock(compiled: dict) -> float:
+    """How much slower the run's clock ran than the step's timing alone after it: its
+    gradients' median time in the run over their median alone (1 where either is
+    unknown)."""
+    alone, in_run = compiled.get("gradient_ms"), compiled.get("run_gradient_ms")
+    return in_run / alone if alone and in_run else 1.0
 
 
 def priced_by_compile(causes: list, measured: "float | None") -> list:

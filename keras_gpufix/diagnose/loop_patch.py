@@ -61,6 +61,7 @@ the script iterated and the tf.functions it called.
 import functools
 import inspect
 import os
+import statistics
 import sys
 import threading
 import time
@@ -448,6 +449,7 @@ class LoopPatch:
         self._eager_functions = {}  # code -> the Python function of an eager gradient step
         self.eager_step = None  # (function, args, kwargs) of the last eager step call
         self.eager_calls = 0  # its calls while a loop ran (several a cycle: micro-batches)
+        self.gradient_s = []  # each eager gradient's seconds while a loop ran (the run's clock)
         self._eager_frame = None  # the frame of its last call
         self._undo = []  # undoes the patches that are not a class attribute (jax.jit)
         self._jit_trains = {}  # id(Jitted) -> its first call's outputs, then whether it trains
@@ -568,6 +570,10 @@ class LoopPatch:
                         patch.step_info["eager_where"] = frame and _where(frame)
                     patch._eager_call(frame)
                     frame = None
+                    if patch.loop is not None:
+                        result, took = timed(original, tape, *args, **kwargs)
+                        patch.gradient_s.append(took)
+                        return result
                 else:
                     traced_training()
                 return original(tape, *args, **kwargs)
@@ -793,6 +799,8 @@ class LoopPatch:
             return {"reason": f"{type(exc).__name__}: {exc}"}
         if self.loop.cycles:
             compiled["calls_per_step"] = self.eager_calls / self.loop.cycles
+        if self.gradient_s:
+            compiled["run_gradient_ms"] = 1000 * statistics.median(self.gradient_s)
         return compiled
 
     def _what_if(self):

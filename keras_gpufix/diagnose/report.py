@@ -193,13 +193,26 @@ def _predicted(cause, fits):
         wall, steps = measured.get("wall_s") or 0.0, measured.get("steps") or 0
         once = compiled.get("first_call_s")
         run = analysis.one_off_gain(speedup, once, wall) if once is not None and wall else None
+        per_s = ((measured.get("monitor") or {}).get("step_time") or {}).get("steps_per_s")
         return {"share": share, "speedup": speedup, "speedup_range": None,
                 "source": "compiled-step", "run_speedup": run,
-                "text": f"predicted: the steps {speedup:.2f}x faster (the eager step's "
+                "steps_per_s": [per_s, per_s * speedup] if per_s else None,
+                "text": f"predicted: the steps {speedup:.2f}x faster"
+                        + (f", the loop's {per_s:.1f} steps/s -> {per_s * speedup:.1f} steps/s "
+                           "once traced" if per_s else "")
+                        + f" (the eager step's "
                         f"excess over {compiled['best']}, {compiled['eager_ms']:.1f} ms -> "
-                        f"{compiled['best_ms']:.1f} ms per call on one batch, "
+                        f"{compiled['best_ms']:.1f} ms per call, each the median of calls on the "
+                        f"run's last batch after the run, not in its loop"
+                        + (f", {analysis.run_clock(compiled):.2f}x on the run's clock (its "
+                           f"gradients took {compiled['run_gradient_ms']:.1f} ms in the run, "
+                           f"{compiled['gradient_ms']:.1f} ms alone)"
+                           if analysis.run_clock(compiled) != 1.0 else "")
+                        + "; "
                         + (f"{compiled['calls_per_step']:.2g} call"
                            f"{'' if compiled['calls_per_step'] == 1 else 's'} a step, "
+                           "over the run's mean cycle and at most what the other causes and "
+                           "the compiled calls leave of it, "
                            if compiled.get("calls_per_step") else
                            "applied to the run's steady step time, ")
                         + f"is {_pct(share)} of the run)"

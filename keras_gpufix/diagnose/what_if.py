@@ -315,7 +315,9 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
         the script wraps the function in tf.function itself), `blockers`
         (`step_blockers`: what stops tf.function running it as written), `changes`
         (each change the copy made: `kind`, `where`, `code`, `change`), `traces`;
-        where the copy ran and computed the same result: `eager_ms`, `function_ms`,
+        where the copy ran and computed the same result: `eager_ms`, `gradient_ms`
+        (the median of its eager gradients' times while `eager_ms` was timed),
+        `function_ms`,
         `xla_ms` (None when XLA failed), `xla_error` (its first line), `xla_op`,
         `xla_where` (`file:line`), `best` (`tf.function` or
         `tf.function(jit_compile=True)`, the faster that compiled), `best_ms`,
@@ -367,8 +369,22 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
     def sync(result):
         tf.nest.map_structure(lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
 
+    gradient = tf.GradientTape.__dict__["gradient"]
+    gradient_s = []  # the eager step's gradients, timed as diagnose's run timed them
+
+    def timed_gradient(tape, *a, **k):
+        start = time.perf_counter()
+        result = gradient(tape, *a, **k)
+        gradient_s.append(time.perf_counter() - start)
+        return result
+
     try:
-        out["eager_ms"], _ = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
+        tf.GradientTape.gradient = timed_gradient
+        try:
+            out["eager_ms"], _ = _per_call_ms(lambda: fn(*args, **kwargs), sync, seconds)
+        finally:
+            tf.GradientTape.gradient = gradient
+        out["gradient_ms"] = 1000 * statistics.median(gradient_s) if gradient_s else None
         out["function_ms"], first["tf.function"] = _per_call_ms(
             lambda: plain(*args, **kwargs), sync, seconds)
         out["xla_ms"] = None

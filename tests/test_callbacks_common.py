@@ -34,6 +34,7 @@ def test_every_public_callback_is_listed():
     assert set(PUBLIC) == set(kg.callbacks.__all__)
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 @pytest.mark.parametrize("name", PUBLIC)
 def test_two_fits_with_steps_per_execution_and_tensorboard(name, tmp_path):
     callback = make(name, tmp_path)

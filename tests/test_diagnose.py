@@ -140,7 +140,9 @@ def test_slow_py_function_input_is_input_bound(tmp_path):
     assert aside == {"trace capture", "trace analysis", "what-if"}
     assert seconds["trace capture"] > 0 and seconds["what-if"] > 0 and seconds["start-up"] > 0
     assert cost["added_s"] == pytest.approx(sum(s for k, s in seconds.items() if k not in aside))
-    assert cost["within"] and cost["added_s"] <= cost["bound_s"]
+    # whether they stay within the bound is a wall-time figure: benchmarks/diagnose_cost.py
+    # and the slow twelve-seconds test check it, not this one (a GC pause under load moves it)
+    assert cost["within"] == (cost["added_s"] <= cost["bound_s"])
     assert cost["text"][0].startswith(f"diagnose's own time: {cost['added_s']:.1f} s beyond "
                                       f"the script's {cost['script_s']:.1f} s")
     # what-if: the input alone is the bound; the step alone (model.train_function

@@ -95,6 +95,7 @@ def test_custom_loop_named_right(mode, verdict):
         assert result["what_if"]["method"] == "in_run"
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_steps_stops_a_healthy_tf_function_loop():
     # 60 steps (of the first epoch's 64): at 14 steps (9 judged) its ~10 %
     # input wait crossed the 20 % input_bound line under load (stop 19's note)

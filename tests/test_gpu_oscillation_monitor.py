@@ -24,6 +24,7 @@ def fit(kind, monitor, epochs=1, **kwargs):
     return monitor.report()
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_healthy_run_raises_no_alarm(capsys):
     monitor = kg.GPUOscillationMonitor(nvml=False)
     report = fit("healthy", monitor)

@@ -124,6 +124,7 @@ def _check_xprof(live, analysis, expected, points=10.0):
 # On the healthy run XProf's input is the IteratorGetNext op's own time
 # with its batch ready, 0.05-0.15 ms of a 1 ms step (5-10%, more beside a
 # CPU burner): no wait, so 15 points there, as before.
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 @pytest.mark.parametrize("kind, expected, points", [
     ("slow", "highly_input_bound", 10.0),
     ("healthy", None, 15.0),
@@ -135,6 +136,7 @@ def test_live_input_wait_matches_xprof(kind, expected, points, tmp_path):
     _check_xprof(live, analysis, expected, points)
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_live_input_wait_matches_next_timed_alone(tmp_path):
     live, analysis, alone = shares("slow", tmp_path, third=True)
     print(f"slow, next() in Python: live input wait {live:.1f}% vs next() alone {alone:.1f}% "

@@ -75,6 +75,7 @@ def test_seven_lengths_under_jit_cost_seven_compiles():
     assert [w.filename for w in caught if issubclass(w.category, GpufixWarning)] == [__file__]
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_the_same_data_in_three_buckets_stays_quiet():
     ds = instrument(in_memory(batched([12, 22, 31], pad_to_bucket_boundary=True)))
     monitor = kg.RetracingMonitor(max_new_shapes=4, verbose=0)
@@ -355,6 +356,7 @@ def test_without_instrumentation_slow_steps_are_not_priced_as_recompiles(jit_com
     assert all("recompile_ms" not in e["evidence"] for e in judged["events"])
 
 
+@pytest.mark.flaky(reruns=1)  # a verdict from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_buckets_compiled_once_in_the_first_epoch_are_not_recompiling():
     # Issue 10: the fix for recompiling applied (a bounded set of shapes) compiles
     # each bucket once in the first epoch; that is warm-up, however much it cost.

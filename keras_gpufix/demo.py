@@ -584,20 +584,23 @@ def _promise_lines(p, jit):
     lines.append(f"          together: predicted {x(p['predicted'])}, measured "
                  f"{x(p['measured'])}")
     covered = p["not_covered"]
-    if covered is None or not p["phases"]:
+    if covered is None:
         return lines
-    gaps = {ph: v[1] - v[2] for ph, v in p["phases"].items()}
-    worst = max(gaps, key=lambda ph: abs(gaps[ph]))
     if abs(covered - 1.0) < 0.10:
         lines.append(f"          covered: the fixes' prediction is within 10% of the measured "
                      "gain")
         return lines
+    text = (f"          not covered by any fix: {x(covered)} "
+            + ("beyond" if covered > 1 else "short of") + " the prediction")
+    if not p["phases"]:  # a way's monitor gave no per-phase rates
+        lines.append(text + "; where it went was not measured (no per-phase rates)")
+        return lines
+    gaps = {ph: v[1] - v[2] for ph, v in p["phases"].items()}
+    worst = max(gaps, key=lambda ph: abs(gaps[ph]))
     before, left, after = p["phases"][worst]
     name = {"input_wait": "input wait", "step": "step", "between": "time between steps"}[worst]
-    text = (f"          not covered by any fix: {x(covered)} "
-            + ("beyond" if covered > 1 else "short of")
-            + f" the prediction; the {name} per utterance: {before:.1f} ms naive, "
-              f"{left:.1f} ms predicted with the fixes, {after:.1f} ms measured")
+    text += (f"; the {name} per utterance: {before:.1f} ms naive, "
+             f"{left:.1f} ms predicted with the fixes, {after:.1f} ms measured")
     if worst == "step" and gaps[worst] > 0:
         naive_pad, fast_pad = p["padding"]
         padded = ("" if naive_pad is None or fast_pad is None
@@ -632,7 +635,9 @@ def format_demo(result):
             f"{cache['directory']} ({cache['entries']} entries before this run; keras-gpufix "
             f"cache info {os.path.join(result['workdir'], 'corpus')} --config {result['config']}"
             " lists them)" if cache.get("active") else f"off: {cache.get('note')}"),
-        *_side_lines(fast, _cache_words(cache, fast["retracing"].get("new_shapes") or 0)),
+        # one XLA compile per batch shape: the builder's count (RetracingMonitor's
+        # new_shapes read 5 for these 3 once: its input cursor lost the dataset)
+        *_side_lines(fast, _cache_words(cache, b["distinct_shapes"])),
         "result:   " + faster("keras_gpufix", fast["steady_samples_per_s"], "naive",
                               naive["steady_samples_per_s"], " utterances/s")
         + " after the first epoch, same corpus and model, this run; "

@@ -39,7 +39,11 @@ HEADLINE_FIXES = {
                          "output",
     "periodic_stall": "move the work that runs every {period} steps{at} off the step path, or "
                       "run it less often",
-    "eager_step": "compile the step{at} (tf.function, then jit_compile=True)",
+    "eager_step": "compile the step{at} (tf.function, then try jit_compile=True)",
+    # where diagnose made the step run compiled and checked it: its patch, which holds
+    # jit_compile=True only where XLA ran it (a tf.print in the step: tf.function alone)
+    "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}` (diagnose traced it, "
+                        "checked it and timed it)",
     "recompiling": "bound the input shapes (length buckets, or padding to a multiple)",
     "dispatch_bound": "run several steps per call (steps_per_execution) or larger batches",
     "sync_callbacks": "set `async_safe = True` on the batch-end callbacks that block",
@@ -121,12 +125,15 @@ def headline(record: dict, path: str = None) -> list:
         lines.append(f"fix:     {sentence}: its gain was not measured")
     else:
         op = fix.get("stage_op")
-        key = "input_bound_stage" if fix["verdict"] == "input_bound" and op else fix["verdict"]
+        key = ("input_bound_stage" if fix["verdict"] == "input_bound" and op
+               else "eager_step_patch" if fix["verdict"] == "eager_step" and fix.get("patch")
+               else fix["verdict"])
         where = _line_of(fix.get("where"))
         at = f" at {where}" if where else ""
         template = HEADLINE_FIXES.get(key)
         sentence = fix.get("fix") or "" if template is None else template.format(
-            op=op, at=at, period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
+            op=op, at=at, patch=fix.get("patch"),
+            period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
         lines.append(f"fix:     {sentence}" + ("" if "{at}" in (template or "") else at)
                      + f": {gain_words(fix)}")
     lines.append(f"check:   after the fix, run it again and: {compare}")

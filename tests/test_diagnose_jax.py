@@ -147,7 +147,8 @@ def _cases(folder):
                        "jax": fit["environment"]["jax"],
                        "tensorflow": fit["environment"]["tensorflow"],
                        "what_if": [first["what_if"].get(k) for k in ("method",
-                                                                     "speedup_if_input_free")],
+                                                                     "speedup_if_input_free",
+                                                                     "known")],
                        "stages": (first.get("stages") or {}).get("reason")}
     _, fit = _diagnose(folder, "fit_steps", FIT_SLOW, "--steps", "12")
     out["fit_steps"] = {"steps_run": fit["fits"][0]["steps_run"], "exit_code": fit["exit_code"]}
@@ -188,19 +189,19 @@ def cases(tmp_path_factory):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # its module fixture's verdict moves with the other worker's load (3 of 6 full runs)
 def test_jax_fit_over_a_slow_pydataset_is_input_bound_with_its_gain(cases):
     case = cases["fit_slow"]
     assert case["verdict"] == "input_bound" and case["fix"] == "input_bound", case
     assert case["speedup"] > 1.5 and case["record"], case
     assert case["jax"] and case["tensorflow"] is None, case
-    method, speedup = case["what_if"]  # the PyDataset drained alone, the step as in the run
+    method, speedup, known = case["what_if"]  # the PyDataset drained alone, the step as in the run
     assert method == "in_run" and speedup > 1.5 and "tf.data" in case["stages"], case
     # advice for a PyDataset (workers, a feature cache), not tf.data's; the prediction
-    # says how the what-if measured it
+    # says how the what-if measured it, or (its range too wide to know, under load) that
+    # it is the share the input cost
     assert "PyDataset(workers=N" in case["fix_text"] and "AUTOTUNE" not in case["fix_text"]
-    assert "the step as timed in the run, against the input drained alone" in case[
-        "predicted_text"]
+    assert ("the step as timed in the run, against the input drained alone" if known else
+            "of the run, measured") in case["predicted_text"], case
 
 
 def test_jax_jit_loop_with_periodic_host_work_is_periodic_stall_at_its_line(cases):

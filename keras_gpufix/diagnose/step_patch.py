@@ -37,8 +37,9 @@ named, not changed.
 """
 
 import ast
+import collections
+import contextlib
 import difflib
-import gc
 import inspect
 import linecache
 import os
@@ -46,6 +47,7 @@ import re
 import textwrap
 import time
 import traceback
+import types
 import weakref
 
 from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
@@ -306,7 +308,7 @@ class _Step:
             src = (f"def __kg_outer__({', '.join(free)}):\n" + textwrap.indent(src, "    ")
                    + f"    return {fn.name}\n")
             offset = 1
-        name = f"<keras_gpufix patched {self.path}>"
+        name = f"{_COPY}{self.path}>"
         linecache.cache[name] = (len(src), None, src.splitlines(True), name)
         namespace = {}
         exec(compile(src, name, "exec"), self.fn.__globals__, namespace)  # noqa: S102
@@ -314,7 +316,7 @@ class _Step:
         if free:
             cells = [c.cell_contents for c in self.fn.__closure__]
             made = namespace["__kg_outer__"](*cells)
-        made.__kg_rows__ = (name, offset)
+        made.__kg_offset__ = offset
         return made
 
     def new_text(self, jit):
@@ -436,13 +438,19 @@ def _first_sentence(text):
     return re.sub(r"(?<=[a-z`'\)])\. [A-Z].*", ".", text)
 
 
+#: The file name of a copy compiled in memory (the step's path and ">" after it).
+_COPY = "<keras_gpufix patched "
+
+
 def _fix_error(step, made, exc, library, eager_locals):
     """Makes the change the trace's error names (raises `CannotPatch` where it cannot)."""
-    name, offset = made.__kg_rows__
+    offset = made.__kg_offset__
     frames = _frames(exc)
     message = _message(exc)
-    mine = [line - offset for f, line in frames if f == name]
-    others = [(f, line) for f, line in frames if f != name and not f.startswith(library)
+    # any copy's name: AutoGraph caches a conversion by its code object, equal for the
+    # same source whatever its file, so a copy made before of the same step can be named
+    mine = [line - offset for f, line in frames if f.startswith(_COPY)]
+    others = [(f, line) for f, line in frames if not f.startswith(_COPY) and not f.startswith(library)
               and not f.startswith("<") and "__autograph_generated" not in f
               and os.path.exists(f)]
     if not mine:
@@ -452,11 +460,13 @@ def _fix_error(step, made, exc, library, eager_locals):
     # the deepest line of the copy the message names (AutoGraph's frames come first)
     text_frames = [line - offset for f, line in
                    ((m.group(1), int(m.group(2)))
-                    for m in re.finditer(r'File "([^"]+)", line (\d+)', str(exc))) if f == name]
+                    for m in re.finditer(r'File "([^"]+)", line (\d+)', str(exc)))
+                   if f.startswith(_COPY)]
     index = (text_frames or mine)[-1]
-    deeper = [(f, line) for f, line in others
-              if (f, line) in frames[frames.index((name, index + offset)) + 1:]] if (
-        (name, index + offset) in frames) else []
+    at = next((i for i, (f, line) in enumerate(frames)
+               if f.startswith(_COPY) and line == index + offset), None)
+    deeper = [] if at is None else [(f, line) for f, line in others
+                                    if (f, line) in frames[at + 1:]]
     loop_name = _LOOP_NAME.search(message)
     if loop_name:
         step.define_before_loop(loop_name.group(1), index, eager_locals.get(loop_name.group(1)),
@@ -474,13 +484,58 @@ def _fix_error(step, made, exc, library, eager_locals):
     raise CannotPatch(step.where(index), step.code(index), message)
 
 
-def _variables():
-    """Every live tf.Variable (the step's weights, optimizer slots, accumulators)."""
+#: How deep `_variables` looks into the objects the step reaches (a trainer's model's
+#: optimizer is three attributes in; a layer's, model's or optimizer's `variables`
+#: count from 0 again).
+_REACH = 4
+
+
+def _names(code):
+    """The global names a code object and the code objects nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+def _variables(fn, args, kwargs):
+    """The tf.Variables the step reaches (its weights, optimizer slots, accumulators):
+    those of its arguments, its closure and the module globals it uses, and of the
+    functions and objects those name, `_REACH` levels deep. Never every live variable
+    of the process: another model's, or one of a strategy or graph gone by, cannot be
+    read or put back here."""
     import tensorflow as tf
 
     proxies = (weakref.ProxyType, weakref.CallableProxyType)  # a dead one raises on isinstance
-    return [o for o in gc.get_objects()
-            if not isinstance(o, proxies) and isinstance(o, tf.Variable)]
+    out, seen = [], set()
+    queue = collections.deque([(fn, 0)] + [(a, 1) for a in (*args, *(kwargs or {}).values())])
+    while queue:  # breadth first: each object seen first at its least depth
+        obj, depth = queue.popleft()
+        if id(obj) in seen or isinstance(obj, proxies) or depth > _REACH:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, tf.Variable):
+            out.append(obj)
+        elif inspect.isfunction(obj) or inspect.ismethod(obj):
+            function = getattr(obj, "__func__", obj)
+            space = function.__globals__
+            queue.append((getattr(obj, "__self__", None), depth + 1))
+            queue.extend((space[n], depth + 1) for n in _names(function.__code__) & set(space))
+            for cell in function.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    queue.append((cell.cell_contents, depth + 1))
+        elif isinstance(obj, (list, tuple, set)):
+            queue.extend((item, depth + 1) for item in obj)
+        elif isinstance(obj, dict):
+            queue.extend((item, depth + 1) for item in obj.values())
+        elif not isinstance(obj, (type, types.ModuleType, str, bytes, int, float)) \
+                and obj is not None:
+            variables = getattr(obj, "variables", None)  # a Keras layer, optimizer, metric
+            if isinstance(variables, (list, tuple)):  # a Keras variable holds its tf.Variable
+                queue.extend((v, 0) for v in variables)
+            queue.extend((item, depth + 1) for item in list(getattr(obj, "__dict__", {}).values()))
+    return out
 
 
 class _State:
@@ -515,9 +570,9 @@ class _State:
 
 
 def saved_state(args, kwargs, fn):
-    """Every live variable's value and the Python state of `fn`'s arguments (and the
+    """The values of the variables `fn` reaches and the Python state of `fn`'s arguments (and the
     numbers of its module it names), saved: `.restore()` puts them back."""
-    return _State(_variables(), args, kwargs or {}, fn)
+    return _State(_variables(fn, args, kwargs), args, kwargs or {}, fn)
 
 
 def _leaves(result):
@@ -589,7 +644,7 @@ def _ops(graph, seen=None):
 def _op_where(graph, op_type, library, step, made):
     """`file:line` of the user's code that made the first `op_type` op (a copy's line
     as the file's line)."""
-    name, offset = made.__kg_rows__ if made is not None else (None, 0)
+    copy, offset = (_COPY, made.__kg_offset__) if made is not None else (None, 0)
     for op in _ops(graph):
         if op.type != op_type:
             continue
@@ -597,7 +652,8 @@ def _op_where(graph, op_type, library, step, made):
         if not frames:
             return None
         f = frames[-1]
-        return step.where(f.lineno - offset) if f.filename == name else f"{f.filename}:{f.lineno}"
+        return (step.where(f.lineno - offset) if copy and f.filename.startswith(copy)
+                else f"{f.filename}:{f.lineno}")
     return None
 
 

@@ -66,7 +66,7 @@ def test_custom_loop_named_right(mode, verdict):
         assert 0 < compiled["gradient_ms"] < compiled["eager_ms"]
         assert compiled["run_gradient_ms"] > 0
         assert result["fixes"][0]["fix"].startswith(f"wrap the step {compiled['function']} in ")
-        assert result["fixes"][0]["predicted"]["source"] == "compiled-step"
+        assert result["fixes"][0]["predicted"]["source"] == "patched-run"  # its patch, run
     else:
         assert [f["name"] for f in loop["step"]["functions"]] == ["step"]
     if mode == "between":  # the loop-body line of the work every 5 steps (stack samples)

@@ -43,7 +43,7 @@ HEADLINE_FIXES = {
     # where diagnose made the step run compiled and checked it: its patch, which holds
     # jit_compile=True only where XLA ran it (a tf.print in the step: tf.function alone)
     "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}` (diagnose traced it, "
-                        "checked it and timed it)",
+                        "checked it and ran the script with it)",
     "recompiling": "bound the input shapes (length buckets, or padding to a multiple)",
     "dispatch_bound": "run several steps per call (steps_per_execution) or larger batches",
     "sync_callbacks": "set `async_safe = True` on the batch-end callbacks that block",
@@ -57,12 +57,16 @@ def gain_words(fix: dict) -> str:
     """A ranked fix's one gain, in the unit the user sees: `the whole run 6.05x faster`
     (`expected_speedup` of the run as the script runs it), `the steps 2.10x faster`
     (a gain per step, where the whole run's is not known), `the whole run at most
-    1.25x faster` (a cause known by its cost share alone), or why there is none."""
+    1.25x faster` (a cause known by its cost share alone), `1.66x the steps/s,
+    measured with the patch applied` (diagnose ran the script with its patch), or why
+    there is none."""
     speedup = fix.get("expected_speedup")
     if speedup is None:
         return "its gain was not measured"
     if fix.get("source") == "cost_share":  # known by its cost alone: what removing all of it gives
         return f"the whole run at most {speedup:.2f}x faster (all of its time removed)"
+    if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
+        return f"{speedup:.2f}x the steps/s, measured with the patch applied"
     whole = fix.get("whole_run")
     whole = fix.get("source") != "compiled-step" if whole is None else whole
     return f"{'the whole run' if whole else 'the steps'} {speedup:.2f}x faster"

@@ -380,6 +380,21 @@ STEP_PATCH_NOTES = {
     ),
 }
 
+#: The eager-step fix's gain once diagnose ran the script with its patch
+#: (`diagnose.patched_run`): the steady steps/s of the two runs, as `compare` judges them.
+PATCHED_RUN_TEXT = (
+    "measured: diagnose ran the script again with the patch applied (in memory, its files "
+    "untouched; {steps} steps): {before:.3g} -> {after:.3g} steps/s, {gain:.2f}x "
+    "({low:.2f}x-{high:.2f}x; the mean wall per steady step, stalls included, as `compare` "
+    "judges two runs){whole}"
+)
+#: ... and where the script with the patch failed or ran no step: the patch is not offered.
+PATCHED_RUN_FAILED = (
+    "not offered: the step's copy ran and computed the same on one batch, but the script "
+    "with the patch did not run: {error}; make the changes below by hand and check them"
+)
+
+
 #: What an `input_bound` fix that is an edit at a named line adds
 #: (`diagnose.step_patch.input_patch`): the patch that makes it.
 INPUT_PATCH_NOTE = (
@@ -779,6 +794,16 @@ def compiled_step_fix(compiled: dict) -> "str | None":
         text += OWN_WRAPPER_NOTE[kind].format(lines=", ".join(
             f"{w['where']} (`{w['code']}`)" for w in wrappers))
     return text
+
+
+def patched_run_text(steps, before, after, gain, gain_range, whole=None) -> str:
+    """`PATCHED_RUN_TEXT`: the patched run's steps/s against the run's (`whole`: the two
+    runs' walls over the same steps, the trace and compile included, where known)."""
+    low, high = gain_range or (gain, gain)
+    return PATCHED_RUN_TEXT.format(
+        steps=steps, before=before, after=after, gain=gain, low=low or gain, high=high or gain,
+        whole="" if whole is None else f"; the whole loop {whole:.2f}x as fast, its trace "
+        "and compile in it")
 
 
 def step_patch_note(compiled: dict) -> str:

@@ -15,6 +15,7 @@ import ast
 import builtins
 import importlib.abc
 import importlib.machinery
+import linecache
 import os
 import sys
 import types
@@ -43,10 +44,16 @@ class LinesRun:
 
     Args:
         findings: the static scan's findings (`file`, `line`).
+        sources: `{path: text}` of files to run from that text instead of the file
+            (a patch applied in memory: `patched_run`); tracebacks, `inspect` and
+            AutoGraph read it too. Defaults to None.
     """
 
-    def __init__(self, findings):
+    def __init__(self, findings, sources=None):
         self.lines = {}
+        self.sources = {os.path.abspath(p): text for p, text in (sources or {}).items()}
+        for path in self.sources:
+            self.lines.setdefault(path, set())
         for f in findings:
             self.lines.setdefault(os.path.abspath(f["file"]), set()).add(f["line"])
         self.ran = set()  # (absolute file, line)
@@ -56,11 +63,30 @@ class LinesRun:
     def __enter__(self):
         self._finder = _Finder(self)
         sys.meta_path.insert(0, self._finder)
+        if self.sources:
+            self._updatecache = linecache.updatecache
+            linecache.updatecache = self._lines  # AutoGraph re-reads a module's file with it
+            for path in self.sources:
+                self._lines(path)
         return self
+
+    def _lines(self, filename, module_globals=None):
+        """`linecache.updatecache` that keeps a patched file's text (no mtime: never
+        checked against the file)."""
+        text = self.sources.get(filename)
+        if text is None:
+            return self._updatecache(filename, module_globals)
+        lines = text.splitlines(True)
+        linecache.cache[filename] = (len(text), None, lines, filename)
+        return lines
 
     def __exit__(self, *exc):
         if self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
+        if self.sources:
+            linecache.updatecache = self._updatecache
+            for path in self.sources:
+                linecache.cache.pop(path, None)
         return False
 
     def status(self, finding):
@@ -75,11 +101,15 @@ class LinesRun:
         """`path` compiled with its markers, or None (no finding there, or it cannot be)."""
         path = os.path.abspath(path)
         wanted = self.lines.get(path)
-        if not wanted:
+        if not wanted and path not in self.sources:
             return None
         try:
-            with open(path, "rb") as f:
-                tree = ast.parse(f.read(), path)
+            if path in self.sources:
+                text = self.sources[path]
+            else:
+                with open(path, "rb") as f:
+                    text = f.read()
+            tree = ast.parse(text, path)
             tree.body = self._mark(tree.body, wanted)
             return compile(ast.fix_missing_locations(tree), path, "exec", dont_inherit=True)
         except (OSError, SyntaxError, ValueError):

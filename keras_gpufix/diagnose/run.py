@@ -763,7 +763,7 @@ def _jsonable(value):
 
 
 def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True, verbose=1,
-                  what_if_budget=None):
+                  what_if_budget=None, sources=None):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
@@ -791,6 +791,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
             input drain, the replay and its retries, the stages). Defaults
             to None: `analysis.what_if_budget` (a minute, or a tenth of the
             run where that is longer).
+        sources: `{path: text}`: the script's files to run from that text (a patch
+            applied in memory: `patched_run`, which runs the eager step's patch
+            before it is offered). Defaults to None: the files as they are.
 
     Returns:
         A JSON-ready dict: `command`, `exit_code` (the script's: 1 when it
@@ -850,9 +853,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
     framework_s = time.perf_counter() - t0
     with warnings.catch_warnings():
         warnings.simplefilter("default", GpufixWarning)
-        with LinesRun(scan) as lines_run, FitPatch(steps=steps, log_dir=log_dir, trace=trace,
-                                                   what_if=what_if, verbose=verbose,
-                                                   what_if_budget=what_if_budget) as patch, \
+        with LinesRun(scan, sources) as lines_run, \
+                FitPatch(steps=steps, log_dir=log_dir, trace=trace, what_if=what_if,
+                         verbose=verbose, what_if_budget=what_if_budget) as patch, \
                 _signals_end_the_script(patch):
             try:
                 with LoopPatch(patch) as loops:  # its exit measures the loop's what-if
@@ -905,7 +908,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
     evidence += [t for t in traces if t not in evidence]
     env = environment()
     patch.own["report"] = time.perf_counter() - t_report
-    return _jsonable({
+    result = _jsonable({
         "command": list(command),
         "exit_code": exit_code,
         "ended_by": ended,
@@ -918,11 +921,16 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         "not_offered": not_offered(patch.fits, scan),
         "scan": scan,
         "environment": env,
-        "own_cost": own_cost(patch.own, (age or 0.0) + time.perf_counter() - t_in,
-                             opted_in_trace=trace is True),
         "fits": patch.fits,
         "what_if": main_what_if(patch.fits),
         "traces": traces,
         "log_dir": log_dir,
         "notes": notes + patch.notes + ([_QUIET_NOTE] if quiet else []),
     })
+    if what_if:  # the eager step's patch, run before it is offered
+        from keras_gpufix.diagnose.patched_run import check_step_patch  # its own __main__
+
+        patch.own["patched run"] = check_step_patch(result, steps, log_dir)
+    result["own_cost"] = _jsonable(own_cost(patch.own, (age or 0.0) + time.perf_counter() - t_in,
+                                            opted_in_trace=trace is True))
+    return result

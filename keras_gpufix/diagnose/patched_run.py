@@ -1,0 +1,221 @@
+"""diagnose's step patch, run before it is offered: the script run again with it.
+
+The eager-step fix's patch (`step_patch.write_patch`: `LOG_DIR/step.patch`)
+was traced, checked to compute the same result and timed on one batch after
+the run. What the user will see is the script's run with the patch applied:
+so diagnose reads the patch back as the user's `patch -p1` would apply it to
+the files on disk (`apply`: a hunk that no longer matches is an error naming
+it), and runs the script again in a fresh process with the patched files in
+place of the originals, in memory only (`main`: the user's files are never
+written), for the steps the first run timed, under the same monitors
+(`run_diagnosis` with `sources`; no what-if, no trace). Its steady steps/s
+against the first run's (`analysis.compare_runs`, as `keras-gpufix compare`
+judges two runs) is the fix's gain; a patched script that fails, or runs
+no step, is said so and its patch is not offered.
+
+    python -m keras_gpufix.diagnose.patched_run SPEC.json   (diagnose runs it)
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, patched_run_text
+
+__all__ = ["apply", "run_patched", "check_step_patch", "main"]
+
+#: The most steps the patched run takes (a run of thousands of steps is timed on these).
+MAX_STEPS = 200
+
+_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def apply(patch, cwd, sources=None):
+    """`{absolute path: text}` of the files unified diff `patch` changes, applied to
+    the files under `cwd` (or to their text in `sources`) as `patch -p1` applies it.
+
+    Raises:
+        ValueError: naming the patch, the file and the hunk that does not apply.
+    """
+    sources = dict(sources or {})
+    with open(patch, encoding="utf-8") as f:
+        lines = f.read().splitlines(True)
+    i = 0
+    while i < len(lines):
+        if not (lines[i].startswith("--- ") and i + 1 < len(lines)
+                and lines[i + 1].startswith("+++ ")):
+            i += 1
+            continue
+        name = lines[i + 1][4:].rstrip("\n").split("\t")[0]
+        name = name.split("/", 1)[1] if "/" in name else name  # -p1
+        path = os.path.abspath(os.path.join(cwd, name))
+        if path not in sources:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    sources[path] = f.read()
+            except OSError as exc:
+                raise ValueError(f"{patch}: it changes {name}, which cannot be read from "
+                                 f"{cwd} ({exc})") from None
+        old, new, at = sources[path].splitlines(True), [], 0
+        i += 2
+        while i < len(lines) and lines[i].startswith("@@"):
+            m = _HUNK.match(lines[i])
+            if m is None:
+                raise ValueError(f"{patch}:{i + 1}: not a hunk header: {lines[i].strip()}")
+            start = int(m.group(1)) - (0 if m.group(2) == "0" else 1)
+            size_old = int(m.group(2) or 1)
+            size_new = int(m.group(4) or 1)
+            if start < at:
+                raise ValueError(f"{patch}:{i + 1}: hunks out of order in {name}")
+            new += old[at:start]
+            at, header = start, i + 1
+            i += 1
+            while (size_old or size_new) and i < len(lines):
+                kind, text = lines[i][:1], lines[i][1:]
+                if kind in (" ", "-"):
+                    if at >= len(old) or old[at].rstrip("\n") != text.rstrip("\n"):
+                        raise ValueError(
+                            f"{patch}:{header}: its hunk does not apply to {name} at line "
+                            f"{at + 1} (the file changed since diagnose wrote the patch: run "
+                            "diagnose again)")
+                    if kind == " ":
+                        new.append(old[at])
+                        size_new -= 1
+                    at, size_old = at + 1, size_old - 1
+                elif kind == "+":
+                    new.append(text)
+                    size_new -= 1
+                i += 1
+            while i < len(lines) and lines[i].startswith("\\"):  # \ No newline at end of file
+                i += 1
+        sources[path] = "".join(new + old[at:])
+    return sources
+
+
+def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None):
+    """Runs `command` again with `patches` applied in memory, under diagnose's
+    monitors (no what-if, no trace), for `steps` steps; returns its result dict
+    (`run_diagnosis`'s), or `{"error": why}` where it could not run or failed.
+
+    Args:
+        command: the script's command, as diagnose ran it.
+        patches: unified diffs to apply, in turn (`apply`).
+        steps: the steps to run (`--steps`).
+        log_dir: the patched run's folder (its spec, result and logs).
+        cwd: the folder diagnose ran in (the patches' paths are relative to it).
+        timeout: seconds the run may take. Defaults to None: no limit.
+    """
+    cwd = os.path.abspath(cwd or os.getcwd())
+    t0 = time.perf_counter()
+    try:
+        sources = {}
+        for patch in patches:
+            sources = apply(patch, cwd, sources)
+    except ValueError as exc:
+        return {"error": str(exc), "seconds": time.perf_counter() - t0}
+    os.makedirs(log_dir, exist_ok=True)
+    spec = os.path.join(log_dir, "spec.json")
+    out = os.path.join(log_dir, "result.json")
+    with open(spec, "w", encoding="utf-8") as f:
+        json.dump({"command": list(command), "steps": steps, "log_dir": log_dir,
+                   "sources": sources, "out": out}, f)
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (package, os.environ.get("PYTHONPATH")) if p))
+    try:
+        run = subprocess.run([sys.executable, "-m", "keras_gpufix.diagnose.patched_run", spec],
+                             cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the patched script ran past {timeout:.0f} s",
+                "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    try:
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        tail = (run.stderr or run.stdout or "").strip().splitlines()[-3:]
+        return {"error": f"the patched run ended with exit code {run.returncode}: "
+                         + " / ".join(tail), "seconds": seconds}
+    result["seconds"] = seconds
+    if result.get("exit_code"):
+        ended = (result.get("ended_by") or {}).get("text") or f"exit code {result['exit_code']}"
+        result["error"] = f"the patched script failed: {ended}"
+    return result
+
+
+def _main_fit(result):
+    """The run a result's record is about (`RunRecord.from_diagnosis`'s): the one that
+    timed the most steps."""
+    fits = [f for f in result.get("fits") or ()
+            if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
+    return max(fits, key=lambda f: f["monitor"]["step_time"]["count"], default=None)
+
+
+def check_step_patch(result, steps, log_dir, cwd=None):
+    """Runs the eager-step fix's patch (`run_patched`) where diagnose wrote one and
+    puts what the run measured in the fix: its `predicted` becomes the patched run's
+    gain (`source` `patched-run`: `speedup` and `steady_speedup` the steady steps/s
+    ratio, `speedup_range`, `steps_per_s` before and after, `run_speedup` the two runs'
+    walls over the same steps, `text`); where the patched script failed, the fix keeps
+    no `patch` and says why. Returns the seconds it took (0 where nothing ran)."""
+    from keras_gpufix.analysis.comparison import compare_runs
+    from keras_gpufix.run_record import RunRecord
+
+    fix = next((f for f in result.get("fixes") or ()
+                if f.get("verdict") == "eager_step" and f.get("patch")), None)
+    before = _main_fit(result)
+    if fix is None or before is None or result.get("exit_code") or result.get("ended_by"):
+        return 0.0
+    count = min(steps or MAX_STEPS, MAX_STEPS)
+    wall = before.get("wall_s") or 0.0
+    after = run_patched(result.get("command") or [], [fix["patch"]], count,
+                        os.path.join(log_dir, "patched_run"), cwd,
+                        timeout=max(120.0, 3 * wall + 60.0))
+    fit = None if after.get("error") else _main_fit(after)
+    if fit is None:
+        why = after.get("error") or "the patched script ran no training step"
+        fix["patch"] = None
+        fix["predicted"] = {**fix["predicted"], "speedup": None, "speedup_range": None,
+                            "steady_speedup": None, "source": "patched-run-failed",
+                            "text": PATCHED_RUN_FAILED.format(error=why)}
+        return after.get("seconds") or 0.0
+    judged = compare_runs(RunRecord.from_diagnosis(result).data,
+                          RunRecord.from_diagnosis(after).data)
+    gain, b, a = judged["gain"], judged["before"], judged["after"]
+    if gain is None:
+        return after.get("seconds") or 0.0
+    ran = (after.get("stopped") or {}).get("steps_run") or count
+    same = (result.get("stopped") or {}).get("steps_run") == ran  # the same steps, both runs
+    whole = before["wall_s"] / fit["wall_s"] if same and fit.get("wall_s") else None
+    fix["predicted"] = {
+        **fix["predicted"], "speedup": gain, "steady_speedup": gain,
+        "speedup_range": judged["gain_range"], "source": "patched-run", "whole_run": True,
+        "steps_per_s": [b["steps_per_s"], a["steps_per_s"]], "run_speedup": whole,
+        "text": patched_run_text(ran, b["steps_per_s"],
+                                 a["steps_per_s"], gain, judged["gain_range"], whole)}
+    return after.get("seconds") or 0.0
+
+
+def main(argv=None):
+    """The patched run's process: the spec's command under `run_diagnosis` with its
+    patched sources in place of the files; the result written to the spec's `out`."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    sys.dont_write_bytecode = True  # no cached bytecode of a patched file, ever
+    from keras_gpufix.diagnose.run import run_diagnosis
+
+    result = run_diagnosis(spec["command"], steps=spec["steps"], log_dir=spec["log_dir"],
+                           trace=False, what_if=False, verbose=0, sources=spec["sources"])
+    part = spec["out"] + ".part"
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(part, spec["out"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -209,7 +209,7 @@ def test_a_step_tf_function_cannot_run_as_written_is_patched_checked_and_the_pat
     if fix is not None:
         assert f"`patch -p1 < {compiled['patch']}` from the folder diagnose ran in" in fix["fix"]
         assert where <= {w.split(": ", 1)[0] for w in fix["where"]}
-        assert fix["predicted"]["source"] == "compiled-step"
+        assert fix["predicted"]["source"] == "patched-run"  # its patch, run
     patched = subprocess.run(["patch", "-p1", "-i", compiled["patch"]], cwd=tmp_path,
                              capture_output=True, text=True)
     assert patched.returncode == 0, patched.stdout + patched.stderr

@@ -244,6 +244,49 @@ def test_a_change_it_cannot_make_is_named_and_a_copy_that_differs_is_not_offered
     assert variable.numpy() == 0.0  # restored
 
 
+GROWN = '''\
+import keras
+import tensorflow as tf
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+optimizer = keras.optimizers.SGD(0.01)
+micro_batches = tf.constant(2)
+
+
+def step(x, y):
+    accumulated = []
+    size = tf.shape(x)[0] // micro_batches
+    for i in range(micro_batches):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x[i * size:(i + 1) * size]) - y[i * size:(i + 1) * size]) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if not accumulated:
+            accumulated = list(grads)
+        else:
+            accumulated = [a + g for a, g in zip(accumulated, grads)]
+    optimizer.apply(accumulated, model.trainable_variables)
+    return loss
+'''
+
+
+def test_an_accumulator_whose_structure_changes_in_the_loop_starts_as_zeros(tmp_path):
+    # an empty list that becomes the gradients' list in a loop over a tensor count:
+    # only the trace finds it ("does not have the same nested structure"); the copy
+    # starts it as the gradients' zeros and computes what the eager step computes
+    path = str(tmp_path / "grown.py")
+    with open(path, "w") as f:
+        f.write(GROWN)
+    module = _load(path)
+    x, y = tf.random.normal((16, 8), seed=1), tf.random.normal((16, 1), seed=2)
+    made = make_runnable(module.step, (x, y))
+    assert made["runs"] and made["same"] is True, made.get("blocker") or made.get("differs")
+    (change,) = made["changes"]
+    assert change["where"] == f"{path}:{_line(path, 'for i in range(micro_batches)')}"
+    assert ("`accumulated = [tf.zeros_like(v) for v in model.trainable_variables]` set before "
+            "the loop (the trace: TypeError: 'accumulated' does not have the same nested "
+            "structure") in change["change"]
+
+
 PIPELINE = '''\
 import time
 

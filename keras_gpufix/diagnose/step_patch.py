@@ -275,6 +275,11 @@ class _Step:
                                                        "accumulator kept a tuple", code=old)
             return
         init = _zeros_of(value, self.tf_name)
+        gradients = [n for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(
+            n.func, ast.Attribute) and n.func.attr == "gradient" and len(n.args) >= 2]
+        if isinstance(value, (list, tuple)) and value and gradients:  # a gradient list grown
+            zeros = f"{self.tf_name}.zeros_like(v) for v in {ast.unparse(gradients[0].args[1])}"
+            init = f"[{zeros}]" if isinstance(value, list) else f"tuple({zeros})"
         if init is None:
             raise CannotPatch(where, code, f"'{name}' has no tensor value in the eager step to "
                                            "start it from")
@@ -399,9 +404,16 @@ def _as_tuple(text):
 
 
 def _zeros_of(value, tf_name):
-    """`tf.zeros(shape, dtype)` source for a tensor `value` (0 / 0.0 for a number)."""
+    """`tf.zeros(shape, dtype)` source for a tensor `value` (0 / 0.0 for a number; a
+    list or tuple of them for one of tensors)."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, (list, tuple)) and value:
+        items = [_zeros_of(v, tf_name) for v in value]
+        if None in items:
+            return None
+        return (f"[{', '.join(items)}]" if isinstance(value, list)
+                else f"({', '.join(items)},)")
     if isinstance(value, (int, float)):
         return repr(type(value)(0))
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)

@@ -9,6 +9,7 @@ from `max()` of a tensor (AutoGraph then says "'loss' must be defined before the
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+keras.utils.set_random_seed(0)  # the same weights in every process: losses compared
 rng = np.random.default_rng(0)
 xs = rng.random((64, 8), dtype=np.float32)
 ys = xs[:, :1] * 2.0
@@ -76,7 +78,7 @@ class Trainer:
 trainer = Trainer()
 for x, y, text_lengths in dataset.take(STEPS):
     logs = trainer.train_step(x, y, text_lengths)
-print("done", trainer.current_step, "loss %.4f" % logs["loss"], flush=True)
+print("done", trainer.current_step, "loss %.6f" % logs["loss"], flush=True)
 '''
 
 
@@ -167,10 +169,15 @@ def test_the_patch_applies_with_patch_p1_and_the_patched_script_runs(trainer, tm
     else:  # pragma: no cover - a machine without patch(1)
         pytest.skip("no patch binary")
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    run = subprocess.run([sys.executable, "train.py", "3"], cwd=copy, capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "done 3 loss" in run.stdout  # the moved count ran at each step, the loss read after
+    losses = []
+    for folder in (copy, tmp_path):  # patched, then as written
+        run = subprocess.run([sys.executable, "train.py", "3"], cwd=folder, capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        done = re.search(r"^done (\d+) loss (\S+)$", run.stdout, re.M)
+        assert done and done.group(1) == "3", run.stdout  # the moved count ran at each step
+        losses.append(float(done.group(2)))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)  # the same training, compiled
     # the fix says so, naming the patch
     fix = compiled_step_fix({"function": "train_step (train.py:27)", "eager_ms": 9.0,
                              "function_ms": 3.0, "xla_ms": None, "xla_op": "StringFormat",

@@ -109,7 +109,8 @@ def build_parser():
                              "what the step log cannot: on a GPU)")
     traced.add_argument("--no-trace", action="store_true", help="take no XProf trace")
     p.add_argument("--no-what-if", action="store_true",
-                   help="skip the what-if (input alone vs step alone, a few seconds per run)")
+                   help="skip the what-if (input alone vs step alone, a few seconds per run) "
+                        "and the patched run (the script again with the step's patch)")
     p.add_argument("--what-if-budget", type=_positive_float, metavar="SECONDS",
                    help="the most each run's what-if may take, stages included (default: "
                         "a minute, or a tenth of the run where that is longer)")

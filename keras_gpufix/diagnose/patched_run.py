@@ -128,8 +128,9 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None):
     try:
         run = subprocess.run([sys.executable, "-m", "keras_gpufix.diagnose.patched_run", spec],
                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the patched script ran past {timeout:.0f} s",
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # not the patch's failure
+        return {"unfinished": f"it ran past {timeout:.0f} s" if isinstance(
+            exc, subprocess.TimeoutExpired) else "it was interrupted (Ctrl-C)",
                 "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
     try:
@@ -174,6 +175,9 @@ def check_step_patch(result, steps, log_dir, cwd=None):
     after = run_patched(result.get("command") or [], [fix["patch"]], count,
                         os.path.join(log_dir, "patched_run"), cwd,
                         timeout=max(120.0, 3 * wall + 60.0))
+    if after.get("unfinished"):  # the one-batch prediction stands, and says so
+        fix["predicted"]["text"] += f"; the patched run did not finish ({after['unfinished']})"
+        return after.get("seconds") or 0.0
     fit = None if after.get("error") else _main_fit(after)
     if fit is None:
         why = after.get("error") or "the patched script ran no training step"

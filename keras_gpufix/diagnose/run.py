@@ -930,7 +930,11 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
     if what_if:  # the eager step's patch, run before it is offered
         from keras_gpufix.diagnose.patched_run import check_step_patch  # its own __main__
 
-        patch.own["patched run"] = check_step_patch(result, steps, log_dir)
+        try:
+            patch.own["patched run"] = check_step_patch(result, steps, log_dir)
+        except Exception as exc:  # noqa: BLE001 - the report comes first
+            result["notes"].append(f"the patched run could not be judged ({type(exc).__name__}: "
+                                   f"{exc}): the eager step's gain is the one-batch figure")
     result["own_cost"] = _jsonable(own_cost(patch.own, (age or 0.0) + time.perf_counter() - t_in,
                                             opted_in_trace=trace is True))
     return result

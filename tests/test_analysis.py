@@ -372,6 +372,34 @@ def test_periodic_excess_of_an_unsplit_loop_body_is_work_in_the_loop_body():
                    share=0.18).startswith("work in the loop body every 5 steps costs 18%")
 
 
+def test_a_periodic_stall_is_priced_with_the_slower_cycle_after_it_and_never_twice():
+    # A plot every 5 steps (100 ms after a 20 ms eager step) and the step after it
+    # 6 ms slower (its after-effect: tests/loop_patterns.py xtts and accum_plot ran
+    # the step after the plot's sleep 30-35% slower): removing the plot removes both.
+    rs = cycles(96, step=0.020, split=False)
+    for i in range(4, 96, 5):
+        rs[i] = rs[i]._replace(step=rs[i].step + 0.100)
+        if i + 1 < 96:
+            rs[i + 1] = rs[i + 1]._replace(step=rs[i + 1].step + 0.006)
+    total = sum(r.cycle for r in rs)
+    removed = 19 * 0.100 + 18 * 0.006  # what the fixed loop no longer runs
+    judgement = judge(rs, eager=True)
+    stall = next(c for c in judgement["causes"] if c["verdict"] == "periodic_stall")
+    assert stall["period"] == 5
+    assert stall["share"] == pytest.approx(removed / total, rel=0.05)
+    assert stall["speedup"] == pytest.approx(total / (total - removed), rel=0.05)
+    assert judgement["evidence"]["after_effect_share"] > 0
+    assert sum(c["share"] for c in judgement["causes"]) <= 1.0
+    # without an after-effect nothing is added: steady steps around the plot
+    plain = cycles(96, step=0.020, split=False)
+    for i in range(4, 96, 5):
+        plain[i] = plain[i]._replace(step=plain[i].step + 0.100)
+    plain_judgement = judge(plain)
+    assert plain_judgement["evidence"]["after_effect_share"] == 0.0
+    assert plain_judgement["cost_share"] == pytest.approx(
+        19 * 0.100 / sum(r.cycle for r in plain), rel=0.05)
+
+
 def test_judge_has_no_side_effects():
     det = OscillationDetector(window=16, warmup=0)
     for r in cycles(40):

@@ -77,6 +77,26 @@ def _in_step(excess, period):
     return offsets == best
 
 
+def _after_effect(cycle, on, n, z):
+    """Seconds the cycles right after each stall (`on`) took above the period's other
+    cycles: the after cycles' median over the others' median, times their steps, when
+    it exceeds `z` standard errors of the two medians (a robust spread of the others);
+    0 otherwise."""
+    after = np.zeros_like(on)
+    after[1:] = on[:-1]
+    after &= ~on
+    rest = ~(on | after)
+    if after.sum() < 2 or rest.sum() < 2:
+        return 0.0
+    base = float(np.median(cycle[rest]))
+    effect = float(np.median(cycle[after])) - base
+    spread = 1.4826 * float(np.median(np.abs(cycle[rest] - base)))
+    error = spread * np.sqrt(np.pi / 2 * (1.0 / after.sum() + 1.0 / rest.sum()))
+    if effect <= 0.0 or effect <= z * error:
+        return 0.0
+    return effect * float(n[after].sum())
+
+
 def _elements(shape):
     """Elements per batch of a shape key (`((B, T, F), (B,))`), or None."""
     try:
@@ -247,7 +267,9 @@ def judge(records, thresholds=None, baseline_ms=None, jit=None, eager=False,
     window's time, never one's time counted in another's: `recompiling`
     (the compiling steps' excess), `eager_step` (the steady step time: the
     most compiling the step can save; the stalls' excess is not in it),
-    `periodic_stall` (the excess of the cycles in step with the period) and
+    `periodic_stall` (the excess of the cycles in step with the period, and
+    of the cycles right after them where those run slower: its after-effect,
+    taken out of the steady step time) and
     `input_bound` (the input wait). Fixing each alone makes the window
     `1 / (1 - share)` faster.
 
@@ -474,15 +496,22 @@ def _judge(records, thresholds, baseline_ms, jit, shapes_seen, synced, async_blo
             # A fixed-shape step does not cost more every k steps; work
             # on a schedule in an unsplit loop body does.
             stall_phase = "loop_body"
+        # The cycles right after each stall, slower than the others, are its
+        # after-effect: the fix removes them too (tests/loop_patterns.py xtts and
+        # accum_plot: the step after the plot's sleep ran 30-35% slower than the
+        # period's others). Priced with the stall, taken out of the steady step
+        # time (the eager step's cause) so no time is counted twice.
+        after = _after_effect(cycle, on, n, th["after_effect_z"]) / total if total > 0 else 0.0
         ev.update(period=period, autocorrelation=acf, period_from=source,
-                  periodic_time_share=share)
+                  periodic_time_share=share, after_effect_share=after)
+        ev["steady_step_share"] = max(0.0, ev["steady_step_share"] - after)
         if wait_share is not None and wait_share >= th["input_wait_share"]:
             ev["also"] = [_judgement("input_bound", ev, phase="input_wait",
                                      cost_share=wait_share)]
         if padding_costs:
             ev.setdefault("also", []).append(
                 _judgement("padded_batches", ev, phase="step", cost_share=padded_share))
-        return _judgement("periodic_stall", ev, period, stall_phase, share)
+        return _judgement("periodic_stall", ev, period, stall_phase, share + after)
 
     if wait_share is not None and wait_share >= th["input_wait_share"]:
         # While the input is the bound, a lighter step waits longer: the

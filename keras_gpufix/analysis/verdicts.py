@@ -166,6 +166,13 @@ THRESHOLDS = {
     # offset in step with the period is the one with the most excess, which
     # favours some line by about 2 standard errors on noise alone.
     "locate_z": 4.0,
+    # A periodic stall's after-effect: the cycles right after each stall run
+    # slower than the period's other cycles (the work's own cold start: caches
+    # and threads parked while it ran, the cores taken meanwhile); removing the
+    # stall removes that too, so it is priced with the stall when the after
+    # cycles' median exceeds the other cycles' by this many standard errors
+    # (fewer, and noise among a few cycles would be priced as an effect).
+    "after_effect_z": 2.0,
     # The slow stage of an input pipeline (analysis.stages) is named when its
     # cost is at least this share of the pipeline's time per batch: below
     # half, no one stage is the bottleneck and fixing it alone cannot double

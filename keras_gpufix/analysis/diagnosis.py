@@ -49,7 +49,8 @@ OWN_ITEMS = {
                      "slowdown under the profiler",
     "trace analysis": "waiting at a fit's end for XProf's analysis of its traces",
     "what-if": "the input alone and the step alone, after each run (its own budget)",
-    "patched run": "the script run again with the eager step's patch, before it is offered",
+    "patched run": "the script run again with the eager step's patch, and with a periodic "
+                   "stall's line skipped, before they are offered",
     "report": "the judgement, the environment, the run record and its HTML report",
 }
 
@@ -118,7 +119,7 @@ def traced_extra_s(cycles, traces) -> float:
 
 
 #: Why an item is listed aside of the bound, where it is not an opted-in trace.
-_ASIDE = {"what-if": " (its own budget)", "patched run": " (the patch run before it is offered)"}
+_ASIDE = {"what-if": " (its own budget)", "patched run": " (the fixes run before they are offered)"}
 
 
 def own_cost(seconds, wall_s, opted_in_trace=False) -> dict:

@@ -67,6 +67,8 @@ def gain_words(fix: dict) -> str:
         return f"the whole run at most {speedup:.2f}x faster (all of its time removed)"
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
         return f"{speedup:.2f}x the steps/s, measured with the patch applied"
+    if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped
+        return f"{speedup:.2f}x the steps/s with that work removed, measured"
     whole = fix.get("whole_run")
     whole = fix.get("source") != "compiled-step" if whole is None else whole
     return f"{'the whole run' if whole else 'the steps'} {speedup:.2f}x faster"

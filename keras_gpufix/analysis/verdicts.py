@@ -390,10 +390,24 @@ STEP_PATCH_NOTES = {
 #: The eager-step fix's gain once diagnose ran the script with its patch
 #: (`diagnose.patched_run`): the steady steps/s of the two runs, as `compare` judges them.
 PATCHED_RUN_TEXT = (
-    "measured: diagnose ran the script again with the patch applied (in memory, its files "
+    "measured: diagnose ran the script again with {what} (in memory, its files "
     "untouched; {steps} steps): {before:.3g} -> {after:.3g} steps/s, {gain:.2f}x "
     "({low:.2f}x-{high:.2f}x; the mean wall per steady step, stalls included, as `compare` "
     "judges two runs){whole}"
+)
+#: ... where a periodic stall's loop-body line was skipped: all of its time removed; how
+#: often to run that work is the user's choice, so no patch.
+SKIPPED_RUN_WHAT = ("{where} skipped (all of that work removed; run it k times less often "
+                    "to gain about 1 - 1/k of the difference)")
+#: ... where the script does not run with that line skipped: the cost share stands.
+SKIPPED_RUN_FAILED = ("diagnose could not check it by a run with {where} skipped ({error}): "
+                      "the prediction is the share it cost")
+#: ... and all the fixes diagnose ran, run together once more (their gains apart do not
+#: add up: the causes interact).
+TOGETHER_RUN_TEXT = (
+    "the {count} fixes together, measured: diagnose ran the script again with all of them "
+    "({steps} steps): {before:.3g} -> {after:.3g} steps/s, {gain:.2f}x ({low:.2f}x-"
+    "{high:.2f}x); the causes interact, so their gains apart do not add up"
 )
 #: ... and where the script with the patch failed or ran no step: the patch is not offered.
 PATCHED_RUN_FAILED = (
@@ -803,11 +817,13 @@ def compiled_step_fix(compiled: dict) -> "str | None":
     return text
 
 
-def patched_run_text(steps, before, after, gain, gain_range, whole=None) -> str:
+def patched_run_text(steps, before, after, gain, gain_range, whole=None, skipped=None) -> str:
     """`PATCHED_RUN_TEXT`: the patched run's steps/s against the run's (`whole`: the two
-    runs' walls over the same steps, the trace and compile included, where known)."""
+    runs' walls over the same steps, the trace and compile included, where known;
+    `skipped`: the `file:line` the rerun skipped, where it applied no patch)."""
     low, high = gain_range or (gain, gain)
     return PATCHED_RUN_TEXT.format(
+        what="the patch applied" if skipped is None else SKIPPED_RUN_WHAT.format(where=skipped),
         steps=steps, before=before, after=after, gain=gain, low=low or gain, high=high or gain,
         whole="" if whole is None else f"; the whole loop {whole:.2f}x as fast, its trace "
         "and compile in it")

@@ -23,9 +23,10 @@ import subprocess
 import sys
 import time
 
-from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, patched_run_text
+from keras_gpufix.analysis.verdicts import (PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED,
+                                            TOGETHER_RUN_TEXT, patched_run_text)
 
-__all__ = ["apply", "run_patched", "check_step_patch", "main"]
+__all__ = ["apply", "run_patched", "skip_statement", "check_fixes", "main"]
 
 #: The most steps the patched run takes (a run of thousands of steps is timed on these).
 MAX_STEPS = 200
@@ -95,14 +96,15 @@ def apply(patch, cwd, sources=None):
     return sources
 
 
-def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None):
+def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None, sources=None):
     """Runs `command` again with `patches` applied in memory, under diagnose's
     monitors (no what-if, no trace), for `steps` steps; returns its result dict
     (`run_diagnosis`'s), or `{"error": why}` where it could not run or failed.
 
     Args:
         command: the script's command, as diagnose ran it.
-        patches: unified diffs to apply, in turn (`apply`).
+        patches: unified diffs to apply, in turn (`apply`), to the files or to
+            their text in `sources` (`{path: text}`, e.g. `skip_statement`'s).
         steps: the steps to run (`--steps`).
         log_dir: the patched run's folder (its spec, result and logs).
         cwd: the folder diagnose ran in (the patches' paths are relative to it).
@@ -111,7 +113,7 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None):
     cwd = os.path.abspath(cwd or os.getcwd())
     t0 = time.perf_counter()
     try:
-        sources = {}
+        sources = dict(sources or {})
         for patch in patches:
             sources = apply(patch, cwd, sources)
     except ValueError as exc:
@@ -147,6 +149,33 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None):
     return result
 
 
+def skip_statement(where):
+    """`{path: text}`: the file of `where` (`file:line`) with the innermost statement
+    holding that line replaced by `pass` (its other lines left blank: the line
+    numbers stay the file's), or None where no statement holds it."""
+    import ast
+
+    path, _, line = where.rpartition(":")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        line = int(line)
+        tree = ast.parse(text, path)
+    except (OSError, ValueError, SyntaxError):
+        return None
+    held = [n for n in ast.walk(tree) if isinstance(n, ast.stmt)
+            and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    if not held:
+        return None
+    stmt = max(held, key=lambda n: (n.lineno, -(n.end_lineno or n.lineno)))  # innermost
+    rows = text.splitlines(True)
+    first = rows[stmt.lineno - 1]
+    rows[stmt.lineno - 1] = first[:len(first) - len(first.lstrip())] + "pass\n"
+    for i in range(stmt.lineno, stmt.end_lineno or stmt.lineno):
+        rows[i] = "\n"
+    return {os.path.abspath(path): "".join(rows)}
+
+
 def _main_fit(result):
     """The run a result's record is about (`RunRecord.from_diagnosis`'s): the one that
     timed the most steps."""
@@ -155,52 +184,109 @@ def _main_fit(result):
     return max(fits, key=lambda f: f["monitor"]["step_time"]["count"], default=None)
 
 
-def check_step_patch(result, steps, log_dir, cwd=None):
-    """Runs the eager-step fix's patch (`run_patched`) where diagnose wrote one and
-    puts what the run measured in the fix: its `predicted` becomes the patched run's
-    gain (`source` `patched-run`: `speedup` and `steady_speedup` the steady steps/s
-    ratio, `speedup_range`, `steps_per_s` before and after, `run_speedup` the two runs'
-    walls over the same steps, `text`); where the patched script failed, the fix keeps
-    no `patch` and says why. Returns the seconds it took (0 where nothing ran)."""
+def _judged(result, after, count):
+    """(gain, compare_runs's result, the steps run, the whole loop's wall ratio or
+    None) of the rerun `after` against `result`'s run."""
     from keras_gpufix.analysis.comparison import compare_runs
     from keras_gpufix.run_record import RunRecord
 
-    fix = next((f for f in result.get("fixes") or ()
-                if f.get("verdict") == "eager_step" and f.get("patch")), None)
-    before = _main_fit(result)
-    if fix is None or before is None or result.get("exit_code") or result.get("ended_by"):
-        return 0.0
-    count = min(steps or MAX_STEPS, MAX_STEPS)
-    wall = before.get("wall_s") or 0.0
-    after = run_patched(result.get("command") or [], [fix["patch"]], count,
-                        os.path.join(log_dir, "patched_run"), cwd,
-                        timeout=max(120.0, 3 * wall + 60.0))
-    if after.get("unfinished"):  # the one-batch prediction stands, and says so
-        fix["predicted"]["text"] += f"; the patched run did not finish ({after['unfinished']})"
-        return after.get("seconds") or 0.0
-    fit = None if after.get("error") else _main_fit(after)
-    if fit is None:
-        why = after.get("error") or "the patched script ran no training step"
-        fix["patch"] = None
-        fix["predicted"] = {**fix["predicted"], "speedup": None, "speedup_range": None,
-                            "steady_speedup": None, "source": "patched-run-failed",
-                            "text": PATCHED_RUN_FAILED.format(error=why)}
-        return after.get("seconds") or 0.0
     judged = compare_runs(RunRecord.from_diagnosis(result).data,
                           RunRecord.from_diagnosis(after).data)
-    gain, b, a = judged["gain"], judged["before"], judged["after"]
-    if gain is None:
-        return after.get("seconds") or 0.0
+    before, fit = _main_fit(result), _main_fit(after)
     ran = (after.get("stopped") or {}).get("steps_run") or count
     same = (result.get("stopped") or {}).get("steps_run") == ran  # the same steps, both runs
     whole = before["wall_s"] / fit["wall_s"] if same and fit.get("wall_s") else None
-    fix["predicted"] = {
-        **fix["predicted"], "speedup": gain, "steady_speedup": gain,
-        "speedup_range": judged["gain_range"], "source": "patched-run", "whole_run": True,
-        "steps_per_s": [b["steps_per_s"], a["steps_per_s"]], "run_speedup": whole,
-        "text": patched_run_text(ran, b["steps_per_s"],
-                                 a["steps_per_s"], gain, judged["gain_range"], whole)}
-    return after.get("seconds") or 0.0
+    return judged["gain"], judged, ran, whole
+
+
+def check_fixes(result, steps, log_dir, cwd=None):
+    """Runs the script again for each fix diagnose can apply in memory, and puts what
+    the run measured in the fix's `predicted` (`speedup` and `steady_speedup`: the
+    steady steps/s ratio, `speedup_range`, `steps_per_s` before and after,
+    `run_speedup`: the two runs' walls over the same steps, `text`):
+
+    - the eager step's patch (`source` `patched-run`); where the patched script
+      failed, the fix keeps no `patch` and says why (`patched-run-failed`);
+    - a periodic stall's loop-body line skipped (`skip_statement`; `source`
+      `skipped-run`): what the stall costs, all of it removed; no patch (how often
+      to run it is the user's choice); where the script fails without it, the
+      cost-share prediction stands and says so.
+
+    Where two or more ran, the script runs once more with all of them
+    (`result["together"]`: `speedup`, `speedup_range`, `steps_per_s`, `text`): the
+    causes interact (a plot's pause slows the eager steps after it), so their gains
+    measured apart do not add up.
+
+    Returns the seconds the runs took (0 where nothing ran)."""
+    before = _main_fit(result)
+    if before is None or result.get("exit_code") or result.get("ended_by"):
+        return 0.0
+    count = min(steps or MAX_STEPS, MAX_STEPS)
+    timeout = max(120.0, 3 * (before.get("wall_s") or 0.0) + 60.0)
+    stall = next((f["step"]["stall_where"] for f in result.get("fits") or ()
+                  if (f.get("step") or {}).get("stall_where")), None)
+    seconds, ran_ok = 0.0, []
+
+    def rerun(name, patches, sources):
+        nonlocal seconds
+        after = run_patched(result.get("command") or [], patches, count,
+                            os.path.join(log_dir, name), cwd, timeout, sources)
+        seconds += after.get("seconds") or 0.0
+        return after
+
+    for fix in result.get("fixes") or ():
+        if fix.get("verdict") == "eager_step" and fix.get("patch"):
+            name, patches, sources = "patched_run", [fix["patch"]], None
+        elif fix.get("verdict") == "periodic_stall" and stall and skip_statement(stall):
+            name, patches, sources = "skipped_run", [], skip_statement(stall)
+        else:
+            continue
+        after = rerun(name, patches, sources)
+        predicted = fix["predicted"]
+        if after.get("unfinished"):  # the prediction it had stands, and says so
+            predicted["text"] += f"; the run to check it did not finish ({after['unfinished']})"
+            continue
+        failed = after.get("error") or (
+            None if _main_fit(after) else "the script ran no training step")
+        if failed and patches:
+            fix["patch"] = None
+            fix["predicted"] = {**predicted, "speedup": None, "speedup_range": None,
+                                "steady_speedup": None, "source": "patched-run-failed",
+                                "text": PATCHED_RUN_FAILED.format(error=failed)}
+            continue
+        if failed:
+            predicted["text"] += f"; {SKIPPED_RUN_FAILED.format(where=stall, error=failed)}"
+            continue
+        gain, judged, ran, whole = _judged(result, after, count)
+        if gain is None:
+            continue
+        ran_ok.append((patches, sources))
+        fix["predicted"] = {
+            **predicted, "speedup": gain, "steady_speedup": gain,
+            "speedup_range": judged["gain_range"], "whole_run": True,
+            "source": "patched-run" if patches else "skipped-run",
+            "steps_per_s": [judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]],
+            "run_speedup": whole,
+            "text": patched_run_text(ran, judged["before"]["steps_per_s"],
+                                     judged["after"]["steps_per_s"], gain,
+                                     judged["gain_range"], whole,
+                                     skipped=None if patches else stall)}
+    if len(ran_ok) > 1:
+        sources = {}
+        for _, more in ran_ok:
+            sources.update(more or {})
+        after = rerun("together_run", [p for patches, _ in ran_ok for p in patches], sources)
+        if not (after.get("error") or after.get("unfinished")) and _main_fit(after):
+            gain, judged, ran, _ = _judged(result, after, count)
+            if gain is not None:
+                b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]
+                result["together"] = {"speedup": gain, "speedup_range": judged["gain_range"],
+                                      "steps_per_s": [b, a],
+                                      "text": TOGETHER_RUN_TEXT.format(
+                                          count=len(ran_ok), steps=ran, before=b, after=a,
+                                          gain=gain, low=judged["gain_range"][0] or gain,
+                                          high=judged["gain_range"][1] or gain)}
+    return seconds
 
 
 def main(argv=None):

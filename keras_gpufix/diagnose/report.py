@@ -601,7 +601,9 @@ def format_report(result):
             lines += [f"     {w}" for w in fix["where"]]
         predicted = [f["predicted"]["speedup"] for f in result["fixes"]
                      if f["predicted"].get("speedup")]
-        if len(predicted) > 1:  # the causes never overlap: the time each fix saves adds up
+        if result.get("together"):  # diagnose ran them all together
+            lines.append(f"  {result['together']['text']}")
+        elif len(predicted) > 1:  # the causes never overlap: the time each fix saves adds up
             speedup = analysis.combined_speedup(predicted)
             left = 1 / speedup if speedup else 0.0
             lines.append(f"  the {len(predicted)} predicted fixes together: "

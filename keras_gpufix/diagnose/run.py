@@ -808,7 +808,10 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         `ran_on`: it ran on to its own end), `where` (file:line) and
         `text`, "stopped by --steps after N steps; ..."), `verdict`,
         `evidence` (of the verdict), `ranking`, `fixes` (ranked, each with
-        its `predicted` effect), `seen_in_code` (static findings of no
+        its `predicted` effect: where diagnose ran the script again with the fix
+        applied, `source` `patched-run` or `skipped-run`), `together` (None, or the
+        fixes it ran, run together: `speedup`, `speedup_range`, `steps_per_s`,
+        `text`), `seen_in_code` (static findings of no
         measured cause: not ranked, one entry per verdict), `not_offered`
         (static findings the run rules out, with the reason: their line never
         ran, or the measurement contradicts them), `scan` (each finding's
@@ -917,6 +920,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         "evidence": evidence,
         "ranking": ranking,
         "fixes": fixes,
+        "together": None,
         "seen_in_code": seen_in_code(patch.fits, scan, fixes),
         "not_offered": not_offered(patch.fits, scan),
         "scan": scan,
@@ -927,14 +931,14 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         "log_dir": log_dir,
         "notes": notes + patch.notes + ([_QUIET_NOTE] if quiet else []),
     })
-    if what_if:  # the eager step's patch, run before it is offered
-        from keras_gpufix.diagnose.patched_run import check_step_patch  # its own __main__
+    if what_if:  # the fixes diagnose can apply in memory, run before they are offered
+        from keras_gpufix.diagnose.patched_run import check_fixes  # its own __main__
 
         try:
-            patch.own["patched run"] = check_step_patch(result, steps, log_dir)
+            patch.own["patched run"] = check_fixes(result, steps, log_dir)
         except Exception as exc:  # noqa: BLE001 - the report comes first
             result["notes"].append(f"the patched run could not be judged ({type(exc).__name__}: "
-                                   f"{exc}): the eager step's gain is the one-batch figure")
+                                   f"{exc}): the predictions are the first run's")
     result["own_cost"] = _jsonable(own_cost(patch.own, (age or 0.0) + time.perf_counter() - t_in,
                                             opted_in_trace=trace is True))
     return result

@@ -5,7 +5,7 @@
 MODE:
 - `accum_plot`: an eager GradientTape step with gradient accumulation (apply every 2
   steps), a "plot" (a sleep) every 5 steps; the loop calls `next()` itself.
-- `tf_print`: the same eager step, its loss holding a `tf.print` (XLA cannot compile it).
+- `tf_print [--no-plot]`: the same eager step, its loss holding a `tf.print` (XLA cannot compile it).
 - `distributed`: `strategy.experimental_distribute_dataset` + `strategy.run` inside a
   tf.function (the default strategy), a `for` loop; `mirrored`: the same with a
   one-CPU `MirroredStrategy`.
@@ -154,7 +154,8 @@ def accumulation_loop(batches, step, plot_s, steps):
 
 if MODE in ("accum_plot", "tf_print"):
     source = watched(dataset)
-    print("LOOP_S", accumulation_loop(iter(source), accumulate_step, PLOT_S, STEPS), flush=True)
+    plot_s = 0 if "--no-plot" in sys.argv else PLOT_S
+    print("LOOP_S", accumulation_loop(iter(source), accumulate_step, plot_s, STEPS), flush=True)
     if WATCH:
         source.close()
     say_watch()

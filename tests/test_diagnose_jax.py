@@ -158,7 +158,9 @@ def _cases(folder):
                          "period": stall["ranking"][0]["evidence"][0].get("period"),
                          "where": stall["fits"][0]["step"]["stall_where"],
                          "steps": [f["name"] for f in stall["fits"][0]["step"]["functions"]],
-                         "expected": f"{script}:{line}"}
+                         "expected": f"{script}:{line}",
+                         "predicted": next(f["predicted"] for f in stall["fixes"]
+                                           if f["verdict"] == "periodic_stall")}
     _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20")
     out["loop_steps"] = {"exit_code": steps["exit_code"], "ended": steps["stopped"],
                          "stopped": steps["fits"][0]["stopped_by_diagnose"],
@@ -209,6 +211,10 @@ def test_jax_jit_loop_with_periodic_host_work_is_periodic_stall_at_its_line(case
     assert case["verdict"] == "periodic_stall" and case["kind"] == "loop", case
     assert case["period"] == 5 and case["where"] == case["expected"], case
     assert case["steps"] == ["step"], case  # not the jitted augmentation
+    # its gain measured by running the script again with that line skipped (JAX too)
+    predicted = case["predicted"]
+    assert predicted["source"] == "skipped-run", predicted["text"]
+    assert f"{case['where']} skipped" in predicted["text"]
 
 
 def test_a_scripts_own_kg_watch_loop_gets_the_monitors_and_steps(cases):

@@ -30,10 +30,10 @@ def _line(text):
         return next(i for i, line in enumerate(f, start=1) if text in line)
 
 
-def diagnose(mode, steps, *flags, script_steps=None, script=SCRIPT, cwd=None):
+def diagnose(mode, steps, *flags, script_steps=None, script=SCRIPT, cwd=None, script_args=()):
     """(process, result) of `keras-gpufix diagnose --steps STEPS -- python SCRIPT MODE`
     (run in `cwd`)."""
-    args = [] if script_steps is None else ["--steps", str(script_steps)]
+    args = [*script_args] + ([] if script_steps is None else ["--steps", str(script_steps)])
     proc = subprocess.run(
         [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
          "--steps", str(steps), *flags, "--", "python", script, mode, *args],
@@ -153,7 +153,7 @@ def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
 def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line():
     with open(SCRIPT, "rb") as f:
         before = f.read()
-    proc, result = diagnose("tf_print", 14, script_steps=40)
+    proc, result = diagnose("tf_print", 14, script_steps=40, script_args=["--no-plot"])
     compiled = result["fits"][0]["compiled_step"]
     assert compiled["xla_op"] == "StringFormat" and compiled["xla_ms"] is None
     assert compiled["xla_where"].endswith(f"loop_patterns.py:{_line('tf.print(')}")

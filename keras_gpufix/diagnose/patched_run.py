@@ -143,9 +143,6 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None, source
         return {"error": f"the patched run ended with exit code {run.returncode}: "
                          + " / ".join(tail), "seconds": seconds}
     result["seconds"] = seconds
-    if result.get("exit_code"):
-        ended = (result.get("ended_by") or {}).get("text") or f"exit code {result['exit_code']}"
-        result["error"] = f"the patched script failed: {ended}"
     return result
 
 
@@ -219,8 +216,8 @@ def check_fixes(result, steps, log_dir, cwd=None):
 
     Returns the seconds the runs took (0 where nothing ran)."""
     before = _main_fit(result)
-    if before is None or result.get("exit_code") or result.get("ended_by"):
-        return 0.0
+    if before is None or (result.get("ended_by") or {}).get("kind") == "signal":
+        return 0.0  # nothing judged, or the user stopped it
     count = min(steps or MAX_STEPS, MAX_STEPS)
     timeout = max(120.0, 3 * (before.get("wall_s") or 0.0) + 60.0)
     stall = next((f["step"]["stall_where"] for f in result.get("fits") or ()
@@ -246,8 +243,11 @@ def check_fixes(result, steps, log_dir, cwd=None):
         if after.get("unfinished"):  # the prediction it had stands, and says so
             predicted["text"] += f"; the run to check it did not finish ({after['unfinished']})"
             continue
-        failed = after.get("error") or (
-            None if _main_fit(after) else "the script ran no training step")
+        failed = after.get("error")
+        if not failed and after.get("exit_code") != result.get("exit_code"):  # its own failure
+            failed = "the script failed: " + ((after.get("ended_by") or {}).get("text")
+                                              or f"exit code {after.get('exit_code')}")
+        failed = failed or (None if _main_fit(after) else "the script ran no training step")
         if failed and patches:
             fix["patch"] = None
             fix["predicted"] = {**predicted, "speedup": None, "speedup_range": None,
@@ -276,7 +276,8 @@ def check_fixes(result, steps, log_dir, cwd=None):
         for _, more in ran_ok:
             sources.update(more or {})
         after = rerun("together_run", [p for patches, _ in ran_ok for p in patches], sources)
-        if not (after.get("error") or after.get("unfinished")) and _main_fit(after):
+        if not (after.get("error") or after.get("unfinished")) and _main_fit(after) and \
+                after.get("exit_code") == result.get("exit_code"):
             gain, judged, ran, _ = _judged(result, after, count)
             if gain is not None:
                 b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]

@@ -100,7 +100,10 @@ def run_gain(gain: float, kind: str, cycle_s: float, run=None) -> "float | None"
             (None: not known), `steps_per_pass` (the steps of one pass over
             the stage's data where a `.repeat()` repeats it within an epoch:
             a cache after the stage, the repeat after the cache, serves from
-            the second pass; None: an epoch's) and `fixed_s`.
+            the second pass; None: an epoch's), `fixed_s` and `released_s`
+            (seconds the input's epoch iterators took to release, outside
+            the steps: the input's, kept only for the steps a cache has not
+            yet served).
 
     Returns:
         The gain, or None for a cache whose epochs are not known.
@@ -114,8 +117,10 @@ def run_gain(gain: float, kind: str, cycle_s: float, run=None) -> "float | None"
     if not steps:
         return gain
     first = min(steps, *filled) if cached else 0
-    now = (fixed or 0.0) + steps * cycle_s
-    return now / ((fixed or 0.0) + first * cycle_s + (steps - first) * cycle_s / gain)
+    released = run.get("released_s") or 0.0
+    now = (fixed or 0.0) + released + steps * cycle_s
+    return now / ((fixed or 0.0) + released * first / steps + first * cycle_s
+                  + (steps - first) * cycle_s / gain)
 
 
 def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,

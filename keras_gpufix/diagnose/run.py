@@ -145,6 +145,9 @@ def _step_counter(steps=None, pending=lambda: None):
     under a lock (Keras's pool has several threads): an epoch's batches
     are run up to the last one an end hook names. Each begin hook first
     calls `pending` (raises a signal the script lost, `FitPatch.raise_pending`).
+    Last of the fit's callbacks, it also times the release of the fit's epoch
+    iterators (`released_s` at each later epoch's start, beyond the first epoch's
+    gap from its begin hook to its first batch; `ended`: its train end hook).
     """
     import keras
 

@@ -7,10 +7,12 @@ For each pattern (a synthetic training script in `tests/loop_patterns.py`), R ro
 (default 3), each round:
 1. `keras-gpufix diagnose --json --no-trace --steps N -- python tests/loop_patterns.py
    MODE ...` gives the verdict and the fixes, each with its `predicted` gain;
-2. then the truth: the same script run with each named fix applied: the eager step's
-   by diagnose's own patch (the `step.patch` its first round wrote in its log dir,
-   applied with `patch -p1` to a copy of the script: `PATCHED` ways), the others by
-   hand (a flag or a twin mode of the script), every way in turn, each in a fresh process
+2. then the truth: the same script run with each named fix applied: by diagnose's own
+   patch where it wrote one (the eager step's `step.patch`, the input's `input.patch`,
+   as its first round that wrote it left it in its log dir, applied with `patch -p1` to
+   a copy of the script: `PATCHED` ways, the table's `step.patch` / `input.patch`), the
+   others by hand where it wrote none (a flag or a twin mode of the script: the table's
+   `by hand: ...`), every way in turn, each in a fresh process
    (`loop_patterns.py truth --own-process`, the order reversed every other round;
    `blocked` in one process: `OWN_PROCESS`), each way timed by the script itself
    (its loop or fit, `LOOP_S` / `FIT_S`) or its wall time.
@@ -29,8 +31,9 @@ Patterns (the fixes applied as diagnose words them):
 - `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
   `eager_step` -> diagnose's patch (the step in tf.function), `periodic_stall` -> no
   plot; both.
-- `contention`: `fit` with a heavy TF map beside a heavy step: `input_bound` -> the
-  batches computed before the fit (`--cached`).
+- `contention`: `fit` with a heavy TF map (after a `.repeat()`) beside a heavy step:
+  `input_bound` -> diagnose's input.patch (`.cache().repeat()` after the map: it
+  serves from the second pass over the data).
 - `blocked`: an eager step tf.function cannot run as written: `eager_step` -> diagnose's
   patch (its four lines changed, the step in tf.function; wall time of the run, the
   trace included).
@@ -39,8 +42,8 @@ Patterns (the fixes applied as diagnose words them):
   a `tf.print` in the loss) and a plot every 5 steps: `eager_step` -> diagnose's patch,
   `periodic_stall` -> no plot; both.
 - `slow_map_1ep` / `slow_map_3ep`: `fit` over a slow `tf.py_function` map, 1 and 3
-  epochs: `input_bound` -> `.cache()` after the map (pays from epoch 2), or the read in
-  TF ops.
+  epochs: `input_bound` -> diagnose's input.patch (`.cache()` after the map: pays from
+  epoch 2), or by hand the read in TF ops (`--tf-ops`).
 - `host_work`: a tf.function step and NumPy host work every 4 steps: `periodic_stall`
   -> no host work.
 """
@@ -62,53 +65,53 @@ SCRIPT = "tests/loop_patterns.py"
 # the way with every fix applied
 PATTERNS = {
     "accum_plot": (60, ["accum_plot", "--steps", "80"],
-                   ["truth", "accum_way", "patched:accum_way", "accum_way --no-plot",
-                    "patched:accum_way --no-plot", "--steps", "60"],
-                   "accum_way", {"eager_step": {"diagnose's patch": "patched:accum_way"},
-                                 "periodic_stall": {"no plot": "accum_way --no-plot"}},
-                   "patched:accum_way --no-plot"),
+                   ["truth", "accum_way", "step.patch:accum_way", "accum_way --no-plot",
+                    "step.patch:accum_way --no-plot", "--steps", "60"],
+                   "accum_way", {"eager_step": {"step.patch": "step.patch:accum_way"},
+                                 "periodic_stall": {"by hand: no plot": "accum_way --no-plot"}},
+                   "step.patch:accum_way --no-plot"),
     "contention": (60, ["contention", "--steps", "80"],
-                   ["truth", "contention", "contention --cached", "--steps", "80"],
-                   "contention", {"input_bound": {"batches before the fit":
-                                                  "contention --cached"}}, None),
+                   ["truth", "contention", "input.patch:contention", "--steps", "80"],
+                   "contention", {"input_bound": {"input.patch": "input.patch:contention"}},
+                   None),
     "blocked": (14, ["blocked", "--steps", "40"],
-                ["truth", "blocked", "patched:blocked", "--steps", "16"],
-                "blocked", {"eager_step": {"diagnose's patch": "patched:blocked"}}, None),
+                ["truth", "blocked", "step.patch:blocked", "--steps", "16"],
+                "blocked", {"eager_step": {"step.patch": "step.patch:blocked"}}, None),
     "xtts": (40, ["xtts", "--steps", "60"],
-             ["truth", "xtts", "patched:xtts", "xtts --no-plot", "patched:xtts --no-plot",
+             ["truth", "xtts", "step.patch:xtts", "xtts --no-plot", "step.patch:xtts --no-plot",
               "--steps", "40"],
-             "xtts", {"eager_step": {"diagnose's patch": "patched:xtts"},
-                      "periodic_stall": {"no plot": "xtts --no-plot"}},
-             "patched:xtts --no-plot"),
-    "slow_map_1ep": (500, ["slow_map"], ["truth", "slow_map", "slow_map --cache",
+             "xtts", {"eager_step": {"step.patch": "step.patch:xtts"},
+                      "periodic_stall": {"by hand: no plot": "xtts --no-plot"}},
+             "step.patch:xtts --no-plot"),
+    "slow_map_1ep": (500, ["slow_map"], ["truth", "slow_map", "input.patch:slow_map",
                                          "slow_map --tf-ops"],
-                     "slow_map", {"input_bound": {".cache() after the map": "slow_map --cache",
-                                                  "the read in TF ops": "slow_map --tf-ops"}},
+                     "slow_map", {"input_bound": {"input.patch": "input.patch:slow_map",
+                                                  "by hand: read in TF ops": "slow_map --tf-ops"}},
                      None),
     "slow_map_3ep": (500, ["slow_map", "--epochs", "3"],
-                     ["truth", "slow_map --epochs 3", "slow_map --epochs 3 --cache",
+                     ["truth", "slow_map --epochs 3", "input.patch:slow_map --epochs 3",
                       "slow_map --epochs 3 --tf-ops"],
                      "slow_map --epochs 3",
-                     {"input_bound": {".cache() after the map": "slow_map --epochs 3 --cache",
-                                      "the read in TF ops": "slow_map --epochs 3 --tf-ops"}},
+                     {"input_bound": {"input.patch": "input.patch:slow_map --epochs 3",
+                                      "by hand: read in TF ops": "slow_map --epochs 3 --tf-ops"}},
                      None),
     "host_work": (500, ["host_work", "--steps", "60"],
                   ["truth", "host_work", "host_work --no-host", "--steps", "100"],
-                  "host_work", {"periodic_stall": {"no host work": "host_work --no-host"}},
+                  "host_work", {"periodic_stall": {"by hand: no host work": "host_work --no-host"}},
                   None),
 }
 
-# which predicted figure each way is compared with: the batches computed before the fit
-# (untimed, as a cache on disk serves a later run) with `speedup_later_runs` (the whole
-# run from its first step, its start-up kept); a `.cache()` after a
-# Python map with `speedup_if_cached` (the whole run, the cache filled in epoch 1); the
-# others (the read in TF ops: the fit's trace and start-up kept) with `speedup`, the
-# whole run as the script runs it
-FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "speedup_if_cached",
-          "slow_map --epochs 3 --cache": "speedup_if_cached",
+# which predicted figure each way is compared with: diagnose's `.cache()` after a
+# Python map (its input.patch) with `speedup_if_cached` (the whole run, the cache filled
+# in epoch 1: the prediction's `speedup` is the read in TF ops'); the others (the read in
+# TF ops, the fit's trace and start-up kept; contention's input.patch, a cache of a map
+# that is no Python work, whose `speedup` is the cache's) with `speedup`, the whole run
+# as the script runs it
+FIGURE = {"input.patch:slow_map": "speedup_if_cached",
+          "input.patch:slow_map --epochs 3": "speedup_if_cached",
           # blocked is timed by its wall, its trace and compile in it: the whole run's
           # figure with the first call's one-off cost (the others time steps after the 5th)
-          "patched:blocked": "run_speedup"}
+          "step.patch:blocked": "run_speedup"}
 
 
 #: patterns whose truth runs each way in a process of its own (`truth --own-process`),
@@ -123,21 +126,26 @@ FIGURE = {"contention --cached": "speedup_later_runs", "slow_map --cache": "spee
 OWN_PROCESS = {"accum_plot", "contention", "slow_map_1ep", "slow_map_3ep", "host_work", "xtts"}
 
 
-#: A way run on the script as diagnose's patch changed it (`patched_script`).
-PATCHED = "patched:"
+#: A way run on the script as one of diagnose's patches changed it (`patched_script`):
+#: `step.patch:WAY` (the eager step compiled), `input.patch:WAY` (the input's edit at
+#: its named line).
+PATCHED = re.compile(r"^(\w+\.patch):")
 
 
-def patched_script(report, folder):
-    """(the script with the patch diagnose wrote (`compiled_step`'s `patch`) applied by
-    `patch -p1`, as a user applies it, to a copy under `folder`; the patch's text), or
-    (None, None) without a patch."""
+def patched_script(report, name, folder):
+    """(the script with the patch `name` (`step.patch`, `input.patch`) diagnose wrote
+    (a fix's `patch`, or `compiled_step`'s) applied by `patch -p1`, as a user applies
+    it, to a copy under `folder`; the patch's text), or (None, None) where diagnose
+    wrote none."""
     import shutil
     import subprocess
 
-    patch = next((f["compiled_step"].get("patch") for f in report.get("fits") or ()
-                  if (f.get("compiled_step") or {}).get("patch")), None)
+    written = [f.get("patch") for f in report.get("fixes") or ()] + [
+        (f.get("compiled_step") or {}).get("patch") for f in report.get("fits") or ()]
+    patch = next((p for p in written if p and os.path.basename(p) == name), None)
     if patch is None:
         return None, None
+    folder = os.path.join(folder, name)
     copy = os.path.join(folder, SCRIPT)
     os.makedirs(os.path.dirname(copy), exist_ok=True)
     shutil.copy(os.path.join(ROOT, SCRIPT), copy)
@@ -148,16 +156,17 @@ def patched_script(report, folder):
 
 def truth(command, reverse=False, own_process=False, patched=None):
     """{way: [seconds]} of one round of `loop_patterns.py truth WAY ...`, the ways in
-    the order given or reversed; the `PATCHED` ways by the `patched` script's own truth,
-    after the others (before them, reversed)."""
+    the order given or reversed; the `PATCHED` ways by their patched script's own truth
+    (`patched`: {patch name: script}; a patch not written: those ways not run), after
+    the others (before them, reversed)."""
     ways = [a for i, a in enumerate(command[1:], 1)
             if not a.startswith("--") and command[i - 1] != "--steps"]
     flags = [a for a in command[1:] if a not in ways]
     out = {}
-    runs = [(SCRIPT, [w for w in ways if not w.startswith(PATCHED)], "")]
-    if patched is not None:
-        runs.append((patched, [w[len(PATCHED):] for w in ways if w.startswith(PATCHED)],
-                     PATCHED))
+    runs = [(SCRIPT, [w for w in ways if not PATCHED.match(w)], "")]
+    for name, script in sorted((patched or {}).items()):
+        prefix = f"{name}:"
+        runs.append((script, [w[len(prefix):] for w in ways if w.startswith(prefix)], prefix))
     for script, mine, prefix in runs[::-1] if reverse else runs:
         if not mine:
             continue
@@ -241,13 +250,16 @@ def main(argv=None) -> int:
     for name in args.patterns:
         steps, script, truth_command, as_is, applied, all_fixed = PATTERNS[name]
         load = os.getloadavg()
-        reports, runs, patched, diff = [], {}, None, None
+        reports, runs, patched, diffs = [], {}, {}, {}
+        wanted = {PATCHED.match(w).group(1) for w in truth_command if PATCHED.match(w)}
         for r in range(args.rounds):  # diagnose and one truth round in turn: the same load
             reports.append(json.loads(run_stdout([
                 sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
                 "--steps", str(steps), "--", sys.executable, SCRIPT, *script]).splitlines()[-1]))
-            if patched is None:  # diagnose's own patch, as its first round wrote it
-                patched, diff = patched_script(reports[-1], os.path.join(work, name))
+            for patch in wanted - set(patched):  # diagnose's own, as it first wrote it
+                copy, diff = patched_script(reports[-1], patch, os.path.join(work, name))
+                if copy is not None:
+                    patched[patch], diffs[patch] = copy, diff
             for way, seconds in truth(truth_command, r % 2, name in OWN_PROCESS,
                                       patched).items():
                 runs.setdefault(way, []).extend(seconds)
@@ -255,7 +267,7 @@ def main(argv=None) -> int:
         verdict = statistics.mode(verdicts)
         rounds = [{f["verdict"]: f for f in report["fixes"]} for report in reports]
         pattern = {"verdicts": verdicts, "load_average_before": load, "seconds": runs,
-                   "fixes": [], "patch": diff}
+                   "fixes": [], "patches": diffs}
         named = list(dict.fromkeys(v for fixes in rounds for v in fixes))
         for fix_verdict in named + [v for v in applied if v not in named]:
             fix = next((fixes[fix_verdict] for fixes in rounds if fix_verdict in fixes), {})

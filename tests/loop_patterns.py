@@ -27,8 +27,8 @@ MODE:
 - `nothing`: iterates a PyDataset and calls a tf.function without gradients.
 - `slow_map`: `fit` (`--epochs E`, default 1) over utterances read by a slow
   `tf.py_function` map (a file read: a 1 ms sleep each) feeding a small compiled step;
-  `--cache` adds `.cache()` after the map (the fix: it pays from the second epoch);
-  `--tf-ops` reads in TF ops instead (the other fix: no Python in the map).
+  `--tf-ops` reads in TF ops instead (a fix: no Python in the map; the other,
+  `.cache()` after the map, is diagnose's input.patch).
   Prints `FIT_S <seconds of the fit, its trace included>`.
 - `host_work`: a `tf.function` step (+ its device time) and host NumPy work (a
   spectrogram of 128 frames for a plot) every 4 steps; `--no-host` leaves it out.
@@ -342,8 +342,6 @@ elif MODE == "slow_map":
         (lambda x, y: (tf.identity(x), y)) if "--tf-ops" in sys.argv else
         lambda x, y: (tf.ensure_shape(tf.py_function(read_utterance, [x], tf.float32),
                                       [FEATURES]), y))
-    if "--cache" in sys.argv:
-        utterances = utterances.cache()
     model.compile(optimizer="sgd", loss="mse")
     t0 = time.perf_counter()
     model.fit(utterances.batch(16).prefetch(2), epochs=epochs, verbose=0)

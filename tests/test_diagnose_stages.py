@@ -209,6 +209,57 @@ def test_stage_sites_record_the_scripts_calls_and_measure_stages_converts_to_bat
     assert [s["per_batch"] for s in stages] == [None, None, None, 1]  # unbatch: ratio unknown
 
 
+def test_a_cache_of_a_map_over_a_repeat_pays_from_the_second_pass_over_the_data():
+    # diagnose's input.patch moves the map's `.repeat()` after its `.cache()`: the cache
+    # then serves from the second pass over the data, within the epoch
+    import tensorflow as tf
+
+    from keras_gpufix.diagnose.stages import StageSites, measure_stages
+
+    with StageSites() as sites:
+        repeated = tf.data.Dataset.range(64).repeat().map(
+            lambda x: x * 2, num_parallel_calls=tf.data.AUTOTUNE).batch(4)
+        once = tf.data.Dataset.range(64).map(lambda x: x * 2).batch(4)
+    stages = measure_stages(repeated, sites, seconds=1.0)["stages"]
+    assert [(s["op"], s["pass_batches"]) for s in stages] == [
+        ("range", None), ("repeat", None), ("map", 16.0), ("batch", None)]
+    assert [s["pass_batches"] for s in measure_stages(once, sites, seconds=1.0)["stages"]] == [
+        None, None, None]
+    stages = [_stage("from_tensor_slices", "t.py:1", 1000.0),
+              _stage("map", "t.py:2", 1 / 0.043, parallel=-1, stateful=False, pass_batches=32)]
+    run = {"steps": 80, "steps_per_epoch": 80, "fixed_s": 0.5}
+    slow = judge_stages(stages, observed_per_s=1 / 0.045, run=run)["slow"]
+    assert slow["kind"] == "cache" and slow["predicted_gain"] > 2
+    assert slow["run_gain"] == pytest.approx(
+        (0.5 + 80 * 0.045) / (0.5 + 32 * 0.045 + 48 * 0.045 / slow["predicted_gain"]))
+    assert "second pass over the data (32 batches)" in slow["text"]
+    # a pass no shorter than the epoch: from the second epoch, as without a repeat
+    epoch = judge_stages([stages[0], dict(stages[1], pass_batches=None)],
+                         observed_per_s=1 / 0.045, run=run)["slow"]
+    assert epoch["run_gain"] == 1.0 and "second epoch" in epoch["text"]
+
+
+def test_the_fits_iterator_release_is_the_inputs_time_not_fixed_time():
+    # slow_map's fit, its epoch iterator released with a py_function in flight: 2 s after
+    # its last hook in some runs (TF 2.21), the input's: gone with the fix in TF ops, kept
+    # by a cache for the steps it has not yet served
+    from keras_gpufix.diagnose.report import input_stage
+
+    stages = [_stage("from_tensor_slices", "t.py:1", 1000.0),
+              _stage("map", "t.py:2", 1 / 0.022, python=True)]
+    fit = {"kind": "fit", "epochs": 3, "steps_per_epoch": 128, "steps_run": 384,
+           "wall_s": 0.3 + 384 * 0.022 + 2.0, "own_hooks_s": 0.1, "teardown_s": 2.0,
+           "stages": {"stages": stages, "cpus": 2},
+           "what_if": {"observed_batches_per_s": 1 / 0.022, "step_batches_per_s": 500.0}}
+    slow = input_stage(fit)["slow"]
+    gain, now = slow["predicted_gain"], 0.2 + 2.0 + 384 * 0.022
+    assert slow["run_gain"] == pytest.approx(now / (0.2 + 384 * 0.022 / gain))
+    assert slow["run_gain_cached"] == pytest.approx(now / (
+        0.2 + 2.0 / 3 + 128 * 0.022 + 256 * 0.022 / gain))
+    # as start-up time (no fix removes it) the whole run's gain read less than half
+    assert input_stage(dict(fit, teardown_s=None))["slow"]["run_gain"] < slow["run_gain"] / 2
+
+
 def test_a_zip_is_walked_into_its_slow_branch_and_a_cache_pays_from_the_second_epoch():
     import time
 

@@ -349,6 +349,43 @@ def test_an_input_fix_at_a_named_line_is_a_patch_that_applies_and_keeps_the_data
         56.0, 56)
 
 
+REPEATED = '''\
+import tensorflow as tf
+
+items = tf.data.Dataset.range(6).repeat().map(lambda x: tf.py_function(
+    lambda v: v * 3, [x], tf.int64), num_parallel_calls=tf.data.AUTOTUNE).batch(4)
+FIRST = [int(v) for b in items.take(5) for v in b]
+pairs = tf.data.Dataset.range(6).repeat(2).batch(2).map(lambda x: x + 1)
+'''
+
+
+def test_a_cache_after_a_map_over_a_repeat_moves_the_repeat_after_it(tmp_path):
+    # `.cache()` after an infinite stream never fills (it never serves and holds every
+    # element seen): the map's own `.repeat()` goes after the cache; a repeat further up
+    # (calls between it and the map) is left as written, with no cache edit
+    path = tmp_path / "repeated.py"
+    path.write_text(REPEATED)
+    from keras_gpufix.diagnose.step_patch import input_patch
+
+    for name, kind, has_patch in (("items = ", "cache", True), ("pairs = ", "python", False)):
+        fixes = [{"verdict": "input_bound", "fix": "the fix",
+                  "stage": {"kind": kind, "where": f"{path}:{_line(str(path), name)}"}}]
+        out = input_patch(fixes, [], str(tmp_path / name.strip(" =")), cwd=str(tmp_path))
+        assert (out is not None) is has_patch and ("patch" in fixes[0]) is has_patch
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(path, copy / "repeated.py")
+    subprocess.run(["patch", "-p1", "-i", str(tmp_path / "items" / "input.patch")], cwd=copy,
+                   check=True, capture_output=True)
+    patched = (copy / "repeated.py").read_text()
+    assert "items = tf.data.Dataset.range(6).map(" in patched
+    assert "num_parallel_calls=tf.data.AUTOTUNE).cache().repeat().batch(4)" in patched
+    import runpy
+
+    before, after = runpy.run_path(str(path)), runpy.run_path(str(copy / "repeated.py"))
+    assert before["FIRST"] == after["FIRST"] == [3 * (i % 6) for i in range(20)]
+
+
 def test_a_step_whose_source_is_no_def_is_timed_as_written_with_no_patch(tmp_path):
     # a lambda (its source is a line, not a def): diagnose cannot copy it, but it traces
     # as written, so it is timed as before and says why no patch was written

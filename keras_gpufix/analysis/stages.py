@@ -97,21 +97,30 @@ def run_gain(gain: float, kind: str, cycle_s: float, run=None) -> "float | None"
         cycle_s: the run's steady cycle, seconds.
         run: None, or a dict `steps` (the script's steps: its epochs times
             steps per epoch, else the steps the run timed), `steps_per_epoch`
-            (None: not known) and `fixed_s`.
+            (None: not known), `steps_per_pass` (the steps of one pass over
+            the stage's data where a `.repeat()` repeats it within an epoch:
+            a cache after the stage, the repeat after the cache, serves from
+            the second pass; None: an epoch's), `fixed_s` and `released_s`
+            (seconds the input's epoch iterators took to release, outside
+            the steps: the input's, kept only for the steps a cache has not
+            yet served).
 
     Returns:
         The gain, or None for a cache whose epochs are not known.
     """
     run = run or {}
-    steps, per_epoch, fixed = run.get("steps"), run.get("steps_per_epoch"), run.get("fixed_s")
+    steps, fixed = run.get("steps"), run.get("fixed_s")
+    filled = [n for n in (run.get("steps_per_epoch"), run.get("steps_per_pass")) if n]
     cached = kind in CACHED_KINDS
-    if cached and not (steps and per_epoch):
+    if cached and not (steps and filled):
         return None
     if not steps:
         return gain
-    first = min(steps, per_epoch) if cached else 0
-    now = (fixed or 0.0) + steps * cycle_s
-    return now / ((fixed or 0.0) + first * cycle_s + (steps - first) * cycle_s / gain)
+    first = min(steps, *filled) if cached else 0
+    released = run.get("released_s") or 0.0
+    now = (fixed or 0.0) + released + steps * cycle_s
+    return now / ((fixed or 0.0) + released * first / steps + first * cycle_s
+                  + (steps - first) * cycle_s / gain)
 
 
 def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
@@ -128,7 +137,9 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
             AUTOTUNE), `stateful` (a map's function holds a stateful op;
             None: not known) and `batches_per_s` (rate of the pipeline up to and
             including this stage, in batches/s of the final dataset; None
-            when not measured).
+            when not measured), `pass_batches` (final batches in one pass
+            over the stage's data where a `.repeat()` is made right before
+            it; absent or None otherwise).
         step_per_s: batches/s the step alone consumes, with the run's time
             between steps (the step's demand). None when not measured.
         observed_per_s: batches/s the run went at. None when not measured.
@@ -195,6 +206,11 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
                                    parallel=slow.get("parallel"), cpus=cpus)
     demand = (f" against the step's demand of {step_per_s:.1f}" if step_per_s else "")
     rate = 1000.0 / slow["cost_ms"] if slow["cost_ms"] > 0 else float("inf")
+    # a `.repeat()` right before the stage: a cache after it (the repeat moved after the
+    # cache) serves from the second pass over the data, within the epoch
+    per_pass = slow.get("pass_batches") if run else None
+    if per_pass:
+        run = dict(run, steps_per_pass=per_pass)
     whole = run_gain(gain, kind, cycle, run)
     # Python work's fix is either TF ops (from the first step) or a cache (from epoch 2)
     cached = run_gain(gain, "cache", cycle, run) if kind == "python" else None
@@ -208,7 +224,8 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
         op=slow.get("op"), where=where, rate=rate, share=slow["share"],
         input=out["input_per_s"], demand=demand, fix=fix, gain=gain)
     if kind in CACHED_KINDS:
-        slow["text"] += STAGE_FIXES["from_epoch_2"]
+        slow["text"] += (STAGE_FIXES["from_pass_2"].format(steps=per_pass) if per_pass
+                         else STAGE_FIXES["from_epoch_2"])
     if whole is not None and run:
         slow["text"] += STAGE_FIXES["run"].format(steps=run["steps"], gain=whole,
                                                   fixed=run.get("fixed_s") or 0.0)

@@ -262,6 +262,10 @@ STAGE_FIXES = {
         "{gain:.2f}x faster per step"
     ),
     "from_epoch_2": "; a cache serves from the second epoch: the first runs as now",
+    "from_pass_2": (
+        "; the `.repeat()` right before it goes after the cache, which then serves from the "
+        "second pass over the data ({steps:.0f} batches): the first runs as now"
+    ),
     "cached_instead": (
         "; with a cache instead of TF ops (it serves from the second epoch) the whole run "
         "{gain:.2f}x"

@@ -370,16 +370,22 @@ def _script_run(fit, observed_per_s):
     it ran; its fixed time (what no input fix removes) the fit's wall less diagnose's
     own train and epoch hooks (`own_hooks_s`: 0.19 s of slow_map's 1.0 s fit, 0.42 s
     of its 3-epoch 2.5 s; they run before the first step, after the last and inside
-    each epoch's first record), less its steps at the steady cycle, less the input's
-    wait beyond the steady one at the steps not judged (an epoch's first fill: a
-    faster input fills faster)."""
+    each epoch's first record), less its epoch iterators' release (`teardown_s`: at
+    each later epoch's start beyond the first's gap and after its last hook; over
+    slow_map's `py_function` map one release took 1.4-2.2 s in 2 of 8 plain Keras fits
+    and 4 of 8 diagnosed ones, TF 2.21, under 0.03 s in the others: the input's, gone
+    with its fix (`released_s`), not the script's start-up; counted there, the 3-epoch
+    run's TF-ops figure read 2.8-5.1x where the others read 10-13x), less its steps at
+    the steady cycle, less the input's wait beyond the steady one at the steps not
+    judged (an epoch's first fill: a faster input fills faster)."""
     timed = fit.get("steps_run") or ((fit.get("monitor") or {}).get("step_time") or {}).get(
         "count")
     if not observed_per_s or not timed or not fit.get("wall_s"):
         return None
     per_epoch = fit.get("steps_per_epoch") if fit.get("kind") == "fit" else None
     steps = per_epoch * (fit.get("epochs") or 1) if per_epoch else timed
-    fixed = fit["wall_s"] - (fit.get("own_hooks_s") or 0.0) - timed / observed_per_s
+    fixed = (fit["wall_s"] - (fit.get("own_hooks_s") or 0.0) - (fit.get("teardown_s") or 0.0)
+             - timed / observed_per_s)
     series = (fit.get("monitor") or {}).get("series") or {}
     if series.get("steps"):
         points = list(zip(series["input_wait_ms"], series["steps"], series["judged"]))
@@ -387,7 +393,8 @@ def _script_run(fit, observed_per_s):
         steady = steady[len(steady) // 2] if steady else 0.0
         fixed -= sum(max(0.0, (wait or 0.0) - steady) * n
                      for wait, n, judged in points if not judged) / 1000.0
-    return {"steps": steps, "steps_per_epoch": per_epoch, "fixed_s": max(0.0, fixed)}
+    return {"steps": steps, "steps_per_epoch": per_epoch, "fixed_s": max(0.0, fixed),
+            "released_s": fit.get("teardown_s") or 0.0}
 
 
 def locate_input_stage(fixes, fits):

@@ -145,6 +145,9 @@ def _step_counter(steps=None, pending=lambda: None):
     under a lock (Keras's pool has several threads): an epoch's batches
     are run up to the last one an end hook names. Each begin hook first
     calls `pending` (raises a signal the script lost, `FitPatch.raise_pending`).
+    Last of the fit's callbacks, it also times the release of the fit's epoch
+    iterators (`released_s` at each later epoch's start, beyond the first epoch's
+    gap from its begin hook to its first batch; `ended`: its train end hook).
     """
     import keras
 
@@ -153,15 +156,30 @@ def _step_counter(steps=None, pending=lambda: None):
 
         def __init__(self):
             super().__init__()
-            self.seen, self.stopped = 0, False
+            self.seen, self.stopped, self.ended, self.released_s = 0, False, None, 0.0
+            self._began = self._first_gap = None
             self._done = 0  # steps of the epochs that ended
             self._reached = 0  # batches of this epoch up to the last an end hook named
             self._lock = threading.Lock()
 
         def on_train_begin(self, logs=None):
             self.seen, self.stopped, self._done, self._reached = 0, False, 0, 0
+            self.ended, self.released_s, self._first_gap = None, 0.0, None
+
+        def on_epoch_begin(self, epoch, logs=None):  # the last hook: the epoch's iterator
+            self._began = time.perf_counter()  # is made next, the last one's released
+
+        def on_train_end(self, logs=None):  # the last hook: the iterator released after it
+            self.ended = time.perf_counter()
 
         def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0 and self._began is not None:  # beyond the first epoch's gap (an
+                gap = time.perf_counter() - self._began  # iterator made): one released
+                if self._first_gap is None:
+                    self._first_gap = gap
+                else:
+                    self.released_s += max(0.0, gap - self._first_gap)
+                self._began = None
             pending()
             try:  # Keras's epoch iterator ends this execution at batch + per_call - 1
                 per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
@@ -510,6 +528,10 @@ class FitPatch:
             if cache:
                 entry["compile_cache"] = {"directory": cache.directory, **compiled}
             entry["wall_s"] = time.perf_counter() - t0
+            # the fit's epoch iterators released (`report._script_run`): at each later
+            # epoch's start and after the fit's last hook
+            entry["teardown_s"] = counter.released_s + (
+                0.0 if counter.ended is None else t0 + entry["wall_s"] - counter.ended)
             entry["own_hooks_s"] = own_hooks[0] + profiler_hooks[0]
             entry["own_batch_hooks_s"] = own_hooks[1]
             entry["stopped_by_diagnose"] = counter.stopped

@@ -266,10 +266,12 @@ def measure_stages(dataset, sites, seconds=SECONDS, budget=None):
         A dict `stages` (source first: the recorded site's fields, `op` the
         dataset's class name where none was recorded, and `stateful` (a
         map's function holds a stateful op: tf.data does not parallelize
-        it by itself; None for other stages), `elements_per_s` (as drained), `per_batch` (elements per final
-        batch) and `batches_per_s` (the pull's own cost per element,
-        `pull_ms`, taken off); `error` where a prefix could not be
-        drained), `cpus` (cores usable), `pull_ms` (what pulling one element
+        it by itself; None for other stages), `elements_per_s` (as
+        drained), `per_batch` (elements per final batch), `batches_per_s`
+        (the pull's own cost per element, `pull_ms`, taken off) and
+        `pass_batches` (a map made on a `.repeat()`: final batches in one
+        pass over its data, the repeat's input; else None); `error` where a
+        prefix could not be drained), `cpus` (cores usable), `pull_ms` (what pulling one element
         of a `range` costs, drained the same way) and `seconds` (spent).
     """
     from keras_gpufix.compile.hardware import usable_cpus
@@ -294,7 +296,13 @@ def measure_stages(dataset, sites, seconds=SECONDS, budget=None):
                                        "function": None, "python": False, "parallel": None,
                                        "batch_size": None}
         stage = dict(site, stateful=map_function_stateful(node), elements_per_s=None,
-                     per_batch=_per_final(chain, index, sites), batches_per_s=None)
+                     per_batch=_per_final(chain, index, sites), batches_per_s=None,
+                     pass_batches=None)
+        if site["op"] == "map" and index >= 2 and stage["per_batch"] and (
+                "Repeat" in type(chain[index - 1]).__name__):
+            elements = int(chain[index - 2].cardinality())  # one pass, the repeat's input
+            if elements > 0:
+                stage["pass_batches"] = elements / stage["per_batch"]
         if budget is not None and budget.left() <= 0:
             budget.stop()
             stage["error"] = f"not measured: the what-if's {budget.cut}"

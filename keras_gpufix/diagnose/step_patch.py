@@ -838,18 +838,47 @@ def _map_call(tree, line):
     return None
 
 
+def _repeats(call):
+    """The `.repeat(...)` calls in the chain `call` is made on (its receiver, its
+    receiver's, ...), nearest first."""
+    out, node = [], call.func.value
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "repeat":
+            out.append(node)
+        node = node.func.value
+    return out
+
+
+def _cache_edits(call, lines):
+    """The edits that cache `call`'s output: `.cache()` after it; where the call is
+    made on `.repeat(...)` (on one line), that repeat moved after the cache (a cache
+    after a repeat never fills: it never serves and holds every element it saw);
+    none where a repeat is further up the chain (moving it past the calls between
+    could change the data)."""
+    repeats = _repeats(call)
+    if not repeats:
+        return [(call.end_lineno, call.end_col_offset, call.end_col_offset, ".cache()")]
+    repeat = repeats[0]
+    start = repeat.func.value
+    if len(repeats) > 1 or repeat is not call.func.value or (
+            start.end_lineno != repeat.end_lineno):
+        return []
+    text = lines[repeat.end_lineno - 1][start.end_col_offset:repeat.end_col_offset]
+    return [(repeat.end_lineno, start.end_col_offset, repeat.end_col_offset, ""),
+            (call.end_lineno, call.end_col_offset, call.end_col_offset, ".cache()" + text)]
+
+
 def _input_edits(tree, lines, stage, prefetch_lines, tf_name):
     """(line, start column, end column, text) edits of one file: `.cache()` after the
-    slow stage's call, or `num_parallel_calls=AUTOTUNE` on it; `.prefetch(AUTOTUNE)`
-    at the end of each statement a scan named for no prefetch."""
+    slow stage's call (`_cache_edits`), or `num_parallel_calls=AUTOTUNE` on it;
+    `.prefetch(AUTOTUNE)` at the end of each statement a scan named for no prefetch."""
     edits = []
     autotune = f"{tf_name}.data.AUTOTUNE"
     if stage is not None:
         kind, line = stage
         call = _map_call(tree, line)
         if call is not None and kind in ("python", "cache", "source"):
-            edits.append((call.end_lineno, call.end_col_offset, call.end_col_offset,
-                          ".cache()"))
+            edits += _cache_edits(call, lines)
         elif call is not None and kind == "parallel":
             keyword = next((k for k in call.keywords if k.arg == "num_parallel_calls"), None)
             if keyword is not None:
@@ -871,7 +900,8 @@ def _input_edits(tree, lines, stage, prefetch_lines, tf_name):
 def input_patch(fixes, scan, folder, cwd=None):
     """Writes the `input_bound` fix that is an edit at a named line as `input.patch`
     in `folder` (a unified diff `patch -p1` applies from `cwd`): `.cache()` after the
-    measured slow stage (Python work, a slow map even in parallel, a slow source),
+    measured slow stage (Python work, a slow map even in parallel, a slow source; the
+    `.repeat()` it is made on moved after the cache, none where a repeat is further up),
     `num_parallel_calls=tf.data.AUTOTUNE` on a map run one element at a time, and
     `.prefetch(tf.data.AUTOTUNE)` where the scan found none. Sets the fix's `patch`
     (its path) and returns it; None where no edit applies (a fix only the user can

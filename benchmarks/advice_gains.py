@@ -23,9 +23,12 @@ Per fix: the predicted speedup (the median over the rounds that named it; its ra
 rounds' extremes) against the measured one (the median over the rounds of as is / fixed
 in the same round), their ratio and whether it is within 25% (the figure `FIGURE` names:
 the whole run's, a cache's whole run, or a later run's with the cache on disk); and all
-the fixes' combined prediction (`analysis.combined_speedup`: the time each saves adds up,
-as diagnose's report says) against the script with all of them applied, where a pattern
-has several.
+the fixes' combined prediction (diagnose's rerun with all of them, `together`, where it
+ran them so; else `analysis.combined_speedup`: the time each saves adds up, as diagnose's
+report says) against the script with all of them applied, where a pattern has several.
+diagnose's eager-step and periodic-stall gains are themselves measured by reruns of the
+script (the patch applied, the stall's line skipped: `keras_gpufix/diagnose/patched_run.py`);
+the truth here is the script run as the user runs it, each way in a fresh process.
 
 Patterns (the fixes applied as diagnose words them):
 - `accum_plot`: an eager GradientTape accumulation step, a plot (a sleep) every 5 steps:
@@ -287,11 +290,13 @@ def main(argv=None) -> int:
                                          "predicted": predicted, "applied_as": how,
                                          "way": way, "measured_speedup": measured,
                                          "ratio": ratio})
-        together = []  # the causes never overlap: the time each saves adds up, as the
-        for fixes in rounds:  # report says
-            gains = [f["predicted"]["speedup"] for f in fixes.values()
+        together = []  # as the report says: the fixes run together where diagnose ran
+        for report, fixes in zip(reports, rounds):  # them so, else the time each saves
+            gains = [f["predicted"]["speedup"] for f in fixes.values()  # added up
                      if (f.get("predicted") or {}).get("speedup")]
-            if len(gains) > 1:
+            if (report.get("together") or {}).get("speedup"):
+                together.append(report["together"]["speedup"])
+            elif len(gains) > 1:
                 together.append(analysis.combined_speedup(gains))
         if all_fixed and together:
             predicted = {"speedup": statistics.median(together),

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from keras_gpufix.diagnose.patched_run import apply
+from keras_gpufix.diagnose.patched_run import apply, skip_statement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +37,18 @@ def test_the_patch_is_read_back_as_patch_p1_applies_it_and_a_stale_one_is_named(
     with pytest.raises(ValueError, match=r"step.patch:\d+: its hunk does not apply to "
                                          r"train.py at line 30 .*run diagnose again"):
         apply(patch, str(tmp_path))
+
+
+def test_a_stalls_line_is_skipped_as_its_whole_statement_and_never_a_loops_header(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("for step in range(3):\n    train(step)\n    if step % 5 == 4:\n"
+                      "        plot(step,\n             'spectrogram')\n")
+    (path, text), = skip_statement(f"{script}:5").items()  # the call's second line
+    assert path == str(script) and text == ("for step in range(3):\n    train(step)\n"
+                                            "    if step % 5 == 4:\n        pass\n\n")
+    assert skip_statement(f"{script}:1") is None  # the loop itself: no training left
+    assert skip_statement(f"{script}:3") is None
+    assert "plot(step" in script.read_text()  # in memory only
 
 
 TRAINER = '''\

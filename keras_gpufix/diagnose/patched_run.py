@@ -149,7 +149,8 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None, source
 def skip_statement(where):
     """`{path: text}`: the file of `where` (`file:line`) with the innermost statement
     holding that line replaced by `pass` (its other lines left blank: the line
-    numbers stay the file's), or None where no statement holds it."""
+    numbers stay the file's), or None where no simple statement holds it (the line
+    of a loop's or block's own header: skipping it would skip the training too)."""
     import ast
 
     path, _, line = where.rpartition(":")
@@ -165,6 +166,8 @@ def skip_statement(where):
     if not held:
         return None
     stmt = max(held, key=lambda n: (n.lineno, -(n.end_lineno or n.lineno)))  # innermost
+    if any(isinstance(getattr(stmt, field, None), list) for field in ("body", "orelse")):
+        return None  # a compound statement's header
     rows = text.splitlines(True)
     first = rows[stmt.lineno - 1]
     rows[stmt.lineno - 1] = first[:len(first) - len(first.lstrip())] + "pass\n"

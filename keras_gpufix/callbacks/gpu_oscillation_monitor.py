@@ -135,6 +135,9 @@ class GPUOscillationMonitor(TimedCallback):
         self._series = StepSeries(warmup=warmup)
         self._keep_on_signal = None
         self._cpu = [None, None]  # cpu_load samples at the run's start and end
+        # under `keras-gpufix diagnose`, whose headline says the share and the fix with
+        # the gain it measured (a rerun of the script): the end line says the verdict only
+        self._fix_said_by_diagnose = False
 
     @property
     def events(self):
@@ -225,8 +228,12 @@ class GPUOscillationMonitor(TimedCallback):
         first, fix, check = headline(RunRecord.from_monitor(r).data, None if self.log_dir
                                      is None else os.path.join(self.log_dir, "keras_gpufix"))
         wait = r["input_wait"]
-        emit(f"GPUOscillationMonitor: verdict {first[len('verdict: '):]}\n  {fix}\n"
-             + (f"  {check}\n" if self.log_dir is not None else "")
+        said = self._fix_said_by_diagnose  # its report's headline, after the run
+        verdict = (f"{r['verdict']}; its share and fix: diagnose's report, below" if said
+                   else first[len("verdict: "):])
+        emit(f"GPUOscillationMonitor: verdict {verdict}\n"
+             + ("" if said else f"  {fix}\n")
+             + (f"  {check}\n" if self.log_dir is not None and not said else "")
              + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "
              f"{st['mean_ms']:.1f} ms, median {st['p50_ms']:.1f} ms, "
              f"p95 {st['p95_ms']:.1f} ms, cv {st['cv']:.2f}"

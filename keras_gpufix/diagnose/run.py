@@ -386,8 +386,7 @@ class FitPatch:
             existing = [cb for cb in user if isinstance(cb, cls)]
             if existing:
                 mine[key] = existing[0]
-                continue
-            if key == "monitor":
+            elif key == "monitor":
                 mine[key] = cls(warmup=warmup, log_dir=run_dir, verbose=verbose)
             elif key == "retracing":
                 mine[key] = cls(functions=functions, verbose=verbose)
@@ -402,6 +401,8 @@ class FitPatch:
                      f"traces; why: {self._trace_question()}); each trace slows its steps "
                      "and pauses the run to save it after them (its cost is said as it "
                      "starts and listed in the report; --no-trace takes none)", verbose)
+        if "monitor" in mine:  # diagnose's headline says the fix, with what it measured
+            mine["monitor"]._fix_said_by_diagnose = True
         return mine
 
     @staticmethod

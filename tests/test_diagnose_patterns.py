@@ -174,7 +174,10 @@ def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line()
     assert predicted["speedup"] == pytest.approx(after / now)
     low, high = predicted["speedup_range"]
     assert low <= predicted["speedup"] <= high
-    assert f"{now:.3g} -> {after:.3g} steps/s, {predicted['speedup']:.2f}x" in predicted["text"]
+    from keras_gpufix.analysis.verdicts import steps_per_s_words
+
+    assert (f"{steps_per_s_words(now)} -> {steps_per_s_words(after)} steps/s, "
+            f"{predicted['speedup']:.2f}x") in predicted["text"]
     with open(os.path.join(result["log_dir"], "patched_run", "result.json")) as f:
         patched = json.load(f)  # the patched run: the step compiled, not eager
     assert patched["exit_code"] == 0 and patched["verdict"] != "eager_step", patched["verdict"]

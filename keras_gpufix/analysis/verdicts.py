@@ -395,7 +395,7 @@ STEP_PATCH_NOTES = {
 #: (`diagnose.patched_run`): the steady steps/s of the two runs, as `compare` judges them.
 PATCHED_RUN_TEXT = (
     "measured: diagnose ran the script again with {what} (in memory, its files "
-    "untouched; {steps} steps): {before:.3g} -> {after:.3g} steps/s, {gain:.2f}x "
+    "untouched; {steps} steps): {before} -> {after} steps/s, {gain:.2f}x "
     "({low:.2f}x-{high:.2f}x; the mean wall per steady step, stalls included, as `compare` "
     "judges two runs){whole}"
 )
@@ -410,7 +410,7 @@ SKIPPED_RUN_FAILED = ("diagnose could not check it by a run with {where} skipped
 #: add up: the causes interact).
 TOGETHER_RUN_TEXT = (
     "the {count} fixes together, measured: diagnose ran the script again with all of them "
-    "({steps} steps): {before:.3g} -> {after:.3g} steps/s, {gain:.2f}x ({low:.2f}x-"
+    "({steps} steps): {before} -> {after} steps/s, {gain:.2f}x ({low:.2f}x-"
     "{high:.2f}x); the causes interact, so their gains apart do not add up"
 )
 #: ... and where the script with the patch failed or ran no step: the patch is not offered.
@@ -821,6 +821,12 @@ def compiled_step_fix(compiled: dict) -> "str | None":
     return text
 
 
+def steps_per_s_words(value: float) -> str:
+    """A rate as the reruns' texts say it: three figures (`19.1`, `218`), whole above
+    a thousand (`1012`, never `1.01e+03`)."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
 def patched_run_text(steps, before, after, gain, gain_range, whole=None, skipped=None) -> str:
     """`PATCHED_RUN_TEXT`: the patched run's steps/s against the run's (`whole`: the two
     runs' walls over the same steps, the trace and compile included, where known;
@@ -828,7 +834,8 @@ def patched_run_text(steps, before, after, gain, gain_range, whole=None, skipped
     low, high = gain_range or (gain, gain)
     return PATCHED_RUN_TEXT.format(
         what="the patch applied" if skipped is None else SKIPPED_RUN_WHAT.format(where=skipped),
-        steps=steps, before=before, after=after, gain=gain, low=low or gain, high=high or gain,
+        steps=steps, before=steps_per_s_words(before), after=steps_per_s_words(after), gain=gain,
+        low=low or gain, high=high or gain,
         whole="" if whole is None else f"; the whole loop {whole:.2f}x as fast, its trace "
         "and compile in it")
 

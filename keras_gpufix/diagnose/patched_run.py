@@ -24,7 +24,8 @@ import sys
 import time
 
 from keras_gpufix.analysis.verdicts import (PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED,
-                                            TOGETHER_RUN_TEXT, patched_run_text)
+                                            TOGETHER_RUN_TEXT, patched_run_text,
+                                            steps_per_s_words)
 
 __all__ = ["apply", "run_patched", "skip_statement", "check_fixes", "main"]
 
@@ -287,7 +288,9 @@ def check_fixes(result, steps, log_dir, cwd=None):
                 result["together"] = {"speedup": gain, "speedup_range": judged["gain_range"],
                                       "steps_per_s": [b, a],
                                       "text": TOGETHER_RUN_TEXT.format(
-                                          count=len(ran_ok), steps=ran, before=b, after=a,
+                                          count=len(ran_ok), steps=ran,
+                                          before=steps_per_s_words(b),
+                                          after=steps_per_s_words(a),
                                           gain=gain, low=judged["gain_range"][0] or gain,
                                           high=judged["gain_range"][1] or gain)}
     return seconds

@@ -116,10 +116,7 @@ class RunRecord:
         """The record of `keras-gpufix diagnose`'s result (`run_diagnosis`): its
         verdict, ranked causes and fixes with their file:line, its what-if, and the
         series and step times of its main run (the judged run that timed the most steps)."""
-        fits = [f for f in result.get("fits") or ()
-                if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
-        main = max(fits, key=lambda f: f["monitor"]["step_time"]["count"], default={})
-        monitor = dict(main.get("monitor") or {})
+        monitor = dict((main_fit(result) or {}).get("monitor") or {})
         fixes = [{"rank": f["rank"], "verdict": f["verdict"], "fix": f["fix"],
                   "where": list(f.get("where") or ()),
                   "share": f["predicted"].get("share"),
@@ -296,6 +293,14 @@ class RunRecord:
         return undo
 
 
+
+
+def main_fit(result: dict) -> "dict | None":
+    """The run a diagnose result's record is about: of its fits (and loops) the one
+    whose monitor timed the most steps; None where none timed a step."""
+    fits = [f for f in result.get("fits") or ()
+            if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
+    return max(fits, key=lambda f: f["monitor"]["step_time"]["count"], default=None)
 
 
 def _cause(c):

@@ -23,9 +23,11 @@ import subprocess
 import sys
 import time
 
+from keras_gpufix.analysis.comparison import compare_runs
 from keras_gpufix.analysis.verdicts import (PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED,
                                             TOGETHER_RUN_TEXT, patched_run_text,
                                             steps_per_s_words)
+from keras_gpufix.run_record import RunRecord, main_fit
 
 __all__ = ["apply", "run_patched", "skip_statement", "check_fixes", "main"]
 
@@ -177,27 +179,28 @@ def skip_statement(where):
     return {os.path.abspath(path): "".join(rows)}
 
 
-def _main_fit(result):
-    """The run a result's record is about (`RunRecord.from_diagnosis`'s): the one that
-    timed the most steps."""
-    fits = [f for f in result.get("fits") or ()
-            if ((f.get("monitor") or {}).get("step_time") or {}).get("count")]
-    return max(fits, key=lambda f: f["monitor"]["step_time"]["count"], default=None)
-
-
 def _judged(result, after, count):
-    """(gain, compare_runs's result, the steps run, the whole loop's wall ratio or
-    None) of the rerun `after` against `result`'s run."""
-    from keras_gpufix.analysis.comparison import compare_runs
-    from keras_gpufix.run_record import RunRecord
-
+    """(compare_runs's result, the steps run, the whole loop's wall ratio or None) of
+    the rerun `after` against `result`'s run."""
     judged = compare_runs(RunRecord.from_diagnosis(result).data,
                           RunRecord.from_diagnosis(after).data)
-    before, fit = _main_fit(result), _main_fit(after)
+    before, fit = main_fit(result), main_fit(after)
     ran = (after.get("stopped") or {}).get("steps_run") or count
     same = (result.get("stopped") or {}).get("steps_run") == ran  # the same steps, both runs
     whole = before["wall_s"] / fit["wall_s"] if same and fit.get("wall_s") else None
-    return judged["gain"], judged, ran, whole
+    return judged, ran, whole
+
+
+def _failure(result, after):
+    """Why the rerun `after` failed where `result`'s run did not, or None: its own
+    error, another exit code than the run's (a script that exits 3 as written is
+    judged), or no training step."""
+    if after.get("error"):
+        return after["error"]
+    if after.get("exit_code") != result.get("exit_code"):
+        return "the script failed: " + ((after.get("ended_by") or {}).get("text")
+                                        or f"exit code {after.get('exit_code')}")
+    return None if main_fit(after) else "the script ran no training step"
 
 
 def check_fixes(result, steps, log_dir, cwd=None):
@@ -219,13 +222,14 @@ def check_fixes(result, steps, log_dir, cwd=None):
     measured apart do not add up.
 
     Returns the seconds the runs took (0 where nothing ran)."""
-    before = _main_fit(result)
+    before = main_fit(result)
     if before is None or (result.get("ended_by") or {}).get("kind") == "signal":
         return 0.0  # nothing judged, or the user stopped it
     count = min(steps or MAX_STEPS, MAX_STEPS)
     timeout = max(120.0, 3 * (before.get("wall_s") or 0.0) + 60.0)
     stall = next((f["step"]["stall_where"] for f in result.get("fits") or ()
                   if (f.get("step") or {}).get("stall_where")), None)
+    skipped = skip_statement(stall) if stall else None
     seconds, ran_ok = 0.0, []
 
     def rerun(name, patches, sources):
@@ -238,8 +242,8 @@ def check_fixes(result, steps, log_dir, cwd=None):
     for fix in result.get("fixes") or ():
         if fix.get("verdict") == "eager_step" and fix.get("patch"):
             name, patches, sources = "patched_run", [fix["patch"]], None
-        elif fix.get("verdict") == "periodic_stall" and stall and skip_statement(stall):
-            name, patches, sources = "skipped_run", [], skip_statement(stall)
+        elif fix.get("verdict") == "periodic_stall" and skipped:
+            name, patches, sources = "skipped_run", [], skipped
         else:
             continue
         after = rerun(name, patches, sources)
@@ -247,11 +251,7 @@ def check_fixes(result, steps, log_dir, cwd=None):
         if after.get("unfinished"):  # the prediction it had stands, and says so
             predicted["text"] += f"; the run to check it did not finish ({after['unfinished']})"
             continue
-        failed = after.get("error")
-        if not failed and after.get("exit_code") != result.get("exit_code"):  # its own failure
-            failed = "the script failed: " + ((after.get("ended_by") or {}).get("text")
-                                              or f"exit code {after.get('exit_code')}")
-        failed = failed or (None if _main_fit(after) else "the script ran no training step")
+        failed = _failure(result, after)
         if failed and patches:
             fix["patch"] = None
             fix["predicted"] = {**predicted, "speedup": None, "speedup_range": None,
@@ -261,38 +261,37 @@ def check_fixes(result, steps, log_dir, cwd=None):
         if failed:
             predicted["text"] += f"; {SKIPPED_RUN_FAILED.format(where=stall, error=failed)}"
             continue
-        gain, judged, ran, whole = _judged(result, after, count)
+        judged, ran, whole = _judged(result, after, count)
+        gain = judged["gain"]
         if gain is None:
             continue
         ran_ok.append((patches, sources))
+        b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]
         fix["predicted"] = {
             **predicted, "speedup": gain, "steady_speedup": gain,
             "speedup_range": judged["gain_range"], "whole_run": True,
             "source": "patched-run" if patches else "skipped-run",
-            "steps_per_s": [judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]],
-            "run_speedup": whole,
-            "text": patched_run_text(ran, judged["before"]["steps_per_s"],
-                                     judged["after"]["steps_per_s"], gain,
-                                     judged["gain_range"], whole,
+            "steps_per_s": [b, a], "run_speedup": whole,
+            "text": patched_run_text(ran, b, a, gain, judged["gain_range"], whole,
                                      skipped=None if patches else stall)}
     if len(ran_ok) > 1:
         sources = {}
         for _, more in ran_ok:
             sources.update(more or {})
         after = rerun("together_run", [p for patches, _ in ran_ok for p in patches], sources)
-        if not (after.get("error") or after.get("unfinished")) and _main_fit(after) and \
-                after.get("exit_code") == result.get("exit_code"):
-            gain, judged, ran, _ = _judged(result, after, count)
+        if not after.get("unfinished") and _failure(result, after) is None:
+            judged, ran, _ = _judged(result, after, count)
+            gain = judged["gain"]
             if gain is not None:
                 b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]
+                low, high = judged["gain_range"]
                 result["together"] = {"speedup": gain, "speedup_range": judged["gain_range"],
                                       "steps_per_s": [b, a],
                                       "text": TOGETHER_RUN_TEXT.format(
                                           count=len(ran_ok), steps=ran,
                                           before=steps_per_s_words(b),
                                           after=steps_per_s_words(a),
-                                          gain=gain, low=judged["gain_range"][0] or gain,
-                                          high=judged["gain_range"][1] or gain)}
+                                          gain=gain, low=low or gain, high=high or gain)}
     return seconds
 
 

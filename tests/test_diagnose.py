@@ -877,35 +877,17 @@ def test_diagnose_bills_its_own_seconds_item_by_item_against_its_bound():
     assert f"up to about {TRACE_SLOWDOWN * 9:.1f} s more" in trace_cost_text(10, 0.9)
 
 
-TWELVE_SECONDS = """\
-import time
-import numpy as np
-import tensorflow as tf
-import keras
-
-def slow_load(x):
-    time.sleep(0.004)
-    return x
-
-def load(x, y):
-    x = tf.py_function(slow_load, [x], tf.float32)
-    x.set_shape([16])
-    return x, y
-
-xs = np.random.rand(512, 16).astype("float32")
-ys = np.random.rand(512, 1).astype("float32")
-ds = tf.data.Dataset.from_tensor_slices((xs, ys)).map(load).batch(8).prefetch(2)
-model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(1)])
-model.compile("adam", "mse")
-model.fit(ds, epochs=4, verbose=0)
-print("twelve seconds done")
-"""
 
 
 @pytest.mark.slow  # a 10-15 s fit (4 epochs of 64 input-bound steps), then its what-if
-def test_a_fit_of_twelve_seconds_bills_diagnose_within_its_bound(tmp_path):
+def test_a_fit_of_twelve_seconds_bills_diagnose_within_its_bound(tmp_path, monkeypatch):
+    # the input-bound fit benchmarks/diagnose_cost.py bills (`short_steps`), 4 epochs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    from diagnose_cost import SHORT_STEPS
+
     script = tmp_path / "train.py"
-    script.write_text(TWELVE_SECONDS)
+    script.write_text(SHORT_STEPS.replace("EPOCHS", "4") + 'print("twelve seconds done")\n')
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--log-dir",
                            str(tmp_path / "logs"), "--", "python", str(script)],

@@ -1,5 +1,6 @@
 """kg.watch: any loop, any iterable, the Keras hooks in fit's order."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -215,19 +216,23 @@ def test_the_report_is_readable_in_the_loop_and_a_short_run_is_judged_at_its_end
     assert watched.report()["verdict"] == "unknown"
 
 
-def test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it():
-    import inspect
-
+def _stalled_loop(n, step_s, every, stall_s):
+    """(report, file:line of the work) of a kg.watch loop over `n` batches whose steps
+    take `step_s`, with `stall_s` of work on the host after every `every`th step (none
+    where 0)."""
     monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
-    with kg.watch(batches(60), callbacks=[monitor]) as watched:
+    with kg.watch(batches(n), callbacks=[monitor]) as watched:
         for step, _ in enumerate(watched):
-            time.sleep(0.004)  # the step
-            if step % 5 == 4:
-                time.sleep(0.08)  # a plot every 5 steps
-    source, first = inspect.getsourcelines(
-        test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it)
-    plot = f"{__file__}:{first + next(i for i, l in enumerate(source) if 'a plot every' in l)}"
-    report = watched.report()
+            time.sleep(step_s)  # the step
+            if stall_s and step % every == every - 1:
+                time.sleep(stall_s)  # the work every `every` steps (a plot, host work)
+    source, first = inspect.getsourcelines(_stalled_loop)
+    work = f"{__file__}:{first + next(i for i, l in enumerate(source) if 'the work every' in l)}"
+    return watched.report(), work
+
+
+def test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it():
+    report, plot = _stalled_loop(60, 0.004, 5, 0.08)  # a plot every 5 steps
     assert report["verdict"] == "periodic_stall", report["because"]
     assert report["fix"].endswith(f"at {plot}")
     (stall,) = [c for c in report["causes"] if c["verdict"] == "periodic_stall"]
@@ -238,28 +243,14 @@ def test_a_periodic_stall_is_named_at_the_loop_body_line_that_runs_it():
     record = RunRecord.from_monitor(report)
     assert [f["where"] for f in record.data["fixes"]] == [[plot]]
     # a loop without stalls names no line
-    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
-    with kg.watch(batches(60), callbacks=[monitor]) as watched:
-        for _ in watched:
-            time.sleep(0.004)
-    assert all("where" not in c for c in watched.report()["causes"])
+    report, _ = _stalled_loop(60, 0.004, 5, 0)
+    assert all("where" not in c for c in report["causes"])
 
 
 def test_host_work_shorter_than_a_step_every_4th_step_is_ranked_with_its_share_and_line():
     # 40 ms of work on the host at every 4th 40 ms step: a stalled cycle is twice the median at
     # most, the slow-step limit (1.25x) still sees it (issue 47, item 5)
-    import inspect
-
-    monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0)
-    with kg.watch(batches(64), callbacks=[monitor]) as watched:
-        for step, _ in enumerate(watched):
-            time.sleep(0.04)  # the step
-            if step % 4 == 3:
-                time.sleep(0.04)  # host work every 4th step, as long as a step
-    source, first = inspect.getsourcelines(
-        test_host_work_shorter_than_a_step_every_4th_step_is_ranked_with_its_share_and_line)
-    work = f"{__file__}:{first + next(i for i, l in enumerate(source) if 'host work every' in l)}"
-    report = watched.report()
+    report, work = _stalled_loop(64, 0.04, 4, 0.04)
     assert report["verdict"] == "periodic_stall", report["because"]
     (stall,) = [c for c in report["causes"] if c["verdict"] == "periodic_stall"]
     assert stall["period"] == 4 and stall["where"] == work

@@ -139,7 +139,8 @@ def own_cost(seconds, wall_s, opted_in_trace=False) -> dict:
         counted items), `bound_s`, `within`, `aside_s`, `opted_in_trace` and
         `text` (lines).
     """
-    aside = {"what-if", "patched run"} | ({"trace capture", "trace analysis"} if opted_in_trace else set())
+    aside = {"what-if", "patched run"} | (
+        {"trace capture", "trace analysis"} if opted_in_trace else set())
     items = [{"item": k, "seconds": float(seconds.get(k) or 0.0), "counted": k not in aside}
              for k in OWN_ITEMS]
     script_s = max(0.0, wall_s - sum(i["seconds"] for i in items))

@@ -462,8 +462,9 @@ def _fix_error(step, made, exc, library, eager_locals):
     # any copy's name: AutoGraph caches a conversion by its code object, equal for the
     # same source whatever its file, so a copy made before of the same step can be named
     mine = [line - offset for f, line in frames if f.startswith(_COPY)]
-    others = [(f, line) for f, line in frames if not f.startswith(_COPY) and not f.startswith(library)
-              and not f.startswith("<") and "__autograph_generated" not in f
+    others = [(f, line) for f, line in frames  # "<...>": a copy's, or no file's
+              if not f.startswith(library) and not f.startswith("<")
+              and "__autograph_generated" not in f
               and os.path.exists(f)]
     if not mine:
         where = f"{others[-1][0]}:{others[-1][1]}" if others else step.where(1)
@@ -546,7 +547,8 @@ def _variables(fn, args, kwargs):
             variables = getattr(obj, "variables", None)  # a Keras layer, optimizer, metric
             if isinstance(variables, (list, tuple)):  # a Keras variable holds its tf.Variable
                 queue.extend((v, 0) for v in variables)
-            queue.extend((item, depth + 1) for item in list(getattr(obj, "__dict__", {}).values()))
+            attributes = list(getattr(obj, "__dict__", {}).values())
+            queue.extend((item, depth + 1) for item in attributes)
     return out
 
 

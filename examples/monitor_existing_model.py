@@ -1,4 +1,4 @@
-"""Add the monitors to an existing Keras training script: three lines.
+"""Add the monitors to an existing Keras training script: two lines.
 
     python examples/monitor_existing_model.py
 
@@ -7,12 +7,11 @@ generated "audio frames" fed from `tf.data`). The three lines marked
 `# keras_gpufix` are all it takes:
 
 1. `import keras_gpufix as kg`
-2. `train = kg.data.instrument(train)`: lets the monitors see when each batch
-   was ready (input wait) and its shape (new shapes = XLA recompiles).
-   Optional: without it the monitors judge from step times only.
-3. `callbacks=[..., *monitors]` with `kg.GPUOscillationMonitor()`,
+2. `callbacks=[..., *monitors]` with `kg.GPUOscillationMonitor()`,
    `kg.RetracingMonitor()` and `kg.ProfilerTrigger(log_dir)` (traces, taken
-   only when the monitor finds something, go under `logs/`).
+   only when the monitor finds something, go under `logs/`). The monitors
+   measure the input wait of the plain `tf.data` pipeline themselves (they
+   append `kg.data.instrument`'s probe to the dataset `fit` iterates).
 
 Nothing else changes: the model, `compile` and `fit` are the user's own.
 """
@@ -21,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import keras_gpufix as kg  # keras_gpufix (1/3)
+import keras_gpufix as kg  # keras_gpufix (1/2)
 
 
 def make_dataset(n=4096, frames=64, channels=16, batch_size=32):
@@ -34,7 +33,7 @@ def make_dataset(n=4096, frames=64, channels=16, batch_size=32):
 
 def main():
     train = make_dataset()
-    train = kg.data.instrument(train).prefetch(tf.data.AUTOTUNE)  # keras_gpufix (2/3)
+    train = train.prefetch(tf.data.AUTOTUNE)
 
     model = keras.Sequential([
         keras.Input((64, 16)),
@@ -47,7 +46,7 @@ def main():
                   metrics=["accuracy"])
     model.fit(train, epochs=3, verbose=2, callbacks=[
         keras.callbacks.EarlyStopping(monitor="loss", patience=2),  # the user's own
-        kg.GPUOscillationMonitor(), kg.RetracingMonitor(), kg.ProfilerTrigger("logs"),  # (3/3)
+        kg.GPUOscillationMonitor(), kg.RetracingMonitor(), kg.ProfilerTrigger("logs"),  # (2/2)
     ])
 
 

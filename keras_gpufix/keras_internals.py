@@ -31,6 +31,7 @@ __all__ = [
     "function_jit_compile",
     "in_multi_worker_mode",
     "input_datasets",
+    "instrument_fit_dataset",
     "install_multi_worker_fixes",
     "install_per_replica_xla",
     "map_function_stateful",
@@ -720,6 +721,59 @@ def time_batches(epoch_iterator, record, consumer: bool):
     except AttributeError as exc:
         _off("the data adapter of fit's EpochIterator (_get_iterator, data_adapter)", exc)
         return None
+
+
+def instrument_fit_dataset(epoch_iterator, instrument):
+    """Makes the `tf.data` dataset TensorFlow's `fit` iterates pass through `instrument`.
+
+    Keras 3.15.1's `TFEpochIterator` (TensorFlow backend) makes, in its
+    `__init__`, `_distributed_dataset` from `data_adapter.get_tf_dataset()`
+    (a `tf.data.Dataset` or `PyDataset` run through `from_generator`, arrays
+    sliced by `tf.data`) with its strategy's `experimental_distribute_dataset`
+    (the dataset itself under the default strategy), and `_get_iterator()`
+    returns it at each epoch; the train function then takes each batch in its
+    graph, where no Python sees it. Called before the first epoch's iterator
+    (`on_train_begin`), this puts `instrument(dataset)` in its place, made
+    the same way. A `tf.distribute.DistributedDataset` the user passed
+    (nothing undistributed to instrument) is left alone.
+
+    Args:
+        epoch_iterator: `fit`'s epoch iterator (`fit_epoch_iterator()`).
+        instrument: a function of the `tf.data.Dataset` returning the
+            dataset to iterate, or None to leave it.
+
+    Returns:
+        A function that puts the user's dataset back, or None (nothing was
+        changed: not TensorFlow's iterator, a distributed dataset, or
+        `instrument` declined).
+    """
+    try:
+        import tensorflow as tf
+
+        current = epoch_iterator._distributed_dataset
+        strategy = epoch_iterator._distribute_strategy
+        if isinstance(current, tf.data.Dataset):
+            dataset = current  # the default strategy keeps the dataset itself
+        else:
+            dataset = epoch_iterator.data_adapter.get_tf_dataset()
+            if not isinstance(dataset, tf.data.Dataset):
+                return None
+        replaced = instrument(dataset)
+        if replaced is None:
+            return None
+        if dataset is not current:
+            replaced = strategy.experimental_distribute_dataset(replaced)
+        epoch_iterator._distributed_dataset = replaced
+    except (ImportError, AttributeError) as exc:
+        _off("the dataset of fit's TFEpochIterator (_distributed_dataset, "
+             "_distribute_strategy)", exc)
+        return None
+
+    def restore():
+        if getattr(epoch_iterator, "_distributed_dataset", None) is replaced:
+            epoch_iterator._distributed_dataset = current
+
+    return restore
 
 
 def data_source(epoch_iterator) -> tuple:

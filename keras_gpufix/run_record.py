@@ -161,7 +161,7 @@ class RunRecord:
             "ended_by": ended_by,
             "command": [str(c) for c in command][:64],
             "verdict": {k: report.get(k) for k in ("verdict", "fix", "phase", "cost_share",
-                                                   "because", "changed")},
+                                                   "because", "changed", "input_unmeasured")},
             "causes": causes,
             "fixes": fixes,
             "step_time": step_time,

@@ -567,7 +567,7 @@ def test_the_runs_verdict_names_the_live_events_it_overrides():
     run(quiet, [0.01] * 40)
     assert quiet.verdict() == {"verdict": "healthy", "fix": FIXES["healthy"], "phase": None,
                                "cost_share": None, "because": [], "changed": None,
-                               "causes": []}
+                               "causes": [], "input_unmeasured": None}
 
 
 def test_weigh_says_which_reading_it_believes_and_why():

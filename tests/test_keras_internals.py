@@ -518,6 +518,35 @@ def test_time_batches_records_each_batch_fit_takes(source):
     assert "_get_iterator" not in vars(iterator.found)
 
 
+@pytest.mark.parametrize("source", ["tf_data", "arrays"])
+def test_instrument_fit_dataset_puts_fits_dataset_through_the_function(source):
+    from keras_gpufix.keras_internals import fit_epoch_iterator, instrument_fit_dataset
+
+    passed, steps = [], []
+
+    def through(dataset):  # one batch of three: fit then runs one step an epoch
+        passed.append(dataset)
+        return dataset.take(1)
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    x, y = np.ones((6, 4), "float32"), np.zeros((6, 1), "float32")
+    data = ((tf.data.Dataset.from_tensor_slices((x, y)).batch(2), {}) if source == "tf_data"
+            else (x, {"y": y, "batch_size": 2}))
+    seen = _Seen(lambda cb: instrument_fit_dataset(fit_epoch_iterator(), through))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data[0], epochs=1, verbose=0, callbacks=[seen, Steps()], **data[1])
+    assert len(passed) == 1 and isinstance(passed[0], tf.data.Dataset)
+    assert steps == [0]  # fit iterated the replacement
+    assert callable(seen.found)
+    declined = _Seen(lambda cb: instrument_fit_dataset(fit_epoch_iterator(), lambda d: None))
+    _small_fit(declined, data[0], **data[1])
+    assert declined.found is None
+
+
 def test_blocks_async_dispatch_follows_keras_rule():
     from keras_gpufix.keras_internals import blocks_async_dispatch
 

@@ -15,6 +15,7 @@ run (an XProf trace, the what-if) into that verdict and says which reading
 it believes and why.
 """
 
+import sys
 from collections import Counter, deque
 
 import numpy as np
@@ -27,6 +28,7 @@ from keras_gpufix.analysis.verdicts import (
     PHASES,
     THRESHOLDS,
     TOO_FEW_STEPS,
+    INPUT_UNMEASURED,
     UNSYNCED_NOTE,
     fix_for,
     is_recompiling,
@@ -644,7 +646,7 @@ class OscillationDetector:
         self.eager_where = eager_where
         self.stall_where = None
         self.async_blockers = None  # RunFacts (tell): judge's arguments and the fix's fields
-        self.input_source = None
+        self.input_source = self.input_in = None
         self.input_workers = None
         self.thresholds = dict(thresholds)
         self.log = StepLog(window)
@@ -658,6 +660,7 @@ class OscillationDetector:
         self.run_thresholds = dict(facts.thresholds)
         self.async_blockers = facts.async_blockers
         self.input_source, self.input_workers = facts.input_source, facts.input_workers
+        self.input_in = facts.input_in
 
     def active_thresholds(self) -> dict:
         """Every threshold this detector judges with (`THRESHOLDS`, the
@@ -882,13 +885,22 @@ class OscillationDetector:
                 f"{e['verdict']} at steps {e['start_step']}-{e['end_step']}" for e in others)
                 + f"; {verdict} covered the most steps")
         count = self.log.summary()["count"]
-        if verdict == "unknown" and count:
+        unmeasured = None
+        phases = ((self.last_judgement or {}).get("evidence") or {}).get("phases") or {}
+        if verdict == "healthy" and self.input_in in phases and phases.get("input_wait", 0) is None:
+            # never `healthy` on what was not measured: the input hides in a phase
+            unmeasured = {"phase": self.input_in, "share": phases[self.input_in]}
+            verdict, fix = "unknown", INPUT_UNMEASURED.format(
+                phase=self.input_in, share=f"{phases[self.input_in]:.0%}",
+                command=" ".join(["python"] + [str(a) for a in sys.argv]))
+        elif verdict == "unknown" and count:
             fix = TOO_FEW_STEPS.format(steps=count,
                                        min_steps=self.active_thresholds()["min_judge_steps"])
         causes = [dict(c, where=self._where(c["verdict"])) if self._where(c["verdict"])
                   else c for c in causes]
         return {"verdict": verdict, "fix": fix, "phase": phase, "cost_share": share,
-                "because": because, "changed": changed, "causes": causes}
+                "because": because, "changed": changed, "causes": causes,
+                "input_unmeasured": unmeasured}
 
 
 def _event(judgement, start, end, where=None, source=None):

@@ -33,6 +33,10 @@ class RunFacts(NamedTuple):
             `Generator`, ...: `INPUT_SOURCE_FIXES`), or None.
         input_workers: the workers that make its batches in parallel (a
             `PyDataset`'s), or None.
+        input_in: the phase that holds the input's time where its wait is
+            not measured: `step` (`fit` takes each batch inside its train
+            function), `between` (a loop that calls the hooks itself takes
+            its batch between them), or None (not known).
     """
 
     jit: Optional[bool] = None
@@ -44,6 +48,7 @@ class RunFacts(NamedTuple):
     async_blockers: Optional[tuple] = None
     input_source: Optional[str] = None
     input_workers: Optional[int] = None
+    input_in: Optional[str] = None
 
     def merged(self, **changes) -> "RunFacts":
         """A copy with `changes`; `thresholds` are added to the current ones."""

@@ -108,6 +108,8 @@ def headline(record: dict, path: str = None) -> list:
     contention = contention_text(record.get("contention"), verdict)
     if verdict == "healthy":
         first = f"healthy; no cause measured costs {THRESHOLDS['cost_share']:.0%} of the run"
+    elif verdict == "unknown" and v.get("input_unmeasured"):
+        first = "unknown; " + v["fix"]  # the phase that holds the input, and how to measure it
     elif verdict == "unknown":
         first = "unknown; no training step was judged"
     else:
@@ -121,7 +123,9 @@ def headline(record: dict, path: str = None) -> list:
     if fix is None:
         if verdict in ("healthy", "unknown"):
             told = "nothing to fix"
-            if verdict == "unknown":
+            if verdict == "unknown" and v.get("input_unmeasured"):
+                told = "none judged until the input wait is measured (the command above)"
+            elif verdict == "unknown":
                 told = v.get("fix") or "nothing was judged: the evidence says what was seen"
             lines.append(f"fix:     {told}")
             lines.append(f"check:   a later run against this one: {compare}")

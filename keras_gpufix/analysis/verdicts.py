@@ -28,7 +28,8 @@ Verdicts, in order of precedence (the detector tries them in this order):
 |                   | period, cost >= `irregular_share`                           |
 | `degrading`       | the median cycle grew well above the first window's         |
 | `healthy`         | steps were measured and none of the above holds             |
-| `unknown`         | too few steps (or none) were measured to judge              |
+| `unknown`         | too few steps (or none) were measured to judge, or the      |
+|                   | steps read healthy but the input wait was not measured      |
 """
 
 import numpy as np
@@ -44,6 +45,7 @@ __all__ = [
     "CONTENTION_FIX",
     "THRESHOLDS",
     "TOO_FEW_STEPS",
+    "INPUT_UNMEASURED",
     "RETRACE_FIX",
     "recompiling_fix",
     "not_run_verdict",
@@ -439,6 +441,14 @@ STATEFUL_STEP_NOTE = (
 TOO_FEW_STEPS = (
     "only {steps} steps after warmup (fewer than min_judge_steps={min_steps}): too few to "
     "judge; run longer or lower warmup"
+)
+
+#: The fix of `unknown` where the steps were judged healthy but the input wait was not
+#: measured (`{phase}`: the phase that holds the input's time, `{share}` its share,
+#: `{command}` the script's command line).
+INPUT_UNMEASURED = (
+    "the input wait was not measured: the {phase} ({share} of the run) holds the time "
+    "spent waiting for each batch; measure it: keras-gpufix diagnose -- {command}"
 )
 
 #: Said first in the `recompiling` fix when the step was traced again (not only

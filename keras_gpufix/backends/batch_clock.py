@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from keras_gpufix.keras_internals import data_source, fit_epoch_iterator, time_batches
+from keras_gpufix.keras_internals import data_source, time_batches
 
 __all__ = ["BatchClock"]
 
@@ -56,7 +56,7 @@ def _add_shapes(value, shapes):
 class BatchClock:
     """Ready times and shapes of the batches `fit` takes from its data source.
 
-    Use `BatchClock.attach(backend)` in a callback's `on_train_begin`, then
+    Use `BatchClock.attach(backend, iterator)` in a callback's `on_train_begin`, then
     `take(begins, ends, counts)` per group of hooks, in order, and
     `detach()` at the end of training.
 
@@ -84,17 +84,18 @@ class BatchClock:
         self._restore = None
 
     @classmethod
-    def attach(cls, backend):
+    def attach(cls, backend, iterator):
         """The clock of the running `fit`'s data source, or None.
 
         None outside `fit` (a custom loop: `kg.watch` times `next()`
         itself), and on TensorFlow for sources without a Python producer
-        (arrays, `tf.data`).
+        (arrays, `tf.data`: `kg.data.instrument` measures those).
 
         Args:
             backend: the run's `backends.Backend`.
+            iterator: `fit`'s epoch iterator (`keras_internals.
+                fit_epoch_iterator()`), or None outside `fit`.
         """
-        iterator = fit_epoch_iterator()
         if iterator is None:
             return None
         clock = cls(*data_source(iterator))

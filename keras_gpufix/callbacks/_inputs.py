@@ -46,7 +46,8 @@ import numpy as np
 from keras_gpufix._step_shapes import StepShapes
 from keras_gpufix.analysis.phases import seconds_within
 from keras_gpufix.backends.batch_clock import BatchClock
-from keras_gpufix.keras_internals import time_iterator_launches
+from keras_gpufix.keras_internals import (
+    fit_epoch_iterator, instrument_fit_dataset, time_iterator_launches)
 
 __all__ = ["CycleInputs", "CycleInput"]
 
@@ -93,7 +94,7 @@ class CycleInputs:
         self._offset = offset
         self._cursor = self._batch_clock = self._compiles = None  # sources, see `open`
         self._launches = deque(maxlen=self.MAX_LAUNCHES)  # step-clock seconds
-        self._unlaunch = None
+        self._unlaunch = self._uninstrument = None
         self._supplied = self._batch_size = None
         self._compiles_read = 0.0
         self._shapes = set()
@@ -126,12 +127,17 @@ class CycleInputs:
         if backend.tensorflow_step:
             self._unlaunch = time_iterator_launches(
                 lambda: self._launches.append(time.perf_counter()))
-        self._batch_clock = BatchClock.attach(backend)
+        iterator = fit_epoch_iterator()
+        # where the input's time lies when its wait is not measured
+        facts = {"input_in": "between" if iterator is None else "step"}
+        self._batch_clock = BatchClock.attach(backend, iterator)
         if self._batch_clock is None:
-            return {}
+            if backend.tensorflow_step and iterator is not None:
+                self._uninstrument = _instrument_fit_dataset(iterator)
+            return facts
         self._cursor = self._batch_clock
-        return {"input_source": self._batch_clock.source,
-                "input_workers": self._batch_clock.workers}
+        return dict(facts, input_source=self._batch_clock.source,
+                    input_workers=self._batch_clock.workers)
 
     def offer_batch_size(self, size):
         """A member's batch size: the default samples per step (the first one offered)."""
@@ -170,9 +176,10 @@ class CycleInputs:
         """At the end of training: lets go of fit's source and of the graph launches."""
         if self._batch_clock is not None:
             self._batch_clock.detach()
-        if self._unlaunch is not None:
-            self._unlaunch()
-            self._unlaunch = None
+        for undo in (self._unlaunch, self._uninstrument):
+            if undo is not None:
+                undo()
+        self._unlaunch = self._uninstrument = None
 
     def read(self, hooks) -> list:
         """One `CycleInput` per finished hook, in order (the loop's thread).
@@ -256,3 +263,23 @@ class CycleInputs:
         if len(self._shapes) < self.MAX_SHAPES:
             self._shapes.add(shape)
         return True
+
+
+def _instrument_fit_dataset(iterator):
+    """Puts TensorFlow fit's `tf.data` input through `kg.data.instrument`.
+
+    The user's pipeline is left as it is: one sequential `map` is appended
+    (`data/input_probe.py`), so every plain `tf.data` dataset, and arrays,
+    get their input wait measured without a `kg.data` call. A dataset that
+    went through `instrument` already keeps its own probe (its frames).
+
+    Args:
+        iterator: `fit`'s epoch iterator.
+
+    Returns:
+        A function that puts the dataset back, or None (nothing changed).
+    """
+    from keras_gpufix.data.input_probe import instrument, instrumented
+
+    return instrument_fit_dataset(
+        iterator, lambda dataset: None if instrumented(dataset) else instrument(dataset))

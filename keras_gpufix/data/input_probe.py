@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["instrument", "InputProbe", "InputCursor"]
+__all__ = ["instrument", "instrumented", "InputProbe", "InputCursor"]
 
 _PROBES = weakref.WeakSet()
 _LOCK = threading.Lock()
@@ -232,6 +232,21 @@ def instrument(dataset, capacity=4096, frames=None, frames_per_second=None):
     out = dataset.enumerate().map(_stamp)
     out.input_probe = probe
     return out
+
+
+def instrumented(dataset, depth=64) -> bool:
+    """Whether `dataset` or one of its inputs (any branch) went through `instrument`."""
+    from keras_gpufix.keras_internals import input_datasets
+
+    todo = [dataset]
+    for _ in range(depth):
+        if not todo:
+            return False
+        current = todo.pop(0)
+        if getattr(current, "input_probe", None) is not None:
+            return True
+        todo.extend(input_datasets(current))
+    return False
 
 
 class InputCursor:

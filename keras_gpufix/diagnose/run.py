@@ -90,21 +90,6 @@ def environment():
     }
 
 
-def _instrumented(dataset, depth=64):
-    """Whether `dataset` or one of its inputs (any branch) went through kg.data.instrument."""
-    from keras_gpufix.keras_internals import input_datasets
-
-    todo = [dataset]
-    for _ in range(depth):
-        if not todo:
-            return False
-        current = todo.pop(0)
-        if getattr(current, "input_probe", None) is not None:
-            return True
-        todo.extend(input_datasets(current))
-    return False
-
-
 def _time_own_hooks(callbacks, batch_hooks=False):
     """A two-item list that adds up the seconds `callbacks` (diagnose's own) spend in
     their train and epoch begin and end hooks (the fit's wall holds them, the
@@ -423,15 +408,11 @@ class FitPatch:
 
         import keras
 
-        import keras_gpufix as kg
-
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         arguments = bound.arguments
         x = arguments.get("x")
         tf = sys.modules.get("tensorflow")  # a tf.data dataset exists only where it is imported
         dataset = tf is not None and isinstance(x, tf.data.Dataset)
-        if dataset and not _instrumented(x):
-            arguments["x"] = kg.data.instrument(x)
         epochs = arguments.get("epochs", 1)
         per_epoch = arguments.get("steps_per_epoch")
         if per_epoch is None and dataset:

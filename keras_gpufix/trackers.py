@@ -110,7 +110,7 @@ class Trackers:
         self.update_freq = update_freq
         self.owner = "GPUOscillationMonitor"
         self._runs = []
-        self._sums = None
+        self._sums = [0, 0.0, 0.0, 0.0, 0, False]  # steps, input, step, between, last, measured
 
     @classmethod
     def of(cls, trackers) -> "Trackers":
@@ -126,7 +126,7 @@ class Trackers:
 
     def begin(self):
         """At the run's start: finds the active runs (starts the named ones where none is)."""
-        self._runs, self._sums = [], [0, 0.0, 0.0, 0.0, 0.0, False]
+        self._runs, self._sums = [], [0, 0.0, 0.0, 0.0, 0, False]
         auto = self._names == "auto"
         for name in NAMES if auto else dict.fromkeys(self._names):
             run = _RUNS[name](self.owner)

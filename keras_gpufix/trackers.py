@@ -40,6 +40,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 import time
 
 from keras_gpufix.analysis.headline import gain_words, headline, verdict_share
@@ -89,6 +90,10 @@ class Trackers:
 
     >>> kg.GPUOscillationMonitor(trackers=Trackers("mlflow", update_freq=200))
     """
+
+    #: The most seconds the end of a run waits for the trackers (a server that does not
+    #: answer: MLflow retries for minutes); the rest is sent in the background.
+    END_WAIT_S = 60.0
 
     def __init__(self, trackers="auto", update_freq="epoch"):
         names = ("auto" if trackers == "auto" else [] if trackers is None
@@ -175,14 +180,28 @@ class Trackers:
             except Exception as exc:  # no record, no headline: the metrics stay
                 for run in self._runs:
                     run.failed("record", exc)
+        sending = threading.Thread(target=self._send, args=(kept,), daemon=True,
+                                   name="keras_gpufix-trackers")
+        sending.start()
+        sending.join(self.END_WAIT_S)
+        if sending.is_alive():
+            warn(f"{self.owner}: " + " and ".join(NAMES[run.name] for run in self._runs)
+                 + f" did not answer within {self.END_WAIT_S:.0f} s; training goes on, the "
+                 "local run record is complete, and the rest is sent in the background")
+            return
         for run in self._runs:
-            if kept is not None:
-                _guarded(run, "headline", run.headline, kept.data)
-                _guarded(run, "files", _log_files, run, kept)
             _guarded(run, "end", run.finish)
         said = [run.words() for run in self._runs if run.live]
         if said and kept is not None:
             emit(f"{self.owner}: logged to " + " and ".join(said), verbose)
+
+    def _send(self, kept):
+        """What is left to send, then the headline and the files (another thread)."""
+        for run in self._runs:
+            _guarded(run, "metrics", run.flush)
+            if kept is not None:
+                _guarded(run, "headline", run.headline, kept.data)
+                _guarded(run, "files", _log_files, run, kept)
 
     def _point(self):
         sums = self._sums
@@ -315,7 +334,6 @@ class _MlflowRun(_Run):
     def headline(self, data):
         from mlflow.entities import RunTag
 
-        self._wait()
         head = _headline(data, self.uri())
         tags = {"verdict": head["verdict"], "fix": head["fix"], "headline": head["headline"],
                 "share": "" if head["share"] is None else f"{head['share']:.4g}",
@@ -329,13 +347,12 @@ class _MlflowRun(_Run):
     def files(self, folder):
         self.client.log_artifacts(self.run_id, folder, artifact_path=_FOLDER)
 
-    def _wait(self):
+    def flush(self):
         pending, self.pending = self.pending, []
         for done in pending:
             done.wait()
 
     def finish(self):
-        self._wait()
         if not self.started:
             return
         active = self.mlflow.active_run()
@@ -405,6 +422,9 @@ class _WandbRun(_Run):
     def files(self, folder):
         for file in (RunRecord.FILE, "report.html"):
             self.run.save(os.path.join(folder, file), base_path=self.run.dir, policy="now")
+
+    def flush(self):
+        pass  # `run.log` hands its rows to W&B's own process
 
     def finish(self):
         if self.started:

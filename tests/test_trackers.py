@@ -166,6 +166,25 @@ def test_a_store_that_cannot_be_written_is_one_warning_and_changes_nothing(store
     assert record.data["verdict"]["verdict"] == monitor.report()["verdict"]
 
 
+def test_a_tracker_slower_than_end_wait_s_is_left_to_finish_in_the_background(
+        store, tmp_path, monkeypatch):
+    monkeypatch.setattr(Trackers, "END_WAIT_S", 0.0)  # as a server that does not answer
+    with mlflow.start_run() as run:
+        monitor = kg.GPUOscillationMonitor(log_dir=str(tmp_path / "logs"), nvml=False,
+                                           verbose=0)
+        with pytest.warns(GpufixWarning, match="MLflow did not answer within 0 s; training "
+                                               "goes on, the local run record is complete"):
+            with kg.watch([np.zeros((4, 2), np.float32)] * 12, callbacks=[monitor]) as watched:
+                for _ in watched:
+                    pass
+    deadline = time.monotonic() + 30
+    while "keras_gpufix.headline" not in store.get_run(run.info.run_id).data.tags:
+        assert time.monotonic() < deadline, "the headline never reached the run"
+        time.sleep(0.05)
+    assert store.get_run(run.info.run_id).data.tags["keras_gpufix.verdict"] == \
+        RunRecord.load(tmp_path / "logs").data["verdict"]["verdict"]
+
+
 def _wandb_records(folder):
     """The records of a W&B offline run folder's `.wandb` file (its log format: a 7-byte
     header, then 32 KiB blocks of chunks, each a 7-byte header and a protobuf part)."""

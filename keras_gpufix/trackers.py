@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 
-from keras_gpufix.analysis.headline import gain_words, headline, verdict_share
+from keras_gpufix.analysis.headline import headline, verdict_share
 from keras_gpufix.exceptions import warn
 from keras_gpufix.output import emit
 from keras_gpufix.run_record import RunRecord
@@ -259,14 +259,14 @@ def _log_files(run, record):
 
 
 def _headline(data, path):
-    """The headline's parts: verdict, share, fix (with its gain in words), gain, the lines
-    (`path`: the run as `compare` reads it)."""
+    """The headline's parts: verdict, share, fix (with its gain in words), gain (the top
+    fix's expected speedup), the three lines (`path`: the run as `compare` reads it)."""
     verdict, share = verdict_share(data)
     lines = headline(data, path)
     fixes = data.get("fixes") or ()
     return {"verdict": verdict, "share": share, "fix": lines[1][len("fix:"):].strip(),
             "gain": fixes[0].get("expected_speedup") if fixes else None,
-            "gain_words": gain_words(fixes[0]) if fixes else None, "headline": "\n".join(lines)}
+            "headline": "\n".join(lines)}
 
 
 class _Run:

@@ -12,7 +12,8 @@ the user's code:
 | the three lines              | `.headline`                     | `/headline`                     |
 | the step phases, per step    | metrics `keras_gpufix/cycle_ms`,| the same keys, against          |
 | (ms), at `update_freq`       | `input_wait_ms`, `step_ms`,     | `keras_gpufix/train_step`       |
-|                              | `between_ms` (step: steps done) |                                 |
+|                              | `between_ms` (step: steps done; |                                 |
+|                              | a second fit's follow the first)|                                 |
 | the run record and its page  | artifacts `keras_gpufix/`       | files `keras_gpufix/`           |
 |                              | `run_record.json`, `report.html`| `run_record.json`, `report.html`|
 
@@ -55,6 +56,9 @@ NAMES = {"mlflow": "MLflow", "wandb": "W&B"}
 _FOLDER = "keras_gpufix"  # the artifacts' folder in a tracker's run
 _PHASES = ("cycle_ms", "input_wait_ms", "step_ms", "between_ms")
 _MAX_TAG = 5000  # MLflow's tag values are bounded (8000 characters on its stores)
+# (tracker, run id) -> the steps this process logged to it: a second fit's points follow
+# the first's on the run's step axis
+_STEPS_LOGGED = {}
 
 
 def _needed(name):
@@ -139,6 +143,7 @@ class Trackers:
             if module is not None:
                 _guarded(run, "start", run.attach, module, not auto)
             if run.live and module is not None:
+                run.base = _STEPS_LOGGED.get(run.key(), 0)
                 self._runs.append(run)
 
     def add(self, records):
@@ -213,7 +218,8 @@ class Trackers:
         if sums[5]:
             values["input_wait_ms"] = sums[1] * per
         for run in self._runs:
-            _guarded(run, "metrics", run.metrics, values, sums[4])
+            _guarded(run, "metrics", run.metrics, values, run.base + sums[4])
+            _STEPS_LOGGED[run.key()] = run.base + sums[4]
         self._sums = [0, 0.0, 0.0, 0.0, sums[4], False]
 
     # -- diagnose ---------------------------------------------------------------
@@ -278,6 +284,10 @@ class _Run:
         self.owner = owner
         self.live = True
         self.started = False
+        self.base = 0  # the steps logged to the run before this one
+
+    def key(self):
+        return self.name, self.describe()["run_id"]
 
     def failed(self, what, exc):
         if self.live:

@@ -91,6 +91,7 @@ def test_a_fit_in_an_active_mlflow_run_logs_its_headline_phases_and_record(store
         monitor = kg.GPUOscillationMonitor(log_dir=str(tmp_path / "logs"), nvml=False,
                                            verbose=0)
         _fit(monitor)
+        _fit(monitor, epochs=1)  # a second fit: its points follow the first's
     run_id = run.info.run_id
     assert monitor.report()["trackers"] == [{
         "tracker": "mlflow", "run_id": run_id, "tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
@@ -100,7 +101,7 @@ def test_a_fit_in_an_active_mlflow_run_logs_its_headline_phases_and_record(store
     # the phases once an epoch (8 steps each), never per step
     for key in PHASES:
         history = store.get_metric_history(run_id, key)
-        assert [m.step for m in history] == [8, 16, 24]
+        assert [m.step for m in history] == [8, 16, 24, 32]
         assert all(m.value > 0 for m in history)
     cycle, step, between = (store.get_metric_history(run_id, f"keras_gpufix/{k}")
                             for k in ("cycle_ms", "step_ms", "between_ms"))

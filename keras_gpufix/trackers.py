@@ -37,7 +37,6 @@ run folder (`wandb/offline-run-*`, `wandb/latest-run`).
 """
 
 import importlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -112,8 +111,7 @@ class Trackers:
             raise ValueError("`update_freq` must be 'epoch' or an integer >= 1. "
                              f"Received: update_freq={update_freq!r}")
         for name in () if names == "auto" else names:
-            if importlib.util.find_spec(name) is None:
-                _needed(name)  # raises, quoting the pip command
+            _needed(name)  # named: missing is an error now, quoting the pip command
         self.trackers = trackers
         self._names = names
         self.update_freq = update_freq

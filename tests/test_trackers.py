@@ -5,7 +5,9 @@ A tracker that fails is one warning; `compare` reads runs from the trackers."""
 import glob
 import json
 import os
+import re
 import struct
+import sys
 import textwrap
 import time
 import warnings
@@ -133,7 +135,7 @@ def test_a_watch_loop_named_to_mlflow_starts_and_ends_its_run(store, tmp_path):
     assert all(b in (40, 80) or b - a >= 10 for a, b in zip([0] + steps, steps))
 
 
-def test_trackers_none_logs_nothing_and_bad_values_are_named(store):
+def test_trackers_none_logs_nothing_and_bad_values_are_named(store, monkeypatch):
     with mlflow.start_run() as run:
         monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0, trackers=None)
         _fit(monitor, epochs=1)
@@ -143,6 +145,9 @@ def test_trackers_none_logs_nothing_and_bad_values_are_named(store):
         kg.GPUOscillationMonitor(trackers="neptune")
     with pytest.raises(ValueError, match=r"Received: update_freq=0"):
         Trackers("mlflow", update_freq=0)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where it is not installed
+    with pytest.raises(ImportError, match=re.escape("pip install keras-gpufix[wandb]")):
+        kg.GPUOscillationMonitor(trackers=["mlflow", "wandb"])
 
 
 def test_a_store_that_cannot_be_written_is_one_warning_and_changes_nothing(store, tmp_path):

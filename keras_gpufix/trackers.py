@@ -22,7 +22,9 @@ expected speedup (None where it was not measured); `fix` is the headline's
 fix sentence with its gain in words. The page's `compare` line names the
 tracker's copy (`keras-gpufix compare runs:/<id> AFTER`).
 
-Only where the package is already imported is a run looked for (nothing is
+`KERAS_GPUFIX_TRACKERS=off` in the environment turns `"auto"` off (a script run
+unchanged, diagnose's patched reruns). Only where the package is already imported
+is a run looked for (nothing is
 imported for it), and only the trackers' public API is used. A failure of a
 tracker (no server, a full disk, a network error) is one warning naming the
 tracker and the reason; nothing more goes to it in that run, training goes
@@ -52,6 +54,10 @@ __all__ = ["Trackers", "load_record"]
 
 #: The trackers, by name: the title warnings and lines use.
 NAMES = {"mlflow": "MLflow", "wandb": "W&B"}
+#: The environment variable that turns `"auto"` off (`off`, `0`, `none`, `false`): for a
+#: script run unchanged, under `keras-gpufix diagnose` too.
+ENV = "KERAS_GPUFIX_TRACKERS"
+_OFF = ("off", "0", "none", "false")
 _FOLDER = "keras_gpufix"  # the artifacts' folder in a tracker's run
 _PHASES = ("cycle_ms", "input_wait_ms", "step_ms", "between_ms")
 _MAX_TAG = 5000  # MLflow's tag values are bounded (8000 characters on its stores)
@@ -77,7 +83,8 @@ class Trackers:
 
     Args:
         trackers: `"auto"`: the active MLflow run and the W&B run, where
-            there is one; a name (`"mlflow"`, `"wandb"`) or a list of them:
+            there is one (none where the environment variable
+            `KERAS_GPUFIX_TRACKERS` is `off`); a name (`"mlflow"`, `"wandb"`) or a list of them:
             those, a run started where none is active (and ended with the
             run); None or `[]`: none. Defaults to `"auto"`.
         update_freq: `"epoch"`: the step phases logged at each epoch's end;
@@ -135,6 +142,8 @@ class Trackers:
         """At the run's start: finds the active runs (starts the named ones where none is)."""
         self._runs, self._sums = [], [0, 0.0, 0.0, 0.0, 0, False]
         auto = self._names == "auto"
+        if auto and os.environ.get(ENV, "").strip().lower() in _OFF:
+            return
         for name in NAMES if auto else dict.fromkeys(self._names):
             run = _RUNS[name](self.owner)
             module = sys.modules.get(name) if auto else _guarded(run, "import", _needed, name)

@@ -139,8 +139,14 @@ def test_trackers_none_logs_nothing_and_bad_values_are_named(store, monkeypatch)
     with mlflow.start_run() as run:
         monitor = kg.GPUOscillationMonitor(nvml=False, verbose=0, trackers=None)
         _fit(monitor, epochs=1)
+    monkeypatch.setenv("KERAS_GPUFIX_TRACKERS", "off")  # "auto" off, the script unchanged
+    with mlflow.start_run():
+        _fit(kg.GPUOscillationMonitor(nvml=False, verbose=0), epochs=1)
+    for run in (run, mlflow.last_active_run()):
+        assert not any(k.startswith("keras_gpufix") for k in store.get_run(
+            run.info.run_id).data.tags)
+        assert not store.get_run(run.info.run_id).data.metrics
     assert monitor.report()["trackers"] == []
-    assert not any(k.startswith("keras_gpufix") for k in store.get_run(run.info.run_id).data.tags)
     with pytest.raises(ValueError, match=r"`trackers` must be .* Received: trackers='neptune'"):
         kg.GPUOscillationMonitor(trackers="neptune")
     with pytest.raises(ValueError, match=r"Received: update_freq=0"):

@@ -176,8 +176,10 @@ def build_parser():
                                    "steady gain measured (with its range) beside the gain "
                                    "BEFORE predicted for the causes that went away.")
     p.set_defaults(subparser=p)
-    p.add_argument("before", metavar="BEFORE", help="the first run's record (file or folder)")
-    p.add_argument("after", metavar="AFTER", help="the second run's record (file or folder)")
+    p.add_argument("before", metavar="BEFORE",
+                   help="the first run's record (file or folder: a W&B run folder too), or an "
+                        "MLflow run (runs:/RUN_ID, through MLFLOW_TRACKING_URI)")
+    p.add_argument("after", metavar="AFTER", help="the second run's record, as BEFORE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     data_service.add_parser(sub)
@@ -235,6 +237,7 @@ def _diagnose(args, sub):
         if result["html_report"]:
             print(f"report: {result['html_report']} (run record {result['record']})",
                   flush=True)
+    _track(result, verbose=0 if args.json else 1)  # after: --json's line is stdout's last
     return result["exit_code"]
 
 
@@ -262,6 +265,17 @@ def _keep(result):
         print(f"keras-gpufix diagnose: the run record was not written ({exc})",
               file=sys.stderr, flush=True)
         return None, None
+
+
+def _track(result, verbose):
+    """diagnose's record and report.html, and its headline, to the tracker runs (MLflow,
+    W&B) its monitors logged to (`trackers.Trackers`)."""
+    from keras_gpufix.run_record import RunRecord
+    from keras_gpufix.trackers import Trackers
+
+    record = result["record"]
+    Trackers.of_diagnosis(result).end(lambda: RunRecord.load(record) if record
+                                      else RunRecord.from_diagnosis(result), verbose)
 
 
 def _bench(args, sub):
@@ -325,11 +339,11 @@ def _report(args, sub):
 
 def _compare(args, sub):
     from keras_gpufix.analysis.comparison import compare_runs, format_comparison
-    from keras_gpufix.run_record import RunRecord
+    from keras_gpufix.trackers import load_record
 
     try:
-        before, after = RunRecord.load(args.before), RunRecord.load(args.after)
-    except (ValueError, OSError) as exc:
+        before, after = load_record(args.before), load_record(args.after)
+    except (ValueError, OSError, ImportError) as exc:
         sub.error(str(exc))
     result = compare_runs(before.data, after.data)
     if args.json:

@@ -17,7 +17,7 @@ import os
 from keras_gpufix.analysis.contention import contention_text
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
-__all__ = ["HEADLINE_FIXES", "headline", "gain_words"]
+__all__ = ["HEADLINE_FIXES", "headline", "gain_words", "verdict_share"]
 
 #: What the verdict's share of the run is, by verdict (`{period}`: its period in steps).
 _SHARE_WORDS = {
@@ -87,6 +87,17 @@ def _line_of(where) -> "str | None":
     return None
 
 
+def verdict_share(record: dict) -> tuple:
+    """`(verdict, share)` the headline opens with: the verdict's name and its share of
+    the run (its cause's, which its fix's gain is reckoned from; else the judgement's
+    cost share; None where neither is known)."""
+    v = record.get("verdict") or {}
+    verdict = v.get("verdict") or "unknown"
+    cause = {c.get("verdict"): c for c in record.get("causes") or ()}.get(verdict) or {}
+    share = cause.get("share")
+    return verdict, v.get("cost_share") if share is None else share
+
+
 def headline(record: dict, path: str = None) -> list:
     """The three lines a view of `record` (`RunRecord.data`) opens with.
 
@@ -99,12 +110,9 @@ def headline(record: dict, path: str = None) -> list:
         `[verdict line, fix line, check line]`.
     """
     v = record.get("verdict") or {}
-    verdict = v.get("verdict") or "unknown"
+    verdict, share = verdict_share(record)
     causes = {c.get("verdict"): c for c in record.get("causes") or ()}
-    cause = causes.get(verdict) or {}
-    share = cause.get("share")  # the share its fix's gain is reckoned from
-    share = v.get("cost_share") if share is None else share
-    period = cause.get("period")
+    period = (causes.get(verdict) or {}).get("period")
     contention = contention_text(record.get("contention"), verdict)
     if verdict == "healthy":
         first = f"healthy; no cause measured costs {THRESHOLDS['cost_share']:.0%} of the run"

@@ -39,6 +39,11 @@ with `log_dir`, `log_dir/keras_gpufix/run_record.json` at the end of `fit`
 (and when SIGTERM or SIGINT stops it; in a multi-worker job the chief's);
 `keras-gpufix report` renders it.
 
+Experiment trackers (`keras_gpufix.trackers`): where an MLflow run or a
+W&B run is active (or those named in `trackers`), the step phases go to it
+once an epoch, and the headline (verdict, share, fix, gain) and the run's
+record and report.html at the end of the run; `trackers=None` turns it off.
+
 Keras `logs`: `step_ms` (each step), `step_ms` and `input_wait` (each
 epoch; `input_wait` the run's so far, the figure `report()` gives), written
 by the first of our callbacks in the list (see `callbacks/_stream.py`).
@@ -74,6 +79,7 @@ from keras_gpufix.keras_internals import callback_model
 from keras_gpufix.nvml import NvmlSampler
 from keras_gpufix.output import emit
 from keras_gpufix.run_record import RunRecord
+from keras_gpufix.trackers import Trackers
 
 __all__ = ["GPUOscillationMonitor"]
 
@@ -104,6 +110,12 @@ class GPUOscillationMonitor(TimedCallback):
             without a GPU nothing is said. Defaults to True.
         verbose: 0 silent, 1 prints each event and a summary at the end of
             `fit`. Defaults to 1.
+        trackers: the experiment trackers the run is logged to
+            (`keras_gpufix.trackers.Trackers`): `"auto"`, the MLflow run
+            and the W&B run active at the start of `fit`; `"mlflow"`,
+            `"wandb"` or a list of them, those (a run started where none
+            is active); None, none; or a `Trackers` (another rate).
+            Defaults to `"auto"`.
 
     Example:
 
@@ -114,7 +126,7 @@ class GPUOscillationMonitor(TimedCallback):
     """
 
     def __init__(self, window=96, warmup=5, min_windows=2, thresholds=None,
-                 log_dir=None, on_detect=None, nvml=True, verbose=1):
+                 log_dir=None, on_detect=None, nvml=True, verbose=1, trackers="auto"):
         super().__init__()
         self.detector = _arguments.gpu_oscillation_monitor(window, warmup, min_windows,
                                                            thresholds, on_detect)
@@ -126,6 +138,8 @@ class GPUOscillationMonitor(TimedCallback):
         self.on_detect = on_detect
         self.nvml = nvml
         self.verbose = verbose
+        self.trackers = trackers
+        self._trackers = Trackers.of(trackers)
         self._sampler = None
         self._writer = None
         self._firsts = [0, 0.0]  # epoch-first records: count, seconds
@@ -158,6 +172,8 @@ class GPUOscillationMonitor(TimedCallback):
             self._keep_on_signal = RunRecord.on_signal(self._keep)
         self._start_sampler()
         self.stream.sample_utilisation(self._sampler)
+        if self._task is None or self._task[1]:  # in a job, the chief's
+            self._trackers.begin()
 
     def _start_sampler(self):
         self._sampler = None  # a stopped sampler keeps its samples for report()
@@ -182,6 +198,7 @@ class GPUOscillationMonitor(TimedCallback):
     def _epoch_done(self):
         if self._writer is not None:
             self._writer.flush()
+        self._trackers.epoch_end()
 
     @property
     def _voice(self):
@@ -203,9 +220,10 @@ class GPUOscillationMonitor(TimedCallback):
         if self._keep_on_signal is not None:
             self._keep_on_signal()
             self._keep_on_signal = None
+        kept = None
         if self.log_dir is not None and (self._task is None or self._task[1]):
             try:
-                self._keep()
+                kept = self._keep()
             except Exception as exc:  # a full disk: one warning
                 self._report_failure("keep", exc)
         r = self.report()
@@ -220,6 +238,9 @@ class GPUOscillationMonitor(TimedCallback):
                 self._summary(r)
             except Exception as exc:  # a monitor never stops training
                 self._report_failure("summary", exc)
+        # under diagnose, its report's record goes to the trackers, once
+        self._trackers.end(None if self._fix_said_by_diagnose else lambda: RunRecord.load(
+            kept) if kept else RunRecord.from_monitor(r), self._voice)
 
     def _summary(self, r):
         """Prints the run's end line: the headline of its record (what report.html
@@ -252,6 +273,7 @@ class GPUOscillationMonitor(TimedCallback):
 
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
+        self._trackers.add(records)
         for record in records:
             self._series.add(record, jit=self.detector.jit)
             if record.epoch_first:
@@ -312,7 +334,8 @@ class GPUOscillationMonitor(TimedCallback):
             of the run in at most 1024 points, `analysis.StepSeries`) and
             `contention` (what other processes took of the CPU from the
             run's start to its end, or to now: `analysis.cpu_contention`;
-            None before a run).
+            None before a run), `trackers` (the tracker runs logged to:
+            `Trackers.runs`).
         """
         summary = self.detector.log.summary()
         gpu_util = None
@@ -332,6 +355,7 @@ class GPUOscillationMonitor(TimedCallback):
             "series": self._series.as_dict(),
             "contention": None if self._cpu[0] is None else cpu_contention(
                 self._cpu[0], self._cpu[1] or cpu_load.sample()),
+            "trackers": self._trackers.runs,
         }
 
     def _keep(self, ended_by=None):

@@ -129,7 +129,8 @@ def run_patched(command, patches, steps, log_dir, cwd=None, timeout=None, source
                    "sources": sources, "out": out}, f)
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (package, os.environ.get("PYTHONPATH")) if p))
+        p for p in (package, os.environ.get("PYTHONPATH")) if p),
+               KERAS_GPUFIX_TRACKERS="off")  # the runs the script opens again get no phases
     try:
         run = subprocess.run([sys.executable, "-m", "keras_gpufix.diagnose.patched_run", spec],
                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

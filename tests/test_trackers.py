@@ -105,10 +105,12 @@ def test_a_fit_in_an_active_mlflow_run_logs_its_headline_phases_and_record(store
         history = store.get_metric_history(run_id, key)
         assert [m.step for m in history] == [8, 16, 24, 32]
         assert all(m.value > 0 for m in history)
-    cycle, step, between = (store.get_metric_history(run_id, f"keras_gpufix/{k}")
-                            for k in ("cycle_ms", "step_ms", "between_ms"))
+    cycle, wait, step, between = (store.get_metric_history(run_id, f"keras_gpufix/{k}")
+                                  for k in ("cycle_ms", "input_wait_ms", "step_ms",
+                                            "between_ms"))
+    assert len(wait) == 4  # the arrays' input wait is measured (fit's dataset probe)
     assert [c.value for c in cycle] == pytest.approx(
-        [s.value + b.value for s, b in zip(step, between)])
+        [w.value + s.value + b.value for w, s, b in zip(wait, step, between)])
 
 
 def test_a_watch_loop_named_to_mlflow_starts_and_ends_its_run(store, tmp_path):

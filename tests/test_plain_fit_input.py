@@ -112,10 +112,12 @@ def _run_all(backend_kinds):
 
     import keras_gpufix as kg
 
-    out = {}
+    out, models = {}, {}
     for kind in backend_kinds:
         width = 64 if kind == "fast" else 8
-        judged = _judged(kg, _model(keras, width), _pipeline(tf, kind))
+        if width not in models:  # one model a width: its step compiles once (JAX: seconds)
+            models[width] = _model(keras, width)
+        judged = _judged(kg, models[width], _pipeline(tf, kind))
         judged["truth"] = _truth(lambda: _pipeline(tf, kind), keras, width)
         out[kind] = judged
     return out

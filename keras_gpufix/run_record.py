@@ -125,6 +125,8 @@ class RunRecord:
                   "whole_run": f["predicted"].get("whole_run"),
                   "stage_op": (f.get("stage") or {}).get("op"),
                   "speedup_range": f["predicted"].get("speedup_range"),
+                  "known": f["predicted"].get("known"),
+                  "settle_steps": f["predicted"].get("settle_steps"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text"),
                   "patch": f.get("patch")}
                  for f in result.get("fixes") or ()]

@@ -58,13 +58,20 @@ def gain_words(fix: dict) -> str:
     (`expected_speedup` of the run as the script runs it), `the steps 2.10x faster`
     (a gain per step, where the whole run's is not known), `the whole run at most
     1.25x faster` (a cause known by its cost share alone), `1.66x the steps/s,
-    measured with the patch applied` (diagnose ran the script with its patch), or why
-    there is none."""
+    measured with the patch applied` (diagnose ran the script with its patch), `not
+    known yet` (its reruns' range holds 1.0) with the steps that would settle it, or
+    why there is none."""
     speedup = fix.get("expected_speedup")
     if speedup is None:
         return "its gain was not measured"
     if fix.get("source") == "cost_share":  # known by its cost alone: what removing all of it gives
         return f"the whole run at most {speedup:.2f}x faster (all of its time removed)"
+    if fix.get("known") is False:  # reruns beside the script as it is: the range holds 1.0
+        low, high = fix.get("speedup_range") or (speedup, speedup)
+        settle = fix.get("settle_steps")
+        return (f"not known yet ({speedup:.2f}x, {low:.2f}x-{high:.2f}x measured beside the "
+                "script as it is)" + (f"; runs of about {settle} steady steps would settle it"
+                                      if settle else ""))
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
         return f"{speedup:.2f}x the steps/s, measured with the patch applied"
     if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped

@@ -106,12 +106,19 @@ def test_no_round_with_steps_on_both_sides_is_no_gain():
 
 
 def test_compare_never_calls_a_difference_the_load_explains_a_regression():
-    # the fixed run (twice as fast at one load) ran beside a burner and measured slower
-    before, after = _record(10, others=0.1, cpu_ms=9), _record(14, others=0.7, cpu_ms=4.6)
+    # the fixed run (twice as fast at one load) ran beside a burner and measured slower:
+    # its threads waited 0.8 s a second for a CPU, the as-is run's 0.1
+    before = _record(10, others=0.1, waited=0.1, cpu_ms=9)
+    after = _record(14, others=0.7, waited=0.8, cpu_ms=4.6)
     result = compare_runs(before, after)
     assert result["gain"] < 1 and result["gain_range"][1] < 1  # alone: a regression
     assert result["word"] == "inconclusive"
-    assert result["load"] == {"more": "after", "explains": True}
+    load = result["load"]
+    assert load["more"] == "after" and load["explains"]
+    # with the waits taken out (none to all), the gain could be 0.71x to 0.71 * 0.9 / 0.2
+    low, high = load["quiet_range"]
+    assert low == pytest.approx(result["gain"]) and high == pytest.approx(
+        result["gain"] * 0.9 / 0.2)
     assert result["after"]["load"]["others_share"] == pytest.approx(0.7)
     text = format_comparison(result, "a", "b")
     assert text.startswith(f"inconclusive: b runs {result['gain']:.2f}x")
@@ -119,20 +126,32 @@ def test_compare_never_calls_a_difference_the_load_explains_a_regression():
     assert "load of b: other processes 70% of the CPU, load 3.8 on 2 CPUs" in text
     assert "its CPU time 4.6 ms per step" in text
     assert ("inconclusive: b ran under more load than a, enough to explain the difference "
-            f"measured; {REPEAT}") in text
-    # no change beside a load gap: the load may hide a gain
+            f"measured (with the runs' waits for a CPU taken out, none to all of them, the "
+            f"gain is {low:.2f}x-{high:.2f}x); {REPEAT}") in text
+    # no change beside loads that differ: the load may hide a gain
     flat = compare_runs(_record(10, others=0.1), _record(10, others=0.7, seed=1))
     assert flat["word"] == "inconclusive" and flat["load"]["explains"]
+    # the waits not measured: the loads' gap alone explains it
+    unmeasured = compare_runs(_record(10, others=0.1, waited=None),
+                              _record(14, others=0.7, waited=None))
+    assert unmeasured["word"] == "inconclusive" and unmeasured["load"]["quiet_range"] is None
 
 
-def test_compare_keeps_its_word_where_the_faster_run_was_the_more_loaded():
-    result = compare_runs(_record(20, others=0.1), _record(10, others=0.7, seed=1))
-    assert result["word"] == "improvement" and result["load"] == {"more": "after",
-                                                                  "explains": False}
+def test_compare_keeps_its_word_where_the_load_cannot_explain_it():
+    # the faster run was the more loaded: the difference is at least the one measured
+    result = compare_runs(_record(20, others=0.1, waited=0.1),
+                          _record(10, others=0.7, waited=0.8, seed=1))
+    assert result["word"] == "improvement"
+    assert result["load"]["more"] == "after" and not result["load"]["explains"]
     assert ("b ran under more load than a and was still the faster: the difference is at "
             "least the one measured") in format_comparison(result, "a", "b")
-    worse = compare_runs(_record(10, others=0.7), _record(20, others=0.1, seed=1))
+    worse = compare_runs(_record(10, others=0.7, waited=0.8), _record(20, others=0.1, seed=1))
     assert worse["word"] == "regression" and worse["load"]["more"] == "before"
+    # the slower run waited a little more, far from enough to explain 2x: word stands,
+    # nothing said of the load beyond each run's figures
+    near = compare_runs(_record(20, others=0.3, waited=0.35), _record(10, others=0.3,
+                                                                     waited=0.3, seed=1))
+    assert near["word"] == "improvement" and near["load"] is None
     # matched loads: the word as measured, the loads still beside the throughput
     quiet = compare_runs(_record(20, others=0.1), _record(10, others=0.2, seed=1))
     assert quiet["word"] == "improvement" and quiet["load"] is None

@@ -15,12 +15,14 @@ judged again:
   at most `1 / (1 + MIN_GAIN)`, else `no change`;
 - each run's load beside its throughput (`load_of`: other processes' share of
   the CPU, the threads' wait for one, the process's CPU time per step). Where
-  the two loads differ (`loads_differ`) and the more loaded run is the slower
-  one, or the gain is `no change`, the load can explain the difference (a
-  2-core host under a second job slows a script 1.5-2.5x): the word is
-  `inconclusive`, with the two loads and how to repeat the comparison. Where
-  the more loaded run is the faster one, the word stands: the load worked
-  against it, so the difference is at least the one measured;
+  the load can explain the difference (a 2-core host under a second job slows
+  a script 1.5-2.5x): the gain with the runs' waits for a CPU taken out reaches
+  1.0, or, where the waits were not measured, the loads differ (`loads_differ`)
+  and the more loaded run is the slower one, or the gain is `no change`
+  beside loads that differ, the word is `inconclusive`, with the two loads and
+  how to repeat the comparison (`_weighed`). Where the more loaded run is the
+  faster one, the word stands: the load worked against it, so the difference
+  is at least the one measured;
 - each cause's share before and after, and for the causes that went away
   the gain per step BEFORE predicted for their fixes (alone and together),
   beside the gain measured;
@@ -44,7 +46,7 @@ from keras_gpufix.analysis.verdicts import (PATCHED_RUN_TEXT, SKIPPED_RUN_WHAT,
                                             TOGETHER_RUN_TEXT, combined_speedup, speedup_of,
                                             steps_per_s_words)
 
-__all__ = ["LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "REPEAT", "WAIT_GAP", "compare_runs", "format_comparison",
+__all__ = ["LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "QUIET_REACH", "REPEAT", "WAIT_GAP", "compare_runs", "format_comparison",
            "load_of", "loads_differ", "paired_gain", "paired_words", "patched_run_text",
            "together_run_text"]
 
@@ -57,6 +59,9 @@ LOAD_GAP = 0.25
 #: ... their threads' wait for a CPU, seconds per second of the run, by this much (on a
 #: busy machine other processes' share nears 1.0 and moves little; the wait still does).
 WAIT_GAP = 0.5
+#: The most of a run's wall its threads' wait for a CPU can be taken to explain (`compare`:
+#: a wall never shrinks to nothing).
+QUIET_REACH = 0.9
 #: The most rounds (an as-is run and a fixed one) a paired rerun takes.
 MAX_ROUNDS = 3
 #: The mean's interval: 95% (normal quantile).
@@ -159,8 +164,9 @@ def compare_runs(before: dict, after: dict) -> dict:
         (`[low, high]`, holding `gain`), `before` / `after` (each `verdict`,
         `wall_ms` (the mean wall per step) and its `wall_range_ms`,
         `steps_per_s`, `steps` (the steady steps), `points`, `load`: `load_of`),
-        `load` (None where the two loads do not differ; else `more`: the side
-        loaded more, `explains`: whether that can explain the difference), `causes` (every
+        `load` (None where the loads say nothing of the word; else `more`: the
+        side loaded more, `explains`: whether that can explain the difference,
+        `quiet_range`: the gain with the runs' waits for a CPU taken out), `causes` (every
         cause of either: `verdict`, `before`, `after` shares, None where
         absent, `gone`), `predicted` (BEFORE's prediction for each cause that
         went away: `verdict`, `speedup` (per step, as the gain is measured),
@@ -217,17 +223,45 @@ def compare_runs(before: dict, after: dict) -> dict:
 
 
 def _weighed(word, gain, before, after):
-    """`(word, load)`: `compare_runs`'s word with the two runs' loads weighed in, and
-    `load`: None where the loads do not differ (`loads_differ`), else `more` (the
-    side loaded more: `before` or `after`) and `explains` (whether that load can
-    explain the difference measured)."""
-    gap = loads_differ(before, after)
-    if gap is None or gain is None:
+    """`(word, load)`: `compare_runs`'s word with the two runs' loads (`load_of`)
+    weighed in.
+
+    A run's threads waited `w` seconds for a CPU per second of it; had they not, it
+    would have taken between `1 - w` of its wall (every wait on its critical path)
+    and all of it (none). Both runs share the machine, so the same fraction `c` of
+    their waits is taken out of both, from none to all (`c * w` at most
+    `QUIET_REACH`): the quiet gain lies between the gain measured and its other
+    end, `gain * (1 - c w_before) / (1 - c w_after)`. Where that range reaches 1.0
+    (across it, for `no change`: beyond `MIN_GAIN`, with loads that differ), the
+    load can explain the difference: `inconclusive`. Where the waits were not
+    measured, other processes' share stands in (`loads_differ`): the more loaded
+    run the slower explains it. Either way, a run that was loaded more and still
+    the faster keeps its word.
+
+    Returns:
+        `load`: None where the loads say nothing of the word; else `more` (the
+        side loaded more: `before` or `after`), `explains` (whether the load can
+        explain the difference measured) and `quiet_range` (the gain with the
+        waits taken out, from none to all; None where not measured).
+    """
+    if gain is None:
         return word, None
-    more = "after" if gap > 0 else "before"
+    gap = loads_differ(before, after)
+    wb, wa = before.get("waited_share"), after.get("waited_share")
+    more = ("after" if gap > 0 else "before") if gap is not None else None
     slower = "before" if gain > 1 else "after"
-    explains = word == "no change" or more == slower
-    return ("inconclusive" if explains else word), {"more": more, "explains": explains}
+    explains, span = gap is not None and (word == "no change" or more == slower), None
+    if wb is not None and wa is not None and wb != wa:
+        reach = min(1.0, QUIET_REACH / max(wb, wa))
+        edge = gain * (1 - reach * wb) / (1 - reach * wa)
+        span = sorted((gain, edge))
+        more = more or ("after" if wa > wb else "before")
+        crosses = {"improvement": span[0] <= 1, "regression": span[1] >= 1}.get(word, False)
+        explains = explains or crosses
+    if more is None or not explains and gap is None:
+        return word, None
+    return ("inconclusive" if explains else word), {"more": more, "explains": explains,
+                                                    "quiet_range": span}
 
 
 def paired_gain(rounds) -> "dict | None":
@@ -358,12 +392,15 @@ def _load_lines(result, before, after):
     if load is None:
         return lines
     more, less = (after, before) if load["more"] == "after" else (before, after)
+    span = load.get("quiet_range")
+    span = (f" (with the runs' waits for a CPU taken out, none to all of them, the gain is "
+            f"{span[0]:.2f}x-{span[1]:.2f}x)" if span else "")
     if load["explains"]:
         lines.append(f"inconclusive: {more} ran under more load than {less}, enough to explain "
-                     f"the difference measured; {REPEAT}")
+                     f"the difference measured{span}; {REPEAT}")
     else:
         lines.append(f"{more} ran under more load than {less} and was still the faster: the "
-                     "difference is at least the one measured")
+                     f"difference is at least the one measured{span}")
     return lines
 
 

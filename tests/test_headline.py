@@ -91,3 +91,12 @@ def test_a_pipeline_its_own_what_if_finds_fast_is_never_input_bound():
             in out["because"][-1])
     slow = dict(fast, input_batches_per_s=1.2)  # 2x the demand: it may be the input
     assert weigh(run, what_if=slow)["verdict"] == "input_bound"
+
+
+def test_stalls_with_no_period_at_a_located_line_name_it():
+    fix = {"verdict": "irregular_stall", "expected_speedup": 1.4, "source": "skipped-run",
+           "where": ["train.py:88: plot(step)"]}
+    line = headline(_record("irregular_stall", [fix], share=0.25))[1]
+    assert line == ("fix:     move the work at train.py:88 off the step path, or run it less "
+                    "often (the long cycles' stack samples find it there): 1.40x the steps/s "
+                    "with that work removed, measured")

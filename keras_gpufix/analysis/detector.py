@@ -209,6 +209,40 @@ def _padding(rs, step, n):
             "shapes": len(groups), "per_element": slope}
 
 
+def _recurring(counts, most):
+    """`(column, period, offset)` of the line (a column of `counts`, samples per cycle)
+    seen in the cycles of one offset of a period and seldom in the others, or None.
+
+    A line that runs every `period` cycles (a plot every 5 steps) is sampled in the
+    cycles of its offset and in no other, however the load spreads the cycles'
+    times; a line every cycle runs (the step) is seen everywhere, a line sampled by
+    chance seldom anywhere. Each line's score is the share of its offset's cycles
+    it was seen in less the share of the other cycles; the best line at the period
+    with the best score (its multiples score lower: half their offsets miss)."""
+    seen = counts > 0
+    best = None
+    for period in range(2, most + 1):
+        offsets = np.arange(seen.shape[0]) % period
+        for column in range(seen.shape[1]):
+            hits = np.bincount(offsets, weights=seen[:, column], minlength=period)
+            sizes = np.bincount(offsets, minlength=period)
+            offset = int(np.argmax(hits / sizes))
+            others = sizes.sum() - sizes[offset]
+            score = hits[offset] / sizes[offset] - (hits.sum() - hits[offset]) / others
+            if sizes[offset] >= _MIN_RECURRING and (best is None or score > best[0]):
+                best = (score, column, period, offset)
+    if best is None or best[0] < _RECURRING_SCORE:
+        return None
+    return best[1], best[2], best[3]
+
+
+#: A line seen in the cycles of one offset of a period and seldom in the others: its
+#: score (the share of its offset's cycles it was seen in less the others') from which
+#: it is named, and the fewest cycles at its offset.
+_RECURRING_SCORE = 0.6
+_MIN_RECURRING = 4
+
+
 def locate_periodic(cycles, samples, period, thresholds=None):
     """Where the work every `period` steps runs, from stack samples.
 
@@ -218,28 +252,54 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     it) spend extra time; the line that holds most of their extra samples
     over the other cycles' is where the periodic work runs.
 
+    Under load (6-7 runnable processes on 2 cores) the cycles' times lose
+    the period: other processes' slices make any cycle slow, and the
+    detector may find stalls with no period. The samples keep it: the work's
+    line is seen in its own cycles only. Where the times name no line (or no
+    period was given), the line seen in the cycles of one offset of a period
+    and seldom in the others is named (`_recurring`), with that period.
+
     Args:
         cycles: seconds of each cycle (the part that was sampled), oldest
             first.
         samples: one dict per cycle, location -> samples taken there.
-        period: the stall's period, in cycles.
+        period: the stall's period, in cycles; None where the run found
+            stalls with no period (the samples' own period is looked for).
         thresholds: overrides of `THRESHOLDS` (`locate_share`, `locate_z`).
 
     Returns:
-        `(location, share)`: the location and the share of the in-step
-        cycles' extra samples it holds; None when no location holds
-        `locate_share` of them by at least `locate_z` standard errors (or
-        too few cycles were sampled).
+        `(location, share, period)`: the location, the share of the in-step
+        cycles' extra samples it holds and the period; None when no location
+        holds `locate_share` of them by at least `locate_z` standard errors
+        and no line recurs with a period (or too few cycles were sampled).
     """
     th = {**THRESHOLDS, **(thresholds or {})}
     t = np.asarray(cycles, dtype=np.float64)
-    if not period or period < 2 or t.size < 2 * period or len(samples) != t.size:
+    if period is not None and period < 2 or len(samples) != t.size or t.size < 2 * (
+            period or _MIN_RECURRING):
         return None
-    on = _in_step(np.maximum(0.0, t - np.median(t)), period)
     places = sorted({place for counts in samples for place in counts})
-    if not places or on.all():
+    if not places:
         return None
     counts = np.array([[c.get(place, 0) for place in places] for c in samples], np.float64)
+    if period is not None:
+        on = _in_step(np.maximum(0.0, t - np.median(t)), period)
+        found = None if on.all() else _extra_place(counts, on, th)
+        if found is not None:
+            return places[found[0]], found[1], period
+    recurring = _recurring(counts, period or max(2, t.size // (2 * _MIN_RECURRING)))
+    if recurring is None or period is not None and period % recurring[1]:
+        return None  # none, or not the period the run found (nor one it holds)
+    column, found_period, offset = recurring
+    on = np.arange(t.size) % found_period == offset
+    extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
+    total = float(extra[extra > 0].sum())
+    return places[column], float(extra[column] / total) if total > 0 else 1.0, found_period
+
+
+def _extra_place(counts, on, th):
+    """`(column, share)` of the line holding most of the in-step cycles' (`on`) extra
+    samples, by `locate_share` of them and `locate_z` standard errors; else None."""
     extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
     total = float(extra[extra > 0].sum())
     best = int(np.argmax(extra))
@@ -250,7 +310,7 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     spread = np.sqrt(counts[on, best].var() / on.sum() + counts[~on, best].var() / (~on).sum())
     if extra[best] < th["locate_z"] * max(spread, 1e-12) and spread > 0:
         return None
-    return places[best], float(extra[best] / total)
+    return best, float(extra[best] / total)
 
 
 def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):

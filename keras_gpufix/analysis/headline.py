@@ -68,6 +68,9 @@ HEADLINE_FIXES = {
     "sync_callbacks": "set `async_safe = True` on the batch-end callbacks that block",
     "irregular_stall": "trace one long cycle to see what runs then "
                        "(kg.ProfilerTrigger(trigger='slow_step'))",
+    # ... where the long cycles' stack samples found the line their work runs at
+    "irregular_stall_located": "move the work{at} off the step path, or run it less often "
+                               "(the long cycles' stack samples find it there)",
     "degrading": "look for state that grows every step (lists of tensors, retracing)",
 }
 
@@ -137,6 +140,8 @@ def _fix_line(fix, causes) -> str:
     elif key == "eager_step" and fix.get("patch"):
         key = "eager_step_patch"
     where = _line_of(fix.get("where"))
+    if key == "irregular_stall" and where:
+        key = "irregular_stall_located"
     at = f" at {where}" if where else ""
     template = HEADLINE_FIXES.get(key)
     sentence = fix.get("fix") or "" if template is None else template.format(

@@ -295,7 +295,8 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
 
     - the eager step's patch (`source` `patched-run`); where the patched script
       failed, the fix keeps no `patch` and says why (`patched-run-failed`);
-    - a periodic stall's loop-body line skipped (`skip_statement`; `source`
+    - a periodic stall's (or stalls with no period's) loop-body line skipped
+      (`skip_statement`; `source`
       `skipped-run`): what the stall costs, all of it removed; no patch (how often
       to run it is the user's choice); where the script fails without it, the
       cost-share prediction stands and says so.
@@ -317,7 +318,7 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
         if fix.get("verdict") == "eager_step" and fix.get("patch"):
             variants["patched_run"] = ([fix["patch"]], None)
             fixes["patched_run"] = fix
-        elif fix.get("verdict") == "periodic_stall" and skipped:
+        elif fix.get("verdict") in ("periodic_stall", "irregular_stall") and skipped:
             variants["skipped_run"] = ([], skipped)
             fixes["skipped_run"] = fix
     if not variants:

@@ -183,6 +183,11 @@ THRESHOLDS = {
     # cost is at least this share of the pipeline's time per batch: below
     # half, no one stage is the bottleneck and fixing it alone cannot double
     # the input's rate (Plumber ranks stages the same way, by their share).
+    # A run whose input wait is this share of its time has its input measured
+    # stage by stage even when judged healthy (analysis.stages_needed): half
+    # the cost rule, so an input cause near its threshold (the transformer
+    # ASR's slow map, 10-25% of the run) names its line and gain in every run.
+    "stage_wait_share": 0.05,
     "stage_share": 0.5,
 }
 

@@ -491,7 +491,9 @@ class FitPatch:
         """The stages of a run's input (`stages.py`) when the run's verdict or
         what-if makes them worth measuring (`analysis.stages_needed`), a dict
         with the reason they could not be measured, or None."""
-        if not stages_needed((entry.get("monitor") or {}).get("verdict"), entry.get("what_if")):
+        monitor = entry.get("monitor") or {}
+        if not stages_needed(monitor.get("verdict"), entry.get("what_if"),
+                             monitor.get("input_wait")):
             return None
         if self.sites is None:
             return {"reason": STAGES_ELSEWHERE.format(self.backend)}

@@ -419,12 +419,12 @@ def format_comparison(result: dict, before: str = "BEFORE", after: str = "AFTER"
                      f"{a['steps_per_s']:.3g} steps/s, wall per step {b['wall_ms']:.2f} ms -> "
                      f"{a['wall_ms']:.2f} ms (the mean of {b['steps']} and {a['steps']} steady "
                      "steps, stalls included)")
-    lines += _load_lines(result, before, after)
     predicted = result["predicted"]
     if predicted and result["gain"] is not None:
         speedup = predicted[0]["speedup"] if len(predicted) == 1 else result["predicted_together"]
         lines.append(f"predicted by {before}: {_x(speedup)} per step, measured "
                      f"{_x(result['gain'])}")
+    lines += _load_lines(result, before, after)
     lines.append(f"verdict:  {b['verdict']} -> {a['verdict']}")
     if result["causes"]:
         lines.append("causes (share of the run, before -> after):")

@@ -11,7 +11,8 @@ leaves its run record:
 - `eager`: a custom loop whose GradientTape step (1024-wide layers, batches of
   512) runs eagerly / the step in tf.function;
 - `plot`: a tf.function step and NumPy host work (a "plot": ten 150x150 matrix
-  products) every 5 steps / no plot;
+  products) every 5 steps / no plot; `plot_small`: three products on one BLAS
+  thread (a gain of about 1.3x, where a moving load can turn the answer over);
 - `map`: `fit` over a `tf.py_function` map doing NumPy work per element / the
   features computed once (a feature cache).
 
@@ -43,7 +44,10 @@ from _results import add_out_argument, write_results  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOOP = textwrap.dedent('''\
+    import os
     import sys
+
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "{blas}"
     import numpy as np
     import keras
     import tensorflow as tf
@@ -87,7 +91,7 @@ PLOT_BODY = textwrap.dedent('''\
         for i, (x, y) in enumerate(watched):
             loss = step(x, y)
             if i % 5 == 4 and not FIXED:
-                for _ in range(10):
+                for _ in range({reps}):
                     a = np.tanh(a @ a.T / 150.0)
     ''')
 
@@ -127,8 +131,14 @@ MAP = textwrap.dedent('''\
 
 # sized for gains of about 1.2-1.6x on a loaded 2-core host, where a load that moves
 # between two runs can turn the answer over
-SCRIPTS = {"eager": (LOOP, {"body": EAGER_BODY, "width": "1024", "batch": "512"}),
-           "plot": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256"}),
+SCRIPTS = {"eager": (LOOP, {"body": EAGER_BODY, "width": "1024", "batch": "512",
+                           "blas": "2"}),
+           "plot": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "10",
+                          "blas": "2"}),
+           # a small plot, its matrix products on one thread (no BLAS threads spinning
+           # after it, which slowed every step in `plot`): about 1.3x
+           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "3",
+                                "blas": "1"}),
            "map": (MAP, {})}
 
 
@@ -140,6 +150,7 @@ def _write(folder, pair):
         text = template.replace("{fixed}", fixed)
         for key, value in parts.items():
             text = text.replace("{" + key + "}", value)
+        text = text.replace("{reps}", "0")  # a body without a plot
         path = os.path.join(folder, f"{pair}_{'fixed' if fixed == '1' else 'as_is'}.py")
         with open(path, "w") as f:
             f.write(text)
@@ -259,7 +270,7 @@ def main(argv=None):
     diagnosed = []
     if args.diagnose:
         truth = {**{r["pair"]: r["truth"] for r in rows}, **known}
-        for pair in [p for p in ("eager", "plot") if p in args.pairs]:
+        for pair in [p for p in ("eager", "plot", "plot_small") if p in args.pairs]:
             for burner in (False, True):
                 d = _diagnose(folder, pair, args.steps, burner)
                 d.update(pair=pair, burner=burner, truth=truth[pair])

@@ -11,7 +11,9 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `step_series` | `StepSeries`: every record of a run in at most 1024 points   |
 |               | (the run record's timeline)                                  |
 | `comparison`  | `compare_runs`, `format_comparison`: two run records, the    |
-|               | steady gain and its range, one word (`MIN_GAIN`)             |
+|               | steady gain and its range, one word (`MIN_GAIN`), each run's |
+|               | load weighed (`load_of`, `loads_differ`); `paired_gain`:     |
+|               | reruns alternated with the script as it is (`MAX_ROUNDS`)    |
 | `verdicts`    | `VERDICTS`, `NOT_CAUSES`, `FIXES`, `THRESHOLDS`,             |
 |               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |

@@ -46,9 +46,9 @@ from keras_gpufix.analysis.verdicts import (PATCHED_RUN_TEXT, SKIPPED_RUN_WHAT,
                                             TOGETHER_RUN_TEXT, combined_speedup, speedup_of,
                                             steps_per_s_words)
 
-__all__ = ["LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "QUIET_REACH", "REPEAT", "WAIT_GAP", "compare_runs", "format_comparison",
-           "load_of", "loads_differ", "paired_gain", "paired_words", "patched_run_text",
-           "together_run_text"]
+__all__ = ["LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "QUIET_REACH", "REPEAT", "WAIT_GAP",
+           "compare_runs", "format_comparison", "load_of", "loads_differ", "paired_gain",
+           "paired_words", "patched_run_text", "together_run_text"]
 
 #: A gain within this either way of 1 is `no change`, whatever its range.
 MIN_GAIN = 0.05

@@ -270,7 +270,7 @@ def main(argv=None):
     diagnosed = []
     if args.diagnose:
         truth = {**{r["pair"]: r["truth"] for r in rows}, **known}
-        for pair in [p for p in ("eager", "plot", "plot_small") if p in args.pairs]:
+        for pair in [p for p in ("plot_small", "plot", "eager") if p in args.pairs]:
             for burner in (False, True):
                 d = _diagnose(folder, pair, args.steps, burner)
                 d.update(pair=pair, burner=burner, truth=truth[pair])

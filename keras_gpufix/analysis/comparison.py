@@ -46,7 +46,8 @@ from keras_gpufix.analysis.verdicts import (PATCHED_RUN_TEXT, SKIPPED_RUN_WHAT,
                                             TOGETHER_RUN_TEXT, combined_speedup, speedup_of,
                                             steps_per_s_words)
 
-__all__ = ["LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "QUIET_REACH", "REPEAT", "WAIT_GAP",
+__all__ = ["CPU_SHARE_GAP", "LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "OTHERS_NOTICE", "QUIET_REACH",
+           "REPEAT", "WAIT_GAP",
            "compare_runs", "format_comparison", "load_of", "loads_differ", "paired_gain",
            "paired_words", "patched_run_text", "together_run_text"]
 
@@ -62,6 +63,13 @@ WAIT_GAP = 0.5
 #: The most of a run's wall its threads' wait for a CPU can be taken to explain (`compare`:
 #: a wall never shrinks to nothing).
 QUIET_REACH = 0.9
+#: `compare`: the slower run got this many times less of the CPU than the faster one
+#: (its CPU time over its wall) while other processes took `OTHERS_NOTICE` more of the
+#: machine: the load can explain the difference. A burner beside the as-is run of a
+#: compiled-step pair (truth 1.02x) cut its share 0.52 -> 0.30 (others 0.74 -> 0.85),
+#: its threads' waits unchanged (1.48 -> 1.50 s/s), and its wall read 2.15x.
+CPU_SHARE_GAP = 1.25
+OTHERS_NOTICE = 0.05
 #: The most rounds (an as-is run and a fixed one) a paired rerun takes.
 MAX_ROUNDS = 3
 #: The mean's interval: 95% (normal quantile).
@@ -112,13 +120,16 @@ def _differences(before, after):
 def load_of(record: dict) -> dict:
     """A run record's load: `others_share` (other processes' share of the CPU over the
     run), `waited_share` (its threads' wait for a CPU, seconds per second), `load`,
-    `cpus`, and `cpu_ms_per_step` (this process's CPU time over its steps: what other
-    processes move less than the wall); each None where the record has none."""
+    `cpus`, `cpu_share` (this process's CPU time over its wall: the CPUs it got) and
+    `cpu_ms_per_step` (its CPU time over its steps: what other processes move less
+    than the wall); each None where the record has none."""
     c = record.get("contention") or {}
     count = (record.get("step_time") or {}).get("count")
     own = c.get("own_cpu_s")
+    wall = c.get("wall_s")
     return {"others_share": c.get("others_share"), "waited_share": c.get("waited_share"),
             "load": c.get("load"), "cpus": c.get("cpus"),
+            "cpu_share": own / wall if own is not None and wall else None,
             "cpu_ms_per_step": 1000.0 * own / count if own is not None and count else None}
 
 
@@ -251,6 +262,9 @@ def _weighed(word, gain, before, after):
     more = ("after" if gap > 0 else "before") if gap is not None else None
     slower = "before" if gain > 1 else "after"
     explains, span = gap is not None and (word == "no change" or more == slower), None
+    starved = _starved(gain, before, after) if word != "no change" else False
+    if starved:  # the slower run got less of the CPU while other processes took more
+        explains, more = True, slower
     if wb is not None and wa is not None and wb != wa:
         reach = min(1.0, QUIET_REACH / max(wb, wa))
         edge = gain * (1 - reach * wb) / (1 - reach * wa)
@@ -260,8 +274,24 @@ def _weighed(word, gain, before, after):
         explains = explains or crosses
     if more is None or not explains and gap is None:
         return word, None
-    return ("inconclusive" if explains else word), {"more": more, "explains": explains,
-                                                    "quiet_range": span}
+    cpu = [before.get("cpu_ms_per_step"), after.get("cpu_ms_per_step")]
+    return ("inconclusive" if explains else word), {
+        "more": more, "explains": explains, "quiet_range": span, "starved": starved,
+        "cpu_ms_per_step": cpu if all(cpu) else None}
+
+
+def _starved(gain, before, after) -> bool:
+    """Whether the slower of two runs (`load_of`) got `CPU_SHARE_GAP` times less of the
+    CPU than the faster one while other processes took `OTHERS_NOTICE` more of it:
+    its threads' waits may not show it (a pool of threads that wait for each other
+    wait as long beside a burner), the share of the CPU it got does."""
+    got = [before.get("cpu_share"), after.get("cpu_share")]
+    others = [before.get("others_share"), after.get("others_share")]
+    if None in got + others or min(got) <= 0:
+        return False
+    slow, fast = (0, 1) if gain > 1 else (1, 0)
+    return (got[fast] >= CPU_SHARE_GAP * got[slow]
+            and others[slow] - others[fast] >= OTHERS_NOTICE)
 
 
 def paired_gain(rounds) -> "dict | None":
@@ -395,6 +425,15 @@ def _load_lines(result, before, after):
     span = load.get("quiet_range")
     span = (f" (with the runs' waits for a CPU taken out, none to all of them, the gain is "
             f"{span[0]:.2f}x-{span[1]:.2f}x)" if span else "")
+    if load.get("starved"):
+        got = {n: (result[n].get("load") or {}).get("cpu_share") for n in ("before", "after")}
+        span = (f" (it got {got[load['more']]:.2f} of a CPU against "
+                f"{got['after' if load['more'] == 'before' else 'before']:.2f})") + span
+    cpu = load.get("cpu_ms_per_step")
+    if load["explains"] and cpu:
+        span += (f"; its CPU time per step, which load moves less, went {cpu[0]:.3g} -> "
+                 f"{cpu[1]:.3g} ms ({cpu[0] / cpu[1]:.2f}x; it leaves out time not spent "
+                 "computing)")
     if load["explains"]:
         lines.append(f"inconclusive: {more} ran under more load than {less}, enough to explain "
                      f"the difference measured{span}; {REPEAT}")

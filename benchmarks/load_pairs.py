@@ -44,6 +44,7 @@ from _results import add_out_argument, write_results  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOOP = textwrap.dedent('''\
+    import contextlib
     import os
     import sys
 
@@ -63,6 +64,15 @@ LOOP = textwrap.dedent('''\
     optimizer = keras.optimizers.SGD(0.01)
 
 
+    def batches(iterable):
+        """The loop's batches under the script's own monitor (its run record in
+        argv[1]), or as they are (argv[1] `-`: under keras-gpufix diagnose)."""
+        if sys.argv[1] == "-":
+            return contextlib.nullcontext(iterable)
+        monitor = kg.GPUOscillationMonitor(log_dir=sys.argv[1], nvml=False, verbose=0)
+        return kg.watch(iterable, callbacks=[monitor], model=model)
+
+
     def train_step(x, y):
         with tf.GradientTape() as tape:
             error = model(x, training=True) - y
@@ -77,8 +87,7 @@ LOOP = textwrap.dedent('''\
 
 EAGER_BODY = textwrap.dedent('''\
     step = tf.function(train_step) if FIXED else train_step
-    monitor = kg.GPUOscillationMonitor(log_dir=sys.argv[1], nvml=False, verbose=0)
-    with kg.watch(data.take(steps), callbacks=[monitor], model=model) as watched:
+    with batches(data.take(steps)) as watched:
         for x, y in watched:
             loss = step(x, y)
     ''')
@@ -86,8 +95,7 @@ EAGER_BODY = textwrap.dedent('''\
 PLOT_BODY = textwrap.dedent('''\
     step = tf.function(train_step)
     a = np.random.default_rng(1).random((150, 150))
-    monitor = kg.GPUOscillationMonitor(log_dir=sys.argv[1], nvml=False, verbose=0)
-    with kg.watch(data.take(steps), callbacks=[monitor], model=model) as watched:
+    with batches(data.take(steps)) as watched:
         for i, (x, y) in enumerate(watched):
             loss = step(x, y)
             if i % 5 == 4 and not FIXED:
@@ -232,7 +240,7 @@ def _diagnose(folder, pair, steps, burner):
     log = os.path.join(folder, f"{pair}_diagnose_{'burner' if burner else 'load'}")
     with _Burner(burner):
         proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--json",
-                               "--no-trace", "--log-dir", log, "--", "python", as_is, log + "_m",
+                               "--no-trace", "--log-dir", log, "--", "python", as_is, "-",
                                str(steps)], env=_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"diagnose of {as_is} exited {proc.returncode}\n{proc.stderr[-3000:]}")

@@ -157,9 +157,11 @@ def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypa
     runs, seconds = patched_run.run_pairs(_diagnosed(20), variants, 40, str(tmp_path),
                                           more=lambda ran: {"together_run": ([], {})})
     # round 1: as is first; round 2: the fixed runs first (the together run added), as is
-    # last; round 3: only what is not settled yet
+    # last; round 3: only what is not settled yet (two rounds at least: the together
+    # run, added in round 2, runs in round 3 too)
     assert calls[:3] == ["as_is", "patched_run", "skipped_run"]
     assert calls[3:7] == ["patched_run", "skipped_run", "together_run", "as_is"]
+    assert "patched_run" not in calls[7:] and "together_run" in calls[7:]
     patched = runs["patched_run"]["paired"]
     # round 1's loads differed (a burner beside the fixed run): left out, named
     assert patched["known"] and patched["gain"] == pytest.approx(2.0, rel=0.05)

@@ -46,7 +46,7 @@ from keras_gpufix.analysis.verdicts import (PATCHED_RUN_TEXT, SKIPPED_RUN_WHAT,
                                             TOGETHER_RUN_TEXT, combined_speedup, speedup_of,
                                             steps_per_s_words)
 
-__all__ = ["CPU_SHARE_GAP", "LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "OTHERS_NOTICE", "QUIET_REACH",
+__all__ = ["CPU_SHARE_GAP", "LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "MIN_ROUNDS", "OTHERS_NOTICE", "QUIET_REACH",
            "REPEAT", "WAIT_GAP",
            "compare_runs", "format_comparison", "load_of", "loads_differ", "paired_gain",
            "paired_words", "patched_run_text", "together_run_text"]
@@ -70,8 +70,13 @@ QUIET_REACH = 0.9
 #: its threads' waits unchanged (1.48 -> 1.50 s/s), and its wall read 2.15x.
 CPU_SHARE_GAP = 1.25
 OTHERS_NOTICE = 0.05
-#: The most rounds (an as-is run and a fixed one) a paired rerun takes.
+#: The most rounds (an as-is run and a fixed one) a paired rerun takes, and the fewest
+#: (A B, B A: a load that drifts weighs on both sides, and the range holds the spread
+#: between rounds, which one round cannot show: a plot-every-5-steps script, truth
+#: 1.18x, read 0.71x (0.59x-0.85x) from one round whose fixed run got 0.70 of a CPU
+#: against the as-is run's 1.03).
 MAX_ROUNDS = 3
+MIN_ROUNDS = 2
 #: The mean's interval: 95% (normal quantile).
 _Z = 1.96
 
@@ -299,8 +304,9 @@ def paired_gain(rounds) -> "dict | None":
     (`RunRecord.data`), each round two runs back to back.
 
     Each round is judged as `compare_runs` judges two runs. A round whose two runs'
-    loads differ by `LOAD_GAP` or more (`loads_differ`) is left out where a round
-    with matched loads exists, and named either way. The gain is the as-is runs'
+    loads differ (`loads_differ`; or its slower run got `CPU_SHARE_GAP` times less of
+    the CPU while other processes took `OTHERS_NOTICE` more) is left out where a
+    round with matched loads exists, and named either way. The gain is the as-is runs'
     mean wall per step over the fixed runs' (so the fixed runs' steps/s over the
     as-is runs'); its range is 95% on the log scale, from each round's own spread
     and, with two or more rounds, the spread between them.
@@ -326,7 +332,8 @@ def paired_gain(rounds) -> "dict | None":
                   else math.log(1 + MIN_GAIN))
         loads = (load_of(as_is), load_of(fixed))
         judged.append({"round": i + 1, "one": one, "spread": spread, "loads": loads,
-                       "differ": loads_differ(*loads) is not None})
+                       "differ": loads_differ(*loads) is not None
+                       or _starved(one["gain"], *loads)})
     if not judged:
         return None
     matched = [j for j in judged if not j["differ"]]

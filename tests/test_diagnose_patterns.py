@@ -153,7 +153,9 @@ def test_run_eagerly_in_a_branch_not_taken_is_not_ranked():
 def test_tf_print_in_the_loss_gets_the_plain_tf_function_fix_with_the_ops_line():
     with open(SCRIPT, "rb") as f:
         before = f.read()
-    proc, result = diagnose("tf_print", 14, script_steps=40, script_args=["--no-plot"])
+    # one round of reruns (--rounds 1): the pairing itself is test_patched_run's
+    proc, result = diagnose("tf_print", 14, "--rounds", "1", script_steps=40,
+                            script_args=["--no-plot"])
     compiled = result["fits"][0]["compiled_step"]
     assert compiled["xla_op"] == "StringFormat" and compiled["xla_ms"] is None
     assert compiled["xla_where"].endswith(f"loop_patterns.py:{_line('tf.print(')}")

@@ -257,8 +257,11 @@ def _weighed(word, gain, before, after):
     Returns:
         `load`: None where the loads say nothing of the word; else `more` (the
         side loaded more: `before` or `after`), `explains` (whether the load can
-        explain the difference measured) and `quiet_range` (the gain with the
-        waits taken out, from none to all; None where not measured).
+        explain the difference measured), `quiet_range` (the gain with the
+        waits taken out, from none to all; None where not measured), `starved`,
+        `cpu_ms_per_step` (before, after) and `corrected` (where the slower run was
+        starved of the CPU and its CPU time per step alone holds the word: that
+        ratio, the gain corrected for the load; else None).
     """
     if gain is None:
         return word, None
@@ -268,8 +271,15 @@ def _weighed(word, gain, before, after):
     slower = "before" if gain > 1 else "after"
     explains, span = gap is not None and (word == "no change" or more == slower), None
     starved = _starved(gain, before, after) if word != "no change" else False
-    if starved:  # the slower run got less of the CPU while other processes took more
-        explains, more = True, slower
+    cpu = [before.get("cpu_ms_per_step"), after.get("cpu_ms_per_step")]
+    corrected = cpu[0] / cpu[1] if all(cpu) else None
+    if starved:  # the slower run got less of the CPU while other processes took more:
+        # the gain less what the shares explain is the CPU time per step's; it holds
+        # the word where it alone goes the same way (the work changed), else the load
+        # can explain the difference
+        more = slower
+        explains = not (corrected and (corrected >= 1 + MIN_GAIN if word == "improvement"
+                                       else corrected <= 1 / (1 + MIN_GAIN)))
     if wb is not None and wa is not None and wb != wa:
         reach = min(1.0, QUIET_REACH / max(wb, wa))
         edge = gain * (1 - reach * wb) / (1 - reach * wa)
@@ -277,12 +287,12 @@ def _weighed(word, gain, before, after):
         more = more or ("after" if wa > wb else "before")
         crosses = {"improvement": span[0] <= 1, "regression": span[1] >= 1}.get(word, False)
         explains = explains or crosses
-    if more is None or not explains and gap is None:
+    if more is None or not explains and gap is None and not starved:
         return word, None
-    cpu = [before.get("cpu_ms_per_step"), after.get("cpu_ms_per_step")]
     return ("inconclusive" if explains else word), {
         "more": more, "explains": explains, "quiet_range": span, "starved": starved,
-        "cpu_ms_per_step": cpu if all(cpu) else None}
+        "cpu_ms_per_step": cpu if all(cpu) else None,
+        "corrected": corrected if starved and not explains else None}
 
 
 def _starved(gain, before, after) -> bool:
@@ -437,7 +447,7 @@ def _load_lines(result, before, after):
         span = (f" (it got {got[load['more']]:.2f} of a CPU against "
                 f"{got['after' if load['more'] == 'before' else 'before']:.2f})") + span
     cpu = load.get("cpu_ms_per_step")
-    if load["explains"] and cpu:
+    if load["explains"] and cpu and not load.get("corrected"):
         span += (f"; its CPU time per step, which load moves less, went {cpu[0]:.3g} -> "
                  f"{cpu[1]:.3g} ms ({cpu[0] / cpu[1]:.2f}x; it leaves out time not spent "
                  "computing)")
@@ -445,8 +455,12 @@ def _load_lines(result, before, after):
         lines.append(f"inconclusive: {more} ran under more load than {less}, enough to explain "
                      f"the difference measured{span}; {REPEAT}")
     else:
-        lines.append(f"{more} ran under more load than {less} and was still the faster: the "
-                     f"difference is at least the one measured{span}")
+        lines.append(
+            f"{more} ran under more load than {less}{span}; corrected for it by the CPU time "
+            f"per step, which load moves less: {load['corrected']:.2f}x (it leaves out time "
+            "not spent computing)" if load.get("corrected") else
+            f"{more} ran under more load than {less} and was still the faster: the "
+            f"difference is at least the one measured{span}")
     return lines
 
 

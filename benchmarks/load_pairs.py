@@ -26,7 +26,9 @@ within 25% of the truth).
 
 With `--diagnose`: `keras-gpufix diagnose` of the `eager` and `plot` scripts, at
 the machine's load and with a burner beside the whole diagnosis: its measured gain
-(the patch; the plot's line skipped), paired reruns, against the truth.
+(the patch; the plot's line skipped), paired reruns, against the truth of the
+scripts as diagnose runs them (a plain loop, no kg.watch), each alone, alternated
+right after the diagnosis (`loop_truth`).
 """
 
 import argparse
@@ -45,8 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOOP = textwrap.dedent('''\
     import contextlib
+    import json
     import os
     import sys
+    import time
 
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "{blas}"
     import numpy as np
@@ -62,6 +66,17 @@ LOOP = textwrap.dedent('''\
     model = keras.Sequential([keras.Input(({width},))] + [
         keras.layers.Dense({width}, activation="relu") for _ in range(3)] + [keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.01)
+
+
+    _times = []
+
+
+    def steady(i):
+        """Step `i` ended (None: the mean ms a step after the first 5, stalls in it)."""
+        if i is None:
+            return 1000 * (_times[-1][1] - _times[0][1]) / (_times[-1][0] - _times[0][0])
+        if i >= 4:
+            _times.append((i, time.perf_counter()))
 
 
     def batches(iterable):
@@ -88,8 +103,10 @@ LOOP = textwrap.dedent('''\
 EAGER_BODY = textwrap.dedent('''\
     step = tf.function(train_step) if FIXED else train_step
     with batches(data.take(steps)) as watched:
-        for x, y in watched:
+        for i, (x, y) in enumerate(watched):
             loss = step(x, y)
+            steady(i)
+    print(json.dumps({"steady_ms": steady(None)}))
     ''')
 
 PLOT_BODY = textwrap.dedent('''\
@@ -101,6 +118,8 @@ PLOT_BODY = textwrap.dedent('''\
             if i % 5 == 4 and not FIXED:
                 for _ in range({reps}):
                     a = np.tanh(a @ a.T / 150.0)
+            steady(i)
+    print(json.dumps({"steady_ms": steady(None)}))
     ''')
 
 MAP = textwrap.dedent('''\
@@ -235,6 +254,23 @@ def _compare_pair(folder, pair, steps, rounds):
     return rows
 
 
+def _loop_truth(folder, pair, steps, rounds):
+    """The pair's gain as diagnose runs it (no kg.watch: argv[1] `-`), each script
+    alone, alternated (A B, B A): the median of the rounds' steady ms-per-step ratios."""
+    gains = []
+    for r in range(rounds):
+        ms = {}
+        for path in _write(folder, pair)[::1 if r % 2 == 0 else -1]:
+            proc = subprocess.run([sys.executable, path, "-", str(steps)], env=_env(),
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{path} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+            ms[path] = json.loads(proc.stdout.strip().splitlines()[-1])["steady_ms"]
+        as_is, fixed = _write(folder, pair)
+        gains.append(ms[as_is] / ms[fixed])
+    return statistics.median(gains), gains
+
+
 def _diagnose(folder, pair, steps, burner):
     as_is, _ = _write(folder, pair)
     log = os.path.join(folder, f"{pair}_diagnose_{'burner' if burner else 'load'}")
@@ -281,7 +317,9 @@ def main(argv=None):
         for pair in [p for p in ("plot_small", "plot", "eager") if p in args.pairs]:
             for burner in (False, True):
                 d = _diagnose(folder, pair, args.steps, burner)
-                d.update(pair=pair, burner=burner, truth=truth[pair])
+                loop, rounds = _loop_truth(folder, pair, args.steps, args.rounds)
+                d.update(pair=pair, burner=burner, truth=truth.get(pair), loop_truth=loop,
+                         loop_truth_rounds=rounds)
                 diagnosed.append(d)
                 print(json.dumps(d), flush=True)
     figures = {f"{r['pair']}_{r['condition'].split()[-1]}_gain": r["gain"] for r in rows}

@@ -148,6 +148,10 @@ def test_stages_needed_only_when_the_input_costs_time():
     # a what-if that does not know is no reason to measure
     assert not stages_needed("healthy", {"speedup_if_input_free": 1.4, "bound": "input",
                                          "known": False})
+    # a healthy run that waited 13% for its input (a cause near its threshold): measured,
+    # so it names the same line and gain as a run of it judged input_bound
+    assert stages_needed("healthy", None, input_wait=0.13)
+    assert not stages_needed("healthy", None, input_wait=THRESHOLDS["stage_wait_share"] / 2)
 
 
 def test_locate_input_stage_replaces_the_generic_fix_and_drops_cheap_stage_lines():

@@ -11,7 +11,9 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 | `step_series` | `StepSeries`: every record of a run in at most 1024 points   |
 |               | (the run record's timeline)                                  |
 | `comparison`  | `compare_runs`, `format_comparison`: two run records, the    |
-|               | steady gain and its range, one word (`MIN_GAIN`)             |
+|               | steady gain and its range, one word (`MIN_GAIN`), each run's |
+|               | load weighed (`load_of`, `loads_differ`); `paired_gain`:     |
+|               | reruns alternated with the script as it is (`MAX_ROUNDS`)    |
 | `verdicts`    | `VERDICTS`, `NOT_CAUSES`, `FIXES`, `THRESHOLDS`,             |
 |               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
@@ -41,7 +43,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `what_if` (its figures), `what_if_until_known`,              |
 |               | `ratio_words`, `format_what_if`, its budgets                 |
 | `diagnosis`   | diagnose's other decisions: `trace_plan`, `trace_question`,  |
-|               | `stall_period`, `main_what_if`, `MONITOR_WARMUP`; its own    |
+|               | `stall_period`, `stall_located`, `main_what_if`,             |
+|               | `MONITOR_WARMUP`; its own                                    |
 |               | bill: `own_cost`, `traced_extra_s`, `OWN_ITEMS`              |
 | `traps`       | `TRAPS`: the one table of a script's traps and the verdict   |
 |               | each would produce (`traps_of`); config traps' rules:        |
@@ -70,7 +73,8 @@ from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_p
                                             what_if_input_cost)
 from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, OWN_COST_SHARE,
                                              OWN_ITEMS, TRACE_SLOWDOWN, main_what_if, own_cost,
-                                             stall_period, trace_cost_text, trace_plan,
+                                             stall_located, stall_period, trace_cost_text,
+                                             trace_plan,
                                              trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.headline import HEADLINE_FIXES, gain_words, headline
@@ -166,6 +170,7 @@ __all__ = [
     "main_what_if",
     "ratio_words",
     "stall_period",
+    "stall_located",
     "trace_plan",
     "trace_question",
     "trace_cost_text",

@@ -72,15 +72,15 @@ def what_if_cause(cost, input_wait: "float | None",
 def cause_where(verdict: str, step: dict, findings=()) -> "str | None":
     """Where a cause was seen: an `eager_step`'s measured eager gradient (`eager_where`),
     else the first scan finding of its trap on a line that ran, else the model's
-    compile; a `periodic_stall`'s loop-body line its slow cycles were sampled at
-    (`stall_where`); None for the others.
+    compile; a `periodic_stall`'s (or `irregular_stall`'s) loop-body line its slow
+    cycles were sampled at (`stall_where`); None for the others.
 
     Args:
         verdict: the cause.
         step: the run's step facts (`eager_where`, `stall_where`).
         findings: the static scan's findings (`trap`, `file`, `line`, `ran`).
     """
-    if verdict == "periodic_stall":
+    if verdict in ("periodic_stall", "irregular_stall"):
         return step.get("stall_where")
     if verdict != "eager_step":
         return None

@@ -211,6 +211,40 @@ def _padding(rs, step, n):
             "shapes": len(groups), "per_element": slope}
 
 
+def _recurring(counts, most):
+    """`(column, period, offset)` of the line (a column of `counts`, samples per cycle)
+    seen in the cycles of one offset of a period and seldom in the others, or None.
+
+    A line that runs every `period` cycles (a plot every 5 steps) is sampled in the
+    cycles of its offset and in no other, however the load spreads the cycles'
+    times; a line every cycle runs (the step) is seen everywhere, a line sampled by
+    chance seldom anywhere. Each line's score is the share of its offset's cycles
+    it was seen in less the share of the other cycles; the best line at the period
+    with the best score (its multiples score lower: half their offsets miss)."""
+    seen = counts > 0
+    best = None
+    for period in range(2, most + 1):
+        offsets = np.arange(seen.shape[0]) % period
+        for column in range(seen.shape[1]):
+            hits = np.bincount(offsets, weights=seen[:, column], minlength=period)
+            sizes = np.bincount(offsets, minlength=period)
+            offset = int(np.argmax(hits / sizes))
+            others = sizes.sum() - sizes[offset]
+            score = hits[offset] / sizes[offset] - (hits.sum() - hits[offset]) / others
+            if sizes[offset] >= _MIN_RECURRING and (best is None or score > best[0]):
+                best = (score, column, period, offset)
+    if best is None or best[0] < _RECURRING_SCORE:
+        return None
+    return best[1], best[2], best[3]
+
+
+#: A line seen in the cycles of one offset of a period and seldom in the others: its
+#: score (the share of its offset's cycles it was seen in less the others') from which
+#: it is named, and the fewest cycles at its offset.
+_RECURRING_SCORE = 0.6
+_MIN_RECURRING = 4
+
+
 def locate_periodic(cycles, samples, period, thresholds=None):
     """Where the work every `period` steps runs, from stack samples.
 
@@ -220,28 +254,54 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     it) spend extra time; the line that holds most of their extra samples
     over the other cycles' is where the periodic work runs.
 
+    Under load (6-7 runnable processes on 2 cores) the cycles' times lose
+    the period: other processes' slices make any cycle slow, and the
+    detector may find stalls with no period. The samples keep it: the work's
+    line is seen in its own cycles only. Where the times name no line (or no
+    period was given), the line seen in the cycles of one offset of a period
+    and seldom in the others is named (`_recurring`), with that period.
+
     Args:
         cycles: seconds of each cycle (the part that was sampled), oldest
             first.
         samples: one dict per cycle, location -> samples taken there.
-        period: the stall's period, in cycles.
+        period: the stall's period, in cycles; None where the run found
+            stalls with no period (the samples' own period is looked for).
         thresholds: overrides of `THRESHOLDS` (`locate_share`, `locate_z`).
 
     Returns:
-        `(location, share)`: the location and the share of the in-step
-        cycles' extra samples it holds; None when no location holds
-        `locate_share` of them by at least `locate_z` standard errors (or
-        too few cycles were sampled).
+        `(location, share, period)`: the location, the share of the in-step
+        cycles' extra samples it holds and the period; None when no location
+        holds `locate_share` of them by at least `locate_z` standard errors
+        and no line recurs with a period (or too few cycles were sampled).
     """
     th = {**THRESHOLDS, **(thresholds or {})}
     t = np.asarray(cycles, dtype=np.float64)
-    if not period or period < 2 or t.size < 2 * period or len(samples) != t.size:
+    if period is not None and period < 2 or len(samples) != t.size or t.size < 2 * (
+            period or _MIN_RECURRING):
         return None
-    on = _in_step(np.maximum(0.0, t - np.median(t)), period)
     places = sorted({place for counts in samples for place in counts})
-    if not places or on.all():
+    if not places:
         return None
     counts = np.array([[c.get(place, 0) for place in places] for c in samples], np.float64)
+    if period is not None:
+        on = _in_step(np.maximum(0.0, t - np.median(t)), period)
+        found = None if on.all() else _extra_place(counts, on, th)
+        if found is not None:
+            return places[found[0]], found[1], period
+    recurring = _recurring(counts, period or max(2, t.size // (2 * _MIN_RECURRING)))
+    if recurring is None or period is not None and period % recurring[1]:
+        return None  # none, or not the period the run found (nor one it holds)
+    column, found_period, offset = recurring
+    on = np.arange(t.size) % found_period == offset
+    extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
+    total = float(extra[extra > 0].sum())
+    return places[column], float(extra[column] / total) if total > 0 else 1.0, found_period
+
+
+def _extra_place(counts, on, th):
+    """`(column, share)` of the line holding most of the in-step cycles' (`on`) extra
+    samples, by `locate_share` of them and `locate_z` standard errors; else None."""
     extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
     total = float(extra[extra > 0].sum())
     best = int(np.argmax(extra))
@@ -252,7 +312,7 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     spread = np.sqrt(counts[on, best].var() / on.sum() + counts[~on, best].var() / (~on).sum())
     if extra[best] < th["locate_z"] * max(spread, 1e-12) and spread > 0:
         return None
-    return places[best], float(extra[best] / total)
+    return best, float(extra[best] / total)
 
 
 def _judgement(verdict, evidence, period=None, phase=None, cost_share=None):
@@ -988,7 +1048,11 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     replayed batch is cached, the run's were not) and says so. A what-if
     that does not know (`known` False: its timings varied more than
     `what_if_uncertainty`) counts only by the low end of its range
-    (`what_if_input_cost`): the gain is at least that.
+    (`what_if_input_cost`): the gain is at least that. A run whose input,
+    drained alone, supplies `input_rate_margin` times the step's demand or
+    more is never `input_bound` (the wait it measured is load or epoch
+    starts): `healthy`, unless another cause of its ranking reaches its
+    threshold (`verdict_of_ranking`), `covers` naming `input_bound`.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`
@@ -1045,6 +1109,16 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
                 f"the what-if finds the run no faster with the input free ({speedup:.2f}x), "
                 f"but it replays one cached batch; the step log measured {waited} input "
                 "wait over the whole run, so the verdict stays input_bound")
+    rate, demand = what_if.get("input_batches_per_s"), what_if.get("step_batches_per_s")
+    if out["verdict"] == "input_bound" and rate and demand and (
+            rate >= th["input_rate_margin"] * demand):
+        out.update(verdict="healthy", phase=None, cost_share=None, fix=fix_for("healthy"),
+                   covers="input_bound")
+        out["because"].append(
+            f"the step log measured {waited} input wait, but the input drained alone supplies "
+            f"{rate:.1f} batches/s, {rate / demand:.0f}x the step's demand of {demand:.2f}: "
+            "the pipeline's speed is not what the step waited for (other processes' load, "
+            "or the epochs' first batches), so the verdict is not input_bound")
     for trace in xprof or ():
         kind = trace.get("classification")
         if kind is None:

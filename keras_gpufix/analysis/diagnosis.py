@@ -3,14 +3,15 @@
 Pure functions over the monitors' reports, so every threshold and choice of
 a diagnosis lives in `analysis/`: how long the monitors warm up and when a
 run's traces are taken (`trace_plan`, `trace_question`), the period of the run's
-periodic stall whose line the loop patch looks for (`stall_period`), which run's
+periodic stall whose line the loop patch looks for (`stall_period`, `stall_located`), which run's
 what-if is the report's (`main_what_if`), and diagnose's own bill: the seconds it
 added beyond the script, item by item, and their bound (`own_cost`,
 `traced_extra_s`). Imports neither TensorFlow nor Keras.
 """
 
 __all__ = ["MONITOR_WARMUP", "OWN_COST_SHARE", "OWN_COST_FLOOR_S", "OWN_ITEMS", "TRACE_SLOWDOWN",
-           "trace_plan", "trace_question", "trace_cost_text", "stall_period", "main_what_if",
+           "trace_plan", "trace_question", "trace_cost_text", "stall_period", "stall_located",
+           "main_what_if",
            "own_cost", "traced_extra_s"]
 
 #: Steps the diagnose monitors leave out at the start of each run (trace,
@@ -176,6 +177,21 @@ def stall_period(monitor) -> "int | None":
                                          *(monitor.get("causes") or ()))
                if e.get("verdict") == "periodic_stall" and e.get("period")]
     return periods[-1] if periods else None
+
+
+def stall_located(monitor) -> bool:
+    """Whether the loop patch looks for the loop-body line of the run's stalls: a
+    `periodic_stall` with its period (`stall_period`), or an `irregular_stall`, the
+    verdict or a cause beside it (under load the cycles' times lose a period the
+    stack samples still hold: `analysis.locate_periodic` with no period).
+
+    Args:
+        monitor: a `GPUOscillationMonitor.report()` (or None).
+    """
+    monitor = monitor or {}
+    return stall_period(monitor) is not None or any(
+        e.get("verdict") == "irregular_stall" for e in (
+            monitor, *(monitor.get("events") or ()), *(monitor.get("causes") or ())))
 
 
 def main_what_if(fits):

@@ -44,25 +44,30 @@ CACHED_KINDS = ("cache", "source")
 
 
 
-def stages_needed(verdict, what_if=None) -> bool:
+def stages_needed(verdict, what_if=None, input_wait=None) -> bool:
     """Whether a run's input pipeline is worth measuring stage by stage.
 
     Args:
         verdict: the run's monitor verdict (None when not judged).
         what_if: the run's what-if figures (`speedup_if_input_free`,
             `bound`), or None.
+        input_wait: the run's input-wait share, or None (not measured).
 
     Returns:
         True when the run was judged `input_bound`, or the what-if (when
         it knows: `known` not False) finds the input the bound or the run
-        faster with the input free.
+        faster with the input free, or the run waited `stage_wait_share` of
+        its time for its input (a cause near its threshold: a run that
+        reads it just below is located as one that reads it above, so both
+        name the same line and gain).
     """
     what_if = what_if or {}
     if what_if.get("known") is False:  # the what-if says it does not know
         what_if = {}
     speedup = what_if.get("speedup_if_input_free") or 0.0
     return (verdict == "input_bound" or what_if.get("bound") == "input"
-            or speedup >= THRESHOLDS["min_speedup"])
+            or speedup >= THRESHOLDS["min_speedup"]
+            or (input_wait or 0.0) >= THRESHOLDS["stage_wait_share"])
 
 
 def _kind(stage, first):

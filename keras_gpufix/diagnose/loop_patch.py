@@ -68,7 +68,7 @@ import time
 import weakref
 from collections import Counter, deque
 
-from keras_gpufix.analysis import locate_periodic, stall_period
+from keras_gpufix.analysis import locate_periodic, stall_located, stall_period
 from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
                                            what_if_until_known)
@@ -190,10 +190,11 @@ class _StackSampler:
             frame = None
 
     def locate(self, period, body_s):
-        """`(file:line, share)` of the work every `period` cycles, or None.
+        """`(file:line, share, period)` of the work every `period` cycles, or None.
 
         Args:
-            period: the stall's period, in cycles.
+            period: the stall's period, in cycles; None for stalls with no period
+                (the period the samples hold is looked for).
             body_s: step index -> seconds of its loop body (the stream's
                 record: its cycle less its input wait); cycles without
                 one are left out.
@@ -320,12 +321,13 @@ class _Loop:
 
     def _stall_where(self):
         """The loop-body line of the run's periodic stall, its verdict or a cause beside
-        it (stack samples), or None."""
-        period = stall_period(self.entry.get("monitor"))
-        if period is None:  # neither the verdict nor a cause beside it
+        it, or of its stalls with no period (stack samples), or None."""
+        monitor = self.entry.get("monitor")
+        if not stall_located(monitor):  # neither the verdict nor a cause beside it
             return None
         body = {r.index: r.cycle - (r.input_wait or 0.0) for r in self.records}
-        found = self.sampler.locate(period, body)
+        # an irregular stall's period: the one its samples hold, where they hold one
+        found = self.sampler.locate(stall_period(monitor), body)
         return found and found[0]
 
 

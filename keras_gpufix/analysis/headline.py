@@ -15,6 +15,7 @@ Imports neither TensorFlow nor Keras.
 import os
 
 from keras_gpufix.analysis.contention import contention_text
+from keras_gpufix.analysis.job import job_headline
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
 __all__ = ["HEADLINE_FIXES", "headline", "gain_words"]
@@ -118,6 +119,11 @@ def headline(record: dict, path: str = None) -> list:
     fixes = record.get("fixes") or ()
     fix = fixes[0] if fixes else None
     compare = f"keras-gpufix compare {path or 'BEFORE'} AFTER"
+    job = job_headline(record.get("job"))
+    if job is not None:  # a multi-worker job held back by one worker: that comes first
+        own = first.split(";")[0]
+        return [f"verdict: {job[0]} (this worker's own steps: {own})", f"fix:     {job[1]}",
+                f"check:   after the fix, run it again and: {compare}"]
     if fix is None:
         if verdict in ("healthy", "unknown"):
             told = "nothing to fix"

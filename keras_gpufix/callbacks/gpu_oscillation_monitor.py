@@ -243,7 +243,7 @@ class GPUOscillationMonitor(TimedCallback):
              self._voice)
 
     def _gather_job(self):
-        self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)
+        self.job = gather_job(self._task, self.report(), self.log_dir, self._began)
         straggler = None if self.job is None else self.job["straggler"]
         if self.job is not None and (self._task[1] or (
                 straggler is not None and straggler["task"] == self._task[0])):

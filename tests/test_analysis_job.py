@@ -75,18 +75,29 @@ def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared()
     s = shared["straggler"]
     assert (s["task"], s["cause"], s["phase"]) == (1, "cpu_shared", "cpu")
     cycle = 40.5
-    # its lateness: the larger of its host excess (5 ms) and its threads' extra wait
+    # its lateness: its threads' extra wait (more than its host excess, 5 ms)
     assert s["excess_ms"] == pytest.approx((0.5 - 0.05) * cycle)
+    # an input wait longer than the extra CPU wait: the input is the cause
+    slow = judge_job([_summary(0, step_ms=60.0, cpu=(0.05, 0.4, 1)),
+                      _summary(1, step_ms=35.0, wait_ms=25.0, cpu=(0.3, 0.45, 1))])
+    assert slow["straggler"]["cause"] == "input"
     assert "its CPU shared with another process" in shared["message"]
+    # the others' wait is inside their steps: no share of it is claimed at the all-reduce
+    assert "its slowed steps end the others' steps late (their wait" in shared["message"]
+    assert job_headline(shared)[0].endswith("costs the job 45% of its time: its slowed steps "
+                                            "end the other workers' steps late (their wait at "
+                                            "the all-reduce is inside their step times)")
     assert "its host" in s["fix"]
     # The same wait while it used all of its CPUs: its own threads compete; the phase says.
     own = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 1)),
                      _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(0.5, SHARED_BELOW, 1))])
     assert own["straggler"]["cause"] == "input"
-    # The wait spreads over the CPUs it may use.
-    two = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 2)),
-                     _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(0.5, 0.45, 2))])
-    assert two["straggler"]["excess_ms"] == pytest.approx((0.5 - 0.05) * cycle / 2)
+    # The wait spreads over the CPUs it may use: two CPUs' threads wait twice as long.
+    two = judge_job([_summary(0, step_ms=40.0, cpu=(0.1, 0.4, 2)),
+                     _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(1.0, 0.45, 2))])
+    assert two["straggler"]["excess_ms"] == pytest.approx((1.0 - 0.1) * cycle / 2)
+    assert judge_job([_summary(0, cpu=(0.2, 0.4, 1)),
+                      _summary(1, cpu=(0.4, 0.4, 2))])["straggler"] is None
     # Two workers whose threads wait alike: no straggler.
     even = judge_job([_summary(0, cpu=(0.5, 0.5, 1)), _summary(1, cpu=(0.52, 0.5, 1))])
     assert even["straggler"] is None
@@ -110,7 +121,8 @@ def test_the_timeline_aligns_the_workers_and_puts_the_skew_in_the_all_reduce():
 def test_the_headline_opens_with_the_straggler():
     job = judge_job([_summary(1, step_ms=12.0, wait_ms=30.0), _summary(0, step_ms=42.0)])
     first, fix = job_headline(job)
-    assert first.startswith("straggler; worker 1 (its input) costs the job 71% of its time")
+    assert first == ("straggler; worker 1 (its input) costs the job 71% of its time: the other "
+                     "workers wait 71% of the job's time for it in the all-reduce")
     assert fix.endswith("the job 3.40x faster if worker 1 matched the others "
                         "(estimated from its lateness)")
     record = {"verdict": {"verdict": "healthy"}, "job": job}

@@ -39,14 +39,14 @@ Its lateness, by cause (`cause`):
 - `input`: its input wait above the others' (`phase` `input_wait`);
 - `between`: its time between steps above the others' (callbacks, logging,
   checkpoints on that worker; `phase` `between`);
-- `cpu_shared`: its threads waited for a CPU, per step, at least
-  `THRESHOLDS["straggler_share"]` of the cycle more than the others'
-  threads, while it used less than `SHARED_BELOW` of its own CPUs (so the
-  CPUs it waited for ran other processes, not its own threads). Its
-  lateness is the larger of its host time's excess (a starved input
-  pipeline shows as input wait) and that wait's excess over its usable
-  CPUs (threads that wait at the same time on c CPUs count once per CPU):
-  an estimate, stated as such (`phase` `cpu`).
+- `cpu_shared`: its threads' wait for a CPU per step and per usable CPU
+  (threads that wait at the same time on c CPUs count once per CPU)
+  exceeds the others' by at least `THRESHOLDS["straggler_share"]` of the
+  cycle, and by more than its host time's excess (a starved input pipeline
+  also shows as input wait), while it used less than `SHARED_BELOW` of its
+  own CPUs (so the CPUs it waited for ran other processes, not its own
+  threads). Its lateness is that excess wait: an estimate, stated as such
+  (`phase` `cpu`).
 
 A slow step (a slower device, a heavier share of the work) is not told
 apart: the all-reduce ends every worker's step together, so each worker's
@@ -258,14 +258,23 @@ def _lateness(worker, others, cycle_ms):
     host = sum(excess.values())
     phase = max(excess, key=excess.get)
     cause = "input" if phase == "input_wait" else "between"
-    waits = [w["cpu_wait_ms"] for w in others if w["cpu_wait_ms"] is not None]
-    if worker["cpu_wait_ms"] is None or not waits:
+    waits = [_per_cpu(w) for w in others if _per_cpu(w) is not None]
+    if _per_cpu(worker) is None or not waits:
         return host, cause, phase
-    cpu = worker["cpu_wait_ms"] - float(np.median(waits))
+    cpu = _per_cpu(worker) - float(np.median(waits))
     shared = worker["own_cpu_share"] is not None and worker["own_cpu_share"] < SHARED_BELOW
-    if shared and cpu >= THRESHOLDS["straggler_share"] * cycle_ms and cpu >= MIN_EXCESS_MS:
-        return max(host, cpu / (worker["cpus"] or 1)), "cpu_shared", "cpu"
+    if shared and cpu > host and cpu >= THRESHOLDS["straggler_share"] * cycle_ms \
+            and cpu >= MIN_EXCESS_MS:
+        return cpu, "cpu_shared", "cpu"
     return host, cause, phase
+
+
+def _per_cpu(worker):
+    """Its threads' wait for a CPU per step, per usable CPU (threads that wait at the same
+    time on c CPUs hold up c streams of work, not more), or None."""
+    if worker["cpu_wait_ms"] is None:
+        return None
+    return worker["cpu_wait_ms"] / (worker["cpus"] or 1)
 
 
 def _straggler(workers, cycle_ms):
@@ -288,6 +297,16 @@ def _cause_text(s):
     return f"{_CAUSE_WORDS[s['cause']]}: {s['excess_ms']:.1f} ms per step later than the others"
 
 
+def _wait_text(s, others):
+    """How the others wait for the straggler: measured at the all-reduce, or (a slowed
+    step, `cpu_shared`) inside their steps, which its step ends late."""
+    if s["cause"] == "cpu_shared" and s["others_wait_share"] < s["share"] / 2:
+        return (f"its slowed steps end {others}' steps late (their wait at the all-reduce is "
+                "inside their step times)")
+    return (f"{others} wait {s['others_wait_share']:.0%} of the job's time for it in the "
+            "all-reduce")
+
+
 def _message(report):
     rate = report["samples_per_s"]
     line = (f"job of {report['workers']} workers, {report['steps']} steps, "
@@ -298,9 +317,9 @@ def _message(report):
     s = report["straggler"]
     if s is None:
         return line + "; no straggler (a slow step on one worker is not told apart)"
-    return (line + f"; straggler: worker {s['task']} ({_cause_text(s)}); the others wait "
-            f"{s['others_wait_share']:.0%} of the job's time for it in the all-reduce; "
-            f"the job {s['gain']:.2f}x faster if it matched them. Fix: {s['fix']}")
+    return (line + f"; straggler: worker {s['task']} ({_cause_text(s)}); "
+            f"{_wait_text(s, 'the others')}; the job {s['gain']:.2f}x faster if it matched "
+            f"them. Fix: {s['fix']}")
 
 
 def job_headline(job) -> "tuple | None":
@@ -311,7 +330,6 @@ def job_headline(job) -> "tuple | None":
     if not s:
         return None
     return (f"straggler; worker {s['task']} ({_CAUSE_WORDS[s['cause']]}) costs the job "
-            f"{s['share']:.0%} of its time: the other workers wait "
-            f"{s['others_wait_share']:.0%} of it for worker {s['task']} in the all-reduce",
+            f"{s['share']:.0%} of its time: {_wait_text(s, 'the other workers')}",
             f"{s['fix']}: the job {s['gain']:.2f}x faster if worker {s['task']} matched "
             "the others (estimated from its lateness)")

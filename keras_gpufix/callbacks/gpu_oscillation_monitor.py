@@ -51,9 +51,13 @@ propagates out of `fit`, as from any Keras callback.
 Several workers (`MultiWorkerMirroredStrategy`) with a shared `log_dir`:
 at the end of `fit` each worker's monitor writes its summary there and
 judges the whole job (`analysis.judge_job`: samples/s counted once, each
-worker's step and input wait, the straggler and why). The chief prints the
-job's line; the other workers print nothing unless they are the
-straggler. `report()["job"]` holds the job's report.
+worker's phases, its wait at the all-reduce and its CPU; the straggler, its
+cause and what the others lose waiting for it). The chief prints the job's
+line; the other workers print nothing unless they are the straggler.
+`report()["job"]` holds the job's report; the chief's run record keeps it,
+and its headline and report.html open with the straggler
+(docs/distributed.md). The same holds in a `kg.watch` loop over a
+`tf.distribute` dataset.
 """
 
 import os

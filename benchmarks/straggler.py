@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 48, 8, 64, 256, 0.06
 CASES = ("slow_input", "cpu_shared", "healthy")
@@ -55,7 +56,6 @@ def worker(case, loop, blocks, work):
     import contextlib
     import io
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     import keras
 

@@ -98,9 +98,17 @@ def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared()
     assert two["straggler"]["excess_ms"] == pytest.approx((1.0 - 0.1) * cycle / 2)
     assert judge_job([_summary(0, cpu=(0.2, 0.4, 1)),
                       _summary(1, cpu=(0.4, 0.4, 2))])["straggler"] is None
-    # Two workers whose threads wait alike: no straggler.
+    # Two workers whose threads wait alike: no straggler; nor where every worker's
+    # threads wait long (a host loaded by other work), even if one waits more.
     even = judge_job([_summary(0, cpu=(0.5, 0.5, 1)), _summary(1, cpu=(0.52, 0.5, 1))])
     assert even["straggler"] is None
+    loaded = judge_job([_summary(0, step_ms=40.0, cpu=(0.6, 0.3, 1)),
+                        _summary(1, step_ms=40.0, cpu=(2.5, 0.3, 1))])
+    assert loaded["straggler"] is None
+    # the lateness is at most what its own CPU work leaves of the cycle
+    capped = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 1)),
+                        _summary(1, step_ms=40.0, cpu=(3.0, 0.4, 1))])["straggler"]
+    assert capped["excess_ms"] == pytest.approx(0.6 * 40.5)
 
 
 def test_the_timeline_aligns_the_workers_and_puts_the_skew_in_the_all_reduce():

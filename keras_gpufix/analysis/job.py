@@ -45,8 +45,11 @@ Its lateness, by cause (`cause`):
   cycle, and by more than its host time's excess (a starved input pipeline
   also shows as input wait), while it used less than `SHARED_BELOW` of its
   own CPUs (so the CPUs it waited for ran other processes, not its own
-  threads). Its lateness is that excess wait: an estimate, stated as such
-  (`phase` `cpu`).
+  threads), and it is its own: the others' threads wait less than
+  `QUIET_WAIT` of the cycle and it waits `CPU_WAIT_RATIO` times as long.
+  Its lateness is that excess wait (at most the cycle less its own CPU
+  time per step and CPU): an estimate, stated as such (`phase` `cpu`). Where every worker's
+  threads wait (a host loaded by other work), no one of them is named.
 
 A slow step (a slower device, a heavier share of the work) is not told
 apart: the all-reduce ends every worker's step together, so each worker's
@@ -68,8 +71,8 @@ import numpy as np
 
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
-__all__ = ["MIN_EXCESS_MS", "SERIES_POINTS", "SHARED_BELOW", "judge_job", "job_headline",
-           "worker_summary"]
+__all__ = ["CPU_WAIT_RATIO", "MIN_EXCESS_MS", "QUIET_WAIT", "SERIES_POINTS", "SHARED_BELOW",
+           "judge_job", "job_headline", "worker_summary"]
 
 #: Least lateness per step, in ms, that makes a straggler.
 MIN_EXCESS_MS = 2.0
@@ -77,6 +80,14 @@ MIN_EXCESS_MS = 2.0
 #: waited for were taken by other processes (at or above it, its own threads
 #: compete for them).
 SHARED_BELOW = 0.9
+#: A straggler's CPU is shared only where the other workers' threads wait for a
+#: CPU less than this share of the cycle (per usable CPU, per step) ...
+QUIET_WAIT = 0.5
+#: ... and its own threads wait at least this many times as long as theirs: on
+#: a host every worker shares with other work (a 2-core machine at load 13 in
+#: benchmarks/straggler.py), the threads' waits differ from one run to the next by
+#: up to 5x with nothing planted, and no one worker is named for them.
+CPU_WAIT_RATIO = 3.0
 #: Points of each worker's timeline the job report keeps.
 SERIES_POINTS = 64
 _COLUMNS = ("input_wait_ms", "step_ms", "between_ms")
@@ -261,11 +272,15 @@ def _lateness(worker, others, cycle_ms):
     waits = [_per_cpu(w) for w in others if _per_cpu(w) is not None]
     if _per_cpu(worker) is None or not waits:
         return host, cause, phase
-    cpu = _per_cpu(worker) - float(np.median(waits))
+    usual = float(np.median(waits))
+    cpu = _per_cpu(worker) - usual
     shared = worker["own_cpu_share"] is not None and worker["own_cpu_share"] < SHARED_BELOW
-    if shared and cpu > host and cpu >= THRESHOLDS["straggler_share"] * cycle_ms \
+    # its own: the others' threads wait little, and it waits several times as long
+    alone = usual < QUIET_WAIT * cycle_ms and _per_cpu(worker) >= CPU_WAIT_RATIO * usual
+    if shared and alone and cpu > host and cpu >= THRESHOLDS["straggler_share"] * cycle_ms \
             and cpu >= MIN_EXCESS_MS:
-        return cpu, "cpu_shared", "cpu"
+        # with its CPUs back, its step still takes its own CPU work
+        return min(cpu, cycle_ms * (1 - worker["own_cpu_share"])), "cpu_shared", "cpu"
     return host, cause, phase
 
 

@@ -91,7 +91,7 @@ def straggler(corpus, loop="fit"):
     worker's monitor gathered in $KG_TEST_LOG_DIR/<loop>, what it printed, the
     chief's run record and report.html, and the truth: samples consumed / wall
     time after warmup."""
-    batch, steps, warmup, slow_s = kg.global_batch_size(4, STRATEGY), 40, 5, 0.04
+    batch, steps, warmup, slow_s = kg.global_batch_size(4, STRATEGY), 40, 5, 0.1
 
     def features(index):
         x = tf.random.stateless_normal((batch, 6), tf.stack([index, index]))

@@ -201,6 +201,7 @@ class Watched:
         self._in_with = False
         self._at_exit = None  # closes a run begun outside `with` at the program's end
         self._eager_probe = None  # undoes the run's eager-gradient probe
+        self._distributed = False  # a tf.distribute dataset: next() waits for other workers
         # where a long cycle's loop body is (diagnose samples its loops itself)
         self._stalls = _StallSampler() if locate_stalls else None
 
@@ -233,8 +234,9 @@ class Watched:
             self._tell_stream()
             if self._stalls is not None:
                 self._stalls.start()
+            self._distributed = _is_distributed(self.iterable)
             if self._stream is not None and not (_is_dataset(self.iterable)
-                                                 or _is_distributed(self.iterable)):
+                                                 or self._distributed):
                 # Its batches need not be those an instrumented dataset
                 # recorded, in order (an iterator made before the run).
                 self._stream.drop_probe()
@@ -408,7 +410,7 @@ class Watched:
             samples, shape = _batch_facts(element)
             self._stream.supply(wait if self.synced else None, samples=samples, shape=shape,
                                 split=split and self.synced,
-                                collective=_is_distributed(self.iterable))
+                                collective=self._distributed)
         except Exception as exc:  # a monitor never stops training
             if not self._failed:
                 self._failed = True

@@ -2,7 +2,6 @@
 
 import re
 
-import numpy as np
 import pytest
 
 from keras_gpufix.analysis import THRESHOLDS, headline, job_headline, judge_job, worker_summary
@@ -48,23 +47,8 @@ def test_a_worker_slow_to_get_its_input_is_named_with_its_cause_and_the_others_l
     assert by_task[1]["collective_wait_ms"] == 0.0
     assert by_task[0]["compute_ms"] == by_task[1]["compute_ms"] == pytest.approx(12.0)
     assert "straggler: worker 1 (its input: 30.0 ms per step later" in report["message"]
-    assert "the job 3.40x faster if it matched them (estimated)" in report["message"]
+    assert "the job at most 3.40x faster if it matched them" in report["message"]
     assert "worker 1's input" in s["fix"]
-
-
-def test_the_gain_leaves_what_a_matched_pair_still_waits_for_each_steps_last_worker():
-    summaries = [_summary(1, step_ms=12.0, wait_ms=30.0), _summary(0, step_ms=42.0)]
-    for s in summaries:  # cycles that vary: p95 - p50 = 1.645 x 10 ms (a normal's)
-        s["spread_ms"] = worker_summary(0, {"step_time": {
-            "count": 1, "p50_ms": 40.0, "p95_ms": 40.0 + 16.45}})["spread_ms"]
-    assert summaries[0]["spread_ms"] == pytest.approx(10.0)
-    s = judge_job(summaries)["straggler"]
-    assert s["excess_ms"] == pytest.approx(30.0)
-    # the later of two workers is 0.564 of their spread late on average (1 / sqrt(pi))
-    assert s["skew_ms"] == pytest.approx(10.0 / np.sqrt(np.pi), rel=1e-3)
-    saved = 30.0 - s["skew_ms"]
-    assert s["share"] == pytest.approx(saved / 42.5, rel=1e-3)
-    assert s["gain"] == pytest.approx(42.5 / (42.5 - saved), rel=1e-3)
 
 
 def test_samples_are_counted_once_not_summed_over_workers():
@@ -147,8 +131,8 @@ def test_the_headline_opens_with_the_straggler():
     first, fix = job_headline(job)
     assert first == ("straggler; worker 1 (its input) costs the job 71% of its time: the other "
                      "workers wait 71% of the job's time for it in the all-reduce")
-    assert fix.endswith("the job 3.40x faster if worker 1 matched the others "
-                        "(estimated)")
+    assert fix.endswith("the job at most 3.40x faster if worker 1 matched the others "
+                        "(its lateness removed)")
     record = {"verdict": {"verdict": "healthy"}, "job": job}
     lines = headline(record)
     assert lines[0] == f"verdict: {first} (this worker's own steps: healthy)"

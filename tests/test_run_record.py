@@ -199,7 +199,7 @@ def test_a_jobs_record_keeps_the_job_and_its_views_open_with_the_straggler(tmp_p
     first, fix, _ = headline(record.data, path)
     assert first.startswith("verdict: straggler; worker 1 (its input) costs the job 71%")
     assert first.endswith("(this worker's own steps: healthy)")
-    assert "speed up worker 1's input" in fix and "the job 3.40x faster" in fix
+    assert "speed up worker 1's input" in fix and "the job at most 3.40x faster" in fix
     page = html_report(record)
     assert "<span class='verdict straggler' id='verdict'>straggler</span>; worker 1" in page
     assert page.count("<tr class='worker") == 2 and "<tr class='worker straggler'>" in page

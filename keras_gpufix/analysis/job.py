@@ -64,7 +64,7 @@ the all-reduce waiting), and `share` (`excess_ms` over the cycle) and
 if the straggler were as fast as the others, at most: a matched pair still
 waits for whichever worker is late at each step (on the loaded 2-core host
 of benchmarks/straggler.py, which re-measures it, the job's loss was
-over-predicted by 4-44%).
+over-predicted by 4-44%, depending on the load).
 
 Pure Python and NumPy: no TensorFlow, no Keras.
 """

@@ -141,8 +141,10 @@ def _job_lanes(series, straggler):
     def heights(w, k):
         return [(p, (w[f"{p}_ms"][k] or 0.0)) for p in parts]
 
-    top = max(1e-6, max(sum(ms for _, ms in heights(w, k)) for w in lanes.values()
-                        for k in range(n)))
+    # the steady steps' scale: a compile's or a stall's bar runs off the lane's top
+    totals = sorted(sum(ms for _, ms in heights(w, k)) for w in lanes.values()
+                    for k in range(n))
+    top = max(1e-6, 1.3 * totals[int(0.9 * (len(totals) - 1))])
     bar, scale = _WIDTH / n, (_LANE - 20) / top
     svg = [f"<svg id='job-timeline' xmlns='http://www.w3.org/2000/svg' width='100%' "
            f"viewBox='0 0 {_WIDTH + 2 * _PAD} {_LANE * len(lanes) + 20}' role='img' "
@@ -157,7 +159,7 @@ def _job_lanes(series, straggler):
             g.append(f"<g class='point'><title>worker {_e(task)}, steps from "
                      f"{series['first_step'][k]}: {_e(label)} (per step)</title>")
             for p, ms in heights(w, k):
-                h = ms * scale
+                h = min(ms * scale, y - (y0 - _LANE + 20))
                 if h > 0:
                     y -= h
                     g.append(f"<rect x='{x:.2f}' y='{y:.2f}' width='{max(bar - 0.5, 0.5):.2f}'"
@@ -169,7 +171,7 @@ def _job_lanes(series, straggler):
                      for p, c in JOB_COLOURS.items())
     return ["<h3>The job's timeline</h3>",
             f"<p class='legend'>Per worker, per step, stacked on one scale ({top:.0f} ms "
-            f"full height):{legend}</p>", *svg,
+            f"full height; a taller bar is cut):{legend}</p>", *svg,
             "<p class='muted'>The straggler (*) has the least wait at the all-reduce; the "
             "others wait there for it.</p>"]
 

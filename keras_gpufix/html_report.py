@@ -47,7 +47,8 @@ background:#b22222} .verdict.healthy{background:#2e7d32} .verdict.unknown{backgr
 font-size:.9em;color:#444} table{border-collapse:collapse} td,th{padding:.2em .8em;
 text-align:left;border-bottom:1px solid #eee} .muted{color:#666;font-size:.9em}
 code{background:#f4f4f4;padding:0 .2em} svg{background:#fafafa;border:1px solid #ddd}
-tr.straggler{background:#fdecea} .legend span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;
+tr.straggler{background:#fdecea}
+.legend span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;
 vertical-align:middle}
 """
 

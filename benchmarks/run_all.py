@@ -47,6 +47,7 @@ BENCHMARKS = {
     "demo_promise": (["--utterances", "48", "--burners", "0"], []),
     "validate_time": (["--rounds", "3"], []),
     "diagnose_cost": (["--quick"], []),
+    "straggler": (["--repeats", "1"], []),
 }
 
 

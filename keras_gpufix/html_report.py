@@ -10,12 +10,16 @@ attached to a bug report and opened anywhere. In order:
    line and one gain, the `compare` command that checks it; then what the
    verdict rests on and the ranked fixes, each with its predicted effect and
    the lines (file:line) to change;
-2. the timeline: one stacked bar per point of the record's series (input
+2. in a multi-worker job (the chief's record), the job: one row per worker
+   (its input wait, own step, wait at the all-reduce for the others, time
+   between steps and its CPU) with the straggler marked, and the job's
+   timeline, one lane per worker on one scale, which shows the skew;
+3. the timeline: one stacked bar per point of the record's series (input
    wait, step, time between steps, per step), compiles and stalls marked,
    epoch starts drawn, steps not judged (warm-up, epoch starts) shaded; GPU
    utilisation beside it where it was sampled;
-3. the step-time distribution, every cause with its share, the what-if;
-4. the environment and the command.
+4. the step-time distribution, every cause with its share, the what-if;
+5. the environment and the command.
 """
 
 import html
@@ -26,6 +30,10 @@ __all__ = ["html_report"]
 
 #: Colours of the timeline's phases (and its legend).
 PHASE_COLOURS = {"input_wait": "#d62728", "step": "#1f77b4", "between": "#ff7f0e"}
+#: Colours of a job's per-worker lanes (its own step, its wait for the others).
+JOB_COLOURS = {"input_wait": "#d62728", "compute": "#1f77b4", "collective_wait": "#9e9e9e",
+               "between": "#ff7f0e"}
+_LANE = 90
 _WIDTH, _HEIGHT, _PAD = 960, 240, 40
 
 _CSS = """
@@ -39,6 +47,7 @@ background:#b22222} .verdict.healthy{background:#2e7d32} .verdict.unknown{backgr
 font-size:.9em;color:#444} table{border-collapse:collapse} td,th{padding:.2em .8em;
 text-align:left;border-bottom:1px solid #eee} .muted{color:#666;font-size:.9em}
 code{background:#f4f4f4;padding:0 .2em} svg{background:#fafafa;border:1px solid #ddd}
+tr.straggler{background:#fdecea}
 .legend span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;
 vertical-align:middle}
 """
@@ -64,9 +73,9 @@ def html_report(record) -> str:
     """
     data = getattr(record, "data", record)
     v = data["verdict"]
-    verdict = v.get("verdict") or "unknown"
     lines = headline(data, getattr(record, "path", None))
     first, load, (fix, check) = lines[0], lines[1:-2], lines[-2:]
+    verdict = first[len("verdict: "):].split(";")[0]  # a job's straggler comes first
     said = first[len("verdict: "):][len(verdict):]  # the line after the verdict's name
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -86,12 +95,87 @@ def html_report(record) -> str:
     if because:
         parts.append("<h2>What the verdict rests on</h2><ul class='because'>"
                      + "".join(f"<li>{_e(b)}</li>" for b in because) + "</ul>")
+    parts += _job(data.get("job"))
     parts += _fixes(data["fixes"])
     parts += _timeline(data["series"])
     parts += _distribution(data)
     parts += _environment(data)
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _job(job):
+    """A multi-worker job: one row per worker, then one lane per worker on one scale."""
+    if not job:
+        return []
+    s = job.get("straggler") or {}
+    out = [f"<h2 id='job'>The job: {job['workers']} workers</h2>",
+           f"<p id='job-message'>{_e(job['message'])}</p>",
+           "<table id='workers'><tr><th>worker</th><th>input wait</th><th>own step (est.)</th>"
+           "<th>wait at the all-reduce</th><th>between steps</th><th>CPU wait (threads)</th>"
+           "<th>its CPU use</th><th>others' CPU share</th></tr>"]
+    for w in job["per_worker"]:
+        mark = " (chief)" if w.get("chief") else ""
+        late = w["task"] == s.get("task")
+        if late:
+            mark += f" &#9664; straggler: {_e(s['cause'])}"
+        out.append(f"<tr class='worker{' straggler' if late else ''}'>"
+                   f"<td>{w['task']}{mark}</td><td>{_ms(w['input_wait_ms'])}</td>"
+                   f"<td>{_ms(w['compute_ms'])}</td><td>{_ms(w['collective_wait_ms'])}</td>"
+                   f"<td>{_ms(w['between_ms'])}</td><td>{_ms(w.get('cpu_wait_ms'))}</td>"
+                   f"<td>{_pct(w.get('own_cpu_share'))}</td>"
+                   f"<td>{_pct(w.get('others_share'))}</td></tr>")
+    out.append("</table><p class='muted'>Per step. A worker's step holds its own work and "
+               "its wait at the all-reduce for the others; the wait is its step above the "
+               "job's shortest (estimated: TensorFlow does not say when each worker joined). "
+               "CPU wait: its threads' time runnable but without a CPU.</p>")
+    return out + _job_lanes(job.get("series"), s.get("task"))
+
+
+def _job_lanes(series, straggler):
+    """One lane of stacked bars per worker (`<g class='lane'>`), on one scale."""
+    if not series or not series.get("first_step"):
+        return []
+    lanes = series["workers"]
+    n = len(series["first_step"])
+    parts = ("input_wait", "compute", "collective_wait", "between")
+
+    def heights(w, k):
+        return [(p, (w[f"{p}_ms"][k] or 0.0)) for p in parts]
+
+    # the steady steps' scale: a compile's or a stall's bar runs off the lane's top
+    totals = sorted(sum(ms for _, ms in heights(w, k)) for w in lanes.values()
+                    for k in range(n))
+    top = max(1e-6, 1.3 * totals[int(0.9 * (len(totals) - 1))])
+    bar, scale = _WIDTH / n, (_LANE - 20) / top
+    svg = [f"<svg id='job-timeline' xmlns='http://www.w3.org/2000/svg' width='100%' "
+           f"viewBox='0 0 {_WIDTH + 2 * _PAD} {_LANE * len(lanes) + 20}' role='img' "
+           "aria-label='per-worker timeline'>"]
+    for row, (task, w) in enumerate(sorted(lanes.items(), key=lambda t: int(t[0]))):
+        y0 = _LANE * (row + 1)
+        g = [f"<g class='lane' data-task='{_e(task)}'><text x='2' y='{y0 - _LANE / 2:.0f}' "
+             f"font-size='11'>w{_e(task)}{' *' if str(straggler) == task else ''}</text>"]
+        for k in range(n):
+            x, y = _PAD + k * bar, y0
+            label = ", ".join(f"{p.replace('_', ' ')} {ms:.1f} ms" for p, ms in heights(w, k))
+            g.append(f"<g class='point'><title>worker {_e(task)}, steps from "
+                     f"{series['first_step'][k]}: {_e(label)} (per step)</title>")
+            for p, ms in heights(w, k):
+                h = min(ms * scale, y - (y0 - _LANE + 20))
+                if h > 0:
+                    y -= h
+                    g.append(f"<rect x='{x:.2f}' y='{y:.2f}' width='{max(bar - 0.5, 0.5):.2f}'"
+                             f" height='{h:.2f}' fill='{JOB_COLOURS[p]}'/>")
+            g.append("</g>")
+        svg.append("".join(g) + "</g>")
+    svg.append("</svg>")
+    legend = "".join(f"<span style='background:{c}'></span>{p.replace('_', ' ')}"
+                     for p, c in JOB_COLOURS.items())
+    return ["<h3>The job's timeline</h3>",
+            f"<p class='legend'>Per worker, per step, stacked on one scale ({top:.0f} ms "
+            f"full height; a taller bar is cut):{legend}</p>", *svg,
+            "<p class='muted'>The straggler (*) has the least wait at the all-reduce; the "
+            "others wait there for it.</p>"]
 
 
 def _fixes(fixes):

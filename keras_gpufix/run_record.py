@@ -172,6 +172,7 @@ class RunRecord:
             "phases": dict(report.get("phases") or {}),
             "gpu_util": report.get("gpu_util"),
             "contention": report.get("contention"),
+            "job": report.get("job"),
             "what_if": None if not what_if else {
                 "speedup_if_input_free": what_if.get("speedup_if_input_free"),
                 "speedup_range": what_if.get("speedup_range"),

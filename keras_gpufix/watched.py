@@ -61,6 +61,17 @@ nothing on a cycle of normal length). The line that holds most of those
 samples is the periodic stall's `where`, as diagnose's stack samples find it
 (the loop's `next()` line left out: that is the input's wait).
 
+A `tf.distribute` dataset (`strategy.experimental_distribute_dataset`,
+looped over with `strategy.run`): under `MultiWorkerMirroredStrategy` its
+`next()` also waits for the other workers (the iterator agrees with them
+that each has a batch), so a worker whose input is quick waits there for
+one whose input is slow. Where the dataset went through
+`kg.data.instrument` (the `kg.data` builder's do), its probe gives this
+worker's own wait; the rest of `next()` counts in the step, as the
+all-reduce's wait does in `fit`, and the job's report (a monitor with a
+shared `log_dir`, and `model=` the model built in `strategy.scope()`)
+names the straggler as `fit`'s does (docs/distributed.md).
+
 Releasing a `tf.data` iterator joins its prefetch threads, which took up
 to 0.28 s on the 2-core test host: that is input time, not the loop's.
 
@@ -190,6 +201,7 @@ class Watched:
         self._in_with = False
         self._at_exit = None  # closes a run begun outside `with` at the program's end
         self._eager_probe = None  # undoes the run's eager-gradient probe
+        self._distributed = False  # a tf.distribute dataset: next() waits for other workers
         # where a long cycle's loop body is (diagnose samples its loops itself)
         self._stalls = _StallSampler() if locate_stalls else None
 
@@ -222,7 +234,9 @@ class Watched:
             self._tell_stream()
             if self._stalls is not None:
                 self._stalls.start()
-            if self._stream is not None and not _is_dataset(self.iterable):
+            self._distributed = _is_distributed(self.iterable)
+            if self._stream is not None and not (_is_dataset(self.iterable)
+                                                 or self._distributed):
                 # Its batches need not be those an instrumented dataset
                 # recorded, in order (an iterator made before the run).
                 self._stream.drop_probe()
@@ -395,7 +409,8 @@ class Watched:
         try:
             samples, shape = _batch_facts(element)
             self._stream.supply(wait if self.synced else None, samples=samples, shape=shape,
-                                split=split and self.synced)
+                                split=split and self.synced,
+                                collective=self._distributed)
         except Exception as exc:  # a monitor never stops training
             if not self._failed:
                 self._failed = True
@@ -579,6 +594,14 @@ def _is_dataset(iterable):
     """Whether `iterable` is a `tf.data.Dataset` (without importing TensorFlow)."""
     tf = sys.modules.get("tensorflow")
     return tf is not None and isinstance(iterable, tf.data.Dataset)
+
+
+def _is_distributed(iterable):
+    """Whether `iterable` is a `tf.distribute` dataset (`experimental_distribute_dataset`,
+    `distribute_datasets_from_function`), whose `next()` also waits for the other workers
+    (without importing TensorFlow)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(iterable, tf.distribute.DistributedDataset)
 
 
 def _batch_facts(element):

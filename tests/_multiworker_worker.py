@@ -9,6 +9,7 @@ Usage: python tests/_multiworker_worker.py OUT CORPUS coverage weights
 """
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -24,6 +25,7 @@ import keras  # noqa: E402
 
 import keras_gpufix as kg  # noqa: E402
 from keras_gpufix.exceptions import GpufixWarning  # noqa: E402
+from keras_gpufix.run_record import RunRecord  # noqa: E402
 
 STRATEGY = kg.setup_strategy()
 TASK = STRATEGY.cluster_resolver.task_id
@@ -83,11 +85,13 @@ def coverage(corpus, service=None):
             "remainder": builder.report["remainder"]}
 
 
-def straggler(corpus):
-    """`fit` with the monitor, task 1's input slowed by SLOW_S per batch; the
-    job report each worker's monitor gathered in $KG_TEST_LOG_DIR, what it
-    printed, and the truth: samples consumed / wall time after warmup."""
-    batch, steps, warmup, slow_s = kg.global_batch_size(4, STRATEGY), 40, 5, 0.04
+def straggler(corpus, loop="fit"):
+    """`fit` (or a custom loop over the distributed dataset under `kg.watch`) with
+    the monitor, task 1's input slowed by SLOW_S per batch; the job report each
+    worker's monitor gathered in $KG_TEST_LOG_DIR/<loop>, what it printed, the
+    chief's run record and report.html, and the truth: samples consumed / wall
+    time after warmup."""
+    batch, steps, warmup, slow_s = kg.global_batch_size(4, STRATEGY), 40, 5, 0.1
 
     def features(index):
         x = tf.random.stateless_normal((batch, 6), tf.stack([index, index]))
@@ -105,19 +109,50 @@ def straggler(corpus):
     ds = kg.data.instrument(ds).prefetch(2)
     with STRATEGY.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-        kg.compile_model(model, keras.optimizers.SGD(0.01), "mse", mixed_precision=None,
-                         steps_per_execution=1, sample_batch=next(iter(ds)))
+        optimizer = keras.optimizers.SGD(0.01)
+    log_dir = os.path.join(os.environ["KG_TEST_LOG_DIR"], loop)
     ends = []
-    clock = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda step, logs: ends.append(time.perf_counter()))
-    monitor = kg.GPUOscillationMonitor(warmup=warmup, log_dir=os.environ["KG_TEST_LOG_DIR"],
-                                       nvml=False)
+    monitor = kg.GPUOscillationMonitor(warmup=warmup, log_dir=log_dir, nvml=False)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        model.fit(ds, epochs=1, verbose=0, callbacks=[monitor, clock])
+        if loop == "fit":
+            with STRATEGY.scope():
+                kg.compile_model(model, optimizer, "mse", mixed_precision=None,
+                                 steps_per_execution=1, sample_batch=next(iter(ds)))
+            clock = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda step, logs: ends.append(time.perf_counter()))
+            model.fit(ds, epochs=1, verbose=0, callbacks=[monitor, clock])
+        else:
+            train_step = _example("two_workers").train_step(
+                STRATEGY, model, optimizer, keras.losses.MeanSquaredError())
+            with kg.watch(STRATEGY.experimental_distribute_dataset(ds), callbacks=[monitor],
+                          model=model) as watched:
+                for x, y in watched:
+                    train_step(x, y)
+                    ends.append(time.perf_counter())
     truth = (len(ends) - warmup) * batch / (ends[-1] - ends[warmup - 1])
+    record = os.path.join(log_dir, "keras_gpufix", "run_record.json")
+    html = None
+    if TASK == 0:
+        html = open(RunRecord.load(record).write_html()).read()
     return {"task": TASK, "job": monitor.report()["job"], "printed": printed.getvalue(),
-            "true_samples_per_s": truth, "steps": len(ends)}
+            "true_samples_per_s": truth, "steps": len(ends),
+            "record": json.load(open(record)) if TASK == 0 else None, "html": html}
+
+
+def straggler_loop(corpus):
+    """`straggler` through a custom loop: `strategy.run` over the distributed dataset."""
+    return straggler(corpus, loop="custom")
+
+
+def _example(name):
+    """The module examples/<name>.py (its `main` is not run)."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def coverage_service(corpus):
@@ -127,7 +162,7 @@ def coverage_service(corpus):
 
 if __name__ == "__main__":
     scenarios = {"weights": weights, "coverage": coverage, "coverage_service": coverage_service,
-                 "straggler": straggler}
+                 "straggler": straggler, "straggler_loop": straggler_loop}
     out, corpus = sys.argv[1:3]
     for name in sys.argv[3:]:
         result = scenarios[name](corpus)

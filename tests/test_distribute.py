@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import keras_gpufix as kg
 from keras_gpufix import distribute
+from keras_gpufix.analysis import headline
 from keras_gpufix.data.synthetic import make_synthetic_corpus
 from keras_gpufix.data_service import DataServiceServer
 
@@ -144,7 +145,8 @@ def two_workers(tmp_path_factory):
     servers.append(DataServiceServer("worker", dispatcher=servers[0].target, verbose=0).start())
     try:
         tmp = tmp_path_factory.mktemp("workers")
-        return _run_workers(tmp, ["coverage", "coverage_service", "weights", "straggler"],
+        return _run_workers(tmp, ["coverage", "coverage_service", "weights", "straggler",
+                                  "straggler_loop"],
                             KG_TEST_SERVICE=servers[0].target, KG_TEST_LOG_DIR=str(tmp / "logs"))
     finally:
         for server in servers:
@@ -182,22 +184,39 @@ def test_builder_defaults_read_every_utterance_once_per_epoch_across_workers(
     assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
 
 
-def test_the_chief_names_the_planted_straggler_and_counts_samples_once(two_workers):
-    chief, slowed = (worker["straggler"] for worker in two_workers)
+@pytest.mark.parametrize("scenario", ["straggler", "straggler_loop"])
+def test_the_chief_names_the_planted_straggler_its_cause_and_the_others_loss(
+        two_workers, scenario):
+    chief, slowed = (worker[scenario] for worker in two_workers)
     for worker in (chief, slowed):
         job = worker["job"]
         assert job["workers"] == 2 and not job["missing"]
-        assert job["straggler"]["task"] == 1 and job["straggler"]["phase"] == "input_wait"
+        s = job["straggler"]
+        assert (s["task"], s["cause"], s["phase"]) == (1, "input", "input_wait")
         # The job's samples/s, counted once, against samples consumed / wall time.
         assert job["samples_per_s"] == pytest.approx(worker["true_samples_per_s"], rel=0.10)
+        # the others wait in the all-reduce about as long as worker 1 is late
+        assert s["others_wait_share"] == pytest.approx(s["share"], abs=0.1)
+        assert s["gain"] == pytest.approx(1 / (1 - s["share"]))
     waits = {w["task"]: w for w in chief["job"]["per_worker"]}
-    assert waits[1]["input_wait_ms"] > waits[0]["input_wait_ms"]
-    assert waits[0]["collective_wait_ms"] > waits[1]["collective_wait_ms"]
+    assert waits[1]["input_wait_ms"] > waits[0]["input_wait_ms"] + 10
+    assert waits[0]["collective_wait_ms"] > waits[1]["collective_wait_ms"] + 10
+    lanes = chief["job"]["series"]["workers"]
+    assert sum(lanes["0"]["collective_wait_ms"]) > sum(lanes["1"]["collective_wait_ms"])
     assert "(task 0): job of 2 workers" in chief["printed"]
-    assert "straggler: worker 1 (input_wait" in chief["printed"]
+    assert "straggler: worker 1 (its input: " in chief["printed"]
     # The slowed worker says only that it is the cause; the chief says it once.
     assert slowed["printed"].splitlines() == [chief["printed"].splitlines()[-1].replace(
         "(task 0)", "(task 1)")]
+    # The chief's record keeps the job; its headline and report.html open with it.
+    record = chief["record"]
+    assert record["job"]["straggler"]["task"] == 1
+    first = headline(record)[0]
+    assert first.startswith("verdict: straggler; worker 1 (its input) costs the job ")
+    html = chief["html"]
+    assert "<span class='verdict straggler' id='verdict'>straggler</span>" in html
+    assert html.count("<tr class='worker") == 2 and "<tr class='worker straggler'>" in html
+    assert html.count("<g class='lane'") == 2
 
 
 # -- in process: choices and errors -------------------------------------------------

@@ -170,6 +170,55 @@ def test_every_view_of_a_record_opens_with_its_three_line_headline(tmp_path):
         "check:   a later run against this one: keras-gpufix compare BEFORE AFTER"]
 
 
+def _job(workers=2, points=256):
+    """A job of `workers` whose worker 1 waits 30 ms per step for its input (the others
+    wait for it in the all-reduce), each with a `points`-point series."""
+    from keras_gpufix.analysis import judge_job, worker_summary
+
+    summaries = []
+    for task in range(workers):
+        wait, step = (30.0, 12.0) if task == 1 else (0.0, 42.0)
+        cycle = (wait + step + 0.5) / 1e3
+        summaries.append(worker_summary(task, {
+            "step_time": {"count": 5 * points, "total_s": 5 * points * cycle,
+                          "samples_per_s": 8 / cycle,
+                          "phases": {"input_wait": wait / 1e3 / cycle,
+                                     "step": step / 1e3 / cycle, "between": 0.5 / 1e3 / cycle}},
+            "series": {"first_step": [5 * k for k in range(points)], "steps": [5] * points,
+                       "input_wait_ms": [wait] * points, "step_ms": [step] * points,
+                       "between_ms": [0.5] * points}}, chief=task == 0))
+    return judge_job(summaries)
+
+
+def test_a_jobs_record_keeps_the_job_and_its_views_open_with_the_straggler(tmp_path):
+    from keras_gpufix.analysis import headline
+    from keras_gpufix.html_report import html_report
+
+    report = dict(_synthetic_report(600), verdict="healthy", causes=[], job=_job())
+    path = RunRecord.from_monitor(report).write(tmp_path)
+    record = RunRecord.load(path)
+    job = record.data["job"]
+    assert job["straggler"]["task"] == 1 and job["straggler"]["cause"] == "input"
+    assert len(job["series"]["workers"]["1"]["input_wait_ms"]) == 64  # kept whole
+    first, fix, _ = headline(record.data, path)
+    assert first.startswith("verdict: straggler; worker 1 (its input) costs the job 71%")
+    assert first.endswith("(this worker's own steps: healthy)")
+    assert "speed up worker 1's input" in fix and "the job at most 3.40x faster" in fix
+    page = html_report(record)
+    assert "<span class='verdict straggler' id='verdict'>straggler</span>; worker 1" in page
+    assert page.count("<tr class='worker") == 2 and "<tr class='worker straggler'>" in page
+    assert page.count("<g class='lane'") == 2 and page.count("<g class='point'>") == 2 * 64
+    # a record of a run outside a job has none, and says nothing of one
+    alone = RunRecord.from_monitor(_synthetic_report(600)).data
+    assert alone["job"] is None and "id='job'" not in html_report(alone)
+    # a diagnosis keeps its main run's job
+    diagnosed = RunRecord.from_diagnosis({"verdict": "healthy", "fits": [{"monitor": report}]})
+    assert diagnosed.data["job"]["straggler"]["task"] == 1
+    # 25 workers: the record stays bounded
+    big = RunRecord.from_monitor(dict(report, job=_job(25, points=1024)))
+    assert len(json.dumps(big.data)) < RunRecord.MAX_BYTES
+
+
 def test_a_100000_step_record_stays_under_its_stated_size(tmp_path):
     record = RunRecord.from_monitor(_synthetic_report(100_000))
     path = record.write(tmp_path)

@@ -148,8 +148,10 @@ def test_time_in_next_is_the_input_wait_handed_with_the_batch_facts(monkeypatch)
         assert sum(1 for _ in watched) == 2
     assert supplied == [
         "drop_probe",
-        (0.625, {"samples": 4, "shape": ((4, 2), (4,)), "split": False}),
-        (0.25, {"samples": 3, "shape": ((3, 5, 2),), "split": False}),
+        (0.625, {"samples": 4, "shape": ((4, 2), (4,)), "split": False,
+                 "collective": False}),
+        (0.25, {"samples": 3, "shape": ((3, 5, 2),), "split": False,
+                 "collective": False}),
     ]
     assert watched._carry == 2.0
 

@@ -34,7 +34,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `locate_periodic` (the line where                            |
 |               | periodic work runs, from stack samples)                      |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
-|               | job (samples/s counted once, the straggler and why)          |
+|               | job (samples/s counted once, the straggler, its cause and    |
+|               | what the others lose); `job_headline`                        |
 | `stages`      | `judge_stages`: the slow stage of a tf.data pipeline, its    |
 |               | fix and predicted gain (`run_gain`: a cache's, from epoch 2, |
 |               | `CACHED_KINDS`); `stages_needed`; `located_by_stage`,        |
@@ -78,7 +79,7 @@ from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, O
                                              trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
 from keras_gpufix.analysis.headline import HEADLINE_FIXES, gain_words, headline
-from keras_gpufix.analysis.job import judge_job, worker_summary
+from keras_gpufix.analysis.job import job_headline, judge_job, worker_summary
 from keras_gpufix.analysis.stages import (CACHED_KINDS, judge_stages, located_by_stage,
                                           located_stage, run_gain, stages_needed)
 from keras_gpufix.analysis.step_log import StepLog, StepRecord, summarize_step_times
@@ -146,6 +147,7 @@ __all__ = [
     "fix_for",
     "is_recompiling",
     "judge",
+    "job_headline",
     "judge_job",
     "judge_stages",
     "locate_periodic",

@@ -20,6 +20,7 @@ Imports neither TensorFlow nor Keras.
 import os
 
 from keras_gpufix.analysis.contention import contention_text
+from keras_gpufix.analysis.job import job_headline
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
 __all__ = ["HEADLINE_FIXES", "headline", "gain_words", "load_line", "verdict_share"]
@@ -212,6 +213,11 @@ def headline(record: dict, path: str = None) -> list:
                                   else words)
     lines = [f"verdict: {first}"] + [line for line in (load_line(record),) if line]
     compare = f"keras-gpufix compare {path or 'BEFORE'} AFTER"
+    job = job_headline(record.get("job"))
+    if job is not None:  # a multi-worker job held back by one worker: that comes first
+        own = first.split(";")[0]
+        return [f"verdict: {job[0]} (this worker's own steps: {own})", f"fix:     {job[1]}",
+                f"check:   after the fix, run it again and: {compare}"]
     if fix is None:
         if verdict in ("healthy", "unknown") or fixes:
             told = "nothing to fix"

@@ -58,7 +58,10 @@ class CycleInput(NamedTuple):
 
     `wait` is the input wait in seconds (None: not measured, or a supplied
     wait that is not input alone), `supplied` whether a custom-loop wrapper
-    measured it, `split` whether begin -> end holds only the step.
+    measured it, `split` whether begin -> end holds only the step,
+    `collective` the seconds of a supplied wait spent at a collective (a
+    distributed dataset's iterator agreeing with the other workers), which
+    belong to the step.
     """
 
     wait: Optional[float]
@@ -70,6 +73,7 @@ class CycleInput(NamedTuple):
     frames: Optional[int]
     audio: Optional[float]
     compile_s: Optional[float]
+    collective: float = 0.0
 
 
 class CycleInputs:
@@ -155,10 +159,10 @@ class CycleInputs:
         """Distinct input shapes seen (at most `MAX_SHAPES`)."""
         return len(self._shapes)
 
-    def supply(self, input_wait, samples=None, shape=None, split=False):
+    def supply(self, input_wait, samples=None, shape=None, split=False, collective=False):
         """Keeps a custom-loop wrapper's facts for the next step (`StepStream.supply`)."""
         wait = None if input_wait is None else float(input_wait)
-        self._supplied = (wait, samples, shape, bool(split))
+        self._supplied = (wait, samples, shape, bool(split), bool(collective))
 
     def take_supplied(self):
         """The supplied facts for the step that begins now (None: none supplied)."""
@@ -222,8 +226,16 @@ class CycleInputs:
             split = True
             samples = None if self._batch_size is None else self._batch_size * steps
             shape = None
+            collective = 0.0
+            if supplied is not None and supplied[4] and wait is not None \
+                    and supplied[0] is not None:
+                # next() of a distributed dataset: the probe's wait is this worker's
+                # own; the rest of next() waited for the other workers
+                local, total = min(wait, supplied[0]), supplied[0]
+                collective, wait, split = total - local, local, supplied[3]
+                supplied = None
             if supplied is not None:
-                wait, sampled, shape, split = supplied
+                wait, sampled, shape, split, _ = supplied
                 samples = sampled if sampled is not None else samples
             elif row is not None:
                 shape = probe.shape_key(row)
@@ -235,7 +247,7 @@ class CycleInputs:
                 wait=wait, supplied=supplied is not None, split=split, samples=samples,
                 shape=shape, new_shape=self._remember(shape), frames=frames,
                 audio=None if frames is None or per_second is None else frames / per_second,
-                compile_s=compile_s))
+                compile_s=compile_s, collective=collective))
         return out
 
     def _launched(self, hooks) -> list:

@@ -45,12 +45,12 @@ def cluster_task(model):
     return index, index == 0, len(order)
 
 
-def gather_job(task, summary, log_dir, began, wait_s=WAIT_S):
+def gather_job(task, report, log_dir, began, wait_s=WAIT_S):
     """Writes this worker's summary, reads the others', judges the job.
 
     Args:
         task: `cluster_task(model)`.
-        summary: this worker's `StepLog.summary()`.
+        report: this worker's `GPUOscillationMonitor.report()`.
         log_dir: the folder every worker shares.
         began: wall time (`time.time()`) this `fit` began.
         wait_s: longest wait for the other workers' summaries. Defaults to
@@ -60,7 +60,7 @@ def gather_job(task, summary, log_dir, began, wait_s=WAIT_S):
         `analysis.judge_job`'s report, or None when this worker timed no step.
     """
     index, chief, tasks = task
-    own = worker_summary(index, summary, chief=chief, end_time=time.time())
+    own = worker_summary(index, report, chief=chief, end_time=time.time())
     if not own["steps"]:
         return None
     folder = os.path.join(os.fspath(log_dir), JOB_FOLDER)

@@ -107,8 +107,9 @@ class RecordMaker:
         awaited = dispatch.awaited([(d.start, d.start + d.span) for d in done])
         records = []
         for d, got, device in zip(done, fed, awaited):
+            held = min(got.collective, d.gap)  # next()'s wait for the other workers
             input_wait, step, between = split_cycle(
-                d.span, d.gap, got.wait, supplied=got.supplied,
+                d.span + held, d.gap - held, got.wait, supplied=got.supplied,
                 unsynced=got.wait is None and got.supplied)
             util = None
             if self._sampler is not None:

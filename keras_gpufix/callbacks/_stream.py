@@ -207,7 +207,7 @@ class StepStream:
 
     # -- what other parts of the package hand over -------------------------
 
-    def supply(self, input_wait, samples=None, shape=None, split=False):
+    def supply(self, input_wait, samples=None, shape=None, split=False, collective=False):
         """Hands over the next step's measured input wait (custom loops).
 
         Called between `next()` returning the batch and
@@ -224,8 +224,15 @@ class StepStream:
             shape: a hashable key of the batch's shapes, or None.
             split: whether begin -> end holds only the step (False: the
                 whole loop body). Defaults to False.
+            collective: `next()` also waits at a collective (a
+                `tf.distribute` dataset's iterator agrees with the other
+                workers that each has a batch): where the dataset's input
+                probe measured this worker's own wait, that is the input
+                wait and the rest of `next()` counts in the step, as the
+                all-reduce's wait does in `fit`. Defaults to False.
         """
-        self._inputs.supply(input_wait, samples=samples, shape=shape, split=split)
+        self._inputs.supply(input_wait, samples=samples, shape=shape, split=split,
+                            collective=collective)
 
     def tell(self, **facts):
         """Updates what is known about the run (`analysis.RunFacts` fields by

@@ -56,9 +56,13 @@ propagates out of `fit`, as from any Keras callback.
 Several workers (`MultiWorkerMirroredStrategy`) with a shared `log_dir`:
 at the end of `fit` each worker's monitor writes its summary there and
 judges the whole job (`analysis.judge_job`: samples/s counted once, each
-worker's step and input wait, the straggler and why). The chief prints the
-job's line; the other workers print nothing unless they are the
-straggler. `report()["job"]` holds the job's report.
+worker's phases, its wait at the all-reduce and its CPU; the straggler, its
+cause and what the others lose waiting for it). The chief prints the job's
+line; the other workers print nothing unless they are the straggler.
+`report()["job"]` holds the job's report; the chief's run record keeps it,
+and its headline and report.html open with the straggler
+(docs/distributed.md). The same holds in a `kg.watch` loop over a
+`tf.distribute` dataset.
 """
 
 import os
@@ -266,7 +270,7 @@ class GPUOscillationMonitor(TimedCallback):
              self._voice)
 
     def _gather_job(self):
-        self.job = gather_job(self._task, self.detector.log.summary(), self.log_dir, self._began)
+        self.job = gather_job(self._task, self.report(), self.log_dir, self._began)
         straggler = None if self.job is None else self.job["straggler"]
         if self.job is not None and (self._task[1] or (
                 straggler is not None and straggler["task"] == self._task[0])):

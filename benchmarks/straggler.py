@@ -1,0 +1,237 @@
+"""Two workers, one slow: does the job report name it, its cause and the others' loss?
+
+    python benchmarks/straggler.py [--repeats 3] [--out PATH]   (about 8 min on 2 cores)
+
+Runs two `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG, CPU),
+each pinned to its own CPU with `taskset` (worker 0 on CPU 0, worker 1 on
+CPU 1), training a small MLP on a CPU-heavy input (a log-spectrum made in
+TF ops), in three planted cases:
+
+- `slow_input`: worker 1's input sleeps `SLOW_S` per batch (a loader waiting
+  on its disk); worker 0's is the same pipeline without the sleep;
+- `cpu_shared`: a CPU burner (`while True`) on worker 1's CPU (worker 1
+  starts it, so it inherits worker 1's `taskset`);
+- `healthy`: the same pair with nothing planted.
+
+Each case is one pair of processes that trains `2 * repeats` short `fit`s
+(blocks of `STEPS` steps, each with its own monitor), clean and planted
+alternated (B A B A ... B): the clean blocks beside each planted one are the
+truth of what worker 1 costs, re-measured beside it (the job's steps/s with
+worker 1 as fast as worker 0). Per planted block it keeps the chief's job
+report: the straggler it names, its cause, the others' predicted loss
+(`share`: the straggler's lateness over the job's cycle) and the gain if it
+matched them; and the truth: `1 - planted steps/s / clean steps/s` (the
+clean blocks before and after it) and their ratio. `healthy`'s blocks are
+all clean: each must name no straggler. `slow_input` runs a second time
+through a custom loop (`strategy.run` over
+`strategy.experimental_distribute_dataset`, under `kg.watch`).
+docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
+
+`--worker` runs one worker (what a case starts twice).
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 48, 8, 64, 256, 0.06
+CASES = ("slow_input", "cpu_shared", "healthy")
+CAUSES = {"slow_input": "input", "cpu_shared": "cpu_shared"}
+# burns a CPU until its parent (worker 1) ends
+BURNER = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
+
+def worker(case, loop, blocks, work):
+    """One worker: `blocks` short `fit`s (or custom loops under `kg.watch`), clean
+    (even blocks) and planted alternated; writes each block's job report, what the
+    monitor printed and the job's measured steps/s to `work/<task>.json`."""
+    import contextlib
+    import io
+
+    import tensorflow as tf
+    import keras
+
+    import keras_gpufix as kg
+
+    strategy = kg.setup_strategy()
+    task = strategy.cluster_resolver.task_id
+    batch = kg.global_batch_size(BATCH // 2, strategy)
+
+    def features(index):  # a log-spectrum of 1/4 s of "audio": CPU work in the input
+        audio = tf.random.stateless_normal((batch, 4000), tf.stack([index, index]))
+        spectrum = tf.math.log1p(tf.reduce_mean(tf.abs(tf.signal.stft(audio, 400, 160, 512)),
+                                                axis=1))[:, :FEATURES // 2]
+        x = tf.concat([spectrum, spectrum], axis=1)
+        return x, tf.reduce_sum(x, axis=1, keepdims=True)
+
+    def slowed(x, y):
+        def sleep(value):
+            time.sleep(SLOW_S)
+            return value
+        x = tf.numpy_function(sleep, [x], tf.float32, stateful=True)
+        return tf.ensure_shape(x, (batch, FEATURES)), y
+
+    def dataset(planted):
+        ds = tf.data.Dataset.range(STEPS).map(features)
+        if planted and case == "slow_input" and task == 1:
+            ds = ds.map(slowed)
+        return kg.data.instrument(ds).prefetch(2)
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(512, "relu"),
+                                  keras.layers.Dense(512, "relu"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.01)
+        if loop == "fit":
+            kg.compile_model(model, optimizer, "mse", mixed_precision=None,
+                             steps_per_execution=1, sample_batch=next(iter(dataset(False))))
+    if loop == "custom":
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        from two_workers import train_step as step_of  # the example's custom loop
+
+        train_step = step_of(strategy, model, optimizer, keras.losses.MeanSquaredError())
+    results = []
+    for block in range(int(blocks)):
+        planted = block % 2 == 1 and case != "healthy"
+        burner = None
+        if planted and case == "cpu_shared" and task == 1:
+            burner = subprocess.Popen([sys.executable, "-c", BURNER])
+        monitor = kg.GPUOscillationMonitor(warmup=WARMUP, nvml=False,
+                                           log_dir=os.path.join(work, "logs", str(block)))
+        ends = []
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            if loop == "fit":
+                clock = keras.callbacks.LambdaCallback(
+                    on_train_batch_end=lambda step, logs: ends.append(time.perf_counter()))
+                model.fit(dataset(planted), epochs=1, verbose=0, callbacks=[monitor, clock])
+            else:
+                with kg.watch(strategy.experimental_distribute_dataset(dataset(planted)),
+                              callbacks=[monitor], model=model) as watched:
+                    for x, y in watched:
+                        train_step(x, y)
+                        ends.append(time.perf_counter())
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+        steady = ends[WARMUP:]
+        results.append({"block": block, "planted": planted, "job": monitor.report()["job"],
+                        "printed": printed.getvalue(),
+                        "steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])})
+    with open(os.path.join(work, f"{task}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(case, blocks, loop="fit", timeout=900):
+    """Both workers of one case; returns the chief's blocks."""
+    work = tempfile.mkdtemp(prefix=f"kg_straggler_{case}_")
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    procs = []
+    try:
+        for index in range(2):
+            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            procs.append(subprocess.Popen(
+                ["taskset", "-c", str(index), sys.executable, os.path.abspath(__file__),
+                 "--worker", case, loop, str(blocks), work],
+                env=dict(env, TF_CONFIG=json.dumps(tf_config)), cwd=ROOT,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, output in zip(procs, outputs):
+        if p.returncode != 0:
+            raise SystemExit(f"{case}: a worker exited {p.returncode}\n{output[-3000:]}")
+    with open(os.path.join(work, "0.json")) as f:
+        return json.load(f)
+
+
+def _figures(blocks):
+    """Per planted block (every block of a healthy case): what the report said, and the
+    truth from the clean blocks beside it."""
+    out = []
+    for k, b in enumerate(blocks):
+        if not b["planted"] and any(x["planted"] for x in blocks):
+            continue
+        s = b["job"]["straggler"]
+        clean = [blocks[j]["steps_per_s"] for j in (k - 1, k + 1)
+                 if 0 <= j < len(blocks) and not blocks[j]["planted"]]
+        truth = statistics.mean(clean) if clean and b["planted"] else None
+        out.append({
+            "straggler": None if s is None else s["task"],
+            "cause": None if s is None else s["cause"],
+            "predicted_loss": None if s is None else round(s["share"], 3),
+            "predicted_gain": None if s is None else round(s["gain"], 3),
+            "others_wait_share": None if s is None else round(s["others_wait_share"], 3),
+            "true_loss": None if truth is None else round(1 - b["steps_per_s"] / truth, 3),
+            "true_gain": None if truth is None else round(truth / b["steps_per_s"], 3),
+            "steps_per_s": round(b["steps_per_s"], 2), "message": b["job"]["message"]})
+    return out
+
+
+def _pct(x):
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _summary(case, runs):
+    """The case's figures: named right (worker 1, its cause) of how many, the largest
+    relative error of the predicted loss; for `healthy`, the false alarms."""
+    if case == "healthy":
+        return {f"{case}_false_alarms_of_{len(runs)}": sum(r["straggler"] is not None
+                                                           for r in runs)}
+    errors = [abs(r["predicted_loss"] / r["true_loss"] - 1) for r in runs
+              if r["predicted_loss"] and r["true_loss"]]
+    return {f"{case}_named_worker1_and_cause_of_{len(runs)}": sum(
+                r["straggler"] == 1 and r["cause"] == CAUSES[case] for r in runs),
+            f"{case}_loss_max_relative_error": round(max(errors), 3) if errors else None}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", nargs=4, metavar=("CASE", "LOOP", "BLOCKS", "WORK"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                      "straggler.json"), metavar="PATH")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import write_results
+
+    blocks = 2 * args.repeats + 1  # clean, planted, clean, ...: each planted between two
+    runs, figures = {}, {}
+    for case, loop in [(c, "fit") for c in CASES] + [("slow_input", "custom")]:
+        name = case if loop == "fit" else f"{case}_custom_loop"
+        runs[name] = _figures(run_case(case, args.repeats if case == "healthy" else blocks,
+                                       loop))
+        figures.update({k.replace(case, name, 1): v
+                        for k, v in _summary(case, runs[name]).items()})
+        for k, r in enumerate(runs[name]):
+            print(f"{name} #{k + 1}: named worker {r['straggler']} ({r['cause']}); others' "
+                  f"loss predicted {_pct(r['predicted_loss'])}, measured "
+                  f"{_pct(r['true_loss'])}; {r['message']}", flush=True)
+    write_results(args.out, "straggler", figures, {"runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -632,7 +632,12 @@ def _stopped(steps, steps_done, exc):
     where = f"{user[-1].filename}:{user[-1].lineno}" if user else None
     at = f" at {where}" if where else ""
     text = f"stopped by --steps after {steps_done} steps"
-    if isinstance(exc, StepsEnded):
+    if isinstance(exc, StepsEnded) and exc.own_next:
+        how = "own_next"
+        text += (f"; its loop calls next() itself{at}: diagnose ended the script there "
+                 "(exit 0), past the script's `except Exception` handlers (a `for` loop over "
+                 "the dataset would have ended cleanly and the script run on)")
+    elif isinstance(exc, StepsEnded):
         how = "asked_again"
         text += (f"; the script then asked for {exc.asked}{at} and ended there, as a "
                  "finished run ends (exit 0)")

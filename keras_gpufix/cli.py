@@ -92,7 +92,7 @@ def build_parser():
                     "monitors. Exits with the script's exit code (SIGTERM/SIGINT: the "
                     "report of what was measured, exit 143/130).",
         usage="%(prog)s [--json] [--steps N] [--log-dir DIR] [--trace | --no-trace] "
-              "[--no-what-if] [--what-if-budget SECONDS] -- python train.py ARGS")
+              "[--no-what-if] [--what-if-budget SECONDS] [--rounds N] -- python train.py ARGS")
     p.set_defaults(subparser=p)
     p.add_argument("--json", action="store_true",
                    help="print the diagnosis as one JSON line, the last line of stdout")
@@ -114,6 +114,10 @@ def build_parser():
     p.add_argument("--what-if-budget", type=_positive_float, metavar="SECONDS",
                    help="the most each run's what-if may take, stages included (default: "
                         "a minute, or a tenth of the run where that is longer)")
+    p.add_argument("--rounds", type=_positive_int, metavar="N",
+                   help="the most rounds of the reruns that measure a fix (the script as it "
+                        "is and with the fix, alternated; more while the gain's range holds "
+                        "1.0 or the two runs' loads differ; default: 3)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- python train.py ARGS",
                    help="the command to run, after `--`: python train.py ARGS, python -m "
                         "module ARGS or python -c CODE ARGS")
@@ -222,7 +226,7 @@ def _diagnose(args, sub):
         result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
                                trace=True if args.trace else False if args.no_trace else "auto",
                                what_if=not args.no_what_if, verbose=0 if args.json else 1,
-                               what_if_budget=args.what_if_budget)
+                               what_if_budget=args.what_if_budget, rounds=args.rounds)
     except ValueError as exc:
         sub.error(str(exc))
     t0 = time.perf_counter()

@@ -65,7 +65,8 @@ def html_report(record) -> str:
     data = getattr(record, "data", record)
     v = data["verdict"]
     verdict = v.get("verdict") or "unknown"
-    first, fix, check = headline(data, getattr(record, "path", None))
+    lines = headline(data, getattr(record, "path", None))
+    first, load, (fix, check) = lines[0], lines[1:-2], lines[-2:]
     said = first[len("verdict: "):][len(verdict):]  # the line after the verdict's name
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -74,6 +75,7 @@ def html_report(record) -> str:
         f"<title>keras-gpufix report: {_e(verdict)}</title><style>{_CSS}</style></head><body>",
         f"<h1 id='headline'><span class='verdict {_e(verdict)}' id='verdict'>{_e(verdict)}"
         f"</span>{_e(said)}</h1>",
+        *(f"<p id='load'><b>Load:</b> {_e(line[len('load:'):].strip())}</p>" for line in load),
         f"<p class='fix' id='top-fix'><b>Fix:</b> {_e(fix[len('fix:'):].strip())}</p>",
         f"<p id='check'><b>Check:</b> <code>{_e(check[len('check:'):].strip())}</code></p>",
     ]

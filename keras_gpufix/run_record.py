@@ -124,7 +124,11 @@ class RunRecord:
                   "steady_speedup": f["predicted"].get("steady_speedup"),
                   "whole_run": f["predicted"].get("whole_run"),
                   "stage_op": (f.get("stage") or {}).get("op"),
+                  "stage_kind": (f.get("stage") or {}).get("kind"),
+                  "later_speedup": f["predicted"].get("speedup_later_runs"),
                   "speedup_range": f["predicted"].get("speedup_range"),
+                  "known": f["predicted"].get("known"),
+                  "settle_steps": f["predicted"].get("settle_steps"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text"),
                   "patch": f.get("patch")}
                  for f in result.get("fixes") or ()]

@@ -109,3 +109,66 @@ def test_a_patch_whose_script_fails_is_not_offered_and_the_files_stay_as_they_we
     # the user's files as they were: the script, and no bytecode of a patched copy
     assert hashlib.sha256(script.read_bytes()).hexdigest() == digest
     assert not (tmp_path / "__pycache__").exists()
+
+
+def _diagnosed(wall_ms, others=0.1, steps=40, seed=0):
+    """A diagnose result of one run as `run_pairs` reads it: one loop of `steps` steady
+    steps of about `wall_ms`, beside other processes' `others` share of the CPU."""
+    import numpy as np
+
+    cycles = list(wall_ms * (1 + 0.05 * np.random.default_rng(seed).standard_normal(steps)))
+    series = {"steps": [1] * steps, "input_wait_ms": [0.0] * steps, "step_ms": cycles,
+              "between_ms": [0.0] * steps, "judged": [True] * steps}
+    series.update({k: [None] * steps for k in ("first_step", "max_ms", "compiles", "gpu_util",
+                                               "epoch", "epoch_first", "stall")})
+    monitor = {"verdict": "healthy", "step_time": {"count": steps}, "series": series,
+               "contention": {"others_share": others, "waited_share": 0.1, "load": 2.0,
+                              "cpus": 2, "own_cpu_s": 1.0}}
+    return {"command": ["python", "train.py"], "exit_code": 0,
+            "stopped": {"steps_run": steps}, "environment": {"gpus": []},
+            "fits": [{"monitor": monitor, "wall_s": sum(cycles) / 1000}]}
+
+
+def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypatch, tmp_path):
+    # no process runs: each rerun's result is made here, in the order asked for (and
+    # the records' environment is not read: it would start TensorFlow)
+    from keras_gpufix import run_record
+    from keras_gpufix.diagnose import patched_run
+
+    monkeypatch.setattr(run_record, "_environment", lambda: {"host": "h"})
+
+    calls = []
+    walls = {"as_is": [20, 20, 20], "fixed": [10, 10, 10], "other": [19.6, 20.4, 19.8],
+             "together": [9, 9, 9]}
+    loads = {"as_is": [0.1, 0.1, 0.1], "fixed": [0.8, 0.12, 0.1]}  # a burner in round 1
+
+    def fake(command, patches, steps, log_dir, cwd=None, timeout=None, sources=None):
+        name = os.path.basename(log_dir).rsplit("_", 1)[0] if log_dir[-2] == "_" else \
+            os.path.basename(log_dir)
+        kind = {"as_is": "as_is", "patched_run": "fixed", "skipped_run": "other",
+                "together_run": "together"}[name]
+        r = sum(1 for c in calls if c == name)
+        calls.append(name)
+        return dict(_diagnosed(walls[kind][r], (loads.get(kind) or [0.1] * 3)[r], seed=len(calls)),
+                    seconds=1.0)
+
+    monkeypatch.setattr(patched_run, "run_patched", fake)
+    variants = {"patched_run": (["step.patch"], None), "skipped_run": ([], {"x.py": "pass"})}
+    runs, seconds = patched_run.run_pairs(_diagnosed(20), variants, 40, str(tmp_path),
+                                          more=lambda ran: {"together_run": ([], {})})
+    # round 1: as is first; round 2: the fixed runs first (the together run added), as is
+    # last; round 3: only what is not settled yet
+    assert calls[:3] == ["as_is", "patched_run", "skipped_run"]
+    assert calls[3:7] == ["patched_run", "skipped_run", "together_run", "as_is"]
+    patched = runs["patched_run"]["paired"]
+    # round 1's loads differed (a burner beside the fixed run): left out, named
+    assert patched["known"] and patched["gain"] == pytest.approx(2.0, rel=0.05)
+    assert [g["round"] for g in patched["load_gaps"]] == [1]
+    assert patched["load_gaps"][0]["left_out"]
+    # the skipped line gains nothing measurable in 40 steps a run: run to the last round,
+    # then not known yet, with the steps that would settle it (or known: within 5% of 1)
+    other = runs["skipped_run"]["paired"]
+    assert other["rounds_run"] == 3 and calls.count("skipped_run") == 3
+    assert other["known"] or other["settle_steps"] > 40
+    assert runs["together_run"]["paired"]["gain"] == pytest.approx(20 / 9, rel=0.05)
+    assert seconds == len(calls)

@@ -145,10 +145,12 @@ def test_every_view_of_a_record_opens_with_its_three_line_headline(tmp_path):
         "others_share": 0.6, "waited_share": 0.1, "load": 3.2, "cpus": 2, "contended": True})
     record = RunRecord.from_monitor(report)
     path = record.write(tmp_path)
-    first, fix, check = headline(record.data, path)
-    assert first.startswith("verdict: input_bound; 40% of the run waiting for its input; other "
-                            "processes used 60% of the CPU during the run (load 3.2 on 2 CPUs)")
-    assert "the input pipeline competes with them" in first
+    first, load, fix, check = headline(record.data, path)
+    assert first == "verdict: input_bound; 40% of the run waiting for its input"
+    # the load on a line of its own
+    assert load.startswith("load:    other processes used 60% of the CPU during the run (load "
+                           "3.2 on 2 CPUs)")
+    assert "the input pipeline competes with them" in load
     # one gain: the input-bound cause's, known by its cost share alone (1 / (1 - 0.4))
     assert fix.startswith("fix:     move the input's work into TF ops")
     assert fix.endswith(": the whole run at most 1.67x faster (all of its time removed)")
@@ -156,13 +158,15 @@ def test_every_view_of_a_record_opens_with_its_three_line_headline(tmp_path):
     page = html_report(RunRecord.load(path))
     assert "id='verdict'>input_bound</span>; 40% of the run waiting for its input" in page
     assert "at most 1.67x faster" in page and f"keras-gpufix compare {path} AFTER" in page
+    assert "id='load'><b>Load:</b> other processes used 60% of the CPU" in page
     # a quiet run says nothing of the load; a healthy one has nothing to fix
     quiet = RunRecord.from_monitor(dict(report, contention=None)).data
-    assert "other processes" not in headline(quiet)[0]
+    assert len(headline(quiet)) == 3 and "other processes" not in "".join(headline(quiet))
     healthy = RunRecord.from_monitor(dict(report, verdict="healthy", causes=[],
                                           contention=None)).data
     assert headline(healthy) == [
-        "verdict: healthy; no cause measured costs 10% of the run", "fix:     nothing to fix",
+        "verdict: healthy; no cause reaches its threshold (20% of the run waiting for input, "
+        "10% lost to another cause)", "fix:     nothing to fix",
         "check:   a later run against this one: keras-gpufix compare BEFORE AFTER"]
 
 

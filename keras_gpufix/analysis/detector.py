@@ -976,7 +976,11 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
     replayed batch is cached, the run's were not) and says so. A what-if
     that does not know (`known` False: its timings varied more than
     `what_if_uncertainty`) counts only by the low end of its range
-    (`what_if_input_cost`): the gain is at least that.
+    (`what_if_input_cost`): the gain is at least that. A run whose input,
+    drained alone, supplies `input_rate_margin` times the step's demand or
+    more is never `input_bound` (the wait it measured is load or epoch
+    starts): `healthy`, unless another cause of its ranking reaches its
+    threshold (`verdict_of_ranking`), `covers` naming `input_bound`.
 
     Args:
         run: the dict of `OscillationDetector.verdict()`, with `input_wait`
@@ -1033,6 +1037,16 @@ def weigh(run, xprof=None, what_if=None, thresholds=None) -> dict:
                 f"the what-if finds the run no faster with the input free ({speedup:.2f}x), "
                 f"but it replays one cached batch; the step log measured {waited} input "
                 "wait over the whole run, so the verdict stays input_bound")
+    rate, demand = what_if.get("input_batches_per_s"), what_if.get("step_batches_per_s")
+    if out["verdict"] == "input_bound" and rate and demand and (
+            rate >= th["input_rate_margin"] * demand):
+        out.update(verdict="healthy", phase=None, cost_share=None, fix=fix_for("healthy"),
+                   covers="input_bound")
+        out["because"].append(
+            f"the step log measured {waited} input wait, but the input drained alone supplies "
+            f"{rate:.1f} batches/s, {rate / demand:.0f}x the step's demand of {demand:.2f}: "
+            "the pipeline's speed is not what the step waited for (other processes' load, "
+            "or the epochs' first batches), so the verdict is not input_bound")
     for trace in xprof or ():
         kind = trace.get("classification")
         if kind is None:

@@ -4,9 +4,14 @@
     fix:     take the Python work out of `map` at train.py:63 ...: the whole run 6.05x faster
     check:   after the fix, run it again and: keras-gpufix compare BEFORE AFTER
 
+and, second, a line of its own where other processes contended for the CPU during
+the run (`load_line`):
+
+    load:    other processes used 60% of the CPU during the run (load 3.1 on 2 CPUs); ...
+
 `headline(record)` reads a run record (`RunRecord.data`) only: the console
 summary of `keras-gpufix diagnose`, the monitor's end-of-run line and
-report.html print the same three lines, with the same figures. The evidence
+report.html print the same lines, with the same figures. The evidence
 (ranges, how a figure was reached, per-stage rates) follows them in each view.
 
 Imports neither TensorFlow nor Keras.
@@ -17,7 +22,13 @@ import os
 from keras_gpufix.analysis.contention import contention_text
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
-__all__ = ["HEADLINE_FIXES", "headline", "gain_words"]
+__all__ = ["HEADLINE_FIXES", "headline", "gain_words", "load_line"]
+
+#: The least gain a headline offers (1.00x as printed is none).
+_SOME = 1.005
+#: The headline's key of an input stage's fix, by the stage's kind (`analysis.stages`).
+_STAGE_KEYS = {"python": "input_bound_stage", "parallel": "input_bound_stage_parallel",
+               "cache": "input_bound_stage_cache", "source": "input_bound_stage_cache"}
 
 #: What the verdict's share of the run is, by verdict (`{period}`: its period in steps).
 _SHARE_WORDS = {
@@ -34,9 +45,17 @@ _SHARE_WORDS = {
 #: The top fix in one sentence, by verdict (`{op}`: the input's slow stage, `{period}`;
 #: `{at}`: ` at file:line`, where the sentence names it; else it ends the sentence).
 HEADLINE_FIXES = {
-    "input_bound": "move the input's work into TF ops or a feature cache, with prefetch",
+    "input_bound": "move the input's work into TF ops or a feature cache",
+    # the input's slow stage, by its kind (`analysis.stages`): Python work, a TF map run
+    # one element at a time, a TF stage slow even in parallel (cached, not moved into TF
+    # ops: it is TF ops), and a cache that pays only from the next run (kept in a file)
     "input_bound_stage": "take the Python work out of `{op}`{at} (into TF ops), or cache its "
                          "output",
+    "input_bound_stage_parallel": "run `{op}`{at} in parallel "
+                                  "(num_parallel_calls=tf.data.AUTOTUNE)",
+    "input_bound_stage_cache": "cache the output of `{op}`{at} (`.cache()` right after it)",
+    "input_bound_stage_file": "cache the output of `{op}`{at} in a file (`.cache(\"FILE\")` "
+                              "right after it)",
     "periodic_stall": "move the work that runs every {period} steps{at} off the step path, or "
                       "run it less often",
     "eager_step": "compile the step{at} (tf.function, then try jit_compile=True)",
@@ -58,13 +77,20 @@ def gain_words(fix: dict) -> str:
     (`expected_speedup` of the run as the script runs it), `the steps 2.10x faster`
     (a gain per step, where the whole run's is not known), `the whole run at most
     1.25x faster` (a cause known by its cost share alone), `1.66x the steps/s,
-    measured with the patch applied` (diagnose ran the script with its patch), or why
-    there is none."""
+    measured with the patch applied` (diagnose ran the script with its patch), `not
+    known yet` (its reruns' range holds 1.0) with the steps that would settle it, or
+    why there is none."""
     speedup = fix.get("expected_speedup")
     if speedup is None:
         return "its gain was not measured"
     if fix.get("source") == "cost_share":  # known by its cost alone: what removing all of it gives
         return f"the whole run at most {speedup:.2f}x faster (all of its time removed)"
+    if fix.get("known") is False:  # reruns beside the script as it is: the range holds 1.0
+        low, high = fix.get("speedup_range") or (speedup, speedup)
+        settle = fix.get("settle_steps")
+        return (f"not known yet ({speedup:.2f}x, {low:.2f}x-{high:.2f}x measured beside the "
+                "script as it is)" + (f"; runs of about {settle} steady steps would settle it"
+                                      if settle else ""))
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
         return f"{speedup:.2f}x the steps/s, measured with the patch applied"
     if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped
@@ -87,8 +113,59 @@ def _line_of(where) -> "str | None":
     return None
 
 
+def _gains(fix) -> bool:
+    """Whether a ranked fix's gain is one a headline may offer: measured or predicted
+    above 1.00x (this run, or every later run with a cache on disk), or not known
+    yet (its reruns' range holds 1.0: said so); False for a gain of 1.00x or none."""
+    if fix.get("known") is False:
+        return True
+    return max(fix.get("expected_speedup") or 0.0, fix.get("later_speedup") or 0.0) >= _SOME
+
+
+def _fix_line(fix, causes) -> str:
+    """The fix line's sentence and gain for one ranked fix: its line, and the words
+    true of the user's code (a map of TF ops is cached, not moved into TF ops; a
+    cache that pays only in later runs says so and is kept in a file)."""
+    op, kind = fix.get("stage_op"), fix.get("stage_kind")
+    later = fix.get("later_speedup")
+    speedup = fix.get("expected_speedup")
+    on_disk = bool(op and later and later >= _SOME and (speedup or 0.0) < _SOME)
+    key = fix["verdict"]
+    if key == "input_bound" and op:
+        key = ("input_bound_stage_file" if on_disk else
+               _STAGE_KEYS.get(kind, "input_bound_stage"))
+    elif key == "eager_step" and fix.get("patch"):
+        key = "eager_step_patch"
+    where = _line_of(fix.get("where"))
+    at = f" at {where}" if where else ""
+    template = HEADLINE_FIXES.get(key)
+    sentence = fix.get("fix") or "" if template is None else template.format(
+        op=op, at=at, patch=fix.get("patch"),
+        period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
+    gain = (f"every later run {later:.2f}x faster (this run {speedup or 1.0:.2f}x: it fills "
+            "the file)" if on_disk else gain_words(fix))
+    return sentence + ("" if "{at}" in (template or "") else at) + f": {gain}"
+
+
+def load_line(record: dict) -> "str | None":
+    """The headline's line on the load, where other processes contended for the CPU
+    during the run (`contention_text`): `load:    other processes used 60% ...`; None
+    on a quiet run."""
+    text = contention_text(record.get("contention"),
+                           (record.get("verdict") or {}).get("verdict"))
+    return f"load:    {text}" if text else None
+
+
 def headline(record: dict, path: str = None) -> list:
-    """The three lines a view of `record` (`RunRecord.data`) opens with.
+    """The lines a view of `record` (`RunRecord.data`) opens with: the verdict, the
+    load where other processes contended (`load_line`, a line of its own), the one
+    fix, the check.
+
+    A healthy run whose ranking holds a cause below its threshold names it as the
+    largest cause, with its line and gain, and says it is below the threshold (the
+    same cause, line and gain as a run of the script judged by that cause). A fix
+    whose gain is 1.00x is never offered: the next ranked fix with a gain is, else
+    `nothing to fix`.
 
     Args:
         record: the run record's data.
@@ -96,7 +173,8 @@ def headline(record: dict, path: str = None) -> list:
             Defaults to None: `BEFORE`.
 
     Returns:
-        `[verdict line, fix line, check line]`.
+        `[verdict line, fix line, check line]`, with the load line second where
+        there is one.
     """
     v = record.get("verdict") or {}
     verdict = v.get("verdict") or "unknown"
@@ -105,42 +183,41 @@ def headline(record: dict, path: str = None) -> list:
     share = cause.get("share")  # the share its fix's gain is reckoned from
     share = v.get("cost_share") if share is None else share
     period = cause.get("period")
-    contention = contention_text(record.get("contention"), verdict)
+    fixes = record.get("fixes") or ()
+    fix = next((f for f in fixes if _gains(f)), None)
     if verdict == "healthy":
-        first = f"healthy; no cause measured costs {THRESHOLDS['cost_share']:.0%} of the run"
+        first = "healthy; no cause reaches its threshold " + (
+            f"({THRESHOLDS['input_wait_share']:.0%} of the run waiting for input, "
+            f"{THRESHOLDS['cost_share']:.0%} lost to another cause)")
     elif verdict == "unknown":
         first = "unknown; no training step was judged"
     else:
         words = _SHARE_WORDS.get(verdict, "lost to it").format(period=period or "?")
         first = f"{verdict}; " + (f"{share:.0%} of the run {words}" if share is not None
                                   else words)
-    lines = [f"verdict: {first}" + (f"; {contention}" if contention else "")]
-    fixes = record.get("fixes") or ()
-    fix = fixes[0] if fixes else None
+    lines = [f"verdict: {first}"] + [line for line in (load_line(record),) if line]
     compare = f"keras-gpufix compare {path or 'BEFORE'} AFTER"
     if fix is None:
-        if verdict in ("healthy", "unknown"):
+        if verdict in ("healthy", "unknown") or fixes:
             told = "nothing to fix"
             if verdict == "unknown":
                 told = v.get("fix") or "nothing was judged: the evidence says what was seen"
+            elif fixes:  # ranked, but none gains anything measurable
+                told += (f": the fix of {fixes[0]['verdict']} measured no gain "
+                         f"({fixes[0].get('expected_speedup') or 1.0:.2f}x)")
             lines.append(f"fix:     {told}")
             lines.append(f"check:   a later run against this one: {compare}")
             return lines
         sentence = (HEADLINE_FIXES[verdict].format(period=period or "?", op="?", at="")
                     if verdict in HEADLINE_FIXES else v.get("fix") or "")
         lines.append(f"fix:     {sentence}: its gain was not measured")
+    elif verdict == "healthy":  # a cause below its threshold: named, with its gain
+        share = fix.get("share")
+        lines.append(f"fix:     none needed to call it healthy; the largest cause, "
+                     f"{fix['verdict']}"
+                     + (f" ({share:.0%} of the run)" if share is not None else "")
+                     + f": {_fix_line(fix, causes)}")
     else:
-        op = fix.get("stage_op")
-        key = ("input_bound_stage" if fix["verdict"] == "input_bound" and op
-               else "eager_step_patch" if fix["verdict"] == "eager_step" and fix.get("patch")
-               else fix["verdict"])
-        where = _line_of(fix.get("where"))
-        at = f" at {where}" if where else ""
-        template = HEADLINE_FIXES.get(key)
-        sentence = fix.get("fix") or "" if template is None else template.format(
-            op=op, at=at, patch=fix.get("patch"),
-            period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
-        lines.append(f"fix:     {sentence}" + ("" if "{at}" in (template or "") else at)
-                     + f": {gain_words(fix)}")
+        lines.append(f"fix:     {_fix_line(fix, causes)}")
     lines.append(f"check:   after the fix, run it again and: {compare}")
     return lines

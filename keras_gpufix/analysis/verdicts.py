@@ -139,6 +139,12 @@ THRESHOLDS = {
     # (benchmarks/what_if.py); a wider range is "does not know" and
     # analysis.weigh ignores it.
     "what_if_uncertainty": 0.25,
+    # A pipeline whose input, drained alone, supplies this many times the
+    # batches/s the step alone consumes is not what the step waits for: a run
+    # of it is never input_bound (analysis.weigh). keras-io's CTC ASR read
+    # input_bound 37% (predicted 1.56x) beside its own what-if of 51.7 batches/s
+    # against a demand of 0.6; its cache measured 0.88x.
+    "input_rate_margin": 4.0,
     # compile_model's measured steps_per_execution (compile/calibration.py):
     # the smallest k whose per-execution overhead is under this share of the
     # execution's time, capped so callbacks fire at least every
@@ -392,12 +398,13 @@ STEP_PATCH_NOTES = {
 }
 
 #: The eager-step fix's gain once diagnose ran the script with its patch
-#: (`diagnose.patched_run`): the steady steps/s of the two runs, as `compare` judges them.
+#: (`diagnose.patched_run`): the script as it is and with the patch, alternated, their
+#: steady steps/s judged as `compare` judges two runs (`analysis.paired_gain`).
 PATCHED_RUN_TEXT = (
-    "measured: diagnose ran the script again with {what} (in memory, its files "
-    "untouched; {steps} steps): {before} -> {after} steps/s, {gain:.2f}x "
-    "({low:.2f}x-{high:.2f}x; the mean wall per steady step, stalls included, as `compare` "
-    "judges two runs){whole}"
+    "measured: diagnose ran the script as it is and with {what}, alternated (in memory, its "
+    "files untouched; {rounds} round{s} of {steps} steps): {before} -> {after} steps/s, "
+    "{gain} (the mean wall per steady step, stalls included, as `compare` judges two "
+    "runs){whole}"
 )
 #: ... where a periodic stall's loop-body line was skipped: all of its time removed; how
 #: often to run that work is the user's choice, so no patch.
@@ -409,9 +416,9 @@ SKIPPED_RUN_FAILED = ("diagnose could not check it by a run with {where} skipped
 #: ... and all the fixes diagnose ran, run together once more (their gains apart do not
 #: add up: the causes interact).
 TOGETHER_RUN_TEXT = (
-    "the {count} fixes together, measured: diagnose ran the script again with all of them "
-    "({steps} steps): {before} -> {after} steps/s, {gain:.2f}x ({low:.2f}x-"
-    "{high:.2f}x); the causes interact, so their gains apart do not add up"
+    "the {count} fixes together, measured: diagnose ran the script as it is and with all of "
+    "them, alternated ({rounds} round{s} of {steps} steps): {before} -> {after} steps/s, "
+    "{gain}; the causes interact, so their gains apart do not add up"
 )
 #: ... and where the script with the patch failed or ran no step: the patch is not offered.
 PATCHED_RUN_FAILED = (
@@ -825,19 +832,6 @@ def steps_per_s_words(value: float) -> str:
     """A rate as the reruns' texts say it: three figures (`19.1`, `218`), whole above
     a thousand (`1012`, never `1.01e+03`)."""
     return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
-
-
-def patched_run_text(steps, before, after, gain, gain_range, whole=None, skipped=None) -> str:
-    """`PATCHED_RUN_TEXT`: the patched run's steps/s against the run's (`whole`: the two
-    runs' walls over the same steps, the trace and compile included, where known;
-    `skipped`: the `file:line` the rerun skipped, where it applied no patch)."""
-    low, high = gain_range or (gain, gain)
-    return PATCHED_RUN_TEXT.format(
-        what="the patch applied" if skipped is None else SKIPPED_RUN_WHAT.format(where=skipped),
-        steps=steps, before=steps_per_s_words(before), after=steps_per_s_words(after), gain=gain,
-        low=low or gain, high=high or gain,
-        whole="" if whole is None else f"; the whole loop {whole:.2f}x as fast, its trace "
-        "and compile in it")
 
 
 def step_patch_note(compiled: dict) -> str:

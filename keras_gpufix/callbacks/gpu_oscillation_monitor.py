@@ -225,13 +225,15 @@ class GPUOscillationMonitor(TimedCallback):
         """Prints the run's end line: the headline of its record (what report.html
         opens with), then the steady steps' figures."""
         st = r["step_time"]
-        first, fix, check = headline(RunRecord.from_monitor(r).data, None if self.log_dir
-                                     is None else os.path.join(self.log_dir, "keras_gpufix"))
+        lines = headline(RunRecord.from_monitor(r).data, None if self.log_dir
+                         is None else os.path.join(self.log_dir, "keras_gpufix"))
+        first, load, (fix, check) = lines[0], lines[1:-2], lines[-2:]
         wait = r["input_wait"]
         said = self._fix_said_by_diagnose  # its report's headline, after the run
         verdict = (f"{r['verdict']}; its share and fix: diagnose's report, below" if said
                    else first[len("verdict: "):])
         emit(f"GPUOscillationMonitor: verdict {verdict}\n"
+             + "".join(f"  {line}\n" for line in load)
              + ("" if said else f"  {fix}\n")
              + (f"  {check}\n" if self.log_dir is not None and not said else "")
              + f"  {st['count']} steady steps in {st['total_s']:.1f} s, mean "

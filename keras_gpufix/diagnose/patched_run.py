@@ -9,9 +9,11 @@ it), and runs the script again in a fresh process with the patched files in
 place of the originals, in memory only (`main`: the user's files are never
 written), for the steps the first run timed, under the same monitors
 (`run_diagnosis` with `sources`; no what-if, no trace). Its steady steps/s
-against the first run's (`analysis.compare_runs`, as `keras-gpufix compare`
-judges two runs) is the fix's gain; a patched script that fails, or runs
-no step, is said so and its patch is not offered.
+against runs of the script as it is taken beside it (`run_pairs`: alternated,
+for as many rounds as the range needs; `analysis.paired_gain`, each round
+judged as `keras-gpufix compare` judges two runs) is the fix's gain; a
+patched script that fails, or runs no step, is said so and its patch is not
+offered.
 
     python -m keras_gpufix.diagnose.patched_run SPEC.json   (diagnose runs it)
 """
@@ -23,13 +25,12 @@ import subprocess
 import sys
 import time
 
-from keras_gpufix.analysis.comparison import compare_runs
-from keras_gpufix.analysis.verdicts import (PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED,
-                                            TOGETHER_RUN_TEXT, patched_run_text,
-                                            steps_per_s_words)
+from keras_gpufix.analysis.comparison import (MAX_ROUNDS, paired_gain, patched_run_text,
+                                              together_run_text)
+from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED
 from keras_gpufix.run_record import RunRecord, main_fit
 
-__all__ = ["apply", "run_patched", "skip_statement", "check_fixes", "main"]
+__all__ = ["apply", "run_patched", "run_pairs", "skip_statement", "check_fixes", "main"]
 
 #: The most steps the patched run takes (a run of thousands of steps is timed on these).
 MAX_STEPS = 200
@@ -179,18 +180,6 @@ def skip_statement(where):
     return {os.path.abspath(path): "".join(rows)}
 
 
-def _judged(result, after, count):
-    """(compare_runs's result, the steps run, the whole loop's wall ratio or None) of
-    the rerun `after` against `result`'s run."""
-    judged = compare_runs(RunRecord.from_diagnosis(result).data,
-                          RunRecord.from_diagnosis(after).data)
-    before, fit = main_fit(result), main_fit(after)
-    ran = (after.get("stopped") or {}).get("steps_run") or count
-    same = (result.get("stopped") or {}).get("steps_run") == ran  # the same steps, both runs
-    whole = before["wall_s"] / fit["wall_s"] if same and fit.get("wall_s") else None
-    return judged, ran, whole
-
-
 def _failure(result, after):
     """Why the rerun `after` failed where `result`'s run did not, or None: its own
     error, another exit code than the run's (a script that exits 3 as written is
@@ -203,11 +192,106 @@ def _failure(result, after):
     return None if main_fit(after) else "the script ran no training step"
 
 
-def check_fixes(result, steps, log_dir, cwd=None):
-    """Runs the script again for each fix diagnose can apply in memory, and puts what
-    the run measured in the fix's `predicted` (`speedup` and `steady_speedup`: the
-    steady steps/s ratio, `speedup_range`, `steps_per_s` before and after,
-    `run_speedup`: the two runs' walls over the same steps, `text`):
+def _whole(pairs):
+    """The as-is runs' loop wall over the fixed runs' (trace and compile in it), over the
+    rounds where both ran the same steps; None where none did."""
+    same = [(main_fit(a)["wall_s"], main_fit(f)["wall_s"]) for a, f in pairs
+            if (a.get("stopped") or {}).get("steps_run") == (f.get("stopped") or {}).get(
+                "steps_run") and main_fit(a).get("wall_s") and main_fit(f).get("wall_s")]
+    return sum(a for a, _ in same) / sum(f for _, f in same) if same else None
+
+
+def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None):
+    """Runs the script of `result` (diagnose's) as it is and with each of `variants`,
+    alternated: a round is one as-is run and one run of each variant, the as-is run
+    first in odd rounds and last in even ones (A B, B A: a load that drifts weighs
+    on both sides). Rounds go on while a variant's gain is not known (its range holds
+    1.0) or its rounds' loads differ (`analysis.paired_gain`), up to `rounds`.
+
+    Args:
+        result: diagnose's result of the script as it is (its command, exit code).
+        variants: `{name: (patches, sources)}`, as `run_patched` takes them; each
+            variant's first run is in `log_dir/name`, later ones `name_2`, ...
+        steps: the steps of each run (at most `MAX_STEPS`).
+        log_dir: the folder of the runs' folders (`as_is`, `as_is_2`, ...).
+        cwd: the folder diagnose ran in.
+        more: None, or called after the first round with the names of the variants
+            that ran; returns more variants to add from the second round (the fixes
+            run together).
+        rounds: the most rounds. Defaults to None: `MAX_ROUNDS`.
+
+    Returns:
+        `(runs, seconds)`: `runs` is `{name: {"paired": paired_gain's result or None,
+        "failed": why its first run failed or None, "unfinished": why a run did not
+        finish or None, "whole": the loops' wall ratio or None}}`, `seconds` what the
+        runs took.
+    """
+    before = main_fit(result)
+    count = min(steps or MAX_STEPS, MAX_STEPS)
+    timeout = max(120.0, 3 * (before.get("wall_s") or 0.0) + 60.0)
+    state = {name: {"patches": p, "sources": s, "pairs": [], "records": [], "paired": None,
+                    "failed": None, "unfinished": None, "done": False}
+             for name, (p, s) in variants.items()}
+    seconds = 0.0
+
+    def rerun(folder, patches, sources):
+        nonlocal seconds
+        after = run_patched(result.get("command") or [], patches, count,
+                            os.path.join(log_dir, folder), cwd, timeout, sources)
+        seconds += after.get("seconds") or 0.0
+        return after
+
+    for r in range(rounds or MAX_ROUNDS):
+        active = [n for n, v in state.items() if not v["done"]]
+        if not active:
+            break
+        tail = "" if r == 0 else f"_{r + 1}"
+        fixed = {}
+        if r % 2:
+            fixed = {n: rerun(n + tail, state[n]["patches"], state[n]["sources"])
+                     for n in active}
+        as_is = rerun("as_is" + tail, [], None)
+        if not r % 2:
+            fixed = {n: rerun(n + tail, state[n]["patches"], state[n]["sources"])
+                     for n in active}
+        if as_is.get("unfinished") or _failure(result, as_is):
+            why = as_is.get("unfinished") or _failure(result, as_is)
+            for n in active:  # no as-is run beside them this round: what ran stands
+                state[n]["done"] = True
+                if not state[n]["pairs"]:
+                    state[n]["unfinished"] = f"the script as it is, run again beside it: {why}"
+            break
+        for n in active:
+            v, after = state[n], fixed[n]
+            why = after.get("unfinished") or _failure(result, after)
+            if why:
+                v["done"] = True
+                if not v["pairs"]:
+                    v["unfinished" if after.get("unfinished") else "failed"] = why
+                continue
+            v["pairs"].append((as_is, after))
+            v["records"].append((RunRecord.from_diagnosis(as_is).data,
+                                 RunRecord.from_diagnosis(after).data))
+            v["paired"] = paired_gain(v["records"])
+            v["done"] = v["paired"] is None or (v["paired"]["known"] and not any(
+                not g["left_out"] for g in v["paired"]["load_gaps"]))
+        if r == 0 and more is not None:
+            for name, (p, s) in more([n for n in active if state[n]["pairs"]]).items():
+                state[name] = {"patches": p, "sources": s, "pairs": [], "records": [],
+                               "paired": None, "failed": None, "unfinished": None,
+                               "done": False}
+    runs = {n: {"paired": v["paired"], "failed": v["failed"], "unfinished": v["unfinished"],
+                "whole": _whole(v["pairs"])} for n, v in state.items()}
+    return runs, seconds
+
+
+def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
+    """Runs the script again for each fix diagnose can apply in memory, beside runs of
+    the script as it is (`run_pairs`), and puts what the pairs measured in the fix's
+    `predicted` (`speedup` and `steady_speedup`: the steady steps/s ratio,
+    `speedup_range`, `known` (False: the range holds 1.0), `settle_steps`,
+    `steps_per_s` as it is and fixed, `run_speedup`: the runs' loop walls over the
+    same steps, `text`):
 
     - the eager step's patch (`source` `patched-run`); where the patched script
       failed, the fix keeps no `patch` and says why (`patched-run-failed`);
@@ -216,82 +300,67 @@ def check_fixes(result, steps, log_dir, cwd=None):
       to run it is the user's choice); where the script fails without it, the
       cost-share prediction stands and says so.
 
-    Where two or more ran, the script runs once more with all of them
-    (`result["together"]`: `speedup`, `speedup_range`, `steps_per_s`, `text`): the
-    causes interact (a plot's pause slows the eager steps after it), so their gains
-    measured apart do not add up.
+    Where two or more ran, the script runs with all of them too, from the second
+    round (`result["together"]`: `speedup`, `speedup_range`, `known`,
+    `steps_per_s`, `text`): the causes interact (a plot's pause slows the eager
+    steps after it), so their gains measured apart do not add up.
 
-    Returns the seconds the runs took (0 where nothing ran)."""
-    before = main_fit(result)
-    if before is None or (result.get("ended_by") or {}).get("kind") == "signal":
+    `rounds`: the most rounds (`run_pairs`). Returns the seconds the runs took (0
+    where nothing ran)."""
+    if main_fit(result) is None or (result.get("ended_by") or {}).get("kind") == "signal":
         return 0.0  # nothing judged, or the user stopped it
-    count = min(steps or MAX_STEPS, MAX_STEPS)
-    timeout = max(120.0, 3 * (before.get("wall_s") or 0.0) + 60.0)
     stall = next((f["step"]["stall_where"] for f in result.get("fits") or ()
                   if (f.get("step") or {}).get("stall_where")), None)
     skipped = skip_statement(stall) if stall else None
-    seconds, ran_ok = 0.0, []
-
-    def rerun(name, patches, sources):
-        nonlocal seconds
-        after = run_patched(result.get("command") or [], patches, count,
-                            os.path.join(log_dir, name), cwd, timeout, sources)
-        seconds += after.get("seconds") or 0.0
-        return after
-
+    variants, fixes = {}, {}
     for fix in result.get("fixes") or ():
         if fix.get("verdict") == "eager_step" and fix.get("patch"):
-            name, patches, sources = "patched_run", [fix["patch"]], None
+            variants["patched_run"] = ([fix["patch"]], None)
+            fixes["patched_run"] = fix
         elif fix.get("verdict") == "periodic_stall" and skipped:
-            name, patches, sources = "skipped_run", [], skipped
-        else:
-            continue
-        after = rerun(name, patches, sources)
-        predicted = fix["predicted"]
-        if after.get("unfinished"):  # the prediction it had stands, and says so
-            predicted["text"] += f"; the run to check it did not finish ({after['unfinished']})"
-            continue
-        failed = _failure(result, after)
-        if failed and patches:
+            variants["skipped_run"] = ([], skipped)
+            fixes["skipped_run"] = fix
+    if not variants:
+        return 0.0
+
+    together_of = []
+
+    def together(ran):
+        if len(ran) < 2:
+            return {}
+        together_of[:] = ran
+        sources = {}
+        for name in ran:
+            sources.update(variants[name][1] or {})
+        return {"together_run": ([p for n in ran for p in variants[n][0]], sources)}
+
+    runs, seconds = run_pairs(result, variants, steps, log_dir, cwd, together, rounds)
+    for name, fix in fixes.items():
+        run, predicted = runs[name], fix["predicted"]
+        if run["unfinished"]:  # the prediction it had stands, and says so
+            predicted["text"] += f"; the run to check it did not finish ({run['unfinished']})"
+        elif run["failed"] and variants[name][0]:
             fix["patch"] = None
             fix["predicted"] = {**predicted, "speedup": None, "speedup_range": None,
                                 "steady_speedup": None, "source": "patched-run-failed",
-                                "text": PATCHED_RUN_FAILED.format(error=failed)}
-            continue
-        if failed:
-            predicted["text"] += f"; {SKIPPED_RUN_FAILED.format(where=stall, error=failed)}"
-            continue
-        judged, ran, whole = _judged(result, after, count)
-        gain = judged["gain"]
-        if gain is None:
-            continue
-        ran_ok.append((patches, sources))
-        b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]
-        fix["predicted"] = {
-            **predicted, "speedup": gain, "steady_speedup": gain,
-            "speedup_range": judged["gain_range"], "whole_run": True,
-            "source": "patched-run" if patches else "skipped-run",
-            "steps_per_s": [b, a], "run_speedup": whole,
-            "text": patched_run_text(ran, b, a, gain, judged["gain_range"], whole,
-                                     skipped=None if patches else stall)}
-    if len(ran_ok) > 1:
-        sources = {}
-        for _, more in ran_ok:
-            sources.update(more or {})
-        after = rerun("together_run", [p for patches, _ in ran_ok for p in patches], sources)
-        if not after.get("unfinished") and _failure(result, after) is None:
-            judged, ran, _ = _judged(result, after, count)
-            gain = judged["gain"]
-            if gain is not None:
-                b, a = judged["before"]["steps_per_s"], judged["after"]["steps_per_s"]
-                low, high = judged["gain_range"]
-                result["together"] = {"speedup": gain, "speedup_range": judged["gain_range"],
-                                      "steps_per_s": [b, a],
-                                      "text": TOGETHER_RUN_TEXT.format(
-                                          count=len(ran_ok), steps=ran,
-                                          before=steps_per_s_words(b),
-                                          after=steps_per_s_words(a),
-                                          gain=gain, low=low or gain, high=high or gain)}
+                                "text": PATCHED_RUN_FAILED.format(error=run["failed"])}
+        elif run["failed"]:
+            predicted["text"] += f"; {SKIPPED_RUN_FAILED.format(where=stall, error=run['failed'])}"
+        elif run["paired"] is not None:
+            paired = run["paired"]
+            fix["predicted"] = {
+                **predicted, "speedup": paired["gain"], "steady_speedup": paired["gain"],
+                "speedup_range": paired["gain_range"], "known": paired["known"],
+                "settle_steps": paired["settle_steps"], "whole_run": True,
+                "source": "patched-run" if variants[name][0] else "skipped-run",
+                "steps_per_s": paired["steps_per_s"], "run_speedup": run["whole"],
+                "text": patched_run_text(paired, run["whole"],
+                                         skipped=None if variants[name][0] else stall)}
+    paired = (runs.get("together_run") or {}).get("paired")
+    if paired is not None:
+        result["together"] = {"speedup": paired["gain"], "speedup_range": paired["gain_range"],
+                              "known": paired["known"], "steps_per_s": paired["steps_per_s"],
+                              "text": together_run_text(len(together_of), paired)}
     return seconds
 
 

@@ -582,10 +582,13 @@ def format_report(result):
     lines = analysis.headline(RunRecord.from_diagnosis(result).data, result.get("record"))
     live = [v for v in dict.fromkeys((f.get("monitor") or {}).get("verdict")
                                      for f in result["fits"]) if v]
+    weighed = [name for name, taken in (("the what-if", result.get("what_if")),
+                                        ("XProf", result.get("traces"))) if taken]
     if live and result["verdict"] not in live:  # the monitors' own lines, above, differ
         lines.append(f"         (the GPUOscillationMonitor line above said {' and '.join(live)}, "
-                     "from the step log alone; this verdict weighs in the what-if and XProf: "
-                     "evidence below)")
+                     "from the step log alone; this verdict weighs in "
+                     + (" and ".join(weighed) if weighed else "the ranked causes")
+                     + ": evidence below)")
     lines += ["", f"keras-gpufix diagnose: {command} (exit code {result['exit_code']})"]
     if result.get("ended_by"):
         lines.append(f"ended by: {result['ended_by']['text']}")

@@ -791,7 +791,7 @@ def _jsonable(value):
 
 
 def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True, verbose=1,
-                  what_if_budget=None, sources=None):
+                  what_if_budget=None, sources=None, rounds=None):
     """Runs a training script with the monitors attached; returns the diagnosis.
 
     Args:
@@ -822,6 +822,9 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         sources: `{path: text}`: the script's files to run from that text (a patch
             applied in memory: `patched_run`, which runs the eager step's patch
             before it is offered). Defaults to None: the files as they are.
+        rounds: the most rounds of the reruns that measure a fix (the script as it
+            is and with the fix, alternated: `patched_run.run_pairs`). Defaults to
+            None: `analysis.comparison.MAX_ROUNDS`.
 
     Returns:
         A JSON-ready dict: `command`, `exit_code` (the script's: 1 when it
@@ -857,6 +860,8 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
     """
     if steps is not None and steps < 1:
         raise ValueError(f"`steps` must be >= 1. Received: steps={steps}")
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"`rounds` must be >= 1. Received: rounds={rounds}")
     t_in, age = time.perf_counter(), _process_age()
     kind, target, argv = _resolve(command)
     log_dir = log_dir or tempfile.mkdtemp(prefix="keras_gpufix_diagnose_")
@@ -963,7 +968,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         from keras_gpufix.diagnose.patched_run import check_fixes  # its own __main__
 
         try:
-            patch.own["patched run"] = check_fixes(result, steps, log_dir)
+            patch.own["patched run"] = check_fixes(result, steps, log_dir, rounds=rounds)
         except Exception as exc:  # noqa: BLE001 - the report comes first
             result["notes"].append(f"the patched run could not be judged ({type(exc).__name__}: "
                                    f"{exc}): the predictions are the first run's")

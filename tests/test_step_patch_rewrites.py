@@ -214,3 +214,24 @@ def test_functions_a_keras_loss_calls_are_changed_in_the_same_patch(tmp_path):
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
     np.testing.assert_allclose(
         [v.numpy() for v in module.model.trainable_variables][0].shape, (8, 4))
+
+
+def test_the_headline_names_the_steps_def_that_the_patch_compiles():
+    # the run measured the eager gradient at its tape line; the fix the user makes is
+    # the patch, which compiles the step's def: the headline names the def
+    from keras_gpufix.analysis.headline import headline
+    from keras_gpufix.diagnose.step_patch import attach_patches
+
+    fixes = [{"verdict": "eager_step", "fix": "wrap the step", "expected_speedup": 3.2,
+              "source": "patched-run", "where": ["/x/trainer.py:1490: the eager gradient"]}]
+    fits = [{"compiled_step": {"patch": "/x/logs/step.patch",
+                               "function": "train_step_with_accumulation (/x/trainer.py:1276)"}}]
+    attach_patches(fixes, fits, [], None)
+    assert fixes[0]["where"] == ["/x/trainer.py:1276: the step's def, which the patch compiles",
+                                 "/x/trainer.py:1490: the eager gradient"]
+    lines = headline({"verdict": {"verdict": "eager_step", "cost_share": 0.7},
+                      "causes": [{"verdict": "eager_step", "share": 0.7}], "fixes": fixes})
+    fix = next(line for line in lines if line.startswith("fix:"))
+    assert fix.startswith("fix:     compile the step at /x/trainer.py:1276: "
+                          "`patch -p1 < /x/logs/step.patch`"), fix
+    assert fix.endswith("3.20x the steps/s, measured with the patch applied")

@@ -78,6 +78,7 @@ def test_a_stop_in_the_scripts_own_next_is_no_failure_of_its_except_exception(tm
     assert "past the script's `except Exception`" in stopped["text"]
 
 
+@pytest.mark.slow  # the `for` loop's clean end is also test_diagnose_patterns's
 def test_a_for_loop_still_ends_cleanly_and_the_script_runs_on(tmp_path):
     proc, result = _diagnose(tmp_path, "for")
     assert proc.returncode == 0, proc.stderr[-2000:]

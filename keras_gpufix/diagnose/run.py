@@ -622,9 +622,9 @@ def _user_frames(exc):
 def _stopped(steps, steps_done, exc):
     """The report's `stopped`: how `--steps` ended the run (None when it was not
     reached). `exc`: the `StepsEnded` that ended the script where it asked to
-    train again, the `StepsReached` of a loop that called `next()` itself (or
-    the RuntimeError a generator made of it), or None: the script ran on to its
-    own end."""
+    train again or in its loop's own `next()` call (`own_next`), the
+    `StepsReached` a generator made a RuntimeError of, or None: the script ran
+    on to its own end."""
     if steps is None or (exc is None and steps_done < steps):
         return None
     steps_done = max(steps_done, steps)  # a kg.watch loop's steps are its own

@@ -21,19 +21,36 @@ TensorFlow's message):
 | [...]` in it                          | for a tape's gradients), the loop's update   |
 |                                       | kept a tuple                                 |
 | a name first set in such a loop       | set before it to zeros of the value the      |
-| ("must be defined before the loop")   | eager step gave it (`tf.zeros(shape, dtype)`)|
+| ("must be defined before the loop"),  | eager step gave it (`tf.zeros(shape, dtype)`)|
+| a dict's key (`'d['k']' must be ...`) |                                              |
+| the zeros' variables first named in   | what that name is set to, where it reads     |
+| the loop (`current = self.vars()`)    | only names bound before the loop; else the   |
+|                                       | attribute holding the eager tape's variables |
+| `tf.shape(x)[i]` where a loop's count | `(x.shape[i] or tf.shape(x)[i])`: a Python   |
+| comes from it (`if n // k == 0: k=n`) | count keeps a Python loop (`static_shape`;   |
+|                                       | undone if the loop stays a tensor loop)      |
+| `if t: d[k] = d.get(k, 0) + v`, `t` a | `d[k] = tf.where(t, d.get(k, 0) + v,         |
+| tensor, no else (`tensor_if`)         | d.get(k, 0))`: the key set on both paths     |
+
+A function the step calls is changed too, in the same patch, for two blockers:
+a Python `if` on a tensor in a function AutoGraph never reached (a loss's or
+layer's `call`, which Keras calls: `@tf.autograph.to_graph` above it,
+`autograph`), and `tf.constant` of a tensor (`tf.convert_to_tensor`,
+`constant_of_tensor`). Their copies replace them on their class (or module)
+while the copy is traced and checked, and are put back after.
 
 The copy that runs is then checked: from the same variables, on the run's
 own batch, the eager step and the patched one must give the same returned
-values and the same variables after (`SAME_RTOL`/`SAME_ATOL`); every
-variable, and the Python state of the step's arguments, is restored after
-each (the user's run is unchanged). `jit_compile=True` is tried on it: the
-op XLA refuses (a `tf.print`'s `StringFormat`) is named by the line that
-made it. `write_patch` writes the changes, with the `tf.function` wrapper,
-as a unified diff `patch -p1` applies from the folder diagnose ran in.
+values and the same variables after (`SAME_RTOL`/`SAME_ATOL`, else within a
+seeded trainer's own spread between runs, `SPREAD_RTOL`/`SPREAD_ATOL`: the
+result says which); every variable, and the Python state of the step's
+arguments, is restored after each (the user's run is unchanged).
+`jit_compile=True` is tried on it: the op XLA refuses (a `tf.print`'s
+`StringFormat`) is named by the line that made it. `write_patch` writes the
+changes, with the `tf.function` wrapper, as a unified diff `patch -p1` applies
+from the folder diagnose ran in.
 
-Only the step's own function is changed: a blocker in a function it calls is
-named, not changed.
+Any other blocker in a function the step calls is named, not changed.
 """
 
 import ast
@@ -58,12 +75,16 @@ __all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla
 
 #: Tolerance of "the same result" (graph and eager kernels reorder float sums).
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
+#: The looser tolerance a copy that `SAME_*` refuses is judged with: a seeded trainer's
+#: own spread between runs (MyXTTSModel's first-step loss: 2.2997-2.3040, 0.19%); a deep
+#: step's graph sums its many terms in another order than eager kernels do.
+SPREAD_RTOL, SPREAD_ATOL = 2e-3, 1e-4
 #: Traces tried at most before diagnose gives up changing the step.
 MAX_TRACES = 12
 _READ_METHODS = {"numpy", "item", "tolist"}
 _READ_BUILTINS = {"float", "int", "bool"}
-_LOOP_NAME = re.compile(r"'(\w+(?:\[[^\]]+\])?)' (?:must be defined|is not allowed to be None|has a None value|"
-                        r"does not have the same nested structure)")
+_LOOP_NAME = re.compile(r"'(\w+(?:\[[^\]]+\])?)' (?:must be defined|is not allowed to be "
+                        r"None|has a None value|does not have the same nested structure)")
 
 
 class CannotPatch(Exception):
@@ -212,7 +233,7 @@ class _Step:
         into the wrapper that calls the compiled step."""
         fn = self.tree()
         stmt = next((s for s in fn.body if s.lineno <= index <= s.end_lineno), None)
-        where, code = self.where(index), self.code(index)
+        where, code = self.where(index), self.original(index)
         if stmt is None:
             raise CannotPatch(where, code, "it changes Python state inside a block of the step "
                                            "(an if, a loop): diagnose cannot move it out")
@@ -258,7 +279,7 @@ class _Step:
                  and name in {ast.unparse(t) for m in ast.walk(n)
                               for t in getattr(m, "targets", [getattr(m, "target", None)])
                               if isinstance(t, (ast.Name, ast.Subscript))}]
-        where, code = self.where(index), self.code(index)
+        where, code = self.where(index), self.original(index)
         if not loops:
             raise CannotPatch(where, code, f"no loop here sets '{name}'")
         loop = max(loops, key=lambda n: n.lineno)  # the innermost
@@ -748,7 +769,7 @@ def _fix_error(step, made, exc, library, eager_locals, args=()):
             or "int()" in message or "OperatorNotAllowed" in message or "bool" in message):
         if step.remove_reads(index) or step.reduce_in_tf(index):
             return
-    raise CannotPatch(step.where(index), step.code(index), message)
+    raise CannotPatch(step.where(index), step.original(index), message)
 
 
 def _function_at(path, line, args):
@@ -935,7 +956,7 @@ def _eager_run(fn, args, kwargs):
     return result, seen
 
 
-def _same(eager, patched, before, after):
+def _same(eager, patched, before, after, rtol=SAME_RTOL, atol=SAME_ATOL):
     """Why the patched step's result differs from the eager one's, or None."""
     import numpy as np
 
@@ -943,11 +964,11 @@ def _same(eager, patched, before, after):
     if len(a) != len(b):
         return f"it returns {len(b)} values where the eager step returns {len(a)}"
     for i, (x, y) in enumerate(zip(a, b)):
-        if x.shape != y.shape or not np.allclose(x, y, rtol=SAME_RTOL, atol=SAME_ATOL):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
             return f"its returned value {i} differs ({x.ravel()[:3]} eager, {y.ravel()[:3]})"
     changed = 0
     for (v, x), y in zip(before, after):
-        if x.shape != y.shape or not np.allclose(x, y, rtol=SAME_RTOL, atol=SAME_ATOL):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
             changed += 1
             if changed == 1:
                 first = v.name
@@ -998,7 +1019,8 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
     Returns:
         A dict `runs` (whether the patched copy traced and ran), `changes` (each
         `kind`, `where`, `code`, `change`), `traces` (how many), and where it runs:
-        `same` (True, or the reason it differs: `differs`), `function` (the copy in
+        `same` (True, or the reason it differs: `differs`), `tolerance` (`rtol`, `atol`,
+        `why`: the tolerance it was the same within), `function` (the copy in
         `tf.function`) and `xla_function`, `xla_error`, `xla_op`, `xla_where`
         (None where XLA ran it), `first_call_s` (each way's trace, compile and first
         call, by `tf.function` / `tf.function(jit_compile=True)`), `step` (for
@@ -1052,7 +1074,7 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
             except Exception as exc:  # the next change the trace names
                 _fix_error(step, made, exc, library, eager_locals, (*args, *kwargs.values()))
         else:
-            raise CannotPatch(step.where(1), step.code(1),
+            raise CannotPatch(step.where(1), step.original(1),
                               f"still failing after {MAX_TRACES} traces")
         try:
             t0 = time.perf_counter()
@@ -1060,7 +1082,7 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
             first_call_s["tf.function"] += time.perf_counter() - t0
             patched_after = [v.numpy() for v, _ in state.values]
         except Exception as exc:
-            raise CannotPatch(step.where(1), step.code(1), _message(exc)) from exc
+            raise CannotPatch(step.where(1), step.original(1), _message(exc)) from exc
         finally:
             state.restore()
     except CannotPatch as exc:
@@ -1077,8 +1099,13 @@ def make_runnable(fn, args, kwargs=None, library=(), static=()):
     finally:
         state.restore()
         step.uninstall()
-    differs = _same(eager, patched, [(v, x) for (v, _), x in zip(state.values, eager_after)],
-                    patched_after)
+    before = [(v, x) for (v, _), x in zip(state.values, eager_after)]
+    for rtol, atol, why in ((SAME_RTOL, SAME_ATOL, "float sums in another order"),
+                            (SPREAD_RTOL, SPREAD_ATOL, "a seeded trainer's spread between runs")):
+        differs = _same(eager, patched, before, patched_after, rtol, atol)
+        if differs is None:
+            out["tolerance"] = {"rtol": rtol, "atol": atol, "why": why}
+            break
     out.update(runs=True, same=differs is None, differs=differs, function=function,
                step=step, xla_function=None, xla_error=None, xla_op=None, xla_where=None,
                first_call_s=first_call_s)
@@ -1279,11 +1306,17 @@ def input_patch(fixes, scan, folder, cwd=None):
 
 def attach_patches(fixes, fits, scan, folder, cwd=None):
     """Names each ranked fix's patch in it (`patch`): the eager step's (`compile_step`
-    wrote it) and the input's (`input_patch`, written here)."""
+    wrote it; the step's `def` then comes first in the fix's `where`: the line the
+    patch compiles, which the headline names) and the input's (`input_patch`, written
+    here)."""
     eager = next((f for f in fixes if f.get("verdict") == "eager_step"), None)
-    patch = next((f["compiled_step"].get("patch") for f in fits
-                  if (f.get("compiled_step") or {}).get("patch")), None)
-    if eager is not None and patch:
-        eager["patch"] = patch
+    compiled = next((f["compiled_step"] for f in fits
+                     if (f.get("compiled_step") or {}).get("patch")), None)
+    if eager is not None and compiled:
+        eager["patch"] = compiled["patch"]
+        at = re.search(r"\((\S+:\d+)\)$", compiled.get("function") or "")
+        if at:
+            eager["where"] = [f"{at.group(1)}: the step's def, which the patch compiles"] + [
+                w for w in eager.get("where") or () if not w.startswith(at.group(1) + ":")]
     if folder is not None:
         input_patch(fixes, scan, folder, cwd)

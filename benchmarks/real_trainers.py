@@ -205,6 +205,9 @@ def main(argv=None):
     parser.add_argument("--loop-steps", type=int, default=25, help="timed loop steps")
     parser.add_argument("--burner", action="store_true",
                         help="one CPU burner from diagnose's first rerun to its end")
+    parser.add_argument("--results", nargs="*", default=(), metavar="JSON",
+                        help="diagnose results already taken (`diagnose --json`'s last line "
+                             "in a file), used beside --runs new ones")
     add_out_argument(parser, "real_trainers")
     args = parser.parse_args(argv)
     if args.rounds < 3:
@@ -219,15 +222,24 @@ def main(argv=None):
     with open(timer, "w") as f:
         f.write(LOOP_TIMER)
     runs, patch = [], None
+    for path in args.results:
+        with open(path) as f:
+            result = json.loads(f.read().strip().splitlines()[-1])
+        result["bench_loads"] = {"from": path}
+        runs.append(result)
+        fix = next((f for f in result.get("fixes") or () if f.get("verdict") == "eager_step"),
+                   {})
+        patch = patch or fix.get("patch")
     for i in range(args.runs):
         result = diagnose(checkout, os.path.join(work, f"diagnose_{i}"), args.steps, stubs,
                           args.burner)
         fix = next((f for f in result.get("fixes") or () if f.get("verdict") == "eager_step"),
                    {})
-        print(f"diagnose {i + 1}: {result['verdict']}; predicted {predictions(result)}; patch "
-              f"{fix.get('patch')}; load {result['bench_loads']}", flush=True)
         runs.append(result)
         patch = patch or fix.get("patch")
+    for i, result in enumerate(runs):
+        print(f"diagnose {i + 1}: {result['verdict']}; predicted {predictions(result)}; "
+              f"load {result['bench_loads']}", flush=True)
     if patch is None:
         print("no run wrote step.patch: nothing to apply", flush=True)
         return 1

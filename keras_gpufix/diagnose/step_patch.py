@@ -374,7 +374,8 @@ class _Step:
                 changed.append(node.lineno)
         for row in sorted(set(changed)):
             self.note("static_shape", row, f"`{self.code(row)}`: the shape's number where the "
-                                           "trace knows it (a Python count, a Python loop)")
+                                           "trace knows it (a Python count, a Python loop)",
+                      code=self.original(row))
         return changed
 
     def conditional_assignment(self, index):
@@ -991,15 +992,21 @@ def _ops(graph, seen=None):
 
 def _op_where(graph, op_type, library, step, made):
     """`file:line` of the user's code that made the first `op_type` op (a copy's line
-    as the file's line)."""
+    as the file's line; code AutoGraph generated left out: its user's line is the
+    deepest one left)."""
     copy, offset = (step.copy_name, made.__kg_offset__) if made is not None else (None, 0)
+    callees = {c.copy_name: c for c in step.callees} if step is not None else {}
     for op in _ops(graph):
         if op.type != op_type:
             continue
-        frames = [f for f in op.traceback if not f.filename.startswith(library)]
+        frames = [f for f in op.traceback if not f.filename.startswith(library)
+                  and "__autograph_generated" not in f.filename]
         if not frames:
             return None
         f = frames[-1]
+        if f.filename in callees:
+            callee = callees[f.filename]
+            return callee.where(f.lineno - callee.function().__kg_offset__)
         return (step.where(f.lineno - offset) if copy and f.filename.startswith(copy)
                 else f"{f.filename}:{f.lineno}")
     return None

@@ -169,18 +169,26 @@ def _patched_losses(tmp_path, path, made, args):
     return (copy / "train.py").read_text(), got, want
 
 
-def test_zeros_and_keys_of_a_tensor_loop_come_from_what_is_bound_before_it(tmp_path):
-    path, module, args, made, changes = _made(tmp_path, TENSOR_LOOP)
-    # the zeros read `self.variables()` (what `current_vars` is set to in the loop, all
-    # its names bound before it), never `current_vars` itself (first set in the loop)
-    assert ("none_before_loop", _line(TENSOR_LOOP, "accumulated = None")) in changes
+@pytest.mark.parametrize("set_in_loop, zeros_of", [
+    # what `current_vars` is set to in the loop, all its names bound before it
+    ("current_vars = self.variables()", "self.variables()"),
+    # it reads a name set in the loop: the attribute holding the eager tape's variables
+    ("holder = self.model\n            current_vars = holder.trainable_variables",
+     "self.model.trainable_variables"),
+])
+def test_zeros_and_keys_of_a_tensor_loop_come_from_what_is_bound_before_it(
+        tmp_path, set_in_loop, zeros_of):
+    source = TENSOR_LOOP.replace("current_vars = self.variables()", set_in_loop)
+    path, module, args, made, changes = _made(tmp_path, source)
+    # never `current_vars` itself (first set in the loop: UnboundLocalError before it)
+    assert ("none_before_loop", _line(source, "accumulated = None")) in changes
     zeros = next(c for c in made["changes"] if c["code"] == "accumulated = None")
-    assert "tf.zeros_like(v) for v in self.variables()" in zeros["change"]
+    assert f"tf.zeros_like(v) for v in {zeros_of})" in zeros["change"]
     # the dict's key that appears in the loop is set before it
     key = next(c for c in made["changes"] if "totals['loss'] = " in c["change"])
-    assert key["where"].endswith(f":{_line(TENSOR_LOOP, 'for step in range(')}")
+    assert key["where"].endswith(f":{_line(source, 'for step in range(')}")
     text, got, want = _patched_losses(tmp_path, path, made, args)
-    assert "for v in self.variables())" in text and "current_vars = self.variables()" in text
+    assert f"for v in {zeros_of})" in text and set_in_loop in text
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
 
 

@@ -461,7 +461,7 @@ class _Step:
             found = _Step(fn)
             found.owner, found.attr = owner, attr
             found.changes = self.changes  # one list: the step's and its callees' changes
-            found.original = vars(owner)[attr]
+            found.saved = vars(owner)[attr]  # put back by `uninstall`
             self.callees.append(found)
         return found
 
@@ -472,7 +472,7 @@ class _Step:
 
     def uninstall(self):
         for c in self.callees:
-            setattr(c.owner, c.attr, c.original)
+            setattr(c.owner, c.attr, c.saved)
 
     def convert(self):
         """Makes a callee that AutoGraph does not reach (called through Keras: a loss's or
@@ -549,8 +549,8 @@ def _bound_before(fn, loop):
     args = fn.args
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
                               args.kwarg) if a is not None}
-    set_anywhere = {t.id for n in ast.walk(fn) if isinstance(n, ast.Name)
-                    and isinstance(n.ctx, ast.Store) for t in [n]}
+    set_anywhere = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Store)}
     before = {n.id for s in ast.walk(fn) if isinstance(s, ast.stmt) and s is not fn
               and s.end_lineno < loop.lineno for n in ast.walk(s)
               if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}

@@ -16,9 +16,7 @@ computes what the eager step computes, and its patch applies with `patch -p1`.
 import importlib.util
 import shutil
 import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -220,8 +218,6 @@ def test_functions_a_keras_loss_calls_are_changed_in_the_same_patch(tmp_path):
     assert "tf.convert_to_tensor(fallback, dtype=tf.float32)" in text
     assert "    @tf.function\n    def train_step(self, x, y):" in text
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
-    np.testing.assert_allclose(
-        [v.numpy() for v in module.model.trainable_variables][0].shape, (8, 4))
 
 
 def test_the_headline_names_the_steps_def_that_the_patch_compiles():

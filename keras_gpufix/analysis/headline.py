@@ -62,8 +62,8 @@ HEADLINE_FIXES = {
     "eager_step": "compile the step{at} (tf.function, then try jit_compile=True)",
     # where diagnose made the step run compiled and checked it: its patch, which holds
     # jit_compile=True only where XLA ran it (a tf.print in the step: tf.function alone)
-    "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}` (diagnose traced it, "
-                        "checked it and ran the script with it)",
+    "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}` (diagnose traced, "
+                        "checked and ran it)",
     "recompiling": "bound the input shapes (length buckets, or padding to a multiple)",
     "dispatch_bound": "run several steps per call (steps_per_execution) or larger batches",
     "sync_callbacks": "set `async_safe = True` on the batch-end callbacks that block",
@@ -104,16 +104,21 @@ def gain_words(fix: dict) -> str:
     return f"{'the whole run' if whole else 'the steps'} {speedup:.2f}x faster"
 
 
+def _near(path: str) -> str:
+    """`path` as the user would type it from here: relative below the current folder."""
+    try:
+        near = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if near.startswith("..") else near
+
+
 def _line_of(where) -> "str | None":
     """`file:line` of a fix's first location (`file:line: why`), or None."""
     for w in where or ():
         file, _, line = w.split(": ", 1)[0].rpartition(":")
         if file and line.isdigit():
-            try:
-                near = os.path.relpath(file)  # as the user would type it, from here
-            except ValueError:  # another drive
-                near = file
-            return f"{file if near.startswith('..') else near}:{line}"
+            return f"{_near(file)}:{line}"
     return None
 
 
@@ -157,7 +162,7 @@ def _fix_line(fix, causes) -> str:
     at = f" at {where}" if where else ""
     template = HEADLINE_FIXES.get(key)
     sentence = fix.get("fix") or "" if template is None else template.format(
-        op=op, at=at, patch=fix.get("patch"),
+        op=op, at=at, patch=fix.get("patch") and _near(fix["patch"]),
         period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
     gain = (f"every later run {later:.2f}x faster (this run {speedup or 1.0:.2f}x: it fills "
             "the file)" if on_disk else gain_words(fix))

@@ -386,12 +386,12 @@ BLOCKED_STEP_FIX = (
 STEP_PATCH_NOTES = {
     "applied": (
         "; diagnose ran it so: {changed}checked on the run's batch to give the eager step's "
-        "returns and updated weights (from the same weights, restored after); "
+        "returns and updated weights{within} (from the same weights, restored after); "
         "`patch -p1 < {patch}` from the folder diagnose ran in applies {what}"
     ),
     "no_patch": (
         "; diagnose ran it so: {changed}checked on the run's batch to give the eager step's "
-        "returns and updated weights; no patch file was written ({reason})"
+        "returns and updated weights{within}; no patch file was written ({reason})"
     ),
     "stopped": (
         "; diagnose made {count} change{s} in a copy of the step and traced it {traces} "
@@ -868,10 +868,12 @@ def step_patch_note(compiled: dict) -> str:
                else "as written in tf.function; ")
     what = ("the changes and the wrapper" if count else "the wrapper") + (
         " (jit_compile=True)" if compiled.get("best") == "tf.function(jit_compile=True)" else "")
+    tolerance = compiled.get("tolerance")
+    within = (f" within rtol {tolerance['rtol']:g} ({tolerance['why']})" if tolerance else "")
     if compiled.get("patch"):
         return STEP_PATCH_NOTES["applied"].format(changed=changed, patch=compiled["patch"],
-                                                  what=what)
-    return STEP_PATCH_NOTES["no_patch"].format(changed=changed,
+                                                  what=what, within=within)
+    return STEP_PATCH_NOTES["no_patch"].format(changed=changed, within=within,
                                                reason=compiled.get("patch_reason") or "?")
 
 

@@ -49,8 +49,9 @@ asks to train again (a batch of a dataset it trained on: the next epoch of
 `while True: train_epoch()`; a train step call; a `fit`) the script ends
 there (`StepsEnded`), as a finished run does, before an epoch that yields
 nothing reaches the code after its loop. A loop that calls `next()` itself
-gets the `StopIteration`: diagnose ends the script there, cleanly
-(`run_diagnosis` says where). Iteration inside
+gets `StepsEnded` there too, a BaseException: an `except Exception` around
+the call (a trainer's "Training failed" handler) does not take it for a
+failure (`run_diagnosis` says where). Iteration inside
 `fit`, `evaluate` or `predict`, inside a `tf.function`, or inside the body
 of a loop over another live iterator (a step that iterates its
 micro-batches: `LoopPatch.nested`) is left alone.
@@ -58,6 +59,7 @@ When no step was seen, `LoopPatch.seen()` lists what was: the iterables
 the script iterated and the tf.functions it called.
 """
 
+import dis
 import functools
 import inspect
 import os
@@ -88,10 +90,17 @@ class StepsEnded(BaseException):
     `finally` and `with` clean-up run on the way out. A BaseException, so the
     script's `except Exception` does not take it; `run_diagnosis` does."""
 
-    def __init__(self, steps, asked):
+    def __init__(self, steps, asked, own_next=False):
         super().__init__(f"--steps {steps} reached; the script asked for {asked}")
         self.steps = steps
         self.asked = asked
+        self.own_next = own_next  # raised in the loop's own next() call
+
+
+def _for_loop(frame):
+    """Whether `frame` asks for the next item in a `for` loop (directly, or through
+    `zip`/`enumerate`), not in a call such as `next(it)`."""
+    return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "FOR_ITER"
 
 
 def _library_prefixes():
@@ -388,6 +397,9 @@ class _WatchedIterator:
         except StopIteration:
             self.epoch = self.consumer = None
             if patch.stopped:
+                if not _for_loop(sys._getframe(1)):  # past its `except Exception`
+                    raise StepsEnded(patch.steps, "a batch in its own next() call",
+                                     own_next=True) from None
                 raise StepsReached(patch.steps) from None
             raise
         if self.dataset is loop.dataset:

@@ -605,9 +605,9 @@ def _user_frames(exc):
 def _stopped(steps, steps_done, exc):
     """The report's `stopped`: how `--steps` ended the run (None when it was not
     reached). `exc`: the `StepsEnded` that ended the script where it asked to
-    train again, the `StepsReached` of a loop that called `next()` itself (or
-    the RuntimeError a generator made of it), or None: the script ran on to its
-    own end."""
+    train again or in its loop's own `next()` call (`own_next`), the
+    `StepsReached` a generator made a RuntimeError of, or None: the script ran
+    on to its own end."""
     if steps is None or (exc is None and steps_done < steps):
         return None
     steps_done = max(steps_done, steps)  # a kg.watch loop's steps are its own
@@ -615,7 +615,12 @@ def _stopped(steps, steps_done, exc):
     where = f"{user[-1].filename}:{user[-1].lineno}" if user else None
     at = f" at {where}" if where else ""
     text = f"stopped by --steps after {steps_done} steps"
-    if isinstance(exc, StepsEnded):
+    if isinstance(exc, StepsEnded) and exc.own_next:
+        how = "own_next"
+        text += (f"; its loop calls next() itself{at}: diagnose ended the script there "
+                 "(exit 0), past the script's `except Exception` handlers (a `for` loop over "
+                 "the dataset would have ended cleanly and the script run on)")
+    elif isinstance(exc, StepsEnded):
         how = "asked_again"
         text += (f"; the script then asked for {exc.asked}{at} and ended there, as a "
                  "finished run ends (exit 0)")

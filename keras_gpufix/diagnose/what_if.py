@@ -360,6 +360,7 @@ def compile_step(fn, args, kwargs=None, library=(), seconds=SECONDS / 3, log_dir
         return {**out, "reason": f"the changed step computes a different result: "
                                  f"{made['differs']}", "differs": made["differs"]}
     out.pop("reason", None)
+    out["tolerance"] = made.get("tolerance")  # what "the same result" was judged within
     plain, xla = made["function"], made["xla_function"]
     for key in ("xla_error", "xla_op", "xla_where"):
         out[key] = made[key]

@@ -204,18 +204,18 @@ def _summary(case, runs):
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import add_out_argument, write_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", nargs=4, metavar=("CASE", "LOOP", "BLOCKS", "WORK"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "straggler.json"), metavar="PATH")
+    add_out_argument(parser, "straggler")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _results import write_results
 
     blocks = 2 * args.repeats + 1  # clean, planted, clean, ...: each planted between two
     runs, figures = {}, {}

@@ -8,10 +8,12 @@ from keras_gpufix.callbacks._job import JOB_FOLDER, cluster_task, gather_job
 
 
 def _summary(step_ms=10.0, wait_ms=0.0, steps=20):
+    """A monitor's report with its `step_time` (the `StepLog.summary()`) only."""
     cycle = (step_ms + wait_ms) / 1e3
-    return {"count": steps, "total_s": steps * cycle, "samples_per_s": 8 / cycle,
-            "phases": {"input_wait": wait_ms / 1e3 / cycle, "step": step_ms / 1e3 / cycle,
-                       "between": 0.0}}
+    return {"step_time": {
+        "count": steps, "total_s": steps * cycle, "samples_per_s": 8 / cycle,
+        "phases": {"input_wait": wait_ms / 1e3 / cycle, "step": step_ms / 1e3 / cycle,
+                   "between": 0.0}}}
 
 
 def _model(spec, task_type, task_id):

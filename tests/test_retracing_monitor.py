@@ -89,26 +89,31 @@ def test_the_same_data_in_three_buckets_stays_quiet():
     assert report["verdict"] == "healthy" and report["fix"] == "nothing to fix"
 
 
-def test_without_instrumentation_traces_are_counted_and_the_gap_is_said_once(capsys):
+def test_without_instrumentation_traces_are_counted_and_the_shapes_seen(capsys):
+    # A plain dataset's shapes come from the probe the monitors append to fit's
+    # dataset (issue 55): no gap to note, even without XLA.
     ds = batched([6, 10, 14, 18, 22, 26], pad_to_bucket_boundary=False)
     monitor = kg.RetracingMonitor(max_new_shapes=2)
     model = seq_model(jit_compile=False)
     model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])
     report = monitor.report()
-    assert report["shapes"] == [] and report["new_shapes"] == 0
+    lengths = sorted({int(x.shape[1]) for x, _ in ds})  # the batches' padded lengths
+    assert sorted(s[0][1] for s in report["shapes"]) == lengths and len(lengths) >= 6
     # multi_step 1 + one_step 2 (Keras relaxes the length to None, and that graph
     # serves every later length), all at the first step: the first compile
     assert report["trace_count"] == 3
     first, *later = [e for e in report["shape_events"] if e["traces"]]
     assert first["first_compile"] and first["traces"] == 3 and later == []
-    assert report["verdict"] == "healthy"
-    assert any("kg.data.instrument" in n for n in report["notes"])
+    assert report["verdict"] == "healthy"  # without XLA a new shape compiles nothing
+    assert not any("not visible" in n for n in report["notes"])
     model.fit(ds, epochs=1, verbose=0, callbacks=[monitor])  # already traced: quiet
     assert monitor.report()["trace_count"] == 0
     assert monitor.report()["compile_ms"] == 0.0 and monitor.report()["recompile_ms"] == 0.0
     out = capsys.readouterr().out
-    assert out.count("input shapes are not visible") <= 1  # once a process, at most
-    assert out.count("-> healthy") == 2
+    assert out.count("input shapes are not visible") == 0
+    # two end lines, neither recompiling (the second fit's input, now measured, may
+    # read input_bound beside this tiny step)
+    assert out.count("RetracingMonitor: ") == 2 and "-> recompiling" not in out
 
 
 def test_validation_batches_are_not_mistaken_for_training_shapes():

@@ -36,7 +36,8 @@ class RunFacts(NamedTuple):
         input_in: the phase that holds the input's time where its wait is
             not measured: `step` (`fit` takes each batch inside its train
             function), `between` (a loop that calls the hooks itself takes
-            its batch between them), or None (not known).
+            its batch between them), or None (not known, or a custom-loop
+            wrapper times the input itself: `kg.watch`).
     """
 
     jit: Optional[bool] = None

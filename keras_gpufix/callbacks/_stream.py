@@ -231,6 +231,8 @@ class StepStream:
                 wait and the rest of `next()` counts in the step, as the
                 all-reduce's wait does in `fit`. Defaults to False.
         """
+        if self.facts.input_in is not None:  # the wrapper times the input itself
+            self.tell(input_in=None)
         self._inputs.supply(input_wait, samples=samples, shape=shape, split=split,
                             collective=collective)
 

@@ -70,7 +70,7 @@ def cpu_contention(start: dict, end: dict) -> "dict | None":
 def contention_text(contention, verdict=None) -> "str | None":
     """The sentence a contended run's report says, or None when it was not contended:
     `other processes used 60% of the CPU during the run (load 3.1 on 2 CPUs); the input
-    pipeline competes with them`."""
+    pipeline competes with them: a quiet run can differ`."""
     if not contention or not contention.get("contended"):
         return None
     others, waited = contention.get("others_share"), contention.get("waited_share")
@@ -80,6 +80,7 @@ def contention_text(contention, verdict=None) -> "str | None":
     if load is not None and contention.get("cpus"):
         words += f" (load {load:.1f} on {contention['cpus']} CPUs)"
     if waited is not None and waited >= CONTENTION_WAIT:
-        words += f", and its threads waited {waited:.1f} s for a CPU per second of the run"
+        words += f"; its threads waited {waited:.1f} s for a CPU per second"
+    # at most 185 characters: the headline's load line stays under 200
     return (f"{words}; {_COMPETES.get(verdict, 'the steps and the input compete with them')}"
-            ", so a quiet run's figures and verdict can differ")
+            ": a quiet run can differ")

@@ -165,6 +165,9 @@ def test_a_run_the_load_starved_of_the_cpu_is_corrected_by_its_cpu_time_or_incon
     assert flat["word"] == "inconclusive" and flat["load"]["explains"]
     # the same shares with other processes' as before: the fix's own doing, as measured
     assert compare_runs(*_starved_pair(0.30, 0.52, others_after=0.85))["load"] is None
+    # a run that mostly waits (0.05 of a CPU: sleeps, I/O) was not starved of the CPU
+    waiting = compare_runs(*_starved_pair(0.05, 0.08))
+    assert waiting["word"] == "improvement" and not (waiting["load"] or {}).get("starved")
 
 
 def test_compare_keeps_its_word_where_the_load_cannot_explain_it():

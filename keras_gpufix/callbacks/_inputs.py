@@ -295,21 +295,19 @@ def _instrument_fit_dataset(iterator):
     from keras_gpufix.data.input_probe import instrument, instrumented
 
     def probed(dataset):
-        try:
-            return _PROBED[dataset]
-        except (KeyError, TypeError):  # TypeError: not weakly referable
-            pass
+        last = _PROBED[0]
+        if last is not None and last[0]() is dataset:
+            return last[1]
         out = None if instrumented(dataset) else instrument(dataset)
-        try:
-            _PROBED[dataset] = out
-        except TypeError:
-            pass
+        _PROBED[0] = (weakref.ref(dataset), out)
         return out
 
     return instrument_fit_dataset(iterator, probed)
 
 
-# The user's dataset -> its instrumented copy (None: it had a probe), so a
-# script that calls `fit` once an epoch on one dataset makes one probe, not
-# one a call (its tables and the traced `map`: ~0.1-0.2 s on a loaded 2-core host).
-_PROBED = weakref.WeakKeyDictionary()
+# The last user dataset probed (weakly) and its instrumented copy (None: it had a
+# probe), so a script that calls `fit` once an epoch on one dataset makes one probe,
+# not one a call (its tables and the traced `map`: ~0.1-0.2 s on a loaded 2-core
+# host). One slot: the copy holds the user's dataset (its input), so a map keyed by
+# dataset would keep every dataset ever fitted (arrays make a new one each fit).
+_PROBED = [None]

@@ -10,9 +10,9 @@ project script reused), each run under `GPUOscillationMonitor(log_dir=...)`, whi
 leaves its run record:
 - `eager`: a custom loop whose GradientTape step (1024-wide layers, batches of
   512) runs eagerly / the step in tf.function;
-- `plot`: a tf.function step and NumPy host work (a "plot": ten 150x150 matrix
-  products) every 5 steps / no plot; `plot_small`: three products on one BLAS
-  thread (a gain of about 1.3x, where a moving load can turn the answer over);
+- `plot`: a tf.function step and NumPy host work (a "plot": ten 300x300 matrix
+  products on one BLAS thread) every 5 steps / no plot; `plot_small`: one such
+  product (a gain of about 1.2x, where a moving load can turn the answer over);
 - `map`: `fit` over a `tf.py_function` map doing NumPy work per element / the
   features computed once (a feature cache).
 
@@ -111,13 +111,13 @@ EAGER_BODY = textwrap.dedent('''\
 
 PLOT_BODY = textwrap.dedent('''\
     step = tf.function(train_step)
-    a = np.random.default_rng(1).random((150, 150))
+    a = np.random.default_rng(1).random(({n}, {n}))
     with batches(data.take(steps)) as watched:
         for i, (x, y) in enumerate(watched):
             loss = step(x, y)
             if i % 5 == 4 and not FIXED:
                 for _ in range({reps}):
-                    a = np.tanh(a @ a.T / 150.0)
+                    b = np.tanh(a @ a.T / {n}.0)
             steady(i)
     print(json.dumps({"steady_ms": steady(None)}))
     ''')
@@ -160,12 +160,14 @@ MAP = textwrap.dedent('''\
 # between two runs can turn the answer over
 SCRIPTS = {"eager": (LOOP, {"body": EAGER_BODY, "width": "1024", "batch": "512",
                            "blas": "2"}),
+           # the "plot": products of one matrix (a new result each time: a product fed
+           # back into the next decays to zeros, and their cost with it), on one BLAS
+           # thread (threads spinning after it slow the steps by an amount the load moves)
            "plot": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "10",
-                          "blas": "2"}),
-           # a small plot, its matrix products on one thread (no BLAS threads spinning
-           # after it, which slowed every step in `plot`): about 1.3x
-           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "3",
-                                "blas": "1"}),
+                          "n": "300", "blas": "1"}),
+           # a small plot: about 1.3x
+           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "1",
+                                "n": "300", "blas": "1"}),
            "map": (MAP, {})}
 
 

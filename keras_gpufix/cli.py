@@ -26,7 +26,7 @@ import json
 import sys
 import time
 
-from keras_gpufix import __version__, data_service
+from keras_gpufix import __version__, data_service, script_env
 from keras_gpufix.backends import name as backend_name
 from keras_gpufix.backends import tensorflow_missing
 from keras_gpufix.output import import_tensorflow_quietly
@@ -219,11 +219,17 @@ def _validate(args, sub):
 
 
 def _diagnose(args, sub):
-    from keras_gpufix.diagnose import format_report, run_diagnosis
-
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         sub.error("the script to run is required: keras-gpufix diagnose -- python train.py ARGS")
+    try:
+        kind, script, _ = script_env.resolve(cmd)
+    except ValueError as exc:
+        sub.error(str(exc))
+    if kind == "script":  # before NumPy: the BLAS threads, backend and flags it sets
+        script_env.apply(script)
+    from keras_gpufix.diagnose import format_report, run_diagnosis
+
     try:
         result = run_diagnosis(cmd, steps=args.steps, log_dir=args.log_dir,
                                trace=True if args.trace else False if args.no_trace else "auto",

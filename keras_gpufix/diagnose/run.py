@@ -3,11 +3,9 @@
 import contextlib
 import functools
 import gc
-import importlib.util
 import math
 import os
 import platform
-import re
 import runpy
 import signal
 import sys
@@ -18,7 +16,7 @@ import time
 import traceback
 import warnings
 
-from keras_gpufix import __version__
+from keras_gpufix import __version__, script_env
 from keras_gpufix.analysis import (MONITOR_WARMUP, OWN_ITEMS, is_cause, main_what_if, own_cost,
                                    stages_needed, trace_plan, trace_question, traced_extra_s)
 from keras_gpufix.analysis.what_if import what_if_budget
@@ -565,33 +563,6 @@ _QUIET_NOTE = ("TensorFlow's own log lines were hidden (TF_CPP_MIN_LOG_LEVEL=2);
                "to see them: TF_CPP_MIN_LOG_LEVEL=0 keras-gpufix diagnose ...")
 
 
-def _resolve(command):
-    """(kind, target, argv) for `python train.py ARGS`, `train.py ARGS`, `-m mod ARGS`
-    or `-c CODE ARGS` (target: the code)."""
-    command = list(command)
-    if command and os.path.basename(command[0]).startswith("python") and (
-            len(command) == 1 or not command[0].endswith(".py")):
-        command = command[1:]
-    if not command:
-        raise ValueError("no script given: use `keras-gpufix diagnose -- python train.py ARGS`")
-    if command[0] == "-c":
-        if len(command) < 2:
-            raise ValueError("`-c` needs the code to run: keras-gpufix diagnose -- python -c "
-                             "'CODE'")
-        return "code", command[1], ["-c", *command[2:]]
-    if command[0] == "-m":
-        if len(command) < 2:
-            raise ValueError("`-m` needs a module name")
-        spec = importlib.util.find_spec(command[1])
-        if spec is None or spec.origin is None:
-            raise ValueError(f"no module named {command[1]!r}")
-        return "module", command[1], [spec.origin, *command[2:]]
-    if not os.path.isfile(command[0]):
-        raise ValueError(f"script not found: {command[0]} (diagnose runs a script file, "
-                         "`-m module` or `-c CODE`)")
-    return "script", os.path.abspath(command[0]), command
-
-
 def _user_frames(exc):
     """The traceback frames of `exc` outside keras_gpufix and runpy (the script's and
     the libraries' it called)."""
@@ -707,26 +678,6 @@ def _ended_by(exc, steps_seen, what_if_stopped=None):
             "steps_seen": steps_seen, "during": "script",
             "text": f"{type(exc).__name__}" + (f": {lines[0]}" if lines else "")
                     + (" ..." if len(lines) > 1 else "") + f"{where} {steps}"}
-
-
-_SETS_BACKEND = re.compile(r"""os\.environ(?:\[\s*["']KERAS_BACKEND["']\s*\]\s*=|"""
-                           r"""\.(setdefault)\(\s*["']KERAS_BACKEND["']\s*,)\s*["'](\w+)["']""")
-
-
-def _apply_script_backend(script):
-    """A script that picks its Keras backend itself (`os.environ["KERAS_BACKEND"] = "jax"`
-    or `os.environ.setdefault(...)` before `import keras`) gets it: diagnose imports Keras
-    before the script runs."""
-    try:
-        with open(script, encoding="utf-8") as f:
-            found = _SETS_BACKEND.search(f.read())
-    except (OSError, UnicodeDecodeError):
-        return
-    if found and "keras" not in sys.modules:
-        if found.group(1):
-            os.environ.setdefault("KERAS_BACKEND", found.group(2))
-        else:
-            os.environ["KERAS_BACKEND"] = found.group(2)
 
 
 def _process_age():
@@ -846,7 +797,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
     if rounds is not None and rounds < 1:
         raise ValueError(f"`rounds` must be >= 1. Received: rounds={rounds}")
     t_in, age = time.perf_counter(), _process_age()
-    kind, target, argv = _resolve(command)
+    kind, target, argv = script_env.resolve(command)
     log_dir = log_dir or tempfile.mkdtemp(prefix="keras_gpufix_diagnose_")
     notes = []
     if kind == "code":  # saved as a file: tracebacks and the scan name its lines
@@ -865,7 +816,7 @@ def run_diagnosis(command, steps=None, log_dir=None, trace="auto", what_if=True,
         sys.path.insert(0, os.getcwd() if kind == "code" else os.path.dirname(target))
     exit_code = 0
     ended = stop = None
-    _apply_script_backend(script)
+    script_env.apply(script)  # the CLI did it before NumPy; an API caller gets it here
     # TensorFlow's log lines would bury the report; no TensorFlow on another backend
     t0 = time.perf_counter()
     quiet = _framework_import()

@@ -130,11 +130,14 @@ def diagnose(checkout, log_dir, steps, stubs, burner):
 
 def predictions(result):
     """{fix name: predicted speedup} of one diagnose result: the eager step's patch,
-    the periodic stall's skipped line, both together."""
+    the stall's skipped line (periodic or not: the line diagnose ran without), both
+    together."""
     out = {}
     for fix in result.get("fixes") or ():
-        gain = (fix.get("predicted") or {}).get("speedup")
-        name = {"eager_step": "patched", "periodic_stall": "plot_fixed"}.get(fix.get("verdict"))
+        predicted = fix.get("predicted") or {}
+        gain = predicted.get("speedup")
+        name = ("patched" if fix.get("verdict") == "eager_step"
+                else "plot_fixed" if predicted.get("source") == "skipped-run" else None)
         if name and gain:
             out[name] = gain
     together = (result.get("together") or {}).get("speedup")

@@ -437,3 +437,30 @@ def test_a_step_that_traces_but_cannot_be_changed_is_timed_as_written(tmp_path):
     fix = compiled_step_fix(compiled)
     assert f"first move the Python state it changes out of it ({path}:{line}" in fix
     assert trainer.weight.numpy() == 1.0  # restored
+
+
+def test_a_cache_that_pays_only_from_the_next_run_is_written_on_disk(tmp_path, monkeypatch):
+    # one pass over the data: a cache in memory serves nothing in this run (1.00x), one
+    # on disk serves every later run; the patch caches on disk and says so
+    path = tmp_path / "pipeline.py"
+    path.write_text(PIPELINE)
+    line = _line(str(path), "from_tensor_slices(np.arange")
+    fixes = [{"verdict": "input_bound", "fix": "the fix",
+              "stage": {"kind": "python", "where": f"{path}:{line}"},
+              "predicted": {"speedup": 1.0, "whole_run": True, "speedup_later_runs": 1.6}}]
+    from keras_gpufix.diagnose.step_patch import input_patch
+
+    out = input_patch(fixes, [], str(tmp_path / "logs"), cwd=str(tmp_path))
+    assert "the first run writes it" in fixes[0]["fix"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(path, copy / "pipeline.py")
+    subprocess.run(["patch", "-p1", "-i", out], cwd=copy, check=True, capture_output=True)
+    name = f"pipeline_{line}.tfcache"
+    assert f"tf.float32)).cache({name!r})" in (copy / "pipeline.py").read_text()
+    import runpy
+
+    monkeypatch.chdir(copy)
+    runs = [runpy.run_path(str(copy / "pipeline.py")) for _ in range(2)]  # writes, then reads
+    assert [r["TOTAL"] for r in runs] == [56.0, 56.0]
+    assert (copy / f"{name}.index").exists()

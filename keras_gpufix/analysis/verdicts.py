@@ -440,6 +440,12 @@ INPUT_PATCH_NOTE = (
     "; `patch -p1 < {patch}` from the folder diagnose ran in makes the edit ({edits})"
 )
 
+#: Where the patch caches on disk (`analysis.on_disk_cache`).
+ON_DISK_NOTE = (
+    " (the cache on disk: the first run writes it, every later run reads it; delete its "
+    "files when the data or the work before it changes)"
+)
+
 #: A change of diagnose's patch, listed under the `eager_step` fix.
 STEP_CHANGE = "{where}: `{code}` -> {change}"
 

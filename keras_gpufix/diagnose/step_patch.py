@@ -68,7 +68,8 @@ import traceback
 import types
 import weakref
 
-from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE
+from keras_gpufix.analysis.stages import on_disk_cache
+from keras_gpufix.analysis.verdicts import INPUT_PATCH_NOTE, ON_DISK_NOTE
 
 __all__ = ["make_runnable", "write_patch", "input_patch", "attach_patches", "xla_refusal",
            "saved_state", "SAME_RTOL", "SAME_ATOL"]
@@ -1208,15 +1209,17 @@ def _repeats(call):
     return out
 
 
-def _cache_edits(call, lines):
-    """The edits that cache `call`'s output: `.cache()` after it; where the call is
+def _cache_edits(call, lines, filename=None):
+    """The edits that cache `call`'s output: `.cache()` after it (`.cache(filename)`:
+    on disk, where a cache pays only from the script's next run); where the call is
     made on `.repeat(...)` (on one line), that repeat moved after the cache (a cache
     after a repeat never fills: it never serves and holds every element it saw);
     none where a repeat is further up the chain (moving it past the calls between
     could change the data)."""
+    cache = f".cache({filename!r})" if filename else ".cache()"
     repeats = _repeats(call)
     if not repeats:
-        return [(call.end_lineno, call.end_col_offset, call.end_col_offset, ".cache()")]
+        return [(call.end_lineno, call.end_col_offset, call.end_col_offset, cache)]
     repeat = repeats[0]
     start = repeat.func.value
     if len(repeats) > 1 or repeat is not call.func.value or (
@@ -1224,20 +1227,21 @@ def _cache_edits(call, lines):
         return []
     text = lines[repeat.end_lineno - 1][start.end_col_offset:repeat.end_col_offset]
     return [(repeat.end_lineno, start.end_col_offset, repeat.end_col_offset, ""),
-            (call.end_lineno, call.end_col_offset, call.end_col_offset, ".cache()" + text)]
+            (call.end_lineno, call.end_col_offset, call.end_col_offset, cache + text)]
 
 
-def _input_edits(tree, lines, stage, prefetch_lines, tf_name):
+def _input_edits(tree, lines, stage, prefetch_lines, tf_name, filename=None):
     """(line, start column, end column, text) edits of one file: `.cache()` after the
-    slow stage's call (`_cache_edits`), or `num_parallel_calls=AUTOTUNE` on it;
-    `.prefetch(AUTOTUNE)` at the end of each statement a scan named for no prefetch."""
+    slow stage's call (`_cache_edits`; on disk at `filename` where given), or
+    `num_parallel_calls=AUTOTUNE` on it; `.prefetch(AUTOTUNE)` at the end of each
+    statement a scan named for no prefetch."""
     edits = []
     autotune = f"{tf_name}.data.AUTOTUNE"
     if stage is not None:
         kind, line = stage
         call = _map_call(tree, line)
         if call is not None and kind in ("python", "cache", "source"):
-            edits += _cache_edits(call, lines)
+            edits += _cache_edits(call, lines, filename)
         elif call is not None and kind == "parallel":
             keyword = next((k for k in call.keywords if k.arg == "num_parallel_calls"), None)
             if keyword is not None:
@@ -1260,15 +1264,19 @@ def input_patch(fixes, scan, folder, cwd=None):
     """Writes the `input_bound` fix that is an edit at a named line as `input.patch`
     in `folder` (a unified diff `patch -p1` applies from `cwd`): `.cache()` after the
     measured slow stage (Python work, a slow map even in parallel, a slow source; the
-    `.repeat()` it is made on moved after the cache, none where a repeat is further up),
-    `num_parallel_calls=tf.data.AUTOTUNE` on a map run one element at a time, and
-    `.prefetch(tf.data.AUTOTUNE)` where the scan found none. Sets the fix's `patch`
-    (its path) and returns it; None where no edit applies (a fix only the user can
-    choose, such as how often to plot, names its line and has no patch)."""
+    `.repeat()` it is made on moved after the cache, none where a repeat is further up;
+    on disk, `.cache("<script>_<line>.tfcache")` in the folder the script runs in, where
+    a cache in memory gains nothing in the script's run and a cache on disk gains in
+    each later run: `analysis.on_disk_cache`), `num_parallel_calls=tf.data.AUTOTUNE`
+    on a map run one element at a time, and `.prefetch(tf.data.AUTOTUNE)` where the
+    scan found none. Sets the fix's `patch` (its path) and returns it; None where no
+    edit applies (a fix only the user can choose, such as how often to plot, names its
+    line and has no patch)."""
     fix = next((f for f in fixes if f.get("verdict") == "input_bound"), None)
     if fix is None:
         return None
     cwd = os.path.abspath(cwd or os.getcwd())
+    on_disk = on_disk_cache(fix.get("predicted") or {})
     by_file = {}
     stage = fix.get("stage") or {}
     if stage.get("where") and stage.get("kind"):
@@ -1292,8 +1300,10 @@ def input_patch(fixes, scan, folder, cwd=None):
             continue
         old = text.splitlines(True)
         new = list(old)
-        for line, start, end, insert in sorted(
-                _input_edits(tree, old, stage_at, prefetch_lines, _tf_name(tree)), reverse=True):
+        filename = (f"{os.path.splitext(os.path.basename(path))[0]}_{stage_at[1]}.tfcache"
+                    if on_disk and stage_at else None)
+        for line, start, end, insert in sorted(_input_edits(
+                tree, old, stage_at, prefetch_lines, _tf_name(tree), filename), reverse=True):
             row = new[line - 1]
             new[line - 1] = row[:start] + insert + row[end:]
         if new != old:
@@ -1308,6 +1318,8 @@ def input_patch(fixes, scan, folder, cwd=None):
              line.startswith("+++")]
     fix["patch"] = out
     fix["fix"] += INPUT_PATCH_NOTE.format(patch=out, edits="; ".join(f"`{e}`" for e in edits))
+    if on_disk:
+        fix["fix"] += ON_DISK_NOTE
     return out
 
 

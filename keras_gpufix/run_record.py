@@ -130,7 +130,7 @@ class RunRecord:
                   "known": f["predicted"].get("known"),
                   "settle_steps": f["predicted"].get("settle_steps"),
                   "source": f["predicted"].get("source"), "text": f["predicted"].get("text"),
-                  "patch": f.get("patch")}
+                  "patch": f.get("patch"), "refused": f.get("refused")}
                  for f in result.get("fixes") or ()]
         predicted = {f["verdict"]: f for f in fixes}
         causes = [dict(_cause({**(c.get("evidence") or [{}])[0], "verdict": c["verdict"],

@@ -100,3 +100,22 @@ def test_stalls_with_no_period_at_a_located_line_name_it():
     assert line == ("fix:     move the work at train.py:88 off the step path, or run it less "
                     "often (the long cycles' stack samples find it there): 1.40x the steps/s "
                     "with that work removed, measured")
+
+
+def test_a_refused_step_patch_names_why_in_the_fix_line():
+    from keras_gpufix.analysis import patch_refusal
+
+    compiled = {"changes": [{"kind": "host_read"}], "patch": None, "stopped": {
+        "where": "myxtts/training/trainer.py:1527", "code": "if aux_reg_value != 0.0:",
+        "message": "'total_losses['aux_head_reg']' must be defined before the loop\nmore"}}
+    refused = patch_refusal(compiled)
+    assert refused == ("its copy stopped at myxtts/training/trainer.py:1527: "
+                       "'total_losses['aux_head_reg']' must be defined before the loop")
+    assert patch_refusal(dict(compiled, patch="logs/step.patch")) is None
+    assert patch_refusal({"changes": None}) is None  # no copy made: nothing refused
+    fix = {"verdict": "eager_step", "expected_speedup": 3.2, "source": "compiled-step",
+           "where": ["myxtts/training/trainer.py:1276: the step's def"], "refused": refused * 3}
+    line = headline(_record("eager_step", [fix], share=0.7))[1]
+    assert line.startswith("fix:     compile the step at myxtts/training/trainer.py:1276 ")
+    assert "; no patch: its copy stopped at myxtts/training/trainer.py:1527: " in line
+    assert len(line) <= 200 and line.endswith("...")

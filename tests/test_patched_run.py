@@ -104,6 +104,7 @@ def test_a_patch_whose_script_fails_is_not_offered_and_the_files_stay_as_they_we
     assert fix.get("patch") is None and predicted["source"] == "patched-run-failed", fix
     assert predicted["speedup"] is None
     assert "not offered" in predicted["text"] and "JSON serializable" in predicted["text"]
+    assert fix["refused"].startswith("the script with the patch failed: ")  # the headline's why
     items = {i["item"]: i for i in result["own_cost"]["items"]}
     assert items["patched run"]["seconds"] > 0 and not items["patched run"]["counted"]
     # the user's files as they were: the script, and no bytecode of a patched copy

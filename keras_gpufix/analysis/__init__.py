@@ -18,7 +18,8 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `slow_limit`,                                                |
 |               | `slow_mask`, `recompile_cost`, `step_compiled`,              |
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
-|               | `compiled_share`, `compiled_step_fix`, `speedup_of`,         |
+|               | `compiled_share`, `compiled_step_fix`, `patch_refusal`,      |
+|               | `speedup_of`,                                                |
 |               | `one_off_gain`,                                              |
 |               | `cost_share_prediction`, `combined_speedup`,                 |
 |               | `not_run_verdict`, `recompiling_fix`                         |
@@ -98,6 +99,7 @@ from keras_gpufix.analysis.verdicts import (
     VERDICTS,
     compiled_share,
     compiled_step_fix,
+    patch_refusal,
     contradicted,
     fix_for,
     is_recompiling,
@@ -143,6 +145,7 @@ __all__ = [
     "VERDICTS",
     "compiled_share",
     "compiled_step_fix",
+    "patch_refusal",
     "contradicted",
     "fix_for",
     "is_recompiling",

@@ -21,12 +21,15 @@ import os
 
 from keras_gpufix.analysis.contention import contention_text
 from keras_gpufix.analysis.job import job_headline
+from keras_gpufix.analysis.stages import on_disk_cache
 from keras_gpufix.analysis.verdicts import THRESHOLDS
 
 __all__ = ["HEADLINE_FIXES", "headline", "gain_words", "load_line", "verdict_share"]
 
 #: The least gain a headline offers (1.00x as printed is none).
 _SOME = 1.005
+#: The longest headline line (a terminal's width at most, in one reading).
+_WIDTH = 200
 #: The headline's key of an input stage's fix, by the stage's kind (`analysis.stages`).
 _STAGE_KEYS = {"python": "input_bound_stage", "parallel": "input_bound_stage_parallel",
                "cache": "input_bound_stage_cache", "source": "input_bound_stage_cache"}
@@ -149,7 +152,7 @@ def _fix_line(fix, causes) -> str:
     op, kind = fix.get("stage_op"), fix.get("stage_kind")
     later = fix.get("later_speedup")
     speedup = fix.get("expected_speedup")
-    on_disk = bool(op and later and later >= _SOME and (speedup or 0.0) < _SOME)
+    on_disk = bool(op) and on_disk_cache(speedup or 1.0, later)
     key = fix["verdict"]
     if key == "input_bound" and op:
         key = ("input_bound_stage_file" if on_disk else
@@ -166,7 +169,13 @@ def _fix_line(fix, causes) -> str:
         period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
     gain = (f"every later run {later:.2f}x faster (this run {speedup or 1.0:.2f}x: it fills "
             "the file)" if on_disk else gain_words(fix))
-    return sentence + ("" if "{at}" in (template or "") else at) + f": {gain}"
+    line = sentence + ("" if "{at}" in (template or "") else at) + f": {gain}"
+    if key == "eager_step" and fix.get("refused"):  # why diagnose made no patch, cut to fit
+        room = _WIDTH - len("fix:     ") - len(line) - len("; no patch: ")
+        why = fix["refused"] if len(fix["refused"]) <= room else (
+            fix["refused"][:max(0, room - 3)] + "...")
+        line += f"; no patch: {why}" if room > 20 else ""
+    return line
 
 
 def load_line(record: dict) -> "str | None":

@@ -242,16 +242,13 @@ def judge_stages(stages, step_per_s=None, observed_per_s=None, cpus=1, run=None,
     return out
 
 
-def on_disk_cache(predicted) -> bool:
-    """Whether the input fix's cache goes on disk (`.cache(filename)`): a cache in
-    memory gains nothing in the script's own run (`speedup`, the whole run's, under
-    `THRESHOLDS["min_speedup"]`: one epoch, no second pass to serve) while a cache
-    on disk gains in every later run (`speedup_later_runs`) — `predicted` as
-    diagnose's located input fix holds it."""
-    later = predicted.get("speedup_later_runs")
-    whole = predicted.get("speedup") if predicted.get("whole_run") else None
-    return bool(later and later >= THRESHOLDS["min_speedup"] and whole is not None
-                and whole < THRESHOLDS["min_speedup"])
+def on_disk_cache(whole, later) -> bool:
+    """Whether an input fix's cache goes on disk (`.cache(filename)`): a cache in memory
+    gains nothing in the script's own run (`whole`, the whole run's gain, under
+    `THRESHOLDS["min_speedup"]`: one epoch, no second pass to serve) while one on disk
+    gains in every later run (`later`)."""
+    least = THRESHOLDS["min_speedup"]
+    return bool(later and later >= least and whole is not None and whole < least)
 
 
 def located_by_stage(verdict: str) -> bool:

@@ -61,6 +61,7 @@ __all__ = [
     "contradicted",
     "COMPILED_STEP_FIXES",
     "compiled_step_fix",
+    "patch_refusal",
     "one_off_gain",
     "compiled_share",
     "speedup_of",
@@ -847,6 +848,22 @@ def compiled_step_fix(compiled: dict) -> "str | None":
         text += OWN_WRAPPER_NOTE[kind].format(lines=", ".join(
             f"{w['where']} (`{w['code']}`)" for w in wrappers))
     return text
+
+
+def patch_refusal(compiled: dict) -> "str | None":
+    """Why diagnose offers no patch of the eager step, in one clause for the headline
+    (the user's line and TensorFlow's message where its copy stopped; the result that
+    differed; why no file was written), or None where it offers one or made no copy."""
+    if not compiled or compiled.get("patch") or compiled.get("changes") is None:
+        return None
+    stopped = compiled.get("stopped")
+    if stopped:
+        message = (stopped.get("message") or "").strip().splitlines()
+        return f"its copy stopped at {stopped.get('where', '?')}: " + (
+            message[0] if message else "?")
+    if compiled.get("differs"):
+        return f"its copy computes a different result ({compiled['differs']})"
+    return compiled.get("patch_reason")
 
 
 def steps_per_s_words(value: float) -> str:

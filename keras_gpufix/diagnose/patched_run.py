@@ -345,6 +345,8 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
             predicted["text"] += f"; the run to check it did not finish ({run['unfinished']})"
         elif run["failed"] and variants[name][0]:
             fix["patch"] = None
+            fix["refused"] = "the script with the patch failed: " + (
+                run["failed"].strip().splitlines() or ["?"])[0]
             fix["predicted"] = {**predicted, "speedup": None, "speedup_range": None,
                                 "steady_speedup": None, "source": "patched-run-failed",
                                 "text": PATCHED_RUN_FAILED.format(error=run["failed"])}

@@ -277,6 +277,9 @@ def rank_causes(fits, scan=()):
                       "where": seen + [f"{f['file']}:{f['line']}: {f['why']}; {f['fix']}"
                                        for f in where],
                       "predicted": _predicted(cause, fits)})
+        if cause["verdict"] == "eager_step":  # why no patch, where none is offered
+            fixes[-1]["refused"] = next(filter(None, map(analysis.patch_refusal, compiled)),
+                                        None)
     locate_input_stage(fixes, fits)
     return verdict, ranking, fixes
 

@@ -1276,7 +1276,9 @@ def input_patch(fixes, scan, folder, cwd=None):
     if fix is None:
         return None
     cwd = os.path.abspath(cwd or os.getcwd())
-    on_disk = on_disk_cache(fix.get("predicted") or {})
+    predicted = fix.get("predicted") or {}
+    on_disk = on_disk_cache(predicted.get("speedup") if predicted.get("whole_run") else None,
+                            predicted.get("speedup_later_runs"))
     by_file = {}
     stage = fix.get("stage") or {}
     if stage.get("where") and stage.get("kind"):

@@ -189,3 +189,17 @@ def test_compare_keeps_its_word_where_the_load_cannot_explain_it():
     quiet = compare_runs(_record(20, others=0.1), _record(10, others=0.2, seed=1))
     assert quiet["word"] == "improvement" and quiet["load"] is None
     assert "load of a: " in format_comparison(quiet, "a", "b")
+
+
+def test_a_known_gain_is_settled_only_within_25_percent_either_way():
+    from keras_gpufix.analysis.comparison import SETTLED, settled
+
+    tight = paired_gain([(_record(20, seed=2 * i), _record(10, seed=2 * i + 1))
+                         for i in range(2)])
+    # the same 2x, one round's as-is run far slower: known (above 1), not yet precise
+    wide = paired_gain([(_record(20, seed=5), _record(10, seed=6)),
+                        (_record(40, seed=7), _record(10, seed=8))])
+    assert tight["known"] and wide["known"]
+    assert settled(tight)
+    low, high = wide["gain_range"]
+    assert high / wide["gain"] > SETTLED and not settled(wide)

@@ -47,9 +47,9 @@ from keras_gpufix.analysis.verdicts import (PATCHED_RUN_TEXT, SKIPPED_RUN_WHAT,
                                             steps_per_s_words)
 
 __all__ = ["CPU_BOUND", "CPU_SHARE_GAP", "LOAD_GAP", "MAX_ROUNDS", "MIN_GAIN", "MIN_ROUNDS", "OTHERS_NOTICE", "QUIET_REACH",
-           "REPEAT", "WAIT_GAP",
+           "REPEAT", "SETTLED", "WAIT_GAP",
            "compare_runs", "format_comparison", "load_of", "loads_differ", "paired_gain",
-           "paired_words", "patched_run_text", "together_run_text"]
+           "paired_words", "patched_run_text", "settled", "together_run_text"]
 
 #: A gain within this either way of 1 is `no change`, whatever its range.
 MIN_GAIN = 0.05
@@ -82,6 +82,11 @@ CPU_BOUND = 0.2
 #: against the as-is run's 1.03).
 MAX_ROUNDS = 3
 MIN_ROUNDS = 2
+#: A paired gain is settled when its range lies within this factor of it either way
+#: (the 25% a prediction is judged by); else rounds go on, up to `MAX_ROUNDS`. The plot
+#: pair of benchmarks/load_pairs.py at load 6, two rounds: 1.60x (1.31x-1.96x) against a
+#: truth of 2.15x.
+SETTLED = 1.25
 #: The mean's interval: 95% (normal quantile).
 _Z = 1.96
 
@@ -313,6 +318,15 @@ def _starved(gain, before, after) -> bool:
     slow, fast = (0, 1) if gain > 1 else (1, 0)
     return (got[slow] >= CPU_BOUND and got[fast] >= CPU_SHARE_GAP * got[slow]
             and others[slow] - others[fast] >= OTHERS_NOTICE)
+
+
+def settled(paired) -> bool:
+    """Whether `paired_gain`'s result needs no more rounds: its gain known (the range
+    leaves out 1.0, or says no gain), no round's loads differing unless left out, and
+    its range within `SETTLED` of the gain either way."""
+    low, high = paired["gain_range"]
+    return (paired["known"] and not any(not g["left_out"] for g in paired["load_gaps"])
+            and high / paired["gain"] <= SETTLED and paired["gain"] / low <= SETTLED)
 
 
 def paired_gain(rounds) -> "dict | None":

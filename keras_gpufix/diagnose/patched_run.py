@@ -26,7 +26,7 @@ import sys
 import time
 
 from keras_gpufix.analysis.comparison import (MAX_ROUNDS, MIN_ROUNDS, paired_gain,
-                                              patched_run_text, together_run_text)
+                                              patched_run_text, settled, together_run_text)
 from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED
 from keras_gpufix.run_record import RunRecord, main_fit
 
@@ -207,8 +207,8 @@ def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None
     alternated: a round is one as-is run and one run of each variant, the as-is run
     first in odd rounds and last in even ones (A B, B A: a load that drifts weighs
     on both sides). Rounds go on, `MIN_ROUNDS` at least, while a variant's gain is
-    not known (its range holds 1.0) or its rounds' loads differ
-    (`analysis.paired_gain`), up to `rounds`.
+    not `settled` (its range holds 1.0 or is wider than `SETTLED` either way, or its
+    rounds' loads differ: `analysis.paired_gain`), up to `rounds`.
 
     Args:
         result: diagnose's result of the script as it is (its command, exit code).
@@ -275,9 +275,8 @@ def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None
             v["records"].append((RunRecord.from_diagnosis(as_is).data,
                                  RunRecord.from_diagnosis(after).data))
             v["paired"] = paired_gain(v["records"])
-            v["done"] = v["paired"] is None or (v["paired"]["known"] and not any(
-                not g["left_out"] for g in v["paired"]["load_gaps"])
-                and len(v["pairs"]) >= min(MIN_ROUNDS, rounds or MAX_ROUNDS))
+            v["done"] = v["paired"] is None or (settled(v["paired"]) and len(
+                v["pairs"]) >= min(MIN_ROUNDS, rounds or MAX_ROUNDS))
         if r == 0 and more is not None:
             for name, (p, s) in more([n for n in active if state[n]["pairs"]]).items():
                 state[name] = {"patches": p, "sources": s, "pairs": [], "records": [],

@@ -163,13 +163,26 @@ def plot_fix(folder):
     return f"trainer.py:{start + 1}"
 
 
+def _top_level_outputs(checkout):
+    """copytree's `ignore`: the checkout's own data and outputs (its top-level `data`,
+    `checkpoints`, `logs`, `runs`) and bytecode; a package's `data` module stays
+    (myxtts/data)."""
+    top = os.path.abspath(checkout)
+
+    def ignore(folder, names):
+        skip = {n for n in names if n.endswith(".pyc") or n == "__pycache__"}
+        if os.path.abspath(folder) == top:
+            skip |= {"data", "checkpoints", "logs", "runs"} & set(names)
+        return skip
+    return ignore
+
+
 def copies(checkout, patch, work):
     """{way: folder}: as-is (the checkout), patched, plot_fixed, both."""
     ways = {"as_is": checkout}
     for way in ("patched", "plot_fixed", "both"):
         folder = os.path.join(work, way)
-        shutil.copytree(checkout, folder, symlinks=True, ignore=shutil.ignore_patterns(
-            "data", "checkpoints", "logs", "runs", "*.pyc"))
+        shutil.copytree(checkout, folder, symlinks=True, ignore=_top_level_outputs(checkout))
         os.symlink(os.path.join(os.path.abspath(checkout), "data"), os.path.join(folder, "data"))
         if way in ("patched", "both"):
             subprocess.run(["patch", "-p1", "-i", patch], cwd=folder, check=True,

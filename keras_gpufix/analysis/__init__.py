@@ -33,7 +33,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `verdict()`: the run's one verdict), `weigh` (XProf and the  |
 |               | what-if weighed into it; `what_if_input_cost`),              |
 |               | `locate_periodic` (the line where                            |
-|               | periodic work runs, from stack samples)                      |
+|               | periodic work runs, from stack samples), `sampled_share`     |
 | `job`         | `worker_summary`, `judge_job`: one report for a multi-worker |
 |               | job (samples/s counted once, the straggler, its cause and    |
 |               | what the others lose); `job_headline`                        |
@@ -71,11 +71,13 @@ from keras_gpufix.analysis.causes import (cause_where, compiled_cause_share, is_
                                           run_clock,
                                           verdict_of_ranking, what_if_cause)
 from keras_gpufix.analysis.contention import CONTENTION_SHARE, contention_text, cpu_contention
-from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic, weigh,
+from keras_gpufix.analysis.detector import (OscillationDetector, judge, locate_periodic,
+                                            sampled_share, weigh,
                                             what_if_input_cost)
 from keras_gpufix.analysis.diagnosis import (MONITOR_WARMUP, OWN_COST_FLOOR_S, OWN_COST_SHARE,
                                              OWN_ITEMS, TRACE_SLOWDOWN, main_what_if, own_cost,
-                                             stall_located, stall_period, trace_cost_text,
+                                             sampled_stall, stall_located, stall_period,
+                                             trace_cost_text,
                                              trace_plan,
                                              trace_question, traced_extra_s)
 from keras_gpufix.analysis.facts import RunFacts
@@ -154,6 +156,7 @@ __all__ = [
     "judge_job",
     "judge_stages",
     "locate_periodic",
+    "sampled_share",
     "not_run_verdict",
     "rank_causes",
     "recompile_cost",
@@ -175,6 +178,7 @@ __all__ = [
     "main_what_if",
     "ratio_words",
     "stall_period",
+    "sampled_stall",
     "stall_located",
     "trace_plan",
     "trace_question",

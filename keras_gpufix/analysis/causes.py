@@ -165,15 +165,15 @@ def measured_fix(verdict: str, fix: str, compiled_steps) -> str:
 def measured_lines(verdict: str, steps, compiled_steps) -> list:
     """The lines diagnose measured a cause at: for `eager_step`, each run's measured
     eager gradient and each compile of the step that could not be done (why); for
-    `periodic_stall`, the loop-body line each run's slow cycles were sampled at
-    (`stall_where`); nothing for the others.
+    `periodic_stall` and `irregular_stall`, the loop-body line each run's slow cycles
+    were sampled at (`stall_where`); nothing for the others.
 
     Args:
         verdict: the cause.
         steps: each run's step facts (`eager_where`, `stall_where`).
         compiled_steps: each run's compile of its step (`function`, `reason`).
     """
-    if verdict == "periodic_stall":
+    if verdict in ("periodic_stall", "irregular_stall"):
         return list(dict.fromkeys(f"{s['stall_where']}: where the slow cycles ran (sampled)"
                                   for s in steps if s.get("stall_where")))
     if verdict != "eager_step":
@@ -210,12 +210,19 @@ def verdict_of_ranking(verdict: str, ranking: list) -> str:
     ranking holds a measured cause costing at least what the judgement itself needs
     to give that verdict (`input_bound`: `THRESHOLDS["input_wait_share"]`; others
     `THRESHOLDS["cost_share"]`) takes that cause (the what-if's input cost of 22%
-    beside a healthy step log); otherwise `verdict` as judged."""
-    if is_cause(verdict) or verdict == "unknown":
+    beside a healthy step log); a judged cause whose measured cost falls below that
+    (an eager step priced by its compiled twin at 1%) gives way to a larger cause
+    that reaches it (a plot every 5 steps only the stack samples found, 13%);
+    otherwise `verdict` as judged."""
+    if verdict == "unknown":
         return verdict
     least = {"input_bound": THRESHOLDS["input_wait_share"]}
     top = next((c for c in ranking
                 if c["score"] >= least.get(c["verdict"], THRESHOLDS["cost_share"])), None)
+    if is_cause(verdict):
+        own = next((c["score"] for c in ranking if c["verdict"] == verdict), None)
+        below = own is not None and own < least.get(verdict, THRESHOLDS["cost_share"])
+        return top["verdict"] if below and top and top["score"] > own else verdict
     return top["verdict"] if top else verdict
 
 

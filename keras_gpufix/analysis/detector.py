@@ -39,7 +39,8 @@ from keras_gpufix.analysis.verdicts import (
     step_compiled,
 )
 
-__all__ = ["judge", "weigh", "what_if_input_cost", "locate_periodic", "OscillationDetector"]
+__all__ = ["judge", "weigh", "what_if_input_cost", "locate_periodic", "sampled_share",
+           "OscillationDetector"]
 
 
 def _period(excess, threshold, min_spikes=3):
@@ -289,7 +290,8 @@ def locate_periodic(cycles, samples, period, thresholds=None):
         found = None if on.all() else _extra_place(counts, on, th)
         if found is not None:
             return places[found[0]], found[1], period
-    recurring = _recurring(counts, period or max(2, t.size // (2 * _MIN_RECURRING)))
+    # each offset of a period searched holds `_MIN_RECURRING` cycles (30 cycles: up to 7)
+    recurring = _recurring(counts, period or max(2, t.size // _MIN_RECURRING))
     if recurring is None or period is not None and period % recurring[1]:
         return None  # none, or not the period the run found (nor one it holds)
     column, found_period, offset = recurring
@@ -297,6 +299,22 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     extra = counts[on].mean(axis=0) - counts[~on].mean(axis=0)
     total = float(extra[extra > 0].sum())
     return places[column], float(extra[column] / total) if total > 0 else 1.0, found_period
+
+
+def sampled_share(samples, location) -> float:
+    """The share of the sampled time (every cycle's samples) that `location` holds
+    above its median cycle's count: the time of work it runs in some cycles only (a
+    plot every 5 steps), not of what every cycle runs there.
+
+    Args:
+        samples: one dict per cycle, location -> samples taken there.
+        location: the line (`locate_periodic`'s).
+    """
+    total = sum(sum(c.values()) for c in samples)
+    if not total:
+        return 0.0
+    at = np.array([c.get(location, 0) for c in samples], dtype=np.float64)
+    return float(np.maximum(0.0, at - np.median(at)).sum() / total)
 
 
 def _extra_place(counts, on, th):

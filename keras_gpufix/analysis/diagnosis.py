@@ -3,7 +3,8 @@
 Pure functions over the monitors' reports, so every threshold and choice of
 a diagnosis lives in `analysis/`: how long the monitors warm up and when a
 run's traces are taken (`trace_plan`, `trace_question`), the period of the run's
-periodic stall whose line the loop patch looks for (`stall_period`, `stall_located`), which run's
+periodic stall whose line the loop patch looks for (`stall_period`, `stall_located`; one only
+the stack samples found: `sampled_stall`), which run's
 what-if is the report's (`main_what_if`), and diagnose's own bill: the seconds it
 added beyond the script, item by item, and their bound (`own_cost`,
 `traced_extra_s`). Imports neither TensorFlow nor Keras.
@@ -11,8 +12,10 @@ added beyond the script, item by item, and their bound (`own_cost`,
 
 __all__ = ["MONITOR_WARMUP", "OWN_COST_SHARE", "OWN_COST_FLOOR_S", "OWN_ITEMS", "TRACE_SLOWDOWN",
            "trace_plan", "trace_question", "trace_cost_text", "stall_period", "stall_located",
-           "main_what_if",
+           "sampled_stall", "main_what_if",
            "own_cost", "traced_extra_s"]
+
+from keras_gpufix.analysis.verdicts import THRESHOLDS
 
 #: Steps the diagnose monitors leave out at the start of each run (trace,
 #: compile, the pipeline's start-up).
@@ -192,6 +195,15 @@ def stall_located(monitor) -> bool:
     return stall_period(monitor) is not None or any(
         e.get("verdict") == "irregular_stall" for e in (
             monitor, *(monitor.get("events") or ()), *(monitor.get("causes") or ())))
+
+
+def sampled_stall(body_share: float, body_of_cycle: float) -> "float | None":
+    """The share of the run that work every k cycles costs where only the stack samples
+    found it (`locate_periodic` with no stall judged): its share of the loop body's
+    sampled time (`sampled_share`) times the loop body's share of the cycles; None
+    below `THRESHOLDS["cost_share"]` (no cause)."""
+    share = body_share * min(1.0, max(0.0, body_of_cycle))
+    return share if share >= THRESHOLDS["cost_share"] else None
 
 
 def main_what_if(fits):

@@ -70,7 +70,8 @@ import time
 import weakref
 from collections import Counter, deque
 
-from keras_gpufix.analysis import locate_periodic, stall_located, stall_period
+from keras_gpufix.analysis import (locate_periodic, sampled_share, sampled_stall, stall_located,
+                                   stall_period)
 from keras_gpufix.callbacks._clock import timed
 from keras_gpufix.diagnose.what_if import (Cycles, compile_step, input_rate, replay_rates,
                                            what_if_until_known)
@@ -118,14 +119,37 @@ def _where(frame):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _function_of(code):
-    """The Python function whose code is `code` (the user's step), or None."""
+def _function_of(frame):
+    """The Python function running in `frame` (the user's step), or None.
+
+    Looked up by its name where its call could have found it: the class (or the
+    object) of its first argument for a method, its module's globals, its caller's
+    locals and globals, each unwrapped (bound methods, decorators' `__wrapped__`);
+    else among the interpreter's objects (`gc.get_objects`, which lists them and
+    traverses none). Never `gc.get_referrers`, which runs every object's traversal
+    and crashed the interpreter (SIGSEGV) in a real trainer's run."""
     import gc
     import types
 
-    found = [f for f in gc.get_referrers(code)
-             if isinstance(f, types.FunctionType) and f.__code__ is code]
-    return found[0] if found else None
+    code, name = frame.f_code, frame.f_code.co_name
+    places = []
+    if code.co_argcount and code.co_varnames[0] in frame.f_locals:
+        first = frame.f_locals[code.co_varnames[0]]
+        owner = first if isinstance(first, type) else type(first)
+        places += [getattr(c, "__dict__", {}).get(name) for c in owner.__mro__]
+    places.append(frame.f_globals.get(name))
+    if frame.f_back is not None:
+        places += [frame.f_back.f_locals.get(name), frame.f_back.f_globals.get(name)]
+    for place in places:
+        for _ in range(8):  # a method, its decorators' wrappers
+            if isinstance(place, types.FunctionType) and place.__code__ is code:
+                return place
+            inner = getattr(place, "__func__", None) or getattr(place, "__wrapped__", None)
+            if inner is None:
+                break
+            place = inner
+    return next((f for f in gc.get_objects()
+                 if isinstance(f, types.FunctionType) and f.__code__ is code), None)
 
 
 def _arguments(frame):
@@ -210,6 +234,11 @@ class _StackSampler:
         """
         cycles = [(body_s[i], counts) for i, counts in self.cycles if i in body_s]
         return locate_periodic([c[0] for c in cycles], [c[1] for c in cycles], period)
+
+    def share(self, location, body_s):
+        """The loop-body time `location` holds beyond its median cycle's, over the
+        sampled cycles of `body_s` (`analysis.sampled_share`)."""
+        return sampled_share([counts for i, counts in self.cycles if i in body_s], location)
 
 
 def _steps_on(fn, args, kwargs, loop):
@@ -330,14 +359,27 @@ class _Loop:
 
     def _stall_where(self):
         """The loop-body line of the run's periodic stall, its verdict or a cause beside
-        it, or of its stalls with no period (stack samples), or None."""
+        it, or of its stalls with no period (stack samples), or None. Where the run
+        judged no stall (a noisy step, an eager one under load, hides the period in
+        the cycles' times), the samples alone may hold work every k cycles: its line,
+        with `stall_sampled` (`period`, `share` of the run) in the step facts, where it
+        holds `THRESHOLDS["cost_share"]` of the run (`analysis.sampled_stall`)."""
         monitor = self.entry.get("monitor")
-        if not stall_located(monitor):  # neither the verdict nor a cause beside it
-            return None
         body = {r.index: r.cycle - (r.input_wait or 0.0) for r in self.records}
-        # an irregular stall's period: the one its samples hold, where they hold one
-        found = self.sampler.locate(stall_period(monitor), body)
-        return found and found[0]
+        if stall_located(monitor):  # the verdict or a cause beside it
+            # an irregular stall's period: the one its samples hold, where they hold one
+            found = self.sampler.locate(stall_period(monitor), body)
+            return found and found[0]
+        found = self.sampler.locate(None, body)
+        if found is None:
+            return None
+        cycles = sum(r.cycle for r in self.records if r.index in body) or 0.0
+        share = sampled_stall(self.sampler.share(found[0], body),
+                              sum(body.values()) / cycles if cycles else 0.0)
+        if share is None:
+            return None
+        self.entry["step"]["stall_sampled"] = {"period": found[2], "share": share}
+        return found[0]
 
 
 class _WatchedIterator:
@@ -659,7 +701,7 @@ class LoopPatch:
             return
         code = frame.f_code
         if code not in self._eager_functions:
-            self._eager_functions[code] = _function_of(code)
+            self._eager_functions[code] = _function_of(frame)
         fn = self._eager_functions[code]
         if fn is not None:
             try:

@@ -966,11 +966,11 @@ def _same(eager, patched, before, after, rtol=SAME_RTOL, atol=SAME_ATOL):
     if len(a) != len(b):
         return f"it returns {len(b)} values where the eager step returns {len(a)}"
     for i, (x, y) in enumerate(zip(a, b)):
-        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             return f"its returned value {i} differs ({x.ravel()[:3]} eager, {y.ravel()[:3]})"
     changed = 0
     for (v, x), y in zip(before, after):
-        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
+        if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             changed += 1
             if changed == 1:
                 first = v.name

@@ -1,16 +1,20 @@
 """Two workers, one slow: does the job report name it, its cause and the others' loss?
 
-    python benchmarks/straggler.py [--repeats 3] [--out PATH]   (about 8 min on 2 cores)
+    python benchmarks/straggler.py [--repeats 3] [--cases CASE ...] [--out PATH]
+    (about 15 min on 2 cores)
 
 Runs two `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG, CPU),
 each pinned to its own CPU with `taskset` (worker 0 on CPU 0, worker 1 on
 CPU 1), training a small MLP on a CPU-heavy input (a log-spectrum made in
-TF ops), in three planted cases:
+TF ops), in four planted cases:
 
 - `slow_input`: worker 1's input sleeps `SLOW_S` per batch (a loader waiting
   on its disk); worker 0's is the same pipeline without the sleep;
 - `cpu_shared`: a CPU burner (`while True`) on worker 1's CPU (worker 1
   starts it, so it inherits worker 1's `taskset`);
+- `slow_step`: worker 1's step does `EXTRA_PRODUCTS` products of a 256 x
+  256 matrix more (a `tf.numpy_function` inside its model: more work in its
+  step, as a heavier share or a slower device would give);
 - `healthy`: the same pair with nothing planted.
 
 Each case is one pair of processes that trains `2 * repeats` short `fit`s
@@ -24,8 +28,11 @@ matched them; and the truth: `1 - planted steps/s / clean steps/s` (the
 clean blocks before and after it) and their ratio. `healthy`'s blocks are
 all clean: each must name no straggler. `slow_input` runs a second time
 through a custom loop (`strategy.run` over
-`strategy.experimental_distribute_dataset`, under `kg.watch`).
+`strategy.experimental_distribute_dataset`, under `kg.watch`). Each block
+keeps the load average at its start and each worker's figures (`per_worker`).
 docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
+A case that hangs past its time is stopped after every thread's Python
+stack of both workers is printed (`faulthandler` on SIGUSR1).
 
 `--worker` runs one worker (what a case starts twice).
 """
@@ -45,7 +52,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 48, 8, 64, 256, 0.06
 #: a slow step's extra work: this many products of a 256 x 256 matrix per step
-EXTRA_PRODUCTS = 40
+EXTRA_PRODUCTS = 80
 CASES = ("slow_input", "cpu_shared", "slow_step", "healthy")
 CAUSES = {"slow_input": "input", "cpu_shared": "cpu_shared", "slow_step": "step"}
 # burns a CPU until its parent (worker 1) ends
@@ -165,7 +172,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_case(case, blocks, loop="fit", timeout=900):
+def run_case(case, blocks, loop="fit"):
     """Both workers of one case; returns the chief's blocks."""
     work = tempfile.mkdtemp(prefix=f"kg_straggler_{case}_")
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
@@ -181,7 +188,7 @@ def run_case(case, blocks, loop="fit", timeout=900):
                 env=dict(env, TF_CONFIG=json.dumps(tf_config)), cwd=ROOT,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
-            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+            outputs = [p.communicate(timeout=120 + 60 * blocks)[0] for p in procs]
         except subprocess.TimeoutExpired:  # every thread's Python stack, then the end
             for p in procs:
                 p.send_signal(signal.SIGUSR1)

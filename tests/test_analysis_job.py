@@ -51,6 +51,23 @@ def test_a_worker_slow_to_get_its_input_is_named_with_its_cause_and_the_others_l
     assert "worker 1's input" in s["fix"]
 
 
+def test_a_slow_input_is_not_made_shorter_by_its_quieter_cpu():
+    # Worker 1 sleeps 60 ms for its input; its threads, idle meanwhile, wait less for a
+    # CPU than worker 0's: its own step is not shorter for it, its lateness stays 60 ms.
+    job = judge_job([_summary(0, step_ms=100.0, cpu=(0.4, 0.2, 1)),
+                     _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.2, 0.2, 1))])
+    s = job["straggler"]
+    assert (s["task"], s["cause"]) == (1, "input")
+    assert s["excess_ms"] == pytest.approx(60.0)
+    assert s["others_wait_share"] == pytest.approx((100.0 - 20.1 - 40.2 * 19.9 / 20.1) / 100.5)
+    # Steps that hold far more than their CPU work and wait on every worker (a custom
+    # loop's next() agreeing with the others): split as without CPU figures.
+    loop = judge_job([_summary(0, step_ms=100.0, cpu=(0.1, 0.2, 1)),
+                      _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.1, 0.2, 1))])
+    assert [w["collective_wait_ms"] for w in loop["per_worker"]] == pytest.approx([60.0, 0.0])
+    assert loop["straggler"]["excess_ms"] == pytest.approx(60.0)
+
+
 def test_samples_are_counted_once_not_summed_over_workers():
     report = judge_job([_summary(0), _summary(1)])
     # 8 samples per 10.5 ms cycle on each worker: the job's figure, not twice it.
@@ -118,8 +135,8 @@ def test_a_worker_with_more_work_in_its_step_is_named_slow_step_not_shared_cpu()
     blind = judge_job([_summary(0, step_ms=40.0),
                        _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])
     assert blind["straggler"] is None
-    assert blind["message"].endswith("(a slow step on one worker is not told apart without "
-                                     "each worker's CPU figures)")
+    assert blind["message"].endswith("(a slow step on one worker is not told apart: no CPU "
+                                     "figures split the workers' steps)")
 
 
 def test_cpu_figures_are_the_steady_steps_when_the_monitor_has_them():

@@ -44,14 +44,20 @@ only a share of the sum counts: the worker that joins the all-reduce last
 waits for no one, its step is all its own, and that share is the least
 `(step - CPU time) / wait` of the workers (`_on_path`). Both figures are per
 usable CPU (threads that run or wait at the same time on c CPUs hold up c
-streams of work, not more). On a GPU the device's work is not in the
+streams of work, not more). Where that least share exceeds 1, every
+worker's step holds time that is neither (a custom loop's `next()`
+agreeing with the others, the all-reduce's own latency), and the steps are
+split as without CPU figures: the job's shortest step stands for every
+worker's own (an estimate). On a GPU the device's work is not in the
 host's CPU time: a slower GPU reads as time at the all-reduce.
 
-The straggler is the worker that makes the others wait: the one that is
-busy longer per step than the median of the other workers by at least
-`THRESHOLDS["straggler_share"]` of the job's cycle and `MIN_EXCESS_MS`.
-Its lateness (`excess_ms`) is the sum of the parts, and its cause
-(`cause`) the largest part:
+The straggler is the worker that makes the others wait: the one that
+joins the all-reduce later than the median of the other workers by at
+least `THRESHOLDS["straggler_share"]` of the job's cycle and
+`MIN_EXCESS_MS`. Its lateness (`excess_ms`) is its input wait, its time
+between steps and its own time in its step above theirs (a shorter own
+step takes nothing off: a worker waiting for its input runs its input
+threads meanwhile). Its cause (`cause`) is the largest of these parts:
 
 - `input`: its input wait above the others' (`phase` `input_wait`);
 - `between`: its time between steps above the others' (callbacks, logging,
@@ -61,8 +67,8 @@ Its lateness (`excess_ms`) is the sum of the parts, and its cause
 - `cpu_shared`: its threads' wait for a CPU above the others', the share
   on its step's path (another process on its CPUs; `phase` `cpu`).
 
-The last two need every worker's CPU figures (Linux); elsewhere the
-lateness is the host phases' alone, and a slow step is not told apart.
+The last two need the CPU to split the steps (Linux); elsewhere a slow
+step is not told apart, and the message says so.
 
 What the others lose: `others_wait_share`, the median of the other
 workers' `collective_wait_ms` over the cycle, and `share` (`excess_ms`
@@ -237,11 +243,11 @@ def _worker(s, cycle_ms):
 
 def _split_steps(workers):
     """Each worker's `compute_ms` (its own time in its step: its CPU time and the share
-    `_on_path` of its threads' wait for a CPU) and `collective_wait_ms` (the rest: its
-    wait at the all-reduce), where every worker's CPU figures are known. Else
+    `on_path` of its threads' wait for a CPU) and `collective_wait_ms` (the rest: its
+    wait at the all-reduce), where the CPU splits the steps (`_on_path`). Else
     estimated: the job's shortest step is every worker's own step."""
-    if _cpu_known(workers):
-        on_path = _on_path(workers)
+    on_path = _on_path(workers)
+    if on_path is not None:
         for w in workers:
             w["compute_ms"] = _busy(w, on_path)
             w["collective_wait_ms"] = w["step_ms"] - w["compute_ms"]
@@ -273,10 +279,6 @@ def _timeline(summaries):
         for s, r in zip(summaries, rows)}}
 
 
-def _cpu_known(workers):
-    return all(w["cpu_ms"] is not None and w["cpu_wait_ms"] is not None for w in workers)
-
-
 def _per_cpu(worker):
     """`(own CPU, its threads' wait for a CPU)` per step, per usable CPU (threads that run
     or wait at the same time on c CPUs hold up c streams of work, not more)."""
@@ -286,15 +288,23 @@ def _per_cpu(worker):
 
 def _on_path(workers):
     """The share of a worker's threads' summed wait for a CPU that lengthens its step
-    (many threads wait at once, most of them off the step's path). The worker that
-    joins the all-reduce last waits for no one: its step is its CPU time and that share
-    of its wait. Every other worker's step also holds its wait for it, so the least of
-    `(step - CPU time) / wait` over the workers is the share (0 to 1; 0 where a
-    worker's threads never waited)."""
+    (many threads wait at once, most of them off the step's path), or None.
+
+    The worker that joins the all-reduce last waits for no one: its step is its CPU
+    time and that share of its wait. Every other worker's step also holds its wait for
+    it, so the least of `(step - CPU time) / wait` over the workers is the share (0
+    where a worker's threads never waited). None where a worker's CPU figures are
+    unknown, or where that least exceeds 1: then every worker's step holds time that
+    is neither CPU work nor a wait for a CPU (a custom loop's `next()` agreeing with
+    the others, the all-reduce's own latency), and the CPU cannot split the steps."""
+    if not all(w["cpu_ms"] is not None and w["cpu_wait_ms"] is not None for w in workers):
+        return None
+
     def share(w):
         cpu, wait = _per_cpu(w)
-        return min(1.0, max(0.0, (w["step_ms"] - cpu) / wait)) if wait > 0 else 0.0
-    return min(share(w) for w in workers)
+        return max(0.0, (w["step_ms"] - cpu) / wait) if wait > 0 else 0.0
+    least = min(share(w) for w in workers)
+    return None if least > 1.0 else least
 
 
 def _busy(worker, on_path):
@@ -305,25 +315,28 @@ def _busy(worker, on_path):
 
 
 def _lateness(worker, others, on_path):
-    """`(excess_ms, cause, phase)` of `worker` against the median of `others`: by how
-    much longer it is busy than them in each phase, its cause the largest part (its
-    CPU time and its threads' wait for a CPU only where every worker's are known)."""
+    """`(excess_ms, cause, phase)` of `worker` against the median of `others`: how much
+    later it joins the all-reduce (its input wait, its time between steps and its own
+    time in its step above theirs; a shorter own step takes nothing off: its CPU work
+    may have run during its input wait), and the cause of the largest part (its CPU
+    time and its threads' wait for a CPU only where they split the steps)."""
     def above(value):
         return value(worker) - float(np.median([value(w) for w in others]))
 
     parts = {"input": above(lambda w: w["input_wait_ms"] or 0.0),
              "between": above(lambda w: w["between_ms"])}
+    excess = parts["input"] + parts["between"] + max(0.0, above(lambda w: w["compute_ms"]))
     if on_path is not None:
         parts["step"] = above(lambda w: _per_cpu(w)[0])
         parts["cpu_shared"] = on_path * above(lambda w: _per_cpu(w)[1])
     cause = max(parts, key=parts.get)
-    return sum(parts.values()), cause, _PHASES[cause]
+    return excess, cause, _PHASES[cause]
 
 
 def _straggler(workers, cycle_ms):
     if len(workers) < 2 or cycle_ms <= 0:
         return None
-    on_path = _on_path(workers) if _cpu_known(workers) else None
+    on_path = _on_path(workers)
     late = {w["task"]: _lateness(w, [o for o in workers if o is not w], on_path)
             for w in workers}
     task = max(late, key=lambda t: late[t][0])
@@ -360,9 +373,9 @@ def _message(report):
         line += f"; no summary from task(s) {report['missing']}"
     s = report["straggler"]
     if s is None:
-        return line + ("; no straggler" if _cpu_known(report["per_worker"]) else
-                       "; no straggler (a slow step on one worker is not told apart without "
-                       "each worker's CPU figures)")
+        return line + ("; no straggler" if _on_path(report["per_worker"]) is not None else
+                       "; no straggler (a slow step on one worker is not told apart: no CPU "
+                       "figures split the workers' steps)")
     return (line + f"; straggler: worker {s['task']} ({_cause_text(s)}); "
             f"{_wait_text(s, 'the others')}; the job at most {s['gain']:.2f}x faster if it "
             f"matched them. Fix: {s['fix']}")

@@ -53,13 +53,14 @@ def test_a_worker_slow_to_get_its_input_is_named_with_its_cause_and_the_others_l
 
 def test_a_slow_input_is_not_made_shorter_by_its_quieter_cpu():
     # Worker 1 sleeps 60 ms for its input; its threads, idle meanwhile, wait less for a
-    # CPU than worker 0's: its own step is not shorter for it, its lateness stays 60 ms.
+    # CPU than worker 0's: its lateness stays 60 ms, and its CPU work ran while it
+    # waited, so the steps are split by the job's shortest.
     job = judge_job([_summary(0, step_ms=100.0, cpu=(0.4, 0.2, 1)),
                      _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.2, 0.2, 1))])
     s = job["straggler"]
     assert (s["task"], s["cause"]) == (1, "input")
     assert s["excess_ms"] == pytest.approx(60.0)
-    assert s["others_wait_share"] == pytest.approx((100.0 - 20.1 - 40.2 * 19.9 / 20.1) / 100.5)
+    assert s["others_wait_share"] == pytest.approx(60.0 / 100.5)
     # Steps that hold far more than their CPU work and wait on every worker (a custom
     # loop's next() agreeing with the others): split as without CPU figures.
     loop = judge_job([_summary(0, step_ms=100.0, cpu=(0.1, 0.2, 1)),
@@ -82,6 +83,13 @@ def test_time_between_steps_is_a_cause_too_and_small_spreads_are_not_stragglers(
     small = (share / 2) * 10.5  # half the threshold's share of the cycle
     fair = judge_job([_summary(0), _summary(1, wait_ms=small, step_ms=10.0 - small)])
     assert fair["straggler"] is None
+    # two parts under the threshold each (3 ms of 40.5), over it together: no cause
+    split = judge_job([_summary(0, step_ms=40.0),
+                       _summary(1, step_ms=34.0, wait_ms=3.0, between_ms=3.5)])
+    assert split["straggler"] is None
+    one = judge_job([_summary(0, step_ms=40.0),
+                     _summary(1, step_ms=32.0, wait_ms=5.0, between_ms=3.5)])
+    assert one["straggler"]["cause"] == "input"
 
 
 def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared():

@@ -54,10 +54,9 @@ host's CPU time: a slower GPU reads as time at the all-reduce.
 The straggler is the worker that makes the others wait: the one that
 joins the all-reduce later than the median of the other workers by at
 least `THRESHOLDS["straggler_share"]` of the job's cycle and
-`MIN_EXCESS_MS`. Its lateness (`excess_ms`) is its input wait, its time
-between steps and its own time in its step above theirs (a shorter own
-step takes nothing off: a worker waiting for its input runs its input
-threads meanwhile). Its cause (`cause`) is the largest of these parts:
+`MIN_EXCESS_MS`, and whose cause's part alone does too (two workers' small
+differences in every part add up). Its cause (`cause`) is the largest
+part:
 
 - `input`: its input wait above the others' (`phase` `input_wait`);
 - `between`: its time between steps above the others' (callbacks, logging,
@@ -68,7 +67,10 @@ threads meanwhile). Its cause (`cause`) is the largest of these parts:
   on its step's path (another process on its CPUs; `phase` `cpu`).
 
 The last two need the CPU to split the steps (Linux); elsewhere a slow
-step is not told apart, and the message says so.
+step is not told apart, and the message says so. Its lateness (`excess_ms`):
+for `input` and `between`, its input wait and time between steps above
+the others' (its CPU work ran while it waited); for `step` and
+`cpu_shared`, those and its own time in its step above theirs.
 
 What the others lose: `others_wait_share`, the median of the other
 workers' `collective_wait_ms` over the cycle, and `share` (`excess_ms`
@@ -106,6 +108,8 @@ FIXES = {
 }
 _CAUSE_WORDS = {"input": "its input", "between": "its work between steps",
                 "step": "its own step's work", "cpu_shared": "its CPU shared with another process"}
+#: The causes the CPU tells (where it splits the steps).
+_CPU_CAUSES = ("step", "cpu_shared")
 #: The phase of the cycle each cause lengthens.
 _PHASES = {"input": "input_wait", "between": "between", "step": "step", "cpu_shared": "cpu"}
 
@@ -203,7 +207,14 @@ def judge_job(summaries, expected=None) -> dict:
     cycle_ms = float(np.median([s["total_s"] / s["steps"] for s in summaries])) * 1e3
     per = [_worker(s, cycle_ms) for s in summaries]
     series = _timeline(summaries)
-    _split_steps(per)
+    on_path = _on_path(per)
+    straggler = _straggler(per, cycle_ms, on_path)
+    # a worker late for its input ran its CPU work meanwhile: the CPU splits no step
+    _split_steps(per, on_path if straggler is None or straggler["cause"] in _CPU_CAUSES
+                 else None)
+    if straggler is not None:
+        others = [w["collective_wait_ms"] for w in per if w["task"] != straggler["task"]]
+        straggler["others_wait_share"] = float(np.median(others)) / cycle_ms
     rates = [s["samples"] / s["total_s"] for s in summaries
              if s["samples"] is not None and s["total_s"] > 0]
     chief = next((s for s in summaries if s["chief"]), summaries[0])
@@ -214,7 +225,7 @@ def judge_job(summaries, expected=None) -> dict:
         "cycle_ms": cycle_ms,
         "samples_per_s": float(np.median(rates)) if rates else None,
         "per_worker": per,
-        "straggler": _straggler(per, cycle_ms),
+        "straggler": straggler,
         "series": series,
     }
     report["message"] = _message(report)
@@ -241,21 +252,15 @@ def _worker(s, cycle_ms):
     }
 
 
-def _split_steps(workers):
+def _split_steps(workers, on_path):
     """Each worker's `compute_ms` (its own time in its step: its CPU time and the share
     `on_path` of its threads' wait for a CPU) and `collective_wait_ms` (the rest: its
-    wait at the all-reduce), where the CPU splits the steps (`_on_path`). Else
-    estimated: the job's shortest step is every worker's own step."""
-    on_path = _on_path(workers)
-    if on_path is not None:
-        for w in workers:
-            w["compute_ms"] = _busy(w, on_path)
-            w["collective_wait_ms"] = w["step_ms"] - w["compute_ms"]
-        return
+    wait at the all-reduce); where `on_path` is None, estimated: the job's shortest
+    step is every worker's own step."""
     fastest = min(w["step_ms"] for w in workers)
     for w in workers:
-        w["collective_wait_ms"] = w["step_ms"] - fastest
-        w["compute_ms"] = fastest
+        w["compute_ms"] = fastest if on_path is None else _busy(w, on_path)
+        w["collective_wait_ms"] = w["step_ms"] - w["compute_ms"]
 
 
 def _timeline(summaries):
@@ -315,39 +320,42 @@ def _busy(worker, on_path):
 
 
 def _lateness(worker, others, on_path):
-    """`(excess_ms, cause, phase)` of `worker` against the median of `others`: how much
-    later it joins the all-reduce (its input wait, its time between steps and its own
-    time in its step above theirs; a shorter own step takes nothing off: its CPU work
-    may have run during its input wait), and the cause of the largest part (its CPU
-    time and its threads' wait for a CPU only where they split the steps)."""
+    """`(excess_ms, cause, phase, part_ms)` of `worker` against the median of `others`.
+
+    The parts: its input wait and its time between steps above theirs, and (where
+    the CPU splits the steps) its CPU time and the share `on_path` of its threads'
+    wait for a CPU above theirs. The cause is the largest part. The lateness of a
+    host cause is its two host parts: its CPU work ran while it waited. Of a CPU
+    cause, the host parts and its own time in its step above theirs (`_busy`)."""
     def above(value):
         return value(worker) - float(np.median([value(w) for w in others]))
 
     parts = {"input": above(lambda w: w["input_wait_ms"] or 0.0),
              "between": above(lambda w: w["between_ms"])}
-    excess = parts["input"] + parts["between"] + max(0.0, above(lambda w: w["compute_ms"]))
+    host = parts["input"] + parts["between"]
     if on_path is not None:
         parts["step"] = above(lambda w: _per_cpu(w)[0])
         parts["cpu_shared"] = on_path * above(lambda w: _per_cpu(w)[1])
     cause = max(parts, key=parts.get)
-    return excess, cause, _PHASES[cause]
+    if cause in _CPU_CAUSES:
+        host += max(0.0, above(lambda w: _busy(w, on_path)))
+    return host, cause, _PHASES[cause], parts[cause]
 
 
-def _straggler(workers, cycle_ms):
+def _straggler(workers, cycle_ms, on_path):
+    """The straggler (its `others_wait_share` left to the caller), or None."""
     if len(workers) < 2 or cycle_ms <= 0:
         return None
-    on_path = _on_path(workers)
     late = {w["task"]: _lateness(w, [o for o in workers if o is not w], on_path)
             for w in workers}
     task = max(late, key=lambda t: late[t][0])
-    excess, cause, phase = late[task]
-    if excess < MIN_EXCESS_MS or excess / cycle_ms < THRESHOLDS["straggler_share"]:
+    excess, cause, phase, part = late[task]
+    # the lateness, and its cause alone: small differences of every part add up
+    if min(excess, part) < max(MIN_EXCESS_MS, THRESHOLDS["straggler_share"] * cycle_ms):
         return None
-    others = [w["collective_wait_ms"] for w in workers if w["task"] != task]
     return {"task": task, "cause": cause, "phase": phase, "excess_ms": excess,
             "share": excess / cycle_ms, "gain": cycle_ms / max(cycle_ms - excess, 1e-9),
-            "others_wait_share": float(np.median(others)) / cycle_ms,
-            "fix": FIXES[cause].format(task=task)}
+            "others_wait_share": None, "fix": FIXES[cause].format(task=task)}
 
 
 def _cause_text(s):

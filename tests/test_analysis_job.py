@@ -139,6 +139,7 @@ def test_a_worker_with_more_work_in_its_step_is_named_slow_step_not_shared_cpu()
     assert s["others_wait_share"] == pytest.approx(0.3)
     assert f"its own step's work: {s['excess_ms']:.1f} ms per step later" in job["message"]
     assert "worker 1 does more work per step" in s["fix"]
+    assert f"the job about {s['gain']:.2f}x faster if it matched them" in job["message"]
     # without every worker's CPU figures, the same pair names no one, and says why
     blind = judge_job([_summary(0, step_ms=40.0),
                        _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])

@@ -278,12 +278,16 @@ class GPUOscillationMonitor(TimedCallback):
             emit(f"GPUOscillationMonitor (task {self._task[0]}): {self.job['message']}",
                  self.verbose)
 
+    def _after_hook(self):
+        """On the loop's thread, once a run: the CPU at the end of its warmup steps."""
+        last = self.stream.last
+        if self._cpu[2] is None and last is not None and last[0] + last[1] >= self.warmup:
+            self._cpu[2] = cpu_load.sample()
+
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         self._trackers.add(records)
         for record in records:
-            if self._cpu[2] is None and record.index >= self.warmup:
-                self._cpu[2] = cpu_load.sample()
             self._series.add(record, jit=self.detector.jit)
             if record.epoch_first:
                 self._firsts[0] += 1

@@ -332,14 +332,14 @@ def _lateness(worker, others, on_path):
 
     parts = {"input": above(lambda w: w["input_wait_ms"] or 0.0),
              "between": above(lambda w: w["between_ms"])}
-    host = parts["input"] + parts["between"]
+    excess = parts["input"] + parts["between"]
     if on_path is not None:
         parts["step"] = above(lambda w: _per_cpu(w)[0])
         parts["cpu_shared"] = on_path * above(lambda w: _per_cpu(w)[1])
     cause = max(parts, key=parts.get)
     if cause in _CPU_CAUSES:
-        host += max(0.0, above(lambda w: _busy(w, on_path)))
-    return host, cause, _PHASES[cause], parts[cause]
+        excess += max(0.0, above(lambda w: _busy(w, on_path)))
+    return excess, cause, _PHASES[cause], parts[cause]
 
 
 def _straggler(workers, cycle_ms, on_path):

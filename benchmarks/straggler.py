@@ -1,7 +1,7 @@
 """Two workers, one slow: does the job report name it, its cause and the others' loss?
 
     python benchmarks/straggler.py [--repeats 3] [--cases CASE ...] [--out PATH]
-    (about 15 min on 2 cores)
+    (8-12 min on 2 cores)
 
 Runs two `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG, CPU),
 each pinned to its own CPU with `taskset` (worker 0 on CPU 0, worker 1 on
@@ -66,7 +66,6 @@ def worker(case, loop, blocks, work):
     import contextlib
     import faulthandler
     import io
-    import signal
 
     import numpy as np
 
@@ -262,7 +261,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    every = [f"{c}" for c in CASES] + ["slow_input_custom_loop"]
+    every = [*CASES, "slow_input_custom_loop"]
     parser.add_argument("--cases", nargs="+", choices=every, default=every,
                         help="the cases to run (default: all)")
     parser.add_argument("--worker", nargs=4, metavar=("CASE", "LOOP", "BLOCKS", "WORK"),

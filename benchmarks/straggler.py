@@ -1,16 +1,20 @@
 """Two workers, one slow: does the job report name it, its cause and the others' loss?
 
-    python benchmarks/straggler.py [--repeats 3] [--out PATH]   (about 8 min on 2 cores)
+    python benchmarks/straggler.py [--repeats 3] [--cases CASE ...] [--out PATH]
+    (8-12 min on 2 cores)
 
 Runs two `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG, CPU),
 each pinned to its own CPU with `taskset` (worker 0 on CPU 0, worker 1 on
 CPU 1), training a small MLP on a CPU-heavy input (a log-spectrum made in
-TF ops), in three planted cases:
+TF ops), in four planted cases:
 
 - `slow_input`: worker 1's input sleeps `SLOW_S` per batch (a loader waiting
   on its disk); worker 0's is the same pipeline without the sleep;
 - `cpu_shared`: a CPU burner (`while True`) on worker 1's CPU (worker 1
   starts it, so it inherits worker 1's `taskset`);
+- `slow_step`: worker 1's step does `EXTRA_PRODUCTS` products of a 256 x
+  256 matrix more (a `tf.numpy_function` inside its model: more work in its
+  step, as a heavier share or a slower device would give);
 - `healthy`: the same pair with nothing planted.
 
 Each case is one pair of processes that trains `2 * repeats` short `fit`s
@@ -24,8 +28,11 @@ matched them; and the truth: `1 - planted steps/s / clean steps/s` (the
 clean blocks before and after it) and their ratio. `healthy`'s blocks are
 all clean: each must name no straggler. `slow_input` runs a second time
 through a custom loop (`strategy.run` over
-`strategy.experimental_distribute_dataset`, under `kg.watch`).
+`strategy.experimental_distribute_dataset`, under `kg.watch`). Each block
+keeps the load average at its start and each worker's figures (`per_worker`).
 docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
+A case that hangs past its time is stopped after every thread's Python
+stack of both workers is printed (`faulthandler` on SIGUSR1).
 
 `--worker` runs one worker (what a case starts twice).
 """
@@ -33,6 +40,7 @@ docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,8 +51,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 48, 8, 64, 256, 0.06
-CASES = ("slow_input", "cpu_shared", "healthy")
-CAUSES = {"slow_input": "input", "cpu_shared": "cpu_shared"}
+#: a slow step's extra work: this many products of a 256 x 256 matrix per step
+EXTRA_PRODUCTS = 80
+CASES = ("slow_input", "cpu_shared", "slow_step", "healthy")
+CAUSES = {"slow_input": "input", "cpu_shared": "cpu_shared", "slow_step": "step"}
 # burns a CPU until its parent (worker 1) ends
 BURNER = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
 
@@ -54,16 +64,27 @@ def worker(case, loop, blocks, work):
     (even blocks) and planted alternated; writes each block's job report, what the
     monitor printed and the job's measured steps/s to `work/<task>.json`."""
     import contextlib
+    import faulthandler
     import io
+
+    import numpy as np
 
     import tensorflow as tf
     import keras
 
     import keras_gpufix as kg
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a hung worker waits
     strategy = kg.setup_strategy()
     task = strategy.cluster_resolver.task_id
     batch = kg.global_batch_size(BATCH // 2, strategy)
+    extra = [0]  # products of the slow step's extra work, per step
+    matrix = np.random.default_rng(0).random((256, 256), dtype=np.float32)
+
+    def heavy(x):  # the slow step's extra work: CPU time inside worker 1's step
+        for _ in range(extra[0]):
+            matrix @ matrix
+        return x
 
     def features(index):  # a log-spectrum of 1/4 s of "audio": CPU work in the input
         audio = tf.random.stateless_normal((batch, 4000), tf.stack([index, index]))
@@ -85,9 +106,21 @@ def worker(case, loop, blocks, work):
             ds = ds.map(slowed)
         return kg.data.instrument(ds).prefetch(2)
 
+    class Heavier(keras.layers.Layer):
+        """Passes its input on after `heavy` (nothing to learn, no gradient)."""
+        def call(self, x):
+            done = tf.ensure_shape(tf.numpy_function(heavy, [x[0, 0]], tf.float32,
+                                                     stateful=True), ())
+            return x + 0.0 * tf.stop_gradient(done)
+
+        def compute_output_shape(self, shape):
+            return shape
+
     with strategy.scope():
-        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(512, "relu"),
-                                  keras.layers.Dense(512, "relu"), keras.layers.Dense(1)])
+        layers = [keras.Input((FEATURES,))] + [Heavier()] * (case == "slow_step")
+        model = keras.Sequential(layers + [keras.layers.Dense(512, "relu"),
+                                           keras.layers.Dense(512, "relu"),
+                                           keras.layers.Dense(1)])
         optimizer = keras.optimizers.SGD(0.01)
         if loop == "fit":
             kg.compile_model(model, optimizer, "mse", mixed_precision=None,
@@ -103,6 +136,8 @@ def worker(case, loop, blocks, work):
         burner = None
         if planted and case == "cpu_shared" and task == 1:
             burner = subprocess.Popen([sys.executable, "-c", BURNER])
+        extra[0] = EXTRA_PRODUCTS if planted and case == "slow_step" and task == 1 else 0
+        load = os.getloadavg()[0]
         monitor = kg.GPUOscillationMonitor(warmup=WARMUP, nvml=False,
                                            log_dir=os.path.join(work, "logs", str(block)))
         ends = []
@@ -123,6 +158,7 @@ def worker(case, loop, blocks, work):
             burner.wait()
         steady = ends[WARMUP:]
         results.append({"block": block, "planted": planted, "job": monitor.report()["job"],
+                        "load": load,
                         "printed": printed.getvalue(),
                         "steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])})
     with open(os.path.join(work, f"{task}.json"), "w") as f:
@@ -135,7 +171,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_case(case, blocks, loop="fit", timeout=900):
+def run_case(case, blocks, loop="fit"):
     """Both workers of one case; returns the chief's blocks."""
     work = tempfile.mkdtemp(prefix=f"kg_straggler_{case}_")
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
@@ -150,7 +186,16 @@ def run_case(case, blocks, loop="fit", timeout=900):
                  "--worker", case, loop, str(blocks), work],
                 env=dict(env, TF_CONFIG=json.dumps(tf_config)), cwd=ROOT,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        try:
+            outputs = [p.communicate(timeout=120 + 60 * blocks)[0] for p in procs]
+        except subprocess.TimeoutExpired:  # every thread's Python stack, then the end
+            for p in procs:
+                p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"{case} ({loop}): hung; the workers' stacks:\n" + "\n".join(
+                p.communicate()[0][-6000:] for p in procs))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -161,6 +206,10 @@ def run_case(case, blocks, loop="fit", timeout=900):
             raise SystemExit(f"{case}: a worker exited {p.returncode}\n{output[-3000:]}")
     with open(os.path.join(work, "0.json")) as f:
         return json.load(f)
+
+
+_SHOWN = ("task", "input_wait_ms", "step_ms", "between_ms", "cpu_ms", "cpu_wait_ms", "compute_ms",
+          "collective_wait_ms")
 
 
 def _figures(blocks):
@@ -182,7 +231,10 @@ def _figures(blocks):
             "others_wait_share": None if s is None else round(s["others_wait_share"], 3),
             "true_loss": None if truth is None else round(1 - b["steps_per_s"] / truth, 3),
             "true_gain": None if truth is None else round(truth / b["steps_per_s"], 3),
-            "steps_per_s": round(b["steps_per_s"], 2), "message": b["job"]["message"]})
+            "steps_per_s": round(b["steps_per_s"], 2), "load": round(b["load"], 2),
+            "per_worker": [{k: None if w.get(k) is None else round(w[k], 1) for k in _SHOWN}
+                           for w in b["job"]["per_worker"]],
+            "message": b["job"]["message"]})
     return out
 
 
@@ -209,6 +261,9 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    every = [*CASES, "slow_input_custom_loop"]
+    parser.add_argument("--cases", nargs="+", choices=every, default=every,
+                        help="the cases to run (default: all)")
     parser.add_argument("--worker", nargs=4, metavar=("CASE", "LOOP", "BLOCKS", "WORK"),
                         help=argparse.SUPPRESS)
     add_out_argument(parser, "straggler")
@@ -221,14 +276,16 @@ def main(argv=None) -> int:
     runs, figures = {}, {}
     for case, loop in [(c, "fit") for c in CASES] + [("slow_input", "custom")]:
         name = case if loop == "fit" else f"{case}_custom_loop"
+        if name not in args.cases:
+            continue
         runs[name] = _figures(run_case(case, args.repeats if case == "healthy" else blocks,
                                        loop))
         figures.update({k.replace(case, name, 1): v
                         for k, v in _summary(case, runs[name]).items()})
         for k, r in enumerate(runs[name]):
-            print(f"{name} #{k + 1}: named worker {r['straggler']} ({r['cause']}); others' "
-                  f"loss predicted {_pct(r['predicted_loss'])}, measured "
-                  f"{_pct(r['true_loss'])}; {r['message']}", flush=True)
+            print(f"{name} #{k + 1} (load {r['load']}): named worker {r['straggler']} "
+                  f"({r['cause']}); others' loss predicted {_pct(r['predicted_loss'])}, "
+                  f"measured {_pct(r['true_loss'])}; per worker {r['per_worker']}", flush=True)
     write_results(args.out, "straggler", figures, {"runs": runs})
     return 0
 

@@ -13,7 +13,9 @@ in its own loop (`strategy.run` over the distributed dataset, watched by
 """
 
 import argparse
+import faulthandler
 import os
+import signal
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -57,6 +59,8 @@ def main():
     parser.add_argument("--custom-loop", action="store_true",
                         help="train in a custom loop under kg.watch instead of fit")
     args = parser.parse_args()
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, if it hangs
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     strategy = kg.setup_strategy()
     task = strategy.cluster_resolver.task_id

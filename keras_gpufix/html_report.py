@@ -111,8 +111,9 @@ def _job(job):
     s = job.get("straggler") or {}
     out = [f"<h2 id='job'>The job: {job['workers']} workers</h2>",
            f"<p id='job-message'>{_e(job['message'])}</p>",
-           "<table id='workers'><tr><th>worker</th><th>input wait</th><th>own step (est.)</th>"
-           "<th>wait at the all-reduce</th><th>between steps</th><th>CPU wait (threads)</th>"
+           "<table id='workers'><tr><th>worker</th><th>input wait</th><th>own step</th>"
+           "<th>wait at the all-reduce</th><th>between steps</th><th>CPU time</th>"
+           "<th>CPU wait (threads)</th>"
            "<th>its CPU use</th><th>others' CPU share</th></tr>"]
     for w in job["per_worker"]:
         mark = " (chief)" if w.get("chief") else ""
@@ -122,13 +123,15 @@ def _job(job):
         out.append(f"<tr class='worker{' straggler' if late else ''}'>"
                    f"<td>{w['task']}{mark}</td><td>{_ms(w['input_wait_ms'])}</td>"
                    f"<td>{_ms(w['compute_ms'])}</td><td>{_ms(w['collective_wait_ms'])}</td>"
-                   f"<td>{_ms(w['between_ms'])}</td><td>{_ms(w.get('cpu_wait_ms'))}</td>"
+                   f"<td>{_ms(w['between_ms'])}</td><td>{_ms(w.get('cpu_ms'))}</td>"
+                   f"<td>{_ms(w.get('cpu_wait_ms'))}</td>"
                    f"<td>{_pct(w.get('own_cpu_share'))}</td>"
                    f"<td>{_pct(w.get('others_share'))}</td></tr>")
-    out.append("</table><p class='muted'>Per step. A worker's step holds its own work and "
-               "its wait at the all-reduce for the others; the wait is its step above the "
-               "job's shortest (estimated: TensorFlow does not say when each worker joined). "
-               "CPU wait: its threads' time runnable but without a CPU.</p>")
+    out.append("</table><p class='muted'>Per step. A worker's step holds its own work (its "
+               "CPU time and the share of its threads' wait for a CPU on the step's path; "
+               "without CPU figures, the job's shortest step) and its wait at the all-reduce "
+               "for the others. CPU wait: its threads' time runnable but without a CPU, "
+               "summed.</p>")
     return out + _job_lanes(job.get("series"), s.get("task"))
 
 

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from keras_gpufix.analysis import THRESHOLDS, headline, job_headline, judge_job, worker_summary
-from keras_gpufix.analysis.job import SERIES_POINTS, SHARED_BELOW
+from keras_gpufix.analysis.job import SERIES_POINTS
 
 
 def _summary(task, steps=100, step_ms=10.0, wait_ms=0.0, between_ms=0.5, batch=8, chief=None,
@@ -51,6 +51,24 @@ def test_a_worker_slow_to_get_its_input_is_named_with_its_cause_and_the_others_l
     assert "worker 1's input" in s["fix"]
 
 
+def test_a_slow_input_is_not_made_shorter_by_its_quieter_cpu():
+    # Worker 1 sleeps 60 ms for its input; its threads, idle meanwhile, wait less for a
+    # CPU than worker 0's: its lateness stays 60 ms, and its CPU work ran while it
+    # waited, so the steps are split by the job's shortest.
+    job = judge_job([_summary(0, step_ms=100.0, cpu=(0.4, 0.2, 1)),
+                     _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.2, 0.2, 1))])
+    s = job["straggler"]
+    assert (s["task"], s["cause"]) == (1, "input")
+    assert s["excess_ms"] == pytest.approx(60.0)
+    assert s["others_wait_share"] == pytest.approx(60.0 / 100.5)
+    # Steps that hold far more than their CPU work and wait on every worker (a custom
+    # loop's next() agreeing with the others): split as without CPU figures.
+    loop = judge_job([_summary(0, step_ms=100.0, cpu=(0.1, 0.2, 1)),
+                      _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.1, 0.2, 1))])
+    assert [w["collective_wait_ms"] for w in loop["per_worker"]] == pytest.approx([60.0, 0.0])
+    assert loop["straggler"]["excess_ms"] == pytest.approx(60.0)
+
+
 def test_samples_are_counted_once_not_summed_over_workers():
     report = judge_job([_summary(0), _summary(1)])
     # 8 samples per 10.5 ms cycle on each worker: the job's figure, not twice it.
@@ -65,50 +83,82 @@ def test_time_between_steps_is_a_cause_too_and_small_spreads_are_not_stragglers(
     small = (share / 2) * 10.5  # half the threshold's share of the cycle
     fair = judge_job([_summary(0), _summary(1, wait_ms=small, step_ms=10.0 - small)])
     assert fair["straggler"] is None
+    # two parts under the threshold each (3 ms of 40.5), over it together: no cause
+    split = judge_job([_summary(0, step_ms=40.0),
+                       _summary(1, step_ms=34.0, wait_ms=3.0, between_ms=3.5)])
+    assert split["straggler"] is None
+    one = judge_job([_summary(0, step_ms=40.0),
+                     _summary(1, step_ms=32.0, wait_ms=5.0, between_ms=3.5)])
+    assert one["straggler"]["cause"] == "input"
 
 
 def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared():
-    # Both steps 40 ms (the all-reduce ends them together); worker 1's input wait is
-    # only a symptom: its threads waited 0.5 s per second for a CPU it used half of.
-    shared = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 1)),
-                        _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(0.5, 0.45, 1))])
+    # Both do 20.25 ms of CPU work a 40.5 ms step; worker 1's threads wait 81 ms for a
+    # CPU (summed over threads), worker 0's 36.45 ms.
+    shared = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.5, 1)),
+                        _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(2.0, 0.5, 1))])
     s = shared["straggler"]
     assert (s["task"], s["cause"], s["phase"]) == (1, "cpu_shared", "cpu")
-    cycle = 40.5
-    # its lateness: its threads' extra wait (more than its host excess, 5 ms)
-    assert s["excess_ms"] == pytest.approx((0.5 - 0.05) * cycle)
-    # an input wait longer than the extra CPU wait: the input is the cause
-    slow = judge_job([_summary(0, step_ms=60.0, cpu=(0.05, 0.4, 1)),
-                      _summary(1, step_ms=35.0, wait_ms=25.0, cpu=(0.3, 0.45, 1))])
-    assert slow["straggler"]["cause"] == "input"
+    cycle, cpu = 40.5, 0.5 * 40.5
+    # worker 1 joins the all-reduce last: its step is its own, so the share of its
+    # threads' wait on its step's path is (39 - cpu) / 81; its lateness that share of
+    # its extra wait, and its 1 ms more input wait
+    on_path = (39.0 - cpu) / (2.0 * cycle)
+    excess = on_path * (2.0 - 0.9) * cycle + 1.0
+    assert s["excess_ms"] == pytest.approx(excess)
+    by_task = {w["task"]: w for w in shared["per_worker"]}
+    assert by_task[0]["compute_ms"] == pytest.approx(cpu + on_path * 0.9 * cycle)
+    assert by_task[0]["collective_wait_ms"] == pytest.approx(40.0 - cpu - on_path * 0.9 * cycle)
+    assert by_task[1]["collective_wait_ms"] == pytest.approx(0.0)
+    assert by_task[1]["cpu_ms"] == pytest.approx(cpu)
     assert "its CPU shared with another process" in shared["message"]
-    # the others' wait is inside their steps: no share of it is claimed at the all-reduce
-    assert "its slowed steps end the others' steps late (their wait" in shared["message"]
-    assert job_headline(shared)[0].endswith("costs the job 45% of its time: its slowed steps "
-                                            "end the other workers' steps late (their wait at "
-                                            "the all-reduce is inside their step times)")
     assert "its host" in s["fix"]
-    # The same wait while it used all of its CPUs: its own threads compete; the phase says.
-    own = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 1)),
-                     _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(0.5, SHARED_BELOW, 1))])
-    assert own["straggler"]["cause"] == "input"
+    # an input wait longer than the extra CPU wait's share: the input is the cause
+    slow = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.5, 1)),
+                      _summary(1, step_ms=25.0, wait_ms=15.0, cpu=(1.2, 0.5, 1))])
+    assert slow["straggler"]["cause"] == "input"
     # The wait spreads over the CPUs it may use: two CPUs' threads wait twice as long.
-    two = judge_job([_summary(0, step_ms=40.0, cpu=(0.1, 0.4, 2)),
-                     _summary(1, step_ms=35.0, wait_ms=5.0, cpu=(1.0, 0.45, 2))])
-    assert two["straggler"]["excess_ms"] == pytest.approx((1.0 - 0.1) * cycle / 2)
-    assert judge_job([_summary(0, cpu=(0.2, 0.4, 1)),
-                      _summary(1, cpu=(0.4, 0.4, 2))])["straggler"] is None
-    # Two workers whose threads wait alike: no straggler; nor where every worker's
-    # threads wait long (a host loaded by other work), even if one waits more.
-    even = judge_job([_summary(0, cpu=(0.5, 0.5, 1)), _summary(1, cpu=(0.52, 0.5, 1))])
-    assert even["straggler"] is None
-    loaded = judge_job([_summary(0, step_ms=40.0, cpu=(0.6, 0.3, 1)),
-                        _summary(1, step_ms=40.0, cpu=(2.5, 0.3, 1))])
-    assert loaded["straggler"] is None
-    # the lateness is at most what its own CPU work leaves of the cycle
-    capped = judge_job([_summary(0, step_ms=40.0, cpu=(0.05, 0.4, 1)),
-                        _summary(1, step_ms=40.0, cpu=(3.0, 0.4, 1))])["straggler"]
-    assert capped["excess_ms"] == pytest.approx(0.6 * 40.5)
+    two = judge_job([_summary(0, step_ms=40.0, cpu=(1.8, 0.5, 2)),
+                     _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(4.0, 0.5, 2))])
+    assert two["straggler"]["excess_ms"] == pytest.approx(excess)
+    # Two workers whose threads wait alike, however long (a host loaded by other
+    # work): no straggler.
+    loaded = judge_job([_summary(0, step_ms=40.0, cpu=(2.0, 0.5, 1)),
+                        _summary(1, step_ms=40.0, cpu=(2.1, 0.5, 1))])
+    assert loaded["straggler"] is None and loaded["message"].endswith("; no straggler")
+
+
+def test_a_worker_with_more_work_in_its_step_is_named_slow_step_not_shared_cpu():
+    # Both steps 40 ms (the all-reduce ends them together), both wait alike for a CPU;
+    # worker 1's step takes 12.15 ms more CPU time.
+    job = judge_job([_summary(0, step_ms=40.0, cpu=(0.5, 0.5, 1)),
+                     _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])
+    s = job["straggler"]
+    assert (s["task"], s["cause"], s["phase"]) == (1, "step", "step")
+    assert s["excess_ms"] == pytest.approx(0.3 * 40.5)
+    assert s["others_wait_share"] == pytest.approx(0.3)
+    assert f"its own step's work: {s['excess_ms']:.1f} ms per step later" in job["message"]
+    assert "worker 1 does more work per step" in s["fix"]
+    assert f"the job about {s['gain']:.2f}x faster if it matched them" in job["message"]
+    # without every worker's CPU figures, the same pair names no one, and says why
+    blind = judge_job([_summary(0, step_ms=40.0),
+                       _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])
+    assert blind["straggler"] is None
+    assert blind["message"].endswith("(a slow step on one worker is not told apart: no CPU "
+                                     "figures split the workers' steps)")
+
+
+def test_cpu_figures_are_the_steady_steps_when_the_monitor_has_them():
+    report = {"step_time": {"count": 10, "total_s": 0.1, "samples_per_s": 80.0,
+                            "phases": {"input_wait": 0.0, "step": 1.0, "between": 0.0}},
+              "contention": {"wall_s": 5.0, "own_cpu_s": 5.0, "waited_share": 0.5, "cpus": 1},
+              "steady_contention": {"wall_s": 0.1, "own_cpu_s": 0.05, "waited_share": 0.2,
+                                    "cpus": 1}}
+    summary = worker_summary(0, report)
+    assert (summary["wall_s"], summary["own_cpu_s"]) == (0.1, 0.05)
+    assert summary["waited_s"] == pytest.approx(0.02)
+    del report["steady_contention"]
+    assert worker_summary(0, report)["own_cpu_s"] == 5.0
 
 
 def test_the_timeline_aligns_the_workers_and_puts_the_skew_in_the_all_reduce():

@@ -53,3 +53,21 @@ def test_every_worker_judges_the_job_from_the_shared_folder(tmp_path):
 def test_a_worker_without_timed_steps_writes_nothing(tmp_path):
     assert gather_job((0, True, 2), {"count": 0}, tmp_path, time.time(), wait_s=0.1) is None
     assert not (tmp_path / JOB_FOLDER).exists()
+
+
+def test_the_monitor_samples_the_cpu_from_its_first_steady_step():
+    import keras_gpufix as kg
+
+    monitor = kg.GPUOscillationMonitor(warmup=3, nvml=False, verbose=0)
+    spent = []
+    with kg.watch(range(8), callbacks=[monitor]) as watched:
+        for item in watched:
+            began = time.process_time()
+            while time.process_time() - began < (0.3 if item == 0 else 0.01):
+                pass  # the first step's CPU (a compile) is left out of the steady figures
+            spent.append(time.process_time() - began)
+    report = monitor.report()
+    whole, steady = report["contention"], report["steady_contention"]
+    assert whole["own_cpu_s"] >= sum(spent) >= 0.3
+    assert steady["wall_s"] < whole["wall_s"] and steady["own_cpu_s"] < 0.3
+    assert steady["own_cpu_s"] >= sum(spent[4:])

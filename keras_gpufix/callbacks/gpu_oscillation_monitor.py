@@ -152,7 +152,8 @@ class GPUOscillationMonitor(TimedCallback):
         self.job = None
         self._series = StepSeries(warmup=warmup)
         self._keep_on_signal = None
-        self._cpu = [None, None]  # cpu_load samples at the run's start and end
+        # cpu_load samples at the run's start, its end and its first steady step
+        self._cpu = [None, None, None]
         # under `keras-gpufix diagnose`, whose headline says the share and the fix with
         # the gain it measured (a rerun of the script): the end line says the verdict only
         self._fix_said_by_diagnose = False
@@ -163,7 +164,7 @@ class GPUOscillationMonitor(TimedCallback):
         return self.detector.events
 
     def _begin(self):
-        self._cpu = [cpu_load.sample(), None]
+        self._cpu = [cpu_load.sample(), None, None]
         self._firsts = [0, 0.0]
         self._task = cluster_task(callback_model(self))
         self._began = time.time()
@@ -277,6 +278,12 @@ class GPUOscillationMonitor(TimedCallback):
             emit(f"GPUOscillationMonitor (task {self._task[0]}): {self.job['message']}",
                  self.verbose)
 
+    def _after_hook(self):
+        """On the loop's thread, once a run: the CPU at the end of its warmup steps."""
+        last = self.stream.last
+        if self._cpu[2] is None and last is not None and last[0] + last[1] >= self.warmup:
+            self._cpu[2] = cpu_load.sample()
+
     def _on_records(self, records):
         """Counts epoch starts and writes the per-step scalars (the stream judges)."""
         self._trackers.add(records)
@@ -340,7 +347,8 @@ class GPUOscillationMonitor(TimedCallback):
             of the run in at most 1024 points, `analysis.StepSeries`) and
             `contention` (what other processes took of the CPU from the
             run's start to its end, or to now: `analysis.cpu_contention`;
-            None before a run), `trackers` (the tracker runs logged to:
+            None before a run), `steady_contention` (the same from the first
+            step after warmup: None before it), `trackers` (the tracker runs logged to:
             `Trackers.runs`).
         """
         summary = self.detector.log.summary()
@@ -361,6 +369,8 @@ class GPUOscillationMonitor(TimedCallback):
             "series": self._series.as_dict(),
             "contention": None if self._cpu[0] is None else cpu_contention(
                 self._cpu[0], self._cpu[1] or cpu_load.sample()),
+            "steady_contention": None if self._cpu[2] is None else cpu_contention(
+                self._cpu[2], self._cpu[1] or cpu_load.sample()),
             "trackers": self._trackers.runs,
         }
 

@@ -245,7 +245,8 @@ def _compare_pair(folder, pair, steps, rounds):
             "improvement", "regression")
         figure = result["word"] in ("improvement", "regression")
         rows.append({"pair": pair, "condition": condition, "truth": truth,
-                     "truth_rounds": truths, "word": result["word"], "gain": gain, "raw_gain": result["gain"],
+                     "truth_rounds": truths, "word": result["word"], "gain": gain,
+                     "raw_gain": result["gain"],
                      "gain_range": result["gain_range"],
                      "others_before": result["before"]["load"]["others_share"],
                      "others_after": result["after"]["load"]["others_share"],

@@ -10,6 +10,7 @@ from `max()` of a tensor (AutoGraph then says "'loss' must be defined before the
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import shutil
 import subprocess

@@ -9,7 +9,7 @@ import keras_gpufix as kg
 from keras_gpufix.data import instrument
 from keras_gpufix.data.audio import AudioConfig
 from keras_gpufix.data.builder import SpeechDatasetBuilder
-from keras_gpufix.data.input_probe import REUSED, InputCursor, instrument_again
+from keras_gpufix.data.input_probe import InputCursor
 from keras_gpufix.data.synthetic import make_synthetic_corpus
 from planted import FEATURES, tiny_model
 
@@ -50,29 +50,6 @@ def test_instrumented_inside_a_strategy_scope():
         model = tiny_model()
     model.fit(ds.prefetch(2), epochs=1, verbose=0)
     assert ds.input_probe.produced() >= 10
-
-
-def test_instrument_again_shares_one_probe_per_element_spec_and_counts_each_dataset():
-    """A new dataset of a spec seen before gets that spec's probe: its elements unchanged,
-    counted after the earlier dataset's; another spec gets its own; old specs are let go."""
-    first, second = instrument_again(batches(n=3)), instrument_again(batches(n=5, batch=2))
-    assert first.input_probe is second.input_probe  # batch dim None: one spec
-    assert [a.numpy().tolist() for a, _ in second] == [a.numpy().tolist()
-                                                       for a, _ in batches(n=5, batch=2)]
-    start = first.input_probe.produced() - 5
-    for _ in first:
-        pass
-    probe = first.input_probe
-    assert probe.produced() == start + 8
-    _, shapes, _ = probe.read(start, start + 8)
-    assert [probe.shape_key(row) for row in shapes] == (
-        [((2, FEATURES), (2, 1))] * 5 + [((4, FEATURES), (4, 1))] * 3)
-    assert probe.iterator_starts(start, start + 8).tolist() == [start, start + 5]
-    other = instrument_again(batches().map(lambda x, y: x))
-    assert other.input_probe is not probe
-    for n in range(REUSED):  # other specs until the first is dropped
-        instrument_again(tf.data.Dataset.from_tensors(np.zeros(n + 1, np.float32)))
-    assert instrument_again(batches()).input_probe is not probe
 
 
 def test_rejects_non_datasets():

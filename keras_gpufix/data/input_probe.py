@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["instrument", "instrument_again", "instrumented", "InputProbe", "InputCursor"]
+__all__ = ["instrument", "instrumented", "InputProbe", "InputCursor"]
 
 _PROBES = weakref.WeakSet()
 _LOCK = threading.Lock()
@@ -227,44 +227,9 @@ def instrument(dataset, capacity=4096, frames=None, frames_per_second=None):
     def _stamp(local, element):
         return probe.stamp(local, element)
 
-    return _appended(dataset, probe, _stamp)
-
-
-def instrument_again(dataset):
-    """`instrument(dataset)` with defaults, reusing the probe of an earlier call.
-
-    For datasets a monitor instruments itself, one after another (`fit`
-    over arrays makes a new dataset each call): the last `REUSED` element
-    specs keep their `InputProbe` and their stamp, a `tf.function` traced
-    once, so a new dataset of the same spec makes no tables and traces no
-    stamp (`map` still wraps the traced function: about half the cost).
-    One probe then counts the elements of each of these datasets in turn,
-    as it counts one dataset's epochs: meant for datasets iterated one at a
-    time, never for two at once.
-    """
-    key = repr(dataset.element_spec)
-    with _LOCK:
-        reused = _REUSED.pop(key, None)
-    if reused is None:
-        probe = InputProbe(dataset.element_spec)
-        reused = (probe, tf.function(probe.stamp, autograph=False))
-    with _LOCK:
-        _REUSED[key] = reused  # the most recent last
-        while len(_REUSED) > REUSED:
-            del _REUSED[next(iter(_REUSED))]
-    return _appended(dataset, *reused)
-
-
-# Element specs whose probe `instrument_again` keeps (least recently used dropped).
-REUSED = 8
-_REUSED = {}
-
-
-def _appended(dataset, probe, stamp):
-    """`dataset` with `stamp(local, element)` mapped over it, `probe` its `input_probe`."""
     # enumerate() counts per iterator; the map is sequential, so the
     # recorded order is the consumption order.
-    out = dataset.enumerate().map(stamp)
+    out = dataset.enumerate().map(_stamp)
     out.input_probe = probe
     return out
 

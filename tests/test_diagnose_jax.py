@@ -137,6 +137,8 @@ def _cases(folder):
     finder = _Blocked(("tensorflow",))
     sys.meta_path.insert(0, finder)
     out = {}
+    # the what-if and the reruns only where a case checks them (loop_stall: one round;
+    # the pairing itself is test_patched_run's): each rerun is a process
     _, fit = _diagnose(folder, "fit_slow", FIT_SLOW)
     first = fit["fits"][0]
     out["fit_slow"] = {"verdict": fit["verdict"], "fix": fit["fixes"][0]["verdict"],
@@ -150,9 +152,9 @@ def _cases(folder):
                                                                      "speedup_if_input_free",
                                                                      "known")],
                        "stages": (first.get("stages") or {}).get("reason")}
-    _, fit = _diagnose(folder, "fit_steps", FIT_SLOW, "--steps", "12")
+    _, fit = _diagnose(folder, "fit_steps", FIT_SLOW, "--steps", "12", "--no-what-if")
     out["fit_steps"] = {"steps_run": fit["fits"][0]["steps_run"], "exit_code": fit["exit_code"]}
-    script, stall = _diagnose(folder, "loop_stall", LOOP_STALL)
+    script, stall = _diagnose(folder, "loop_stall", LOOP_STALL, "--rounds", "1")
     line = next(i for i, text in enumerate(LOOP_STALL.splitlines(), 1) if "host work" in text)
     out["loop_stall"] = {"verdict": stall["verdict"], "kind": stall["fits"][0]["kind"],
                          "period": stall["ranking"][0]["evidence"][0].get("period"),
@@ -161,16 +163,17 @@ def _cases(folder):
                          "expected": f"{script}:{line}",
                          "predicted": next(f["predicted"] for f in stall["fixes"]
                                            if f["verdict"] == "periodic_stall")}
-    _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20")
+    _, steps = _diagnose(folder, "loop_steps", LOOP_STALL, "--steps", "20", "--no-what-if")
     out["loop_steps"] = {"exit_code": steps["exit_code"], "ended": steps["stopped"],
                          "stopped": steps["fits"][0]["stopped_by_diagnose"],
                          "timed": steps["fits"][0]["steps"]}
-    _, watch = _diagnose(folder, "watch_stall", WATCH_STALL, "--steps", "40")
+    _, watch = _diagnose(folder, "watch_stall", WATCH_STALL, "--steps", "40",
+                         "--no-what-if")
     out["watch_stall"] = {"verdict": watch["verdict"], "runs": len(watch["fits"]),
                           "x": watch["fits"][0]["x"], "timed": watch["fits"][0]["steps"],
                           "stopped": watch["fits"][0]["stopped_by_diagnose"],
                           "exit_code": watch["exit_code"]}
-    _, shapes = _diagnose(folder, "loop_shapes", LOOP_SHAPES)
+    _, shapes = _diagnose(folder, "loop_shapes", LOOP_SHAPES, "--no-what-if")
     retracing = shapes["fits"][0]["retracing"]
     out["loop_shapes"] = {"verdict": shapes["verdict"], "evidence": shapes["evidence"],
                           "shapes": len(retracing["shapes"]),

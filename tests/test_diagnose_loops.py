@@ -27,7 +27,8 @@ def _diagnose(mode, steps=30):
     proc = subprocess.run(
         [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--no-trace",
          "--steps", str(steps), *WHAT_IF.get(mode, ["--no-what-if"]),
-         "--", "python", SCRIPT, mode],
+         # one round of reruns: the pairing itself is test_patched_run's
+         "--rounds", "1", "--", "python", SCRIPT, mode],
         capture_output=True, text=True, env=env, timeout=300)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -9,7 +9,7 @@ input drained alone against the step alone, both timed in this process
 (with prefetch the step runs while the next batch is made, so the cycle is
 the slower of the two and the input's part of it is `1 - step / input`). A
 fast pipeline (arrays sliced by `tf.data`, a step that does more) reads
-`healthy`. The slow `tf.data` pipelines run on JAX too, in one subprocess
+`healthy`. Two of the slow `tf.data` pipelines run on JAX too, in one subprocess
 (`KERAS_BACKEND=jax`), which prints its results as one JSON line.
 """
 
@@ -26,6 +26,9 @@ SLEEP_S = 0.002
 BATCH = 16
 STEPS = 30
 TF_DATA = ("numpy_map", "numpy_map_prefetch", "numpy_map_parallel", "from_generator")
+# On JAX every `tf.data` source is read the same way (a `BatchClock` around fit's
+# iterator): one map with prefetch and the generator, not all four (a subprocess: CI time)
+JAX_DATA = ("numpy_map_prefetch", "from_generator")
 
 
 def _pipeline(tf, kind, steps=STEPS):
@@ -255,11 +258,12 @@ def _jax_results():
 @pytest.mark.flaky(reruns=1)  # a share from wall-clock time: a host loaded beside it (another test worker) can move one run
 def test_plain_tf_data_on_jax_reads_input_bound_with_its_true_share():
     results = _jax_results()
-    for kind in TF_DATA:
+    assert set(results) == set(JAX_DATA)
+    for kind in JAX_DATA:
         judged = results[kind]
         assert judged["verdict"] == "input_bound", (kind, judged)
         assert abs(judged["input_wait"] - judged["truth"]) <= 0.10, (kind, judged)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_all(TF_DATA)))
+    print(json.dumps(_run_all(JAX_DATA)))

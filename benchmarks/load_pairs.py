@@ -281,7 +281,8 @@ def _diagnose(folder, pair, steps, burner):
     with _Burner(burner):
         proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--json",
                                "--no-trace", "--log-dir", log, "--", "python", as_is, "-",
-                               str(steps)], env=_env(), capture_output=True, text=True)
+                               str(steps)], env=_env(), capture_output=True, text=True,
+                              cwd=folder)  # its patch is written for files under the cwd
     if proc.returncode != 0:
         raise SystemExit(f"diagnose of {as_is} exited {proc.returncode}\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Two runs judged fairly: `compare` and diagnose's reruns beside a CPU burner.
 
     python benchmarks/load_pairs.py [--pairs eager plot map] [--steps N] [--diagnose]
-                                    [--out PATH]
+                                    [--repeats N] [--truth PAIR=GAIN ...] [--out PATH]
     (about 4 min a pair for compare on 2 cores at load 3; --diagnose adds about 3 min
     a diagnose run, two a pair)
 
@@ -275,9 +275,9 @@ def _loop_truth(folder, pair, steps, rounds):
     return statistics.median(gains), gains
 
 
-def _diagnose(folder, pair, steps, burner):
+def _diagnose(folder, pair, steps, burner, repeat=0):
     as_is, _ = _write(folder, pair)
-    log = os.path.join(folder, f"{pair}_diagnose_{'burner' if burner else 'load'}")
+    log = os.path.join(folder, f"{pair}_diagnose_{'burner' if burner else 'load'}_{repeat}")
     with _Burner(burner):
         proc = subprocess.run([sys.executable, "-m", "keras_gpufix", "diagnose", "--json",
                                "--no-trace", "--log-dir", log, "--", "python", as_is, "-",
@@ -288,7 +288,10 @@ def _diagnose(folder, pair, steps, burner):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     fix = next((f for f in result["fixes"]
                 if f["predicted"].get("source") in ("patched-run", "skipped-run")), None)
-    return {"verdict": result["verdict"], "fix": fix and fix["verdict"],
+    top = (result.get("fixes") or [{}])[0]
+    return {"verdict": result["verdict"], "top_fix": top.get("verdict"),
+            "top_where": (top.get("where") or [""])[0].split(": ")[0] or None,
+            "fix": fix and fix["verdict"],
             "gain": fix and fix["predicted"]["speedup"],
             "gain_range": fix and fix["predicted"]["speedup_range"],
             "known": fix and fix["predicted"].get("known"),
@@ -301,6 +304,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2, help="truth rounds (A B, B A)")
     parser.add_argument("--diagnose", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="diagnose runs of each script each way (at load, beside a burner)")
     parser.add_argument("--truth", nargs="+", default=[], metavar="PAIR=GAIN",
                         help="a pair's truth from an earlier run of this benchmark: its "
                              "compare runs are skipped (with --diagnose)")
@@ -321,15 +326,16 @@ def main(argv=None):
         truth = {**{r["pair"]: r["truth"] for r in rows}, **known}
         for pair in [p for p in ("plot_small", "plot", "eager") if p in args.pairs]:
             for burner in (False, True):
-                d = _diagnose(folder, pair, args.steps, burner)
-                loop, rounds = _loop_truth(folder, pair, args.steps, args.rounds)
-                d.update(pair=pair, burner=burner, truth=truth.get(pair), loop_truth=loop,
-                         loop_truth_rounds=rounds)
-                diagnosed.append(d)
-                print(json.dumps(d), flush=True)
+                for repeat in range(args.repeats):
+                    d = _diagnose(folder, pair, args.steps, burner, repeat)
+                    loop, rounds = _loop_truth(folder, pair, args.steps, args.rounds)
+                    d.update(pair=pair, burner=burner, repeat=repeat, truth=truth.get(pair),
+                             loop_truth=loop, loop_truth_rounds=rounds)
+                    diagnosed.append(d)
+                    print(json.dumps(d), flush=True)
     figures = {f"{r['pair']}_{r['condition'].split()[-1]}_gain": r["gain"] for r in rows}
-    figures.update({f"{d['pair']}_diagnose_{'burner' if d['burner'] else 'load'}_gain": d["gain"]
-                    for d in diagnosed})
+    figures.update({f"{d['pair']}_diagnose_{'burner' if d['burner'] else 'load'}_{d['repeat']}"
+                    "_gain": d["gain"] for d in diagnosed})
     figures.update({f"{r['pair']}_truth_gain": r["truth"] for r in rows})
     figures["opposite_count"] = sum(bool(r["opposite"]) for r in rows)
     write_results(args.out, "load_pairs", figures, {"rows": rows, "diagnose": diagnosed})

@@ -11,8 +11,8 @@ leaves its run record:
 - `eager`: a custom loop whose GradientTape step (1024-wide layers, batches of
   512) runs eagerly / the step in tf.function;
 - `plot`: a tf.function step and NumPy host work (a "plot": ten 300x300 matrix
-  products on one BLAS thread) every 5 steps / no plot; `plot_small`: one such
-  product (a gain of about 1.2x, where a moving load can turn the answer over);
+  products on one BLAS thread) every 5 steps / no plot; `plot_small`: four such
+  products (10-25% of the run, about 1.2x, where a moving load can turn the answer over);
 - `map`: `fit` over a `tf.py_function` map doing NumPy work per element / the
   features computed once (a feature cache).
 
@@ -165,8 +165,8 @@ SCRIPTS = {"eager": (LOOP, {"body": EAGER_BODY, "width": "1024", "batch": "512",
            # thread (threads spinning after it slow the steps by an amount the load moves)
            "plot": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "10",
                           "n": "300", "blas": "1"}),
-           # a small plot: about 1.3x
-           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "1",
+           # a small plot, 10-25% of the run: about 1.2x
+           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "4",
                                 "n": "300", "blas": "1"}),
            "map": (MAP, {})}
 

@@ -11,7 +11,7 @@ leaves its run record:
 - `eager`: a custom loop whose GradientTape step (1024-wide layers, batches of
   512) runs eagerly / the step in tf.function;
 - `plot`: a tf.function step and NumPy host work (a "plot": ten 300x300 matrix
-  products on one BLAS thread) every 5 steps / no plot; `plot_small`: four such
+  products on one BLAS thread) every 5 steps / no plot; `plot_small`: two such
   products (10-25% of the run, about 1.2x, where a moving load can turn the answer over);
 - `map`: `fit` over a `tf.py_function` map doing NumPy work per element / the
   features computed once (a feature cache).
@@ -166,7 +166,7 @@ SCRIPTS = {"eager": (LOOP, {"body": EAGER_BODY, "width": "1024", "batch": "512",
            "plot": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "10",
                           "n": "300", "blas": "1"}),
            # a small plot, 10-25% of the run: about 1.2x
-           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "4",
+           "plot_small": (LOOP, {"body": PLOT_BODY, "width": "256", "batch": "256", "reps": "2",
                                 "n": "300", "blas": "1"}),
            "map": (MAP, {})}
 

@@ -82,14 +82,13 @@ def _fit_causes(fit, scan):
     sampled = (fit.get("step") or {}).get("stall_sampled")
     if sampled and "periodic_stall" not in covered and not any(
             o[0] == "periodic_stall" for o in out):  # found by the stack samples alone
-        where = (fit.get("step") or {}).get("stall_where")
+        where = _where(fit, "periodic_stall", scan)
         out.append(("periodic_stall", sampled["share"], {
             "source": "stack samples", "figure": "cost_share", "value": sampled["share"],
             "text": f"{label}: periodic_stall beside {run['verdict']}: the loop body's work at "
                     f"{where} every {sampled['period']} steps, {sampled['share']:.0%} of the run "
                     "(the stack samples; the step times' spread hides its period)",
-            "period": sampled["period"], "phase": "loop_body",
-            "where": _where(fit, "periodic_stall", scan)}))
+            "period": sampled["period"], "phase": "loop_body", "where": where}))
     cost = analysis.what_if_input_cost(fit.get("what_if"))
     beside = analysis.what_if_cause(cost, _input_wait(fit), run["verdict"])
     if beside is not None:  # the input's cost the what-if measured, beside another cause

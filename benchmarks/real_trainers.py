@@ -203,6 +203,20 @@ def loop_time(folder, timer, stubs, loop_steps):
     return json.loads(line[len("LOOPTIME "):])
 
 
+def _keep(folder, result, fix):
+    """`result` (and its step.patch, its path then pointing at the copy) in `folder`, named
+    by the time it ended and its burner."""
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, time.strftime("diagnose_%Y%m%d_%H%M%S")
+                        + ("_burner" if result["bench_loads"]["burner"] else ""))
+    if fix.get("patch") and os.path.exists(fix["patch"]):
+        shutil.copy(fix["patch"], stem + ".patch")
+        fix["patch"] = os.path.abspath(stem + ".patch")
+    with open(stem + ".json", "w") as f:
+        f.write(json.dumps(result) + "\n")
+    print(f"kept {stem}.json", flush=True)
+
+
 def _x(values):
     if not values:
         return "-"
@@ -223,7 +237,10 @@ def main(argv=None):
                         help="one CPU burner from diagnose's first rerun to its end")
     parser.add_argument("--results", nargs="*", default=(), metavar="JSON",
                         help="diagnose results already taken (`diagnose --json`'s last line "
-                             "in a file), used beside --runs new ones")
+                             "in a file, as --keep writes them), used beside --runs new ones")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="write each new diagnose result (and its step.patch) here, for "
+                             "a later --results")
     add_out_argument(parser, "real_trainers")
     args = parser.parse_args(argv)
     if args.rounds < 3:
@@ -251,6 +268,8 @@ def main(argv=None):
                           args.burner)
         fix = next((f for f in result.get("fixes") or () if f.get("verdict") == "eager_step"),
                    {})
+        if args.keep:
+            _keep(args.keep, result, fix)
         runs.append(result)
         patch = patch or fix.get("patch")
     for i, result in enumerate(runs):

@@ -5,6 +5,8 @@ compares between a run's start and its end:
 
 - `busy_s`, `total_s`: the CPU time of every process and the time of every CPU
   (`/proc/stat`; Linux);
+- `mine_busy_s`, `mine_total_s`: the same over the CPUs this process may run on
+  (its affinity: a worker pinned with `taskset` shares only those);
 - `own_cpu_s`: this process's CPU time, all its threads (`time.process_time`);
 - `run_delay_s`: per thread, the time it was runnable but waited for a CPU (the
   2nd field of `/proc/self/task/*/schedstat`; Linux);
@@ -19,18 +21,27 @@ import time
 __all__ = ["sample"]
 
 
-def _proc_stat():
-    """`(busy_s, total_s)` of all CPUs since boot, or `(None, None)`."""
+def _busy_total(fields, tick):
+    # user nice system idle iowait irq softirq steal (guest is inside user)
+    total = sum(fields[:8])
+    return (total - sum(fields[3:5])) / tick, total / tick
+
+
+def _proc_stat(mine):
+    """`(busy_s, total_s, mine_busy_s, mine_total_s)` since boot: of all CPUs, and of
+    the CPUs in `mine` (None: unknown); None for what cannot be read."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+            rows = [line.split() for line in f if line.startswith("cpu")]
         tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None, None
-    # user nice system idle iowait irq softirq steal (guest is inside user)
-    idle = sum(fields[3:5])
-    total = sum(fields[:8])
-    return (total - idle) / tick, total / tick
+        every = _busy_total([int(v) for v in rows[0][1:]], tick)
+        ours = [_busy_total([int(v) for v in row[1:]], tick) for row in rows[1:]
+                if mine is not None and int(row[0][3:]) in mine]
+    except (OSError, ValueError, AttributeError, IndexError):
+        return None, None, None, None
+    if not ours:
+        return (*every, None, None)
+    return (*every, sum(b for b, _ in ours), sum(t for _, t in ours))
 
 
 def _run_delays():
@@ -52,15 +63,17 @@ def _run_delays():
 
 def sample() -> dict:
     """The machine's CPU figures now, for `analysis.cpu_contention(start, end)`."""
-    busy, total = _proc_stat()
+    try:
+        mine = os.sched_getaffinity(0)
+    except AttributeError:
+        mine = None
+    busy, total, mine_busy, mine_total = _proc_stat(mine)
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
         load = None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count()
     return {"wall_s": time.monotonic(), "own_cpu_s": time.process_time(), "busy_s": busy,
-            "total_s": total, "run_delay_s": _run_delays(), "load": load,
-            "cpus": cpus, "machine_cpus": os.cpu_count()}
+            "total_s": total, "mine_busy_s": mine_busy, "mine_total_s": mine_total,
+            "run_delay_s": _run_delays(), "load": load,
+            "cpus": os.cpu_count() if mine is None else len(mine),
+            "machine_cpus": os.cpu_count()}

@@ -40,6 +40,11 @@ def test_other_processes_share_is_the_busy_time_less_the_runs_own():
                            _sample(10.0, 10.0, None, None, None, load=2.0))
     assert rough["others_share"] == pytest.approx(0.5) and rough["waited_share"] is None
     assert cpu_contention(None, start) is None and cpu_contention(start, start) is None
+    # pinned to one CPU of the two (taskset): others' share of that CPU, beside the machine's
+    pinned = cpu_contention({**start, "mine_busy_s": 200.0, "mine_total_s": 500.0},
+                            {**end, "mine_busy_s": 209.0, "mine_total_s": 510.0})
+    assert pinned["others_mine_share"] == pytest.approx(0.5)  # 9 s busy, 4 of them its own
+    assert pinned["others_share"] == pytest.approx(0.6) and c["others_mine_share"] is None
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
@@ -50,6 +55,7 @@ def test_a_sample_reads_the_machine_and_this_process():
         pass
     c = cpu_contention(start, cpu_load.sample())
     assert c["own_cpu_s"] >= 0.2 and 0.0 <= c["others_share"] <= 1.0
+    assert 0.0 <= c["others_mine_share"] <= 1.0
     assert c["waited_share"] is not None and c["waited_share"] >= 0.0
 
 

@@ -10,6 +10,8 @@ other processes used:
   run (all CPUs' busy time less this process's, over all CPUs' time), from
   `/proc/stat`; elsewhere, the load average less this process's own use, per
   CPU (a rougher figure);
+- `others_mine_share`: the same over the CPUs the run may use (its
+  affinity); where it may use every CPU, `others_share`;
 - `waited_share`: the time this process's threads waited, runnable, for a CPU
   (`schedstat`), per second of the run (threads that ended before the end
   are not counted: a lower bound);
@@ -38,6 +40,7 @@ def cpu_contention(start: dict, end: dict) -> "dict | None":
 
     Returns:
         A dict `others_share` (None when it could not be measured),
+        `others_mine_share` (likewise, over the CPUs it may use),
         `waited_share` (None likewise), `load` (the 1-minute load average
         at the end), `cpus` (this process's usable CPUs), `wall_s`,
         `own_cpu_s`, `contended`; None when the samples are missing or
@@ -49,22 +52,30 @@ def cpu_contention(start: dict, end: dict) -> "dict | None":
     if wall <= 0:
         return None
     own = max(0.0, end["own_cpu_s"] - start["own_cpu_s"])
-    others = None
-    if start.get("total_s") is not None and end.get("total_s") is not None:
-        total = end["total_s"] - start["total_s"]
-        busy = end["busy_s"] - start["busy_s"]
-        if total > 0:
-            others = min(1.0, max(0.0, (busy - own) / total))
-    elif end.get("load") is not None and end.get("machine_cpus"):
+    others = _others(start, end, own, "busy_s", "total_s")
+    if others is None and end.get("load") is not None and end.get("machine_cpus"):
         others = min(1.0, max(0.0, end["load"] - own / wall) / end["machine_cpus"])
+    mine = _others(start, end, own, "mine_busy_s", "mine_total_s")
     waited = None
     before, after = start.get("run_delay_s"), end.get("run_delay_s")
     if before is not None and after is not None:
         waited = sum(max(0.0, d - before.get(t, 0.0)) for t, d in after.items()) / wall
     contended = others is not None and others >= CONTENTION_SHARE
-    return {"others_share": others, "waited_share": waited, "load": end.get("load"),
+    return {"others_share": others, "others_mine_share": mine, "waited_share": waited,
+            "load": end.get("load"),
             "cpus": end.get("cpus"), "wall_s": wall, "own_cpu_s": own,
             "contended": contended}
+
+
+def _others(start, end, own, busy, total):
+    """Other processes' share of the CPUs whose busy and total time the samples hold at
+    `busy`, `total` (`own`: this process's CPU time meanwhile), or None."""
+    if start.get(total) is None or end.get(total) is None:
+        return None
+    spanned = end[total] - start[total]
+    if spanned <= 0:
+        return None
+    return min(1.0, max(0.0, (end[busy] - start[busy] - own) / spanned))
 
 
 def contention_text(contention, verdict=None) -> "str | None":

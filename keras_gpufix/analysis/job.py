@@ -31,6 +31,7 @@ Per worker (`per_worker`), per step:
 | `cpu_wait_ms`        | its threads' wait for a CPU (`schedstat` run delay, summed over threads), per step (None: not measured) |
 | `own_cpu_share`      | its CPU time over its run's wall time and its usable CPUs |
 | `others_share`       | other processes' share of the machine's CPU over its run |
+| `others_mine_share`  | other processes' share of the CPUs it may use (its affinity) over its run |
 
 CPU figures are the worker's steady steps' (from its first step after
 warmup), per step of the job's cycle.
@@ -159,6 +160,7 @@ def worker_summary(task, report, chief=False, end_time=None) -> dict:
         "waited_s": None if waited is None else float(waited * cpu["wall_s"]),
         "cpus": cpu.get("cpus"),
         "others_share": cpu.get("others_share"),
+        "others_mine_share": cpu.get("others_mine_share"),
         "series": _coarse(report.get("series") or {}),
     }
 
@@ -249,6 +251,7 @@ def _worker(s, cycle_ms):
                           if s.get("own_cpu_s") is not None and wall and cpus else None),
         "cpus": cpus,
         "others_share": s.get("others_share"),
+        "others_mine_share": s.get("others_mine_share"),
     }
 
 

@@ -11,7 +11,8 @@ from keras_gpufix.analysis.job import SERIES_POINTS
 def _summary(task, steps=100, step_ms=10.0, wait_ms=0.0, between_ms=0.5, batch=8, chief=None,
              cpu=None, points=0):
     """A worker_summary from per-step figures, as the monitor's report gives them; `cpu`:
-    `(cpu wait per second of the run, own CPU share, usable CPUs)`; `points`: a series."""
+    `(cpu wait per second of the run, own CPU share, usable CPUs[, other processes' share
+    of its CPUs])`; `points`: a series."""
     cycle = (step_ms + wait_ms + between_ms) / 1e3
     total = steps * cycle
     report = {"step_time": {
@@ -19,10 +20,10 @@ def _summary(task, steps=100, step_ms=10.0, wait_ms=0.0, between_ms=0.5, batch=8
         "phases": {"input_wait": wait_ms / 1e3 / cycle, "step": step_ms / 1e3 / cycle,
                    "between": between_ms / 1e3 / cycle}}}
     if cpu is not None:
-        waited, own, cpus = cpu
+        waited, own, cpus, others = (*cpu, 0.0)[:4]
         report["contention"] = {"wall_s": total, "waited_share": waited,
                                 "own_cpu_s": own * cpus * total, "cpus": cpus,
-                                "others_share": 0.5}
+                                "others_share": 0.5, "others_mine_share": others}
     if points:
         report["series"] = {"first_step": [5 * k for k in range(points)], "steps": [5] * points,
                             "input_wait_ms": [wait_ms] * points, "step_ms": [step_ms] * points,
@@ -61,10 +62,10 @@ def test_a_slow_input_is_not_made_shorter_by_its_quieter_cpu():
     assert (s["task"], s["cause"]) == (1, "input")
     assert s["excess_ms"] == pytest.approx(60.0)
     assert s["others_wait_share"] == pytest.approx(60.0 / 100.5)
-    # Steps that hold far more than their CPU work and wait on every worker (a custom
-    # loop's next() agreeing with the others): split as without CPU figures.
-    loop = judge_job([_summary(0, step_ms=100.0, cpu=(0.1, 0.2, 1)),
-                      _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.1, 0.2, 1))])
+    # Steps that hold far more than their CPU work on every worker (a custom loop's
+    # next() agreeing with the others): split as without CPU figures.
+    loop = judge_job([_summary(0, step_ms=100.0, cpu=(0.1, 0.1, 1)),
+                      _summary(1, step_ms=40.0, wait_ms=60.0, cpu=(0.1, 0.1, 1))])
     assert [w["collective_wait_ms"] for w in loop["per_worker"]] == pytest.approx([60.0, 0.0])
     assert loop["straggler"]["excess_ms"] == pytest.approx(60.0)
 
@@ -93,56 +94,66 @@ def test_time_between_steps_is_a_cause_too_and_small_spreads_are_not_stragglers(
 
 
 def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared():
-    # Both do 20.25 ms of CPU work a 40.5 ms step; worker 1's threads wait 81 ms for a
-    # CPU (summed over threads), worker 0's 36.45 ms.
+    # Both do 20.25 ms of CPU work a 40.5 ms cycle (one CPU each), and their threads
+    # wait for each other alike (0.9 s a second); on worker 1's CPU another process ran
+    # 40% of the time (16.2 ms a cycle), and its threads waited 2 s a second.
     shared = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.5, 1)),
-                        _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(2.0, 0.5, 1))])
+                        _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(2.0, 0.5, 1, 0.4))])
     s = shared["straggler"]
     assert (s["task"], s["cause"], s["phase"]) == (1, "cpu_shared", "cpu")
     cycle, cpu = 40.5, 0.5 * 40.5
-    # worker 1 joins the all-reduce last: its step is its own, so the share of its
-    # threads' wait on its step's path is (39 - cpu) / 81; its lateness that share of
-    # its extra wait, and its 1 ms more input wait
-    on_path = (39.0 - cpu) / (2.0 * cycle)
-    excess = on_path * (2.0 - 0.9) * cycle + 1.0
-    assert s["excess_ms"] == pytest.approx(excess)
+    # its lateness: the other process's time on its CPU (less than its threads' wait),
+    # and its 1 ms more input wait
+    assert s["excess_ms"] == pytest.approx(0.4 * cycle + 1.0)
     by_task = {w["task"]: w for w in shared["per_worker"]}
-    assert by_task[0]["compute_ms"] == pytest.approx(cpu + on_path * 0.9 * cycle)
-    assert by_task[0]["collective_wait_ms"] == pytest.approx(40.0 - cpu - on_path * 0.9 * cycle)
+    assert by_task[1]["others_cpu_ms"] == pytest.approx(0.4 * cycle)
+    # worker 1's step: its CPU time, the other's time on its CPU, and what every step
+    # holds besides (39 - 20.25 - 16.2 ms: the all-reduce's latency); worker 0's the same
+    # latency and its CPU time, the rest its wait for worker 1
+    common = 39.0 - cpu - 0.4 * cycle
     assert by_task[1]["collective_wait_ms"] == pytest.approx(0.0)
+    assert by_task[0]["compute_ms"] == pytest.approx(cpu + common)
+    assert by_task[0]["collective_wait_ms"] == pytest.approx(40.0 - cpu - common)
     assert by_task[1]["cpu_ms"] == pytest.approx(cpu)
     assert "its CPU shared with another process" in shared["message"]
     assert "its host" in s["fix"]
-    # an input wait longer than the extra CPU wait's share: the input is the cause
+    # its threads' wait bounds what the other process took from its step
+    bound = judge_job([_summary(0, step_ms=40.0, cpu=(0.1, 0.5, 1)),
+                       _summary(1, step_ms=40.0, cpu=(0.45, 0.5, 1, 0.5))])
+    assert bound["straggler"]["excess_ms"] == pytest.approx(0.45 * 40.5)
+    # an input wait longer than the other process's time: the input is the cause
     slow = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.5, 1)),
-                      _summary(1, step_ms=25.0, wait_ms=15.0, cpu=(1.2, 0.5, 1))])
+                      _summary(1, step_ms=25.0, wait_ms=15.0, cpu=(1.2, 0.5, 1, 0.1))])
     assert slow["straggler"]["cause"] == "input"
-    # The wait spreads over the CPUs it may use: two CPUs' threads wait twice as long.
+    # Per usable CPU: two CPUs' threads wait twice as long, for the same lateness.
     two = judge_job([_summary(0, step_ms=40.0, cpu=(1.8, 0.5, 2)),
-                     _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(4.0, 0.5, 2))])
-    assert two["straggler"]["excess_ms"] == pytest.approx(excess)
-    # Two workers whose threads wait alike, however long (a host loaded by other
-    # work): no straggler.
-    loaded = judge_job([_summary(0, step_ms=40.0, cpu=(2.0, 0.5, 1)),
-                        _summary(1, step_ms=40.0, cpu=(2.1, 0.5, 1))])
+                     _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(4.0, 0.5, 2, 0.4))])
+    assert two["straggler"]["excess_ms"] == pytest.approx(0.4 * cycle + 1.0)
+    # Threads that wait long for each other (many threads on one CPU), or both workers'
+    # CPUs alike shared (a host loaded by other work): no straggler.
+    crowded = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.95, 1)),
+                         _summary(1, step_ms=40.0, cpu=(2.5, 0.95, 1))])
+    assert crowded["straggler"] is None and crowded["message"].endswith("; no straggler")
+    loaded = judge_job([_summary(0, step_ms=40.0, cpu=(2.0, 0.65, 1, 0.3)),
+                        _summary(1, step_ms=40.0, cpu=(2.1, 0.65, 1, 0.32))])
     assert loaded["straggler"] is None and loaded["message"].endswith("; no straggler")
 
 
 def test_a_worker_with_more_work_in_its_step_is_named_slow_step_not_shared_cpu():
     # Both steps 40 ms (the all-reduce ends them together), both wait alike for a CPU;
-    # worker 1's step takes 12.15 ms more CPU time.
+    # worker 1's step takes 16.2 ms more CPU time.
     job = judge_job([_summary(0, step_ms=40.0, cpu=(0.5, 0.5, 1)),
-                     _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])
+                     _summary(1, step_ms=40.0, cpu=(0.5, 0.9, 1))])
     s = job["straggler"]
     assert (s["task"], s["cause"], s["phase"]) == (1, "step", "step")
-    assert s["excess_ms"] == pytest.approx(0.3 * 40.5)
-    assert s["others_wait_share"] == pytest.approx(0.3)
+    assert s["excess_ms"] == pytest.approx(0.4 * 40.5)
+    assert s["others_wait_share"] == pytest.approx(0.4)
     assert f"its own step's work: {s['excess_ms']:.1f} ms per step later" in job["message"]
     assert "worker 1 does more work per step" in s["fix"]
     assert f"the job about {s['gain']:.2f}x faster if it matched them" in job["message"]
     # without every worker's CPU figures, the same pair names no one, and says why
     blind = judge_job([_summary(0, step_ms=40.0),
-                       _summary(1, step_ms=40.0, cpu=(0.5, 0.8, 1))])
+                       _summary(1, step_ms=40.0, cpu=(0.5, 0.9, 1))])
     assert blind["straggler"] is None
     assert blind["message"].endswith("(a slow step on one worker is not told apart: no CPU "
                                      "figures split the workers' steps)")

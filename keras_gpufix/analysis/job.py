@@ -32,25 +32,28 @@ Per worker (`per_worker`), per step:
 | `own_cpu_share`      | its CPU time over its run's wall time and its usable CPUs |
 | `others_share`       | other processes' share of the machine's CPU over its run |
 | `others_mine_share`  | other processes' share of the CPUs it may use (its affinity) over its run |
+| `others_cpu_ms`      | other processes' time on its CPUs, per step, per CPU (`others_mine_share` of the cycle) |
 
 CPU figures are the worker's steady steps' (from its first step after
 warmup), per step of the job's cycle.
 
 How a worker's step splits, on CPU devices: a worker waiting at the
 all-reduce for another sleeps, neither running nor waiting for a CPU; so
-its own time in its step is its CPU time and its wait for a CPU. Its
-threads' waits are summed over threads that wait at the same time, most of
-them off the step's path (input threads working ahead, the RPC threads), so
-only a share of the sum counts: the worker that joins the all-reduce last
-waits for no one, its step is all its own, and that share is the least
-`(step - CPU time) / wait` of the workers (`_on_path`). Both figures are per
-usable CPU (threads that run or wait at the same time on c CPUs hold up c
-streams of work, not more). Where that least share exceeds 1, every
-worker's step holds time that is neither (a custom loop's `next()`
-agreeing with the others, the all-reduce's own latency), and the steps are
-split as without CPU figures: the job's shortest step stands for every
-worker's own (an estimate). On a GPU the device's work is not in the
-host's CPU time: a slower GPU reads as time at the all-reduce.
+its own time in its step is its CPU time and the time its threads waited
+while other processes held its CPUs. Its threads' summed wait for a CPU
+(`schedstat` run delay) also holds their waits for each other (many
+threads on few CPUs), which do not lengthen its step beyond its CPU time;
+so the wait that counts is at most other processes' time on the CPUs it
+may use (`others_cpu_ms`, from `/proc/stat`'s per-CPU lines over its
+affinity: a worker pinned with `taskset` shares only those), and at most
+its threads' wait. Both are per usable CPU. The time every worker's step
+holds besides (the all-reduce's own latency: the least over the workers)
+is its own too. Where every worker's step holds more than the straggler
+threshold besides (a custom loop's `next()` agreeing with the others), the
+CPU cannot split the steps, and they are split as without CPU figures: the
+job's shortest step stands for every worker's own (an estimate). On a GPU
+the device's work is not in the host's CPU time: a slower GPU reads as
+time at the all-reduce.
 
 The straggler is the worker that makes the others wait: the one that
 joins the all-reduce later than the median of the other workers by at
@@ -64,8 +67,8 @@ part:
   checkpoints on that worker; `phase` `between`);
 - `step`: its CPU time per step above the others' (more work in its step:
   a heavier share, extra ops; `phase` `step`);
-- `cpu_shared`: its threads' wait for a CPU above the others', the share
-  on its step's path (another process on its CPUs; `phase` `cpu`).
+- `cpu_shared`: its threads' wait while other processes held its CPUs,
+  above the others' (another process on its CPUs; `phase` `cpu`).
 
 The last two need the CPU to split the steps (Linux); elsewhere a slow
 step is not told apart, and the message says so. Its lateness (`excess_ms`):
@@ -209,11 +212,10 @@ def judge_job(summaries, expected=None) -> dict:
     cycle_ms = float(np.median([s["total_s"] / s["steps"] for s in summaries])) * 1e3
     per = [_worker(s, cycle_ms) for s in summaries]
     series = _timeline(summaries)
-    on_path = _on_path(per)
-    straggler = _straggler(per, cycle_ms, on_path)
+    split = _splits(per)
+    straggler = _straggler(per, cycle_ms, split)
     # a worker late for its input ran its CPU work meanwhile: the CPU splits no step
-    _split_steps(per, on_path if straggler is None or straggler["cause"] in _CPU_CAUSES
-                 else None)
+    _split_steps(per, split and (straggler is None or straggler["cause"] in _CPU_CAUSES))
     if straggler is not None:
         others = [w["collective_wait_ms"] for w in per if w["task"] != straggler["task"]]
         straggler["others_wait_share"] = float(np.median(others)) / cycle_ms
@@ -252,17 +254,21 @@ def _worker(s, cycle_ms):
         "cpus": cpus,
         "others_share": s.get("others_share"),
         "others_mine_share": s.get("others_mine_share"),
+        "others_cpu_ms": (None if s.get("others_mine_share") is None
+                          else s["others_mine_share"] * cycle_ms),
     }
 
 
-def _split_steps(workers, on_path):
-    """Each worker's `compute_ms` (its own time in its step: its CPU time and the share
-    `on_path` of its threads' wait for a CPU) and `collective_wait_ms` (the rest: its
-    wait at the all-reduce); where `on_path` is None, estimated: the job's shortest
-    step is every worker's own step."""
+def _split_steps(workers, split):
+    """Each worker's `compute_ms` (its own time in its step) and `collective_wait_ms`
+    (the rest: its wait at the all-reduce). Where the CPU splits the steps, its own
+    time is its CPU time and its wait for others' use of its CPUs (`_busy`), and the
+    time every step holds besides (the all-reduce's own latency: the least over the
+    workers); elsewhere, estimated: the job's shortest step is every worker's own."""
     fastest = min(w["step_ms"] for w in workers)
+    common = min(w["step_ms"] - _busy(w) for w in workers) if split else 0.0
     for w in workers:
-        w["compute_ms"] = fastest if on_path is None else _busy(w, on_path)
+        w["compute_ms"] = _busy(w) + common if split else fastest
         w["collective_wait_ms"] = w["step_ms"] - w["compute_ms"]
 
 
@@ -288,73 +294,75 @@ def _timeline(summaries):
 
 
 def _per_cpu(worker):
-    """`(own CPU, its threads' wait for a CPU)` per step, per usable CPU (threads that run
-    or wait at the same time on c CPUs hold up c streams of work, not more)."""
+    """`(own CPU, its wait for a CPU other processes took)` per step, per usable CPU.
+
+    Its threads' summed wait for a CPU (`cpu_wait_ms`) holds waits for each other (a
+    process's many threads on few CPUs), which do not lengthen its step beyond its CPU
+    time, and waits while another process held its CPUs, which do: those are at most
+    the other processes' time on its CPUs (`others_cpu_ms`), and at most its wait. Threads that run or wait at the same time on c CPUs hold up c
+    streams of work, not more."""
     cpus = worker["cpus"] or 1
-    return worker["cpu_ms"] / cpus, worker["cpu_wait_ms"] / cpus
+    return worker["cpu_ms"] / cpus, min(worker["others_cpu_ms"], worker["cpu_wait_ms"] / cpus)
 
 
-def _on_path(workers):
-    """The share of a worker's threads' summed wait for a CPU that lengthens its step
-    (many threads wait at once, most of them off the step's path), or None.
-
-    The worker that joins the all-reduce last waits for no one: its step is its CPU
-    time and that share of its wait. Every other worker's step also holds its wait for
-    it, so the least of `(step - CPU time) / wait` over the workers is the share (0
-    where a worker's threads never waited). None where a worker's CPU figures are
-    unknown, or where that least exceeds 1: then every worker's step holds time that
-    is neither CPU work nor a wait for a CPU (a custom loop's `next()` agreeing with
-    the others, the all-reduce's own latency), and the CPU cannot split the steps."""
-    if not all(w["cpu_ms"] is not None and w["cpu_wait_ms"] is not None for w in workers):
-        return None
-
-    def share(w):
-        cpu, wait = _per_cpu(w)
-        return max(0.0, (w["step_ms"] - cpu) / wait) if wait > 0 else 0.0
-    least = min(share(w) for w in workers)
-    return None if least > 1.0 else least
+def _splits(workers):
+    """Whether the CPU splits the workers' steps: every worker's CPU figures known, and
+    some worker's step all its own (its CPU time, its wait for others' use of its CPUs,
+    and less than the straggler threshold besides: the worker that joins the
+    all-reduce last waits for no one). Where every step holds more (a custom loop's
+    `next()` agreeing with the others), the CPU cannot split them."""
+    keys = ("cpu_ms", "cpu_wait_ms", "others_cpu_ms")
+    if not all(w[k] is not None for w in workers for k in keys):
+        return False
+    cycle_ms = float(np.median([w["step_ms"] + (w["input_wait_ms"] or 0.0) + w["between_ms"]
+                                for w in workers]))
+    return min(w["step_ms"] - sum(_per_cpu(w)) for w in workers) < _least(cycle_ms)
 
 
-def _busy(worker, on_path):
-    """Its own time in its step: its CPU time and the share `on_path` of its threads'
-    wait for a CPU, per usable CPU (at most its step)."""
-    cpu, wait = _per_cpu(worker)
-    return min(worker["step_ms"], cpu + on_path * wait)
+def _least(cycle_ms):
+    """The least lateness that makes a straggler."""
+    return max(MIN_EXCESS_MS, THRESHOLDS["straggler_share"] * cycle_ms)
 
 
-def _lateness(worker, others, on_path):
+def _busy(worker):
+    """Its own time in its step: its CPU time and its wait for others' use of its CPUs,
+    per usable CPU (at most its step)."""
+    return min(worker["step_ms"], sum(_per_cpu(worker)))
+
+
+def _lateness(worker, others, split):
     """`(excess_ms, cause, phase, part_ms)` of `worker` against the median of `others`.
 
     The parts: its input wait and its time between steps above theirs, and (where
-    the CPU splits the steps) its CPU time and the share `on_path` of its threads'
-    wait for a CPU above theirs. The cause is the largest part. The lateness of a
-    host cause is its two host parts: its CPU work ran while it waited. Of a CPU
-    cause, the host parts and its own time in its step above theirs (`_busy`)."""
+    the CPU splits the steps) its CPU time and its wait for others' use of its CPUs
+    above theirs. The cause is the largest part. The lateness of a host cause is its
+    two host parts: its CPU work ran while it waited. Of a CPU cause, the host parts
+    and its own time in its step above theirs (`_busy`)."""
     def above(value):
         return value(worker) - float(np.median([value(w) for w in others]))
 
     parts = {"input": above(lambda w: w["input_wait_ms"] or 0.0),
              "between": above(lambda w: w["between_ms"])}
     excess = parts["input"] + parts["between"]
-    if on_path is not None:
+    if split:
         parts["step"] = above(lambda w: _per_cpu(w)[0])
-        parts["cpu_shared"] = on_path * above(lambda w: _per_cpu(w)[1])
+        parts["cpu_shared"] = above(lambda w: _per_cpu(w)[1])
     cause = max(parts, key=parts.get)
     if cause in _CPU_CAUSES:
-        excess += max(0.0, above(lambda w: _busy(w, on_path)))
+        excess += max(0.0, above(_busy))
     return excess, cause, _PHASES[cause], parts[cause]
 
 
-def _straggler(workers, cycle_ms, on_path):
+def _straggler(workers, cycle_ms, split):
     """The straggler (its `others_wait_share` left to the caller), or None."""
     if len(workers) < 2 or cycle_ms <= 0:
         return None
-    late = {w["task"]: _lateness(w, [o for o in workers if o is not w], on_path)
+    late = {w["task"]: _lateness(w, [o for o in workers if o is not w], split)
             for w in workers}
     task = max(late, key=lambda t: late[t][0])
     excess, cause, phase, part = late[task]
     # the lateness, and its cause alone: small differences of every part add up
-    if min(excess, part) < max(MIN_EXCESS_MS, THRESHOLDS["straggler_share"] * cycle_ms):
+    if min(excess, part) < _least(cycle_ms):
         return None
     return {"task": task, "cause": cause, "phase": phase, "excess_ms": excess,
             "share": excess / cycle_ms, "gain": cycle_ms / max(cycle_ms - excess, 1e-9),
@@ -392,7 +400,7 @@ def _message(report):
         line += f"; no summary from task(s) {report['missing']}"
     s = report["straggler"]
     if s is None:
-        return line + ("; no straggler" if _on_path(report["per_worker"]) is not None else
+        return line + ("; no straggler" if _splits(report["per_worker"]) else
                        "; no straggler (a slow step on one worker is not told apart: no CPU "
                        "figures split the workers' steps)")
     return (line + f"; straggler: worker {s['task']} ({_cause_text(s)}); "

@@ -122,6 +122,7 @@ class RunRecord:
                   "share": f["predicted"].get("share"),
                   "expected_speedup": f["predicted"].get("speedup"),
                   "steady_speedup": f["predicted"].get("steady_speedup"),
+                  "run_speedup": f["predicted"].get("run_speedup"),
                   "whole_run": f["predicted"].get("whole_run"),
                   "stage_op": (f.get("stage") or {}).get("op"),
                   "stage_kind": (f.get("stage") or {}).get("kind"),

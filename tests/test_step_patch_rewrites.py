@@ -227,7 +227,8 @@ def test_the_headline_names_the_steps_def_that_the_patch_compiles():
     from keras_gpufix.diagnose.step_patch import attach_patches
 
     fixes = [{"verdict": "eager_step", "fix": "wrap the step", "expected_speedup": 3.2,
-              "source": "patched-run", "where": ["/x/trainer.py:1490: the eager gradient"]}]
+              "run_speedup": 2.9, "source": "patched-run",
+              "where": ["/x/trainer.py:1490: the eager gradient"]}]
     fits = [{"compiled_step": {"patch": "/x/logs/step.patch",
                                "function": "train_step_with_accumulation (/x/trainer.py:1276)"}}]
     attach_patches(fixes, fits, [], None)
@@ -238,4 +239,13 @@ def test_the_headline_names_the_steps_def_that_the_patch_compiles():
     fix = next(line for line in lines if line.startswith("fix:"))
     assert fix.startswith("fix:     compile the step at /x/trainer.py:1276: "
                           "`patch -p1 < /x/logs/step.patch`"), fix
-    assert fix.endswith("3.20x the steps/s, measured with the patch applied")
+    assert fix.endswith("3.20x the steps/s, measured with the patch applied (the whole loop "
+                        "2.90x)")
+    # a line that would pass 200 characters names the file alone (the evidence has its path)
+    deep = "/" + "/".join(["a_long_folder_name"] * 8)
+    fixes[0]["where"] = [w.replace("/x/", deep + "/") for w in fixes[0]["where"]]
+    lines = headline({"verdict": {"verdict": "eager_step", "cost_share": 0.7},
+                      "causes": [{"verdict": "eager_step", "share": 0.7}], "fixes": fixes})
+    fix = next(line for line in lines if line.startswith("fix:"))
+    assert fix.startswith("fix:     compile the step at trainer.py:1276: "), fix
+    assert len(fix) <= 200

@@ -65,8 +65,7 @@ HEADLINE_FIXES = {
     "eager_step": "compile the step{at} (tf.function, then try jit_compile=True)",
     # where diagnose made the step run compiled and checked it: its patch, which holds
     # jit_compile=True only where XLA ran it (a tf.print in the step: tf.function alone)
-    "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}` (diagnose traced, "
-                        "checked and ran it)",
+    "eager_step_patch": "compile the step{at}: `patch -p1 < {patch}`",
     "recompiling": "bound the input shapes (length buckets, or padding to a multiple)",
     "dispatch_bound": "run several steps per call (steps_per_execution) or larger batches",
     "sync_callbacks": "set `async_safe = True` on the batch-end callbacks that block",
@@ -84,7 +83,8 @@ def gain_words(fix: dict) -> str:
     (`expected_speedup` of the run as the script runs it), `the steps 2.10x faster`
     (a gain per step, where the whole run's is not known), `the whole run at most
     1.25x faster` (a cause known by its cost share alone), `1.66x the steps/s,
-    measured with the patch applied` (diagnose ran the script with its patch), `not
+    measured with the patch applied (the whole loop 1.40x)` (diagnose ran the script
+    with its patch: the steady steps, and its loops' wall, compile included), `not
     known yet` (its reruns' range holds 1.0) with the steps that would settle it, or
     why there is none."""
     speedup = fix.get("expected_speedup")
@@ -99,7 +99,9 @@ def gain_words(fix: dict) -> str:
                 "script as it is)" + (f"; runs of about {settle} steady steps would settle it"
                                       if settle else ""))
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
-        return f"{speedup:.2f}x the steps/s, measured with the patch applied"
+        loop = fix.get("run_speedup")
+        return (f"{speedup:.2f}x the steps/s, measured with the patch applied"
+                + ("" if loop is None else f" (the whole loop {loop:.2f}x)"))
     if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped
         return f"{speedup:.2f}x the steps/s with that work removed, measured"
     whole = fix.get("whole_run")
@@ -116,12 +118,13 @@ def _near(path: str) -> str:
     return path if near.startswith("..") else near
 
 
-def _line_of(where) -> "str | None":
-    """`file:line` of a fix's first location (`file:line: why`), or None."""
+def _line_of(where, name) -> "str | None":
+    """`file:line` of a fix's first location (`file:line: why`), the file named by
+    `name(file)`, or None."""
     for w in where or ():
         file, _, line = w.split(": ", 1)[0].rpartition(":")
         if file and line.isdigit():
-            return f"{_near(file)}:{line}"
+            return f"{name(file)}:{line}"
     return None
 
 
@@ -148,7 +151,22 @@ def _gains(fix) -> bool:
 def _fix_line(fix, causes) -> str:
     """The fix line's sentence and gain for one ranked fix: its line, and the words
     true of the user's code (a map of TF ops is cached, not moved into TF ops; a
-    cache that pays only in later runs says so and is kept in a file)."""
+    cache that pays only in later runs says so and is kept in a file). Its file as
+    the user would type it from here; by its name alone where the line would pass
+    `_WIDTH` (the evidence has its path)."""
+    line = _fix_sentence(fix, causes, _near)
+    if len("fix:     " + line) > _WIDTH:
+        line = _fix_sentence(fix, causes, os.path.basename)
+    if fix["verdict"] == "eager_step" and not fix.get("patch") and fix.get("refused"):
+        room = _WIDTH - len("fix:     ") - len(line) - len("; no patch: ")
+        why = fix["refused"] if len(fix["refused"]) <= room else (
+            fix["refused"][:max(0, room - 3)] + "...")
+        line += f"; no patch: {why}" if room > 20 else ""
+    return line
+
+
+def _fix_sentence(fix, causes, name) -> str:
+    """`_fix_line`'s sentence and gain, its file named by `name(file)`."""
     op, kind = fix.get("stage_op"), fix.get("stage_kind")
     later = fix.get("later_speedup")
     speedup = fix.get("expected_speedup")
@@ -159,7 +177,7 @@ def _fix_line(fix, causes) -> str:
                _STAGE_KEYS.get(kind, "input_bound_stage"))
     elif key == "eager_step" and fix.get("patch"):
         key = "eager_step_patch"
-    where = _line_of(fix.get("where"))
+    where = _line_of(fix.get("where"), name)
     if key == "irregular_stall" and where:
         key = "irregular_stall_located"
     at = f" at {where}" if where else ""
@@ -169,13 +187,7 @@ def _fix_line(fix, causes) -> str:
         period=(causes.get(fix["verdict"]) or {}).get("period") or "?")
     gain = (f"every later run {later:.2f}x faster (this run {speedup or 1.0:.2f}x: it fills "
             "the file)" if on_disk else gain_words(fix))
-    line = sentence + ("" if "{at}" in (template or "") else at) + f": {gain}"
-    if key == "eager_step" and fix.get("refused"):  # why diagnose made no patch, cut to fit
-        room = _WIDTH - len("fix:     ") - len(line) - len("; no patch: ")
-        why = fix["refused"] if len(fix["refused"]) <= room else (
-            fix["refused"][:max(0, room - 3)] + "...")
-        line += f"; no patch: {why}" if room > 20 else ""
-    return line
+    return sentence + ("" if "{at}" in (template or "") else at) + f": {gain}"
 
 
 def load_line(record: dict) -> "str | None":

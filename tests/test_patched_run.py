@@ -141,6 +141,7 @@ def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypa
     calls = []
     walls = {"as_is": [20, 20, 20], "fixed": [10, 10, 10], "other": [19.6, 20.4, 19.8],
              "together": [9, 9, 9]}
+    seconds_each = 10.0  # runs long enough that rounds stop at MAX_ROUNDS
     loads = {"as_is": [0.1, 0.1, 0.1], "fixed": [0.8, 0.12, 0.1]}  # a burner in round 1
 
     def fake(command, patches, steps, log_dir, cwd=None, timeout=None, sources=None):
@@ -150,8 +151,8 @@ def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypa
                 "together_run": "together"}[name]
         r = sum(1 for c in calls if c == name)
         calls.append(name)
-        return dict(_diagnosed(walls[kind][r], (loads.get(kind) or [0.1] * 3)[r], seed=len(calls)),
-                    seconds=1.0)
+        return dict(_diagnosed(walls[kind][r % 3], (loads.get(kind) or [0.1] * 3)[r % 3],
+                               seed=len(calls)), seconds=seconds_each)
 
     monkeypatch.setattr(patched_run, "run_patched", fake)
     variants = {"patched_run": (["step.patch"], None), "skipped_run": ([], {"x.py": "pass"})}
@@ -174,4 +175,16 @@ def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypa
     assert other["rounds_run"] == 3 and calls.count("skipped_run") == 3
     assert other["known"] or other["settle_steps"] > 40
     assert runs["together_run"]["paired"]["gain"] == pytest.approx(20 / 9, rel=0.05)
-    assert seconds == len(calls)
+    assert seconds == 10.0 * len(calls)
+    # short runs (1 s each): an unsettled gain's rounds go on past MAX_ROUNDS while the
+    # reruns so far took under CHEAP_ROUNDS_S, up to MOST_ROUNDS
+    from keras_gpufix.analysis.comparison import MAX_ROUNDS, MOST_ROUNDS
+
+    calls.clear()
+    seconds_each = 1.0
+    walls["other"] = [12.0, 30.0, 14.0]  # a spread that leaves the gain unsettled
+    runs, seconds = patched_run.run_pairs(_diagnosed(20), {"skipped_run": ([], {})}, 40,
+                                          str(tmp_path))
+    other = runs["skipped_run"]["paired"]
+    assert MAX_ROUNDS < other["rounds_run"] <= MOST_ROUNDS
+    assert other["rounds_run"] == MOST_ROUNDS or other["known"]

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from keras_gpufix.analysis.comparison import (MAX_ROUNDS, MIN_ROUNDS, paired_gain,
+from keras_gpufix.analysis.comparison import (CHEAP_ROUNDS_S, MAX_ROUNDS, MIN_ROUNDS,
+                                              MOST_ROUNDS, paired_gain,
                                               patched_run_text, settled, together_run_text)
 from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED
 from keras_gpufix.run_record import RunRecord, main_fit
@@ -208,7 +209,9 @@ def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None
     first in odd rounds and last in even ones (A B, B A: a load that drifts weighs
     on both sides). Rounds go on, `MIN_ROUNDS` at least, while a variant's gain is
     not `settled` (its range holds 1.0 or is wider than `SETTLED` either way, or its
-    rounds' loads differ: `analysis.paired_gain`), up to `rounds`.
+    rounds' loads differ: `analysis.paired_gain`), up to `rounds`; by default up to
+    `MAX_ROUNDS`, and past it up to `MOST_ROUNDS` while the reruns so far took under
+    `CHEAP_ROUNDS_S` (short runs: more rounds cost little and settle a small gain).
 
     Args:
         result: diagnose's result of the script as it is (its command, exit code).
@@ -220,7 +223,7 @@ def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None
         more: None, or called after the first round with the names of the variants
             that ran; returns more variants to add from the second round (the fixes
             run together).
-        rounds: the most rounds. Defaults to None: `MAX_ROUNDS`.
+        rounds: the most rounds. Defaults to None: `MAX_ROUNDS`, more for short runs.
 
     Returns:
         `(runs, seconds)`: `runs` is `{name: {"paired": paired_gain's result or None,
@@ -243,9 +246,9 @@ def run_pairs(result, variants, steps, log_dir, cwd=None, more=None, rounds=None
         seconds += after.get("seconds") or 0.0
         return after
 
-    for r in range(rounds or MAX_ROUNDS):
+    for r in range(rounds or MOST_ROUNDS):
         active = [n for n, v in state.items() if not v["done"]]
-        if not active:
+        if not active or (rounds is None and r >= MAX_ROUNDS and seconds >= CHEAP_ROUNDS_S):
             break
         tail = "" if r == 0 else f"_{r + 1}"
         fixed = {}

@@ -22,7 +22,8 @@ burner (`python -c "while True: pass"`) beside the slower run only, beside the
 faster run only, beside neither. The table: per pair and condition, both runs'
 other-processes share of the CPU, compare's word and gain against the truth
 (`opposite`: a word against the truth's direction; `within_25`: a figure given,
-within 25% of the truth).
+within 25% of the truth), and both runs' verdicts (the fixed `map` reads its features
+from memory, many times faster than its step: never `input_bound`).
 
 With `--diagnose`: `keras-gpufix diagnose` of the `eager` and `plot` scripts, at
 the machine's load and with a burner beside the whole diagnosis: its measured gain
@@ -252,6 +253,8 @@ def _compare_pair(folder, pair, steps, rounds):
                      "others_after": result["after"]["load"]["others_share"],
                      "waited_before": result["before"]["load"]["waited_share"],
                      "waited_after": result["after"]["load"]["waited_share"],
+                     "verdicts": [(before.get("verdict") or {}).get("verdict"),
+                                  (after.get("verdict") or {}).get("verdict")],
                      "load": result["load"], "opposite": opposite,
                      "within_25": (abs(gain / truth - 1) <= 0.25) if figure else None})
         print(json.dumps(rows[-1]), flush=True)
@@ -316,11 +319,11 @@ def main(argv=None):
     rows = [row for pair in args.pairs if pair not in known
             for row in _compare_pair(folder, pair, args.steps, args.rounds)]
     print(f"{'pair':6} {'condition':26} {'others b/a':>11} {'word':13} {'gain':>6} "
-          f"{'truth':>6}  opposite within_25")
+          f"{'truth':>6}  opposite within_25  verdicts b/a")
     for r in rows:
         print(f"{r['pair']:6} {r['condition']:26} {r['others_before']:.2f}/"
               f"{r['others_after']:.2f}   {r['word']:13} {r['gain']:6.2f} {r['truth']:6.2f}  "
-              f"{r['opposite']!s:8} {r['within_25']!s}")
+              f"{r['opposite']!s:8} {r['within_25']!s:10} {'/'.join(map(str, r['verdicts']))}")
     diagnosed = []
     if args.diagnose:
         truth = {**{r["pair"]: r["truth"] for r in rows}, **known}
@@ -338,6 +341,9 @@ def main(argv=None):
                     "_gain": d["gain"] for d in diagnosed})
     figures.update({f"{r['pair']}_truth_gain": r["truth"] for r in rows})
     figures["opposite_count"] = sum(bool(r["opposite"]) for r in rows)
+    # the fixed `map` reads its features from memory: a fast pipeline, never input_bound
+    figures["fast_map_input_bound_count"] = sum(
+        r["verdicts"][1] == "input_bound" for r in rows if r["pair"] == "map")
     write_results(args.out, "load_pairs", figures, {"rows": rows, "diagnose": diagnosed})
 
 

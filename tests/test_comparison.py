@@ -95,6 +95,11 @@ def test_loads_that_differ_by_less_than_the_gap_or_were_not_measured_do_not_diff
     saturated = load_of(_record(10, others=0.9, waited=0.3))
     starved = load_of(_record(10, others=0.95, waited=0.31 + WAIT_GAP))
     assert loads_differ(saturated, starved) == pytest.approx(0.01 + WAIT_GAP)
+    # beside no other process, a wait is the run's own threads waiting for each other (a
+    # compiled step's thread pool against an eager step's one thread): not a load
+    eager = load_of(_record(10, others=0.0, waited=0.04))
+    compiled = load_of(_record(10, others=0.0, waited=1.27))
+    assert loads_differ(eager, compiled) is None
     unmeasured = load_of(dict(_record(10), contention=None))
     assert unmeasured["others_share"] is None and loads_differ(quiet, unmeasured) is None
     assert load_of(_record(10, cpu_ms=7))["cpu_ms_per_step"] == pytest.approx(7)

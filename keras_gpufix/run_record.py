@@ -147,12 +147,15 @@ class RunRecord:
         what_if = result.get("what_if")
         env = dict(result.get("environment") or {})
         env["gpus"] = [g.get("name") if isinstance(g, dict) else g for g in env.get("gpus") or ()]
+        together = result.get("together")
         return cls._made("diagnose", {**monitor, **head}, causes, fixes, what_if,
                          result.get("command") or [], (result.get("ended_by") or {}).get("text"),
-                         env)
+                         env, together=together and {k: together.get(k) for k in (
+                             "fixes", "speedup", "speedup_range", "known")})
 
     @classmethod
-    def _made(cls, source, report, causes, fixes, what_if, command, ended_by, environment):
+    def _made(cls, source, report, causes, fixes, what_if, command, ended_by, environment,
+              together=None):
         step_time = {k: (report.get("step_time") or {}).get(k) for k in _STEP_TIME}
         per_s, steps_per_s = step_time["samples_per_s"], step_time["steps_per_s"]
         step_time["batch_size"] = per_s / steps_per_s if per_s and steps_per_s else None
@@ -169,6 +172,7 @@ class RunRecord:
                                                    "because", "changed", "input_unmeasured")},
             "causes": causes,
             "fixes": fixes,
+            "together": together,
             "step_time": step_time,
             "phases": dict(report.get("phases") or {}),
             "gpu_util": report.get("gpu_util"),

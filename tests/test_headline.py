@@ -119,3 +119,25 @@ def test_a_refused_step_patch_names_why_in_the_fix_line():
     assert line.startswith("fix:     compile the step at myxtts/training/trainer.py:1276 ")
     assert "; no patch: its copy stopped at myxtts/training/trainer.py:1527: " in line
     assert len(line) <= 200 and line.endswith("...")
+
+
+def test_the_step_patch_line_gives_its_gain_and_the_fixes_run_together():
+    fix = {"verdict": "eager_step", "expected_speedup": 4.47, "run_speedup": 3.9,
+           "source": "patched-run", "patch": "L1/step.patch",
+           "where": ["myxtts/training/trainer.py:1276: the step's def"]}
+    record = dict(_record("eager_step", [fix], share=0.76),
+                  together={"fixes": 2, "speedup": 44.98, "known": True})
+    line = headline(record)[1]
+    assert line == ("fix:     compile the step at myxtts/training/trainer.py:1276: `patch -p1 < "
+                    "L1/step.patch`: 4.47x the steps/s, measured with the patch applied (the "
+                    "whole loop 3.90x); both fixes together: 44.98x")
+    # not known, or no more than the step's own: not said
+    for together in ({"fixes": 2, "speedup": 44.98, "known": False},
+                     {"fixes": 2, "speedup": 4.0, "known": True}, None):
+        assert "together" not in headline(dict(record, together=together))[1]
+    # the loop's gain where it differs from the steps', and the line within 200
+    record["fixes"][0]["run_speedup"] = 4.47
+    assert "whole loop" not in headline(record)[1]
+    record["fixes"][0]["patch"] = "/a/long/folder/" * 4 + "step.patch"  # 71 characters
+    line = headline(record)[1]
+    assert "together" not in line and len(line) <= 200

@@ -101,7 +101,8 @@ def gain_words(fix: dict) -> str:
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
         loop = fix.get("run_speedup")
         return (f"{speedup:.2f}x the steps/s, measured with the patch applied"
-                + ("" if loop is None else f" (the whole loop {loop:.2f}x)"))
+                + ("" if loop is None or f"{loop:.2f}" == f"{speedup:.2f}"
+                   else f" (the whole loop {loop:.2f}x)"))
     if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped
         return f"{speedup:.2f}x the steps/s with that work removed, measured"
     whole = fix.get("whole_run")
@@ -267,6 +268,20 @@ def headline(record: dict, path: str = None) -> list:
                      + (f" ({share:.0%} of the run)" if share is not None else "")
                      + f": {_fix_line(fix, causes)}")
     else:
-        lines.append(f"fix:     {_fix_line(fix, causes)}")
+        line = f"fix:     {_fix_line(fix, causes)}"
+        both = _together(record, fix)
+        lines.append(line + both if len(line + both) <= _WIDTH else line)
     lines.append(f"check:   after the fix, run it again and: {compare}")
     return lines
+
+
+def _together(record, fix) -> str:
+    """`; both fixes together: 44.98x` (`all 3 fixes`), where diagnose ran the fixes
+    together beside the script as it is and they gain more than the one named; else
+    nothing."""
+    both = record.get("together") or {}
+    gain = both.get("speedup")
+    if not gain or not both.get("known") or gain <= (fix.get("expected_speedup") or 1.0):
+        return ""
+    count = both.get("fixes") or 2
+    return f"; {'both' if count == 2 else f'all {count}'} fixes together: {gain:.2f}x"

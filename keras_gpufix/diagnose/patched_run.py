@@ -368,6 +368,7 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
     if paired is not None:
         result["together"] = {"speedup": paired["gain"], "speedup_range": paired["gain_range"],
                               "known": paired["known"], "steps_per_s": paired["steps_per_s"],
+                              "fixes": len(together_of),
                               "text": together_run_text(len(together_of), paired)}
     return seconds
 

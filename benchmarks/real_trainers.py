@@ -1,7 +1,7 @@
 """diagnose on a real trainer (MyXTTSModel), its advice checked against the trainer's own loop.
 
     python benchmarks/real_trainers.py XTTS_CHECKOUT [--runs N] [--rounds R] [--burner]
-        [--steps 30] [--loop-steps 25] [--out PATH]
+        [--steps 30] [--loop-steps 25] [--keep DIR] [--results JSON ...] [--out PATH]
 
 XTTS_CHECKOUT: MyXTTSModel (github masoodafar-web/MyXTTSModel, commit 7e78353) prepared
 as `real_trainers/xtts/README.md` says (its two patches applied, its data in
@@ -25,7 +25,12 @@ checkout); about 40 minutes on 2 cores at load 3 with the defaults.
    (seeded: `keras.utils.set_random_seed(1234)`) of each way is printed: the patched
    trainer computes the same thing when it lies within the as-is runs' own spread.
 4. Per fix: diagnose's prediction (median over runs, with its range) against the
-   measured gain, their ratio, within 25% or not; the load (os.getloadavg) beside each.
+   measured gain, their ratio, within 25% or not; the load (os.getloadavg) beside each;
+   the runs taken quiet and beside the burner in two tables.
+
+Runs add up across sessions: `--keep DIR` writes each diagnose result (and its patch);
+`--rounds 0` stops after diagnose; `--results DIR/*.json --runs 0` times the truth once
+against every kept run.
 """
 
 import argparse
@@ -230,7 +235,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkout", help="a MyXTTSModel checkout prepared as the recipe says")
     parser.add_argument("--runs", type=int, default=1, help="diagnose runs (default 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="truth rounds (at least 3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="truth rounds (at least 3; 0: diagnose only, its results kept "
+                             "with --keep for a later --results)")
     parser.add_argument("--steps", type=int, default=30, help="diagnose --steps (default 30)")
     parser.add_argument("--loop-steps", type=int, default=25, help="timed loop steps")
     parser.add_argument("--burner", action="store_true",
@@ -243,8 +250,8 @@ def main(argv=None):
                              "a later --results")
     add_out_argument(parser, "real_trainers")
     args = parser.parse_args(argv)
-    if args.rounds < 3:
-        parser.error(f"`--rounds` must be >= 3. Received: rounds={args.rounds}")
+    if 0 < args.rounds < 3 or args.rounds < 0:
+        parser.error(f"`--rounds` must be 0 or >= 3. Received: rounds={args.rounds}")
     checkout = os.path.abspath(args.checkout)
     work = tempfile.mkdtemp(prefix="kg_real_trainers_")
     stubs = os.path.join(work, "stubs")
@@ -258,7 +265,7 @@ def main(argv=None):
     for path in args.results:
         with open(path) as f:
             result = json.loads(f.read().strip().splitlines()[-1])
-        result["bench_loads"] = {"from": path}
+        result["bench_loads"] = {**(result.get("bench_loads") or {}), "from": path}
         runs.append(result)
         fix = next((f for f in result.get("fixes") or () if f.get("verdict") == "eager_step"),
                    {})
@@ -278,6 +285,8 @@ def main(argv=None):
     if patch is None:
         print("no run wrote step.patch: nothing to apply", flush=True)
         return 1
+    if args.rounds == 0:
+        return 0
     with open(patch) as f:
         diff = f.read()
     ways = copies(checkout, patch, work)  # raises where the patch does not apply
@@ -293,22 +302,29 @@ def main(argv=None):
             print(f"round {r + 1} {way:10} {timed[way]['ms_per_step']:8.1f} ms/step, first loss "
                   f"{timed[way]['losses'][0]:.4f}, load {timed[way]['load']}", flush=True)
         rounds.append(timed)
-    predicted = {way: [p[way] for p in map(predictions, runs) if way in p]
-                 for way in order[1:]}
     figures, table = {}, []
-    print(f"\n{'fix':12} {'predicted':>22} {'measured':>22} {'pred/meas':>9}  within 25%")
-    for way in order[1:]:
-        measured = [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
-        got = statistics.median(measured)
-        want = statistics.median(predicted[way]) if predicted[way] else None
-        ratio = want / got if want else None
-        ok = ratio is not None and abs(ratio - 1) <= WITHIN
-        print(f"{way:12} {_x(predicted[way]):>22} {_x(measured):>22} "
-              f"{ratio if ratio is None else round(ratio, 2)!s:>9}  {'yes' if ok else 'no'}")
-        figures[f"{way}_measured_speedup"] = round(got, 3)
-        figures[f"{way}_predicted_speedup"] = want and round(want, 3)
-        figures[f"{way}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
-        table.append({"way": way, "predicted": predicted[way], "measured": measured})
+    for group in ("quiet", "burner"):
+        among = [r for r in runs if bool(r["bench_loads"].get("burner")) == (group == "burner")]
+        if not among:
+            continue
+        predicted = {way: [p[way] for p in map(predictions, among) if way in p]
+                     for way in order[1:]}
+        print(f"\n{group} ({len(among)} diagnose runs)\n{'fix':12} {'predicted':>22} "
+              f"{'measured':>22} {'pred/meas':>9}  within 25%")
+        for way in order[1:]:
+            measured = [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
+            got = statistics.median(measured)
+            want = statistics.median(predicted[way]) if predicted[way] else None
+            ratio = want / got if want else None
+            ok = ratio is not None and abs(ratio - 1) <= WITHIN
+            print(f"{way:12} {_x(predicted[way]):>22} {_x(measured):>22} "
+                  f"{ratio if ratio is None else round(ratio, 2)!s:>9}  {'yes' if ok else 'no'}")
+            tag = "" if group == "quiet" else "burner_"
+            figures[f"{way}_measured_speedup"] = round(got, 3)
+            figures[f"{tag}{way}_predicted_speedup"] = want and round(want, 3)
+            figures[f"{tag}{way}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
+            table.append({"group": group, "way": way, "predicted": predicted[way],
+                          "measured": measured})
     first = {way: [t[way]["losses"][0] for t in rounds] for way in order}
     print("first-step loss (seeded):", {w: [round(x, 4) for x in v] for w, v in first.items()})
     figures["patched_first_loss_within_as_is_spread"] = (

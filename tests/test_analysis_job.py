@@ -116,6 +116,7 @@ def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared()
     assert by_task[0]["collective_wait_ms"] == pytest.approx(40.0 - cpu - common)
     assert by_task[1]["cpu_ms"] == pytest.approx(cpu)
     assert "its CPU shared with another process" in shared["message"]
+    assert f"the job at most {s['gain']:.2f}x faster" in shared["message"]  # an upper bound
     assert "its host" in s["fix"]
     # its threads' wait bounds what the other process took from its step
     bound = judge_job([_summary(0, step_ms=40.0, cpu=(0.1, 0.5, 1)),

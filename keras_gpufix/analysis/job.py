@@ -375,10 +375,11 @@ def _cause_text(s):
 
 def _bound(s):
     """How far the gain holds: a late input's or host work's is at most it (a matched
-    pair still waits for whichever worker is late each step); a CPU cause's is about it
-    (the waiting workers' RPC threads poll, so their own time grows while they wait:
-    benchmarks/straggler.py measured more lost than predicted as often as less)."""
-    return "about" if s["cause"] in _CPU_CAUSES else "at most"
+    pair still waits for whichever worker is late each step), and so is a shared CPU's
+    (the other processes' time on its CPUs bounds its wait: they also run while it
+    idles, at the all-reduce's latency); a slow step's is about it
+    (benchmarks/straggler.py: 39-43% predicted against 40-44% measured)."""
+    return "about" if s["cause"] == "step" else "at most"
 
 
 def _wait_text(s, others):

@@ -265,7 +265,8 @@ def locate_periodic(cycles, samples, period, thresholds=None):
     Args:
         cycles: seconds of each cycle (the part that was sampled), oldest
             first.
-        samples: one dict per cycle, location -> samples taken there.
+        samples: one dict per cycle, location -> samples taken there (or the
+            seconds they stand for, where the sampler's interval varies).
         period: the stall's period, in cycles; None where the run found
             stalls with no period (the samples' own period is looked for).
         thresholds: overrides of `THRESHOLDS` (`locate_share`, `locate_z`).
@@ -307,7 +308,8 @@ def sampled_share(samples, location) -> float:
     plot every 5 steps), not of what every cycle runs there.
 
     Args:
-        samples: one dict per cycle, location -> samples taken there.
+        samples: one dict per cycle, location -> samples taken there (or the
+            seconds they stand for, where the sampler's interval varies).
         location: the line (`locate_periodic`'s).
     """
     total = sum(sum(c.values()) for c in samples)

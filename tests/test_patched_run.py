@@ -188,3 +188,34 @@ def test_reruns_alternate_as_is_and_fixed_runs_until_the_range_is_known(monkeypa
     other = runs["skipped_run"]["paired"]
     assert MAX_ROUNDS < other["rounds_run"] <= MOST_ROUNDS
     assert other["rounds_run"] == MOST_ROUNDS or other["known"]
+
+
+def test_the_skipped_line_measures_the_stall_fix_that_names_it(monkeypatch, tmp_path):
+    # a run ranked with two stall causes: the line skipped is the periodic stall's, so
+    # the rerun's gain is that fix's, not the one ranked after it
+    from keras_gpufix.diagnose import patched_run
+
+    script = tmp_path / "train.py"
+    script.write_text("for i in range(3):\n    plot(i)\n")
+    where = f"{script}:2"
+    result = dict(_diagnosed(20), fixes=[
+        {"verdict": "periodic_stall", "where": [f"{where}: the plot"],
+         "predicted": {"text": "cost"}},
+        {"verdict": "irregular_stall", "where": [], "predicted": {"text": "cost"}}])
+    result["fits"][0]["step"] = {"stall_where": where}
+    paired = {"gain": 1.3, "gain_range": [1.2, 1.4], "known": True, "settle_steps": None,
+              "steps_per_s": [10.0, 13.0], "rounds_run": 2, "steps": 40, "load_gaps": []}
+    seen = {}
+
+    def fake(result, variants, *args, **kwargs):
+        seen.update(variants)
+        return {n: {"paired": paired, "failed": None, "unfinished": None, "whole": 1.3}
+                for n in variants}, 1.0
+
+    monkeypatch.setattr(patched_run, "run_pairs", fake)
+    patched_run.check_fixes(result, 40, str(tmp_path))
+    assert list(seen) == ["skipped_run"]
+    periodic, irregular = result["fixes"]
+    assert periodic["predicted"]["source"] == "skipped-run"
+    assert periodic["predicted"]["speedup"] == 1.3
+    assert irregular["predicted"] == {"text": "cost"}

@@ -319,13 +319,17 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
                   if (f.get("step") or {}).get("stall_where")), None)
     skipped = skip_statement(stall) if stall else None
     variants, fixes = {}, {}
+    stalls = [f for f in result.get("fixes") or ()
+              if f.get("verdict") in ("periodic_stall", "irregular_stall")]
+    # the skipped line measures the stall fix that names it (else the first ranked)
+    named = [f for f in stalls if any(w.split(": ", 1)[0] == stall for w in f.get("where") or ())]
     for fix in result.get("fixes") or ():
         if fix.get("verdict") == "eager_step" and fix.get("patch"):
             variants["patched_run"] = ([fix["patch"]], None)
             fixes["patched_run"] = fix
-        elif fix.get("verdict") in ("periodic_stall", "irregular_stall") and skipped:
-            variants["skipped_run"] = ([], skipped)
-            fixes["skipped_run"] = fix
+    if skipped and stalls:
+        variants["skipped_run"] = ([], skipped)
+        fixes["skipped_run"] = (named or stalls)[0]
     if not variants:
         return 0.0
 

@@ -303,6 +303,8 @@ def main(argv=None):
                   f"{timed[way]['losses'][0]:.4f}, load {timed[way]['load']}", flush=True)
         rounds.append(timed)
     figures, table = {}, []
+    measured = {way: [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
+                for way in order[1:]}
     for group in ("quiet", "burner"):
         among = [r for r in runs if bool(r["bench_loads"].get("burner")) == (group == "burner")]
         if not among:
@@ -312,19 +314,18 @@ def main(argv=None):
         print(f"\n{group} ({len(among)} diagnose runs)\n{'fix':12} {'predicted':>22} "
               f"{'measured':>22} {'pred/meas':>9}  within 25%")
         for way in order[1:]:
-            measured = [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
-            got = statistics.median(measured)
+            got = statistics.median(measured[way])
             want = statistics.median(predicted[way]) if predicted[way] else None
             ratio = want / got if want else None
             ok = ratio is not None and abs(ratio - 1) <= WITHIN
-            print(f"{way:12} {_x(predicted[way]):>22} {_x(measured):>22} "
+            print(f"{way:12} {_x(predicted[way]):>22} {_x(measured[way]):>22} "
                   f"{ratio if ratio is None else round(ratio, 2)!s:>9}  {'yes' if ok else 'no'}")
             tag = "" if group == "quiet" else "burner_"
             figures[f"{way}_measured_speedup"] = round(got, 3)
             figures[f"{tag}{way}_predicted_speedup"] = want and round(want, 3)
             figures[f"{tag}{way}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
             table.append({"group": group, "way": way, "predicted": predicted[way],
-                          "measured": measured})
+                          "measured": measured[way]})
     first = {way: [t[way]["losses"][0] for t in rounds] for way in order}
     print("first-step loss (seeded):", {w: [round(x, 4) for x in v] for w, v in first.items()})
     figures["patched_first_loss_within_as_is_spread"] = (

@@ -232,8 +232,8 @@ def _figures(blocks):
             "true_loss": None if truth is None else round(1 - b["steps_per_s"] / truth, 3),
             "true_gain": None if truth is None else round(truth / b["steps_per_s"], 3),
             "steps_per_s": round(b["steps_per_s"], 2), "load": round(b["load"], 2),
-            "per_worker": [{k: None if w.get(k) is None else round(w[k], 3 if k.endswith("share") else 1)
-                            for k in _SHOWN}
+            "per_worker": [{k: None if w.get(k) is None
+                            else round(w[k], 3 if k.endswith("share") else 1) for k in _SHOWN}
                            for w in b["job"]["per_worker"]],
             "message": b["job"]["message"]})
     return out

@@ -212,7 +212,7 @@ def judge_job(summaries, expected=None) -> dict:
     cycle_ms = float(np.median([s["total_s"] / s["steps"] for s in summaries])) * 1e3
     per = [_worker(s, cycle_ms) for s in summaries]
     series = _timeline(summaries)
-    split = _splits(per)
+    split = _splits(per, cycle_ms)
     straggler = _straggler(per, cycle_ms, split)
     # a worker late for its input ran its CPU work meanwhile: the CPU splits no step
     _split_steps(per, split and (straggler is None or straggler["cause"] in _CPU_CAUSES))
@@ -299,23 +299,22 @@ def _per_cpu(worker):
     Its threads' summed wait for a CPU (`cpu_wait_ms`) holds waits for each other (a
     process's many threads on few CPUs), which do not lengthen its step beyond its CPU
     time, and waits while another process held its CPUs, which do: those are at most
-    the other processes' time on its CPUs (`others_cpu_ms`), and at most its wait. Threads that run or wait at the same time on c CPUs hold up c
-    streams of work, not more."""
+    the other processes' time on its CPUs (`others_cpu_ms`), and at most its wait.
+    Threads that run or wait at the same time on c CPUs hold up c streams of work, not
+    more."""
     cpus = worker["cpus"] or 1
     return worker["cpu_ms"] / cpus, min(worker["others_cpu_ms"], worker["cpu_wait_ms"] / cpus)
 
 
-def _splits(workers):
+def _splits(workers, cycle_ms):
     """Whether the CPU splits the workers' steps: every worker's CPU figures known, and
     some worker's step all its own (its CPU time, its wait for others' use of its CPUs,
-    and less than the straggler threshold besides: the worker that joins the
-    all-reduce last waits for no one). Where every step holds more (a custom loop's
-    `next()` agreeing with the others), the CPU cannot split them."""
+    and less than the straggler threshold of the job's `cycle_ms` besides: the worker
+    that joins the all-reduce last waits for no one). Where every step holds more (a
+    custom loop's `next()` agreeing with the others), the CPU cannot split them."""
     keys = ("cpu_ms", "cpu_wait_ms", "others_cpu_ms")
     if not all(w[k] is not None for w in workers for k in keys):
         return False
-    cycle_ms = float(np.median([w["step_ms"] + (w["input_wait_ms"] or 0.0) + w["between_ms"]
-                                for w in workers]))
     return min(w["step_ms"] - sum(_per_cpu(w)) for w in workers) < _least(cycle_ms)
 
 
@@ -401,7 +400,7 @@ def _message(report):
         line += f"; no summary from task(s) {report['missing']}"
     s = report["straggler"]
     if s is None:
-        return line + ("; no straggler" if _splits(report["per_worker"]) else
+        return line + ("; no straggler" if _splits(report["per_worker"], report["cycle_ms"]) else
                        "; no straggler (a slow step on one worker is not told apart: no CPU "
                        "figures split the workers' steps)")
     return (line + f"; straggler: worker {s['task']} ({_cause_text(s)}); "

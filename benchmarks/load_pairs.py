@@ -240,11 +240,12 @@ def _compare_pair(folder, pair, steps, rounds):
         after = _run(fixed, os.path.join(folder, f"{pair}_{tag}_b"), steps,
                      burner=tag == "faster")
         result = compare_runs(before, after)
-        # the figure compare gives: corrected for the load where it corrects it
-        gain = (result["load"] or {}).get("corrected") or result["gain"]
+        # the figure compare gives: none where its word stands on the CPU time alone
+        sized = not (result["load"] or {}).get("cpu_gain")
+        gain = result["gain"] if sized else None
         opposite = (result["word"] == "regression") == (truth > 1) and result["word"] in (
             "improvement", "regression")
-        figure = result["word"] in ("improvement", "regression")
+        figure = sized and result["word"] in ("improvement", "regression")
         rows.append({"pair": pair, "condition": condition, "truth": truth,
                      "truth_rounds": truths, "word": result["word"], "gain": gain,
                      "raw_gain": result["gain"],
@@ -321,8 +322,9 @@ def main(argv=None):
     print(f"{'pair':6} {'condition':26} {'others b/a':>11} {'word':13} {'gain':>6} "
           f"{'truth':>6}  opposite within_25  verdicts b/a")
     for r in rows:
+        gain = "-" if r["gain"] is None else f"{r['gain']:.2f}"
         print(f"{r['pair']:6} {r['condition']:26} {r['others_before']:.2f}/"
-              f"{r['others_after']:.2f}   {r['word']:13} {r['gain']:6.2f} {r['truth']:6.2f}  "
+              f"{r['others_after']:.2f}   {r['word']:13} {gain:>6} {r['truth']:6.2f}  "
               f"{r['opposite']!s:8} {r['within_25']!s:10} {'/'.join(map(str, r['verdicts']))}")
     diagnosed = []
     if args.diagnose:

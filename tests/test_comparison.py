@@ -155,16 +155,20 @@ def _starved_pair(share_before, share_after, others_after=0.74):
     return before, after
 
 
-def test_a_run_the_load_starved_of_the_cpu_is_corrected_by_its_cpu_time_or_inconclusive():
+def test_a_run_the_load_starved_of_the_cpu_keeps_its_cpu_times_word_without_a_figure():
     # measured: the as-is run got 0.30 of a CPU against 0.52 while other processes took
     # 85% against 74%: the wall reads 2.15x; the CPU time per step, which load moves
-    # less, 1.24x: the word stands on it, the figure corrected (truth 1.02x: within 25%)
+    # less, 1.24x: the word stands on it, with no figure (neither is the gain at one
+    # load: a cached map's 4.09x read 2.13x by its CPU time, 3.16x by its wall)
     result = compare_runs(*_starved_pair(0.30, 0.52))
     assert result["gain"] == pytest.approx(2.15, rel=0.05)
     assert result["word"] == "improvement" and result["load"]["starved"]
-    assert result["load"]["corrected"] == pytest.approx(2.15 * 0.30 / 0.52, rel=0.05)
-    assert (f"corrected for it by the CPU time per step, which load moves less: "
-            f"{result['load']['corrected']:.2f}x") in format_comparison(result, "a", "b")
+    assert result["load"]["cpu_gain"] == pytest.approx(2.15 * 0.30 / 0.52, rel=0.05)
+    text = format_comparison(result, "a", "b")
+    assert text.startswith("improvement: b runs faster than a, by how much not known at "
+                           "these loads")
+    assert f"holds the word ({result['load']['cpu_gain']:.2f}x)" in text
+    assert f"{result['gain']:.2f}x (" not in text  # no figure stated as the gain
     # the same walls, the same CPU time per step: the load explains all of it
     flat = compare_runs(*_starved_pair(0.30, 0.30 * 635 / 295))
     assert flat["word"] == "inconclusive" and flat["load"]["explains"]

@@ -136,8 +136,9 @@ def test_the_step_patch_line_gives_its_gain_and_the_fixes_run_together():
                      {"fixes": 2, "speedup": 4.0, "known": True}, None):
         assert "together" not in headline(dict(record, together=together))[1]
     # the loop's gain where it differs from the steps', and the line within 200
-    record["fixes"][0]["run_speedup"] = 4.47
-    assert "whole loop" not in headline(record)[1]
+    for loop in (4.47, 4.30):  # the same, or within 5%: one figure for one thing
+        record["fixes"][0]["run_speedup"] = loop
+        assert "whole loop" not in headline(record)[1]
     record["fixes"][0]["patch"] = "/a/long/folder/" * 4 + "step.patch"  # 71 characters
     line = headline(record)[1]
     assert "together" not in line and len(line) <= 200

@@ -20,7 +20,7 @@ and reusable outside `model.fit`. The callbacks in `keras_gpufix.callbacks`,
 |               | `is_recompiling`, `rank_causes`, `fix_for`, `contradicted`,  |
 |               | `compiled_share`, `compiled_step_fix`, `patch_refusal`,      |
 |               | `speedup_of`,                                                |
-|               | `one_off_gain`,                                              |
+|               | `one_off_gain`, `where_place`,                               |
 |               | `cost_share_prediction`, `combined_speedup`,                 |
 |               | `not_run_verdict`, `recompiling_fix`                         |
 | `dispatch`    | `fold_unsynced` (unsynced asynchronous steps, per period)    |
@@ -116,12 +116,14 @@ from keras_gpufix.analysis.verdicts import (
     cost_share_prediction,
     combined_speedup,
     step_compiled,
+    where_place,
 )
 from keras_gpufix.analysis.what_if import (Cycles, format_what_if, ratio_words,
                                            what_if_until_known)
 from keras_gpufix.analysis.xprof import classify_input_percent, reads_not_input_bound
 
 __all__ = [
+    "where_place",
     "CONTENTION_SHARE",
     "contention_text",
     "cpu_contention",

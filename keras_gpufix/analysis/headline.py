@@ -22,12 +22,15 @@ import os
 from keras_gpufix.analysis.contention import contention_text
 from keras_gpufix.analysis.job import job_headline
 from keras_gpufix.analysis.stages import on_disk_cache
-from keras_gpufix.analysis.verdicts import THRESHOLDS
+from keras_gpufix.analysis.verdicts import THRESHOLDS, where_place
 
 __all__ = ["HEADLINE_FIXES", "headline", "gain_words", "load_line", "verdict_share"]
 
 #: The least gain a headline offers (1.00x as printed is none).
 _SOME = 1.005
+#: Two gains that differ by less than this share read as one (the steady steps'
+#: and the whole loop's: the second is printed only where it says more).
+_SAME = 0.05
 #: The longest headline line (a terminal's width at most, in one reading).
 _WIDTH = 200
 #: The headline's key of an input stage's fix, by the stage's kind (`analysis.stages`).
@@ -101,7 +104,7 @@ def gain_words(fix: dict) -> str:
     if fix.get("source") == "patched-run":  # diagnose ran the script with the patch
         loop = fix.get("run_speedup")
         return (f"{speedup:.2f}x the steps/s, measured with the patch applied"
-                + ("" if loop is None or f"{loop:.2f}" == f"{speedup:.2f}"
+                + ("" if loop is None or abs(loop / speedup - 1) < _SAME
                    else f" (the whole loop {loop:.2f}x)"))
     if fix.get("source") == "skipped-run":  # ... and with the stall's line skipped
         return f"{speedup:.2f}x the steps/s with that work removed, measured"
@@ -123,7 +126,7 @@ def _line_of(where, name) -> "str | None":
     """`file:line` of a fix's first location (`file:line: why`), the file named by
     `name(file)`, or None."""
     for w in where or ():
-        file, _, line = w.split(": ", 1)[0].rpartition(":")
+        file, line = where_place(w)
         if file and line.isdigit():
             return f"{name(file)}:{line}"
     return None

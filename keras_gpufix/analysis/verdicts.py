@@ -35,6 +35,7 @@ Verdicts, in order of precedence (the detector tries them in this order):
 import numpy as np
 
 __all__ = [
+    "where_place",
     "VERDICTS",
     "NOT_CAUSES",
     "FIXES",
@@ -819,6 +820,13 @@ def blocker_line(blocker: dict) -> str:
     """`file:line: ...`: one blocker of the user's step (`STEP_BLOCKERS`) and its fix."""
     return f"{blocker['where']}: " + STEP_BLOCKERS[blocker["kind"]].format_map(_Fields(
         {k: v for k, v in blocker.items() if v}))
+
+
+def where_place(where: str) -> tuple:
+    """`(file, line)` of a fix's location `file:line: why` (`line` a string; `file`
+    "" where it names none)."""
+    file, _, line = where.split(": ", 1)[0].rpartition(":")
+    return file, line
 
 
 def compiled_step_fix(compiled: dict) -> "str | None":

@@ -28,7 +28,8 @@ import time
 from keras_gpufix.analysis.comparison import (CHEAP_ROUNDS_S, MAX_ROUNDS, MIN_ROUNDS,
                                               MOST_ROUNDS, paired_gain,
                                               patched_run_text, settled, together_run_text)
-from keras_gpufix.analysis.verdicts import PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED
+from keras_gpufix.analysis.verdicts import (PATCHED_RUN_FAILED, SKIPPED_RUN_FAILED,
+                                            where_place)
 from keras_gpufix.run_record import RunRecord, main_fit
 
 __all__ = ["apply", "run_patched", "run_pairs", "skip_statement", "check_fixes", "main"]
@@ -322,7 +323,7 @@ def check_fixes(result, steps, log_dir, cwd=None, rounds=None):
     stalls = [f for f in result.get("fixes") or ()
               if f.get("verdict") in ("periodic_stall", "irregular_stall")]
     # the skipped line measures the stall fix that names it (else the first ranked)
-    named = [f for f in stalls if any(w.split(": ", 1)[0] == stall for w in f.get("where") or ())]
+    named = [f for f in stalls if any(":".join(where_place(w)) == stall for w in f.get("where") or ())]
     for fix in result.get("fixes") or ():
         if fix.get("verdict") == "eager_step" and fix.get("patch"):
             variants["patched_run"] = ([fix["patch"]], None)

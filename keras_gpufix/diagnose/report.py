@@ -429,7 +429,7 @@ def locate_input_stage(fixes, fits):
     where = slow.get("where") or slow.get("function") or "?"
 
     def line(where):  # file:line, the file made absolute (the scan's may be relative)
-        file, _, number = where.split(": ", 1)[0].rpartition(":")
+        file, number = analysis.where_place(where)
         return os.path.abspath(file), number
 
     named = {line(s[k]) for s in judged["stages"] for k in ("where", "function") if s.get(k)}

@@ -29,7 +29,8 @@ clean blocks before and after it) and their ratio. `healthy`'s blocks are
 all clean: each must name no straggler. `slow_input` runs a second time
 through a custom loop (`strategy.run` over
 `strategy.experimental_distribute_dataset`, under `kg.watch`). Each block
-keeps the load average at its start and each worker's figures (`per_worker`).
+keeps the load average at its start and each worker's figures (`per_worker`; the clean
+blocks' beside it: `clean_steps_per_s`, `clean_per_worker`).
 docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
 A case that hangs past its time is stopped after every thread's Python
 stack of both workers is printed (`faulthandler` on SIGUSR1).
@@ -212,6 +213,12 @@ _SHOWN = ("task", "input_wait_ms", "step_ms", "between_ms", "cpu_ms", "cpu_wait_
           "collective_wait_ms", "others_mine_share")
 
 
+def _shown(block):
+    """A block's figures per worker (`_SHOWN`), rounded."""
+    return [{k: None if w.get(k) is None else round(w[k], 3 if k.endswith("share") else 1)
+             for k in _SHOWN} for w in block["job"]["per_worker"]]
+
+
 def _figures(blocks):
     """Per planted block (every block of a healthy case): what the report said, and the
     truth from the clean blocks beside it."""
@@ -220,8 +227,9 @@ def _figures(blocks):
         if not b["planted"] and any(x["planted"] for x in blocks):
             continue
         s = b["job"]["straggler"]
-        clean = [blocks[j]["steps_per_s"] for j in (k - 1, k + 1)
-                 if 0 <= j < len(blocks) and not blocks[j]["planted"]]
+        beside = [blocks[j] for j in (k - 1, k + 1)
+                  if 0 <= j < len(blocks) and not blocks[j]["planted"]]
+        clean = [c["steps_per_s"] for c in beside]
         truth = statistics.mean(clean) if clean and b["planted"] else None
         out.append({
             "straggler": None if s is None else s["task"],
@@ -232,9 +240,9 @@ def _figures(blocks):
             "true_loss": None if truth is None else round(1 - b["steps_per_s"] / truth, 3),
             "true_gain": None if truth is None else round(truth / b["steps_per_s"], 3),
             "steps_per_s": round(b["steps_per_s"], 2), "load": round(b["load"], 2),
-            "per_worker": [{k: None if w.get(k) is None
-                            else round(w[k], 3 if k.endswith("share") else 1) for k in _SHOWN}
-                           for w in b["job"]["per_worker"]],
+            "clean_steps_per_s": [round(c, 2) for c in clean] if b["planted"] else None,
+            "clean_per_worker": [_shown(c) for c in beside] if b["planted"] else None,
+            "per_worker": _shown(b),
             "message": b["job"]["message"]})
     return out
 

@@ -1,7 +1,7 @@
 """diagnose on a real trainer (MyXTTSModel), its advice checked against the trainer's own loop.
 
     python benchmarks/real_trainers.py XTTS_CHECKOUT [--runs N] [--rounds R] [--burner]
-        [--steps 30] [--loop-steps 25] [--keep DIR] [--results JSON ...] [--out PATH]
+        [--steps 30] [--loop-steps 26] [--keep DIR] [--results JSON ...] [--out PATH]
 
 XTTS_CHECKOUT: MyXTTSModel (github masoodafar-web/MyXTTSModel, commit 7e78353) prepared
 as `real_trainers/xtts/README.md` says (its two patches applied, its data in
@@ -18,8 +18,12 @@ checkout); about 40 minutes on 2 cores at load 3 with the defaults.
    stall, replaced by `pass`, as diagnose's skipped-line rerun does) to another; both
    to a third.
 3. The truth: the trainer's own `_train_epoch` timed (`train_main.main()` run unchanged
-   up to `trainer.train()`, then one warm step and `--loop-steps` timed steps; ms per
-   step), as-is, patched, plot-fixed and both, each in a fresh process, in turn, the
+   up to `trainer.train()`, then one warm step, then an epoch of `--loop-steps` steps;
+   ms per step between its first step's end and its last's: the steady steps, as
+   diagnose's "steps/s" are; the epoch's start (its iterator made afresh), which a
+   long epoch pays once, is left out. The default 26 gives 25 intervals, five periods
+   of the plot every 5 steps. The whole loop's ms per step, its start in it, is printed
+   beside it), as-is, patched, plot-fixed and both, each in a fresh process, in turn, the
    order reversed every other round, R rounds (`--rounds`, at least 3); a fix's gain is
    the median over rounds of as-is / fixed in the same round. The first step's loss
    (seeded: `keras.utils.set_random_seed(1234)`) of each way is printed: the patched
@@ -74,11 +78,12 @@ N, WARM = int(os.environ["LOOP_STEPS"]), int(os.environ["WARM_STEPS"])
 
 
 def measure(self, train_dataset, val_dataset, epochs=None, steps_per_epoch=None):
-    losses = []
+    losses, ends = [], []
     accumulated = self.train_step_with_accumulation
     def step(*a, **k):
         out = accumulated(*a, **k)
         losses.append(float(out["total_loss"]))
+        ends.append(time.perf_counter())
         return out
     self.train_step_with_accumulation = step
     self.current_step = 0
@@ -87,7 +92,9 @@ def measure(self, train_dataset, val_dataset, epochs=None, steps_per_epoch=None)
     t0 = time.perf_counter()
     self._train_epoch(train_dataset, N)
     loop = time.perf_counter() - t0
-    print("LOOPTIME", json.dumps({"ms_per_step": 1000 * loop / N, "losses": losses,
+    steady = ends[-N:]  # step ends of the timed epoch: the intervals between them
+    print("LOOPTIME", json.dumps({"ms_per_step": 1000 * (steady[-1] - steady[0]) / (N - 1),
+                                  "loop_ms_per_step": 1000 * loop / N, "losses": losses,
                                   "load": [load, os.getloadavg()[0]]}), flush=True)
     raise SystemExit(0)
 
@@ -239,7 +246,7 @@ def main(argv=None):
                         help="truth rounds (at least 3; 0: diagnose only, its results kept "
                              "with --keep for a later --results)")
     parser.add_argument("--steps", type=int, default=30, help="diagnose --steps (default 30)")
-    parser.add_argument("--loop-steps", type=int, default=25, help="timed loop steps")
+    parser.add_argument("--loop-steps", type=int, default=26, help="timed loop steps")
     parser.add_argument("--burner", action="store_true",
                         help="one CPU burner from diagnose's first rerun to its end")
     parser.add_argument("--results", nargs="*", default=(), metavar="JSON",
@@ -299,7 +306,8 @@ def main(argv=None):
         timed = {}
         for way in (order if r % 2 == 0 else order[::-1]):
             timed[way] = loop_time(ways[way], timer, stubs, args.loop_steps)
-            print(f"round {r + 1} {way:10} {timed[way]['ms_per_step']:8.1f} ms/step, first loss "
+            print(f"round {r + 1} {way:10} {timed[way]['ms_per_step']:8.1f} ms/step (the loop "
+                  f"{timed[way]['loop_ms_per_step']:.1f}), first loss "
                   f"{timed[way]['losses'][0]:.4f}, load {timed[way]['load']}", flush=True)
         rounds.append(timed)
     figures, table = {}, []
@@ -326,15 +334,36 @@ def main(argv=None):
             figures[f"{tag}{way}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
             table.append({"group": group, "way": way, "predicted": predicted[way],
                           "measured": measured[way]})
+    truth = {way: statistics.median(measured[way]) for way in order[1:]}
+    for way in order[1:]:  # the whole loop's, the epoch's start in it: beside, not judged
+        figures[f"{way}_loop_measured_speedup"] = round(statistics.median(
+            t["as_is"]["loop_ms_per_step"] / t[way]["loop_ms_per_step"] for t in rounds), 3)
+    per_run = []  # each diagnose run on its own: every fix within 25% of the truth or not
+    for result in runs:
+        got = predictions(result)
+        ratios = {way: got[way] / truth[way] for way in order[1:] if way in got}
+        per_run.append({"burner": bool(result["bench_loads"].get("burner")),
+                        "predicted": got, "ratio": ratios,
+                        "within": all(abs(r - 1) <= WITHIN for r in ratios.values())
+                        and len(ratios) == len(truth)})
+        print(f"run ({'burner' if per_run[-1]['burner'] else 'quiet'}): " + ", ".join(
+            f"{way} {got[way]:.2f}x ({ratios[way]:.2f})" for way in ratios)
+            + f"; all within 25%: {'yes' if per_run[-1]['within'] else 'no'}", flush=True)
+    for group in ("quiet", "burner"):
+        among = [r for r in per_run if r["burner"] == (group == "burner")]
+        figures[f"{group}_runs_all_within"] = f"{sum(r['within'] for r in among)}/{len(among)}"
     first = {way: [t[way]["losses"][0] for t in rounds] for way in order}
     print("first-step loss (seeded):", {w: [round(x, 4) for x in v] for w, v in first.items()})
     figures["patched_first_loss_within_as_is_spread"] = (
         min(first["as_is"]) - 1e-3 <= statistics.median(first["patched"])
         <= max(first["as_is"]) + 1e-3)
     write_results(args.out, "real_trainers", figures, {
-        "table": table, "first_losses": first, "burner": args.burner,
+        "table": table, "per_run": per_run, "first_losses": first, "burner": args.burner,
         "diagnose_loads": [r["bench_loads"] for r in runs],
-        "round_loads": [{w: t[w]["load"] for w in t} for t in rounds], "patch_text": diff})
+        "round_loads": [{w: t[w]["load"] for w in t} for t in rounds],
+        "loop_ms_per_step": [{w: t[w]["loop_ms_per_step"] for w in t} for t in rounds],
+        "steady_ms_per_step": [{w: t[w]["ms_per_step"] for w in t} for t in rounds],
+        "patch_text": diff})
     return 0
 
 

@@ -1,7 +1,8 @@
 """diagnose on a real trainer (MyXTTSModel), its advice checked against the trainer's own loop.
 
     python benchmarks/real_trainers.py XTTS_CHECKOUT [--runs N] [--rounds R] [--burner]
-        [--steps 30] [--loop-steps 26] [--keep DIR] [--results JSON ...] [--out PATH]
+        [--truth-burner] [--steps 30] [--loop-steps 26] [--keep DIR] [--results JSON ...]
+        [--out PATH]
 
 XTTS_CHECKOUT: MyXTTSModel (github masoodafar-web/MyXTTSModel, commit 7e78353) prepared
 as `real_trainers/xtts/README.md` says (its two patches applied, its data in
@@ -28,6 +29,8 @@ checkout); about 40 minutes on 2 cores at load 3 with the defaults.
    the median over rounds of as-is / fixed in the same round. The first step's loss
    (seeded: `keras.utils.set_random_seed(1234)`) of each way is printed: the patched
    trainer computes the same thing when it lies within the as-is runs' own spread.
+   With `--truth-burner`, one CPU burner runs beside all the rounds: the truth at the
+   load a `--burner` run's reruns met.
 4. Per fix: diagnose's prediction (median over runs, with its range) against the
    measured gain, their ratio, within 25% or not; the load (os.getloadavg) beside each;
    the runs taken quiet and beside the burner in two tables.
@@ -238,6 +241,17 @@ def _x(values):
     return f"{mid:.2f}x ({min(values):.2f}-{max(values):.2f}x)"
 
 
+def _round(r, order, ways, timer, stubs, loop_steps):
+    """Truth round `r`: each way's loop timed in turn (the order reversed every other)."""
+    timed = {}
+    for way in (order if r % 2 == 0 else order[::-1]):
+        timed[way] = loop_time(ways[way], timer, stubs, loop_steps)
+        print(f"round {r + 1} {way:10} {timed[way]['ms_per_step']:8.1f} ms/step (the loop "
+              f"{timed[way]['loop_ms_per_step']:.1f}), first loss "
+              f"{timed[way]['losses'][0]:.4f}, load {timed[way]['load']}", flush=True)
+    return timed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkout", help="a MyXTTSModel checkout prepared as the recipe says")
@@ -249,6 +263,9 @@ def main(argv=None):
     parser.add_argument("--loop-steps", type=int, default=26, help="timed loop steps")
     parser.add_argument("--burner", action="store_true",
                         help="one CPU burner from diagnose's first rerun to its end")
+    parser.add_argument("--truth-burner", action="store_true",
+                        help="one CPU burner beside the truth's rounds, first to last (the "
+                             "gain at the load a --burner run's reruns met)")
     parser.add_argument("--results", nargs="*", default=(), metavar="JSON",
                         help="diagnose results already taken (`diagnose --json`'s last line "
                              "in a file, as --keep writes them), used beside --runs new ones")
@@ -302,14 +319,15 @@ def main(argv=None):
           " added", flush=True)
     order = ["as_is", "patched", "plot_fixed", "both"]
     rounds = []
-    for r in range(args.rounds):
-        timed = {}
-        for way in (order if r % 2 == 0 else order[::-1]):
-            timed[way] = loop_time(ways[way], timer, stubs, args.loop_steps)
-            print(f"round {r + 1} {way:10} {timed[way]['ms_per_step']:8.1f} ms/step (the loop "
-                  f"{timed[way]['loop_ms_per_step']:.1f}), first loss "
-                  f"{timed[way]['losses'][0]:.4f}, load {timed[way]['load']}", flush=True)
-        rounds.append(timed)
+    hot = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.truth_burner
+           else None)
+    try:
+        for r in range(args.rounds):
+            rounds.append(_round(r, order, ways, timer, stubs, args.loop_steps))
+    finally:
+        if hot is not None:
+            hot.kill()
+            hot.wait()
     figures, table = {}, []
     measured = {way: [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
                 for way in order[1:]}
@@ -359,6 +377,7 @@ def main(argv=None):
         <= max(first["as_is"]) + 1e-3)
     write_results(args.out, "real_trainers", figures, {
         "table": table, "per_run": per_run, "first_losses": first, "burner": args.burner,
+        "truth_burner": args.truth_burner,
         "diagnose_loads": [r["bench_loads"] for r in runs],
         "round_loads": [{w: t[w]["load"] for w in t} for t in rounds],
         "loop_ms_per_step": [{w: t[w]["loop_ms_per_step"] for w in t} for t in rounds],

@@ -118,6 +118,11 @@ def _load():
     return round(os.getloadavg()[0], 2)
 
 
+def _burner():
+    """One CPU burner (`python3 -c "while True: pass"`); the caller kills it."""
+    return subprocess.Popen(["python3", "-c", "while True: pass"])
+
+
 def diagnose(checkout, log_dir, steps, stubs, burner):
     """One diagnose run in `checkout`; its JSON result, with the loads it met."""
     command = [sys.executable, "-m", "keras_gpufix", "diagnose", "--json", "--steps",
@@ -131,7 +136,7 @@ def diagnose(checkout, log_dir, steps, stubs, burner):
         while proc.poll() is None and not glob.glob(os.path.join(log_dir, "*", "spec.json")):
             time.sleep(1)
         if proc.poll() is None:
-            hot = subprocess.Popen(["python3", "-c", "while True: pass"])
+            hot = _burner()
     try:
         out, _ = proc.communicate(timeout=7200)
     finally:
@@ -319,8 +324,7 @@ def main(argv=None):
           " added", flush=True)
     order = ["as_is", "patched", "plot_fixed", "both"]
     rounds = []
-    hot = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.truth_burner
-           else None)
+    hot = _burner() if args.truth_burner else None
     try:
         for r in range(args.rounds):
             rounds.append(_round(r, order, ways, timer, stubs, args.loop_steps))
@@ -331,6 +335,7 @@ def main(argv=None):
     figures, table = {}, []
     measured = {way: [t["as_is"]["ms_per_step"] / t[way]["ms_per_step"] for t in rounds]
                 for way in order[1:]}
+    truth = {way: statistics.median(measured[way]) for way in order[1:]}
     for group in ("quiet", "burner"):
         among = [r for r in runs if bool(r["bench_loads"].get("burner")) == (group == "burner")]
         if not among:
@@ -340,7 +345,7 @@ def main(argv=None):
         print(f"\n{group} ({len(among)} diagnose runs)\n{'fix':12} {'predicted':>22} "
               f"{'measured':>22} {'pred/meas':>9}  within 25%")
         for way in order[1:]:
-            got = statistics.median(measured[way])
+            got = truth[way]
             want = statistics.median(predicted[way]) if predicted[way] else None
             ratio = want / got if want else None
             ok = ratio is not None and abs(ratio - 1) <= WITHIN
@@ -352,7 +357,6 @@ def main(argv=None):
             figures[f"{tag}{way}_ratio_predicted_over_measured"] = ratio and round(ratio, 3)
             table.append({"group": group, "way": way, "predicted": predicted[way],
                           "measured": measured[way]})
-    truth = {way: statistics.median(measured[way]) for way in order[1:]}
     for way in order[1:]:  # the whole loop's, the epoch's start in it: beside, not judged
         figures[f"{way}_loop_measured_speedup"] = round(statistics.median(
             t["as_is"]["loop_ms_per_step"] / t[way]["loop_ms_per_step"] for t in rounds), 3)

@@ -297,14 +297,14 @@ def _weighed(word, gain, before, after):
     explains, span = gap is not None and (word == "no change" or more == slower), None
     starved = _starved(gain, before, after) if word != "no change" else False
     cpu = [before.get("cpu_ms_per_step"), after.get("cpu_ms_per_step")]
-    corrected = cpu[0] / cpu[1] if all(cpu) else None
+    cpu_gain = cpu[0] / cpu[1] if all(cpu) else None
     if starved:  # the slower run got less of the CPU while other processes took more:
         # the gain less what the shares explain is the CPU time per step's; it holds
         # the word where it alone goes the same way (the work changed), else the load
         # can explain the difference
         more = slower
-        explains = not (corrected and (corrected >= 1 + MIN_GAIN if word == "improvement"
-                                       else corrected <= 1 / (1 + MIN_GAIN)))
+        explains = not (cpu_gain and (cpu_gain >= 1 + MIN_GAIN if word == "improvement"
+                                      else cpu_gain <= 1 / (1 + MIN_GAIN)))
     if wb is not None and wa is not None and wb != wa:
         reach = min(1.0, QUIET_REACH / max(wb, wa))
         edge = gain * (1 - reach * wb) / (1 - reach * wa)
@@ -317,7 +317,7 @@ def _weighed(word, gain, before, after):
     return ("inconclusive" if explains else word), {
         "more": more, "explains": explains, "quiet_range": span, "starved": starved,
         "cpu_ms_per_step": cpu if all(cpu) else None,
-        "cpu_gain": corrected if starved and not explains else None}
+        "cpu_gain": cpu_gain if starved and not explains else None}
 
 
 def _starved(gain, before, after) -> bool:

@@ -1,7 +1,7 @@
 """Two workers, one slow: does the job report name it, its cause and the others' loss?
 
     python benchmarks/straggler.py [--repeats 3] [--cases CASE ...] [--out PATH]
-    (8-12 min on 2 cores)
+    (about 15 min on 2 cores)
 
 Runs two `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG, CPU),
 each pinned to its own CPU with `taskset` (worker 0 on CPU 0, worker 1 on
@@ -17,20 +17,23 @@ TF ops), in four planted cases:
   step, as a heavier share or a slower device would give);
 - `healthy`: the same pair with nothing planted.
 
-Each case is one pair of processes that trains `2 * repeats` short `fit`s
-(blocks of `STEPS` steps, each with its own monitor), clean and planted
-alternated (B A B A ... B): the clean blocks beside each planted one are the
-truth of what worker 1 costs, re-measured beside it (the job's steps/s with
-worker 1 as fast as worker 0). Per planted block it keeps the chief's job
-report: the straggler it names, its cause, the others' predicted loss
-(`share`: the straggler's lateness over the job's cycle) and the gain if it
-matched them; and the truth: `1 - planted steps/s / clean steps/s` (the
-clean blocks before and after it) and their ratio. `healthy`'s blocks are
-all clean: each must name no straggler. `slow_input` runs a second time
-through a custom loop (`strategy.run` over
-`strategy.experimental_distribute_dataset`, under `kg.watch`). Each block
-keeps the load average at its start and each worker's figures (`per_worker`; the clean
-blocks' beside it: `clean_steps_per_s`, `clean_per_worker`).
+Each case is one pair of processes that trains `2 * repeats + 1` monitored
+`fit`s of `STEPS` steps, clean and planted alternated (B A B A ... B). Per
+planted block it keeps the chief's job report: the straggler it names, its
+cause, the others' predicted loss (`share`: the straggler's lateness over the
+job's cycle) and the gain if it matched them. The truth of that block comes
+right after it: `PAIRS` unmonitored fits of `SEGMENT` steps, clean and planted
+alternated (the job's steps/s with worker 1 as fast as worker 0, and as
+planted, a second or two apart): `true_gain` is the median of the pairs'
+clean / planted steps/s and `true_loss` is `1 - 1 / true_gain`. (The clean
+monitored blocks beside it, 5-10 s away, ran 25.5-31.3 steps/s between
+neighbours on the 2-core VM: `beside_loss`, their truth, is kept to compare.)
+`healthy`'s blocks are all clean: each must name no straggler. `slow_input`
+runs a second time through a custom loop (`strategy.run` over
+`strategy.experimental_distribute_dataset`, under `kg.watch`; its truth's
+segments the same loop). Each block keeps the load average at its start and
+each worker's figures (`per_worker`; the clean blocks' beside it:
+`clean_steps_per_s`, `clean_per_worker`).
 docs/distributed.md quotes the file (`benchmarks/results/straggler.json`).
 A case that hangs past its time is stopped after every thread's Python
 stack of both workers is printed (`faulthandler` on SIGUSR1).
@@ -51,7 +54,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 48, 8, 64, 256, 0.06
+STEPS, WARMUP, BATCH, FEATURES, SLOW_S = 96, 8, 64, 256, 0.06
+#: the truth: PAIRS clean and planted fits of SEGMENT steps alternated after each planted block
+PAIRS, SEGMENT = 6, 24
 #: a slow step's extra work: this many products of a 256 x 256 matrix per step
 EXTRA_PRODUCTS = 80
 CASES = ("slow_input", "cpu_shared", "slow_step", "healthy")
@@ -131,13 +136,37 @@ def worker(case, loop, blocks, work):
         from two_workers import train_step as step_of  # the example's custom loop
 
         train_step = step_of(strategy, model, optimizer, keras.losses.MeanSquaredError())
+    def plant(planted):
+        """Worker 1's planted cause on (its burner started) or off; returns the burner."""
+        extra[0] = EXTRA_PRODUCTS if planted and case == "slow_step" and task == 1 else 0
+        if planted and case == "cpu_shared" and task == 1:
+            return subprocess.Popen([sys.executable, "-c", BURNER])
+        return None
+
+    def unplant(burner):
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+
+    def segment(planted):
+        """One unmonitored fit of `SEGMENT` steps; its steps/s from its second step."""
+        burner = plant(planted)
+        ends = []
+        if loop == "fit":
+            clock = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda step, logs: ends.append(time.perf_counter()))
+            model.fit(dataset(planted).take(SEGMENT), epochs=1, verbose=0, callbacks=[clock])
+        else:
+            for x, y in strategy.experimental_distribute_dataset(dataset(planted).take(SEGMENT)):
+                train_step(x, y)
+                ends.append(time.perf_counter())
+        unplant(burner)
+        return (len(ends) - 2) / (ends[-1] - ends[1])
+
     results = []
     for block in range(int(blocks)):
         planted = block % 2 == 1 and case != "healthy"
-        burner = None
-        if planted and case == "cpu_shared" and task == 1:
-            burner = subprocess.Popen([sys.executable, "-c", BURNER])
-        extra[0] = EXTRA_PRODUCTS if planted and case == "slow_step" and task == 1 else 0
+        burner = plant(planted)
         load = os.getloadavg()[0]
         monitor = kg.GPUOscillationMonitor(warmup=WARMUP, nvml=False,
                                            log_dir=os.path.join(work, "logs", str(block)))
@@ -154,14 +183,16 @@ def worker(case, loop, blocks, work):
                     for x, y in watched:
                         train_step(x, y)
                         ends.append(time.perf_counter())
-        if burner is not None:
-            burner.kill()
-            burner.wait()
+        unplant(burner)
         steady = ends[WARMUP:]
+        # the truth beside a planted block: clean and planted segments alternated
+        pairs = ([[segment(False), segment(True)] for _ in range(PAIRS)]
+                 if planted else None)
         results.append({"block": block, "planted": planted, "job": monitor.report()["job"],
                         "load": load,
                         "printed": printed.getvalue(),
-                        "steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0])})
+                        "steps_per_s": (len(steady) - 1) / (steady[-1] - steady[0]),
+                        "pairs": pairs})
     with open(os.path.join(work, f"{task}.json"), "w") as f:
         json.dump(results, f)
 
@@ -221,7 +252,7 @@ def _shown(block):
 
 def _figures(blocks):
     """Per planted block (every block of a healthy case): what the report said, and the
-    truth from the clean blocks beside it."""
+    truth from the paired segments after it."""
     out = []
     for k, b in enumerate(blocks):
         if not b["planted"] and any(x["planted"] for x in blocks):
@@ -230,15 +261,19 @@ def _figures(blocks):
         beside = [blocks[j] for j in (k - 1, k + 1)
                   if 0 <= j < len(blocks) and not blocks[j]["planted"]]
         clean = [c["steps_per_s"] for c in beside]
-        truth = statistics.mean(clean) if clean and b["planted"] else None
+        # the truth: the median gain of the clean segments over the planted ones beside them
+        truth = statistics.median(c / p for c, p in b["pairs"]) if b["planted"] else None
         out.append({
             "straggler": None if s is None else s["task"],
             "cause": None if s is None else s["cause"],
             "predicted_loss": None if s is None else round(s["share"], 3),
             "predicted_gain": None if s is None else round(s["gain"], 3),
             "others_wait_share": None if s is None else round(s["others_wait_share"], 3),
-            "true_loss": None if truth is None else round(1 - b["steps_per_s"] / truth, 3),
-            "true_gain": None if truth is None else round(truth / b["steps_per_s"], 3),
+            "true_loss": None if truth is None else round(1 - 1 / truth, 3),
+            "true_gain": None if truth is None else round(truth, 3),
+            "pairs_steps_per_s": b["pairs"] and [[round(v, 2) for v in p] for p in b["pairs"]],
+            "beside_loss": (round(1 - b["steps_per_s"] / statistics.mean(clean), 3)
+                            if clean and b["planted"] else None),
             "steps_per_s": round(b["steps_per_s"], 2), "load": round(b["load"], 2),
             "clean_steps_per_s": [round(c, 2) for c in clean] if b["planted"] else None,
             "clean_per_worker": [_shown(c) for c in beside] if b["planted"] else None,
@@ -294,7 +329,8 @@ def main(argv=None) -> int:
         for k, r in enumerate(runs[name]):
             print(f"{name} #{k + 1} (load {r['load']}): named worker {r['straggler']} "
                   f"({r['cause']}); others' loss predicted {_pct(r['predicted_loss'])}, "
-                  f"measured {_pct(r['true_loss'])}; per worker {r['per_worker']}", flush=True)
+                  f"measured {_pct(r['true_loss'])} (paired; beside "
+                  f"{_pct(r['beside_loss'])})", flush=True)
     write_results(args.out, "straggler", figures, {"runs": runs})
     return 0
 

@@ -130,6 +130,13 @@ def test_a_worker_whose_threads_wait_for_a_cpu_others_took_is_named_cpu_shared()
     two = judge_job([_summary(0, step_ms=40.0, cpu=(1.8, 0.5, 2)),
                      _summary(1, step_ms=39.0, wait_ms=1.0, cpu=(4.0, 0.5, 2, 0.4))])
     assert two["straggler"]["excess_ms"] == pytest.approx(0.4 * cycle + 1.0)
+    # Its own CPU work 2 ms a step above worker 0's: moving the other process off its
+    # CPU leaves that, so its lateness is the other process's time and its input wait
+    heavier = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.5, 1)),
+                         _summary(1, step_ms=39.0, wait_ms=1.0,
+                                  cpu=(2.0, 0.5 + 2.0 / cycle, 1, 0.4))])
+    assert heavier["straggler"]["cause"] == "cpu_shared"
+    assert heavier["straggler"]["excess_ms"] == pytest.approx(0.4 * cycle + 1.0)
     # Threads that wait long for each other (many threads on one CPU), or both workers'
     # CPUs alike shared (a host loaded by other work): no straggler.
     crowded = judge_job([_summary(0, step_ms=40.0, cpu=(0.9, 0.95, 1)),

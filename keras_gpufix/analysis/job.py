@@ -381,7 +381,7 @@ def _bound(s):
     pair still waits for whichever worker is late each step), and so is a shared CPU's
     (the other processes' time on its CPUs bounds its wait: they also run while it
     idles, at the all-reduce's latency); a slow step's is about it
-    (benchmarks/straggler.py: 39-43% predicted against 40-44% measured)."""
+    (benchmarks/straggler.py: 43-46% predicted against 48-51% measured, paired)."""
     return "about" if s["cause"] == "step" else "at most"
 
 

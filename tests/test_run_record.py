@@ -317,6 +317,7 @@ def test_compare_of_a_run_with_itself_says_no_change_and_names_what_differs(slow
     assert "backends differ" in warnings[1] and "batch sizes differ" in warnings[2]
 
 
+@pytest.mark.flaky(reruns=1)  # another test worker that loads one run more: `inconclusive`, as issue 57 asks
 def test_compare_of_a_stall_every_5_steps_and_its_fix_is_the_steps_own_wall_ratio(tmp_path):
     # 30 ms of host work every 5th 10 ms step: the steps' median is the same both ways,
     # their wall is not (issue 47, item 4: compare judges throughput, stalls included)

@@ -261,7 +261,7 @@ def _figures(blocks):
         beside = [blocks[j] for j in (k - 1, k + 1)
                   if 0 <= j < len(blocks) and not blocks[j]["planted"]]
         clean = [c["steps_per_s"] for c in beside]
-        # the truth: the median gain of the clean segments over the planted ones beside them
+        # the truth: the median gain of the clean segments over the planted ones after it
         truth = statistics.median(c / p for c, p in b["pairs"]) if b["planted"] else None
         out.append({
             "straggler": None if s is None else s["task"],
